@@ -1,0 +1,78 @@
+"""Running calibration data through a model: one loop, a progress bar, errors that name the batch."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from .errors import CalibrationError, NotCalibratedError
+
+CalibrationData = Union[Iterable[Any], Callable[[torch.nn.Module], Any]]
+
+
+def call_with(model: torch.nn.Module, batch: Any) -> Any:
+    """A batch is a tuple of positional inputs, a dict of keyword inputs, or one input."""
+    if isinstance(batch, tuple):
+        return model(*batch)
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    return model(batch)
+
+
+def first_batch(data: CalibrationData) -> Any:
+    """The first batch of an iterable (for example inputs); None for a callable."""
+    if callable(data):
+        return None
+    for batch in data:
+        return batch
+    return None
+
+
+def calibrate(model: torch.nn.Module, data: CalibrationData, *, desc: str = "calibrating", progress: bool = True) -> int:
+    """Run every batch through ``model`` without gradients; return how many batches ran."""
+    model.eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if callable(data):
+            try:
+                data(model)
+            except Exception as error:  # user code: re-raise with the step named
+                raise CalibrationError(f"{desc}: the calibration callable raised {type(error).__name__}: {error}") from error
+            return -1
+        try:
+            total = len(data)  # type: ignore[arg-type]
+        except TypeError:
+            total = None
+        count = 0
+        iterator = iter(data)
+        bar = tqdm(total=total, desc=desc, unit="batch", disable=not progress, leave=False)
+        try:
+            while True:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    break
+                except Exception as error:
+                    raise CalibrationError(
+                        f"{desc}: the calibration data iterator raised {type(error).__name__} while producing "
+                        f"batch {count}: {error}"
+                    ) from error
+                try:
+                    call_with(model, batch)
+                except Exception as error:
+                    raise CalibrationError(
+                        f"{desc}: batch {count} failed in the model's forward ({type(error).__name__}: {error}). "
+                        f"Check that batch {count} has the shape and dtype the model expects; a tuple is passed "
+                        "as positional inputs, a dict as keyword inputs."
+                    ) from error
+                count += 1
+                bar.update()
+        finally:
+            bar.close()
+    if count == 0:
+        raise NotCalibratedError(f"{desc}: the calibration data produced no batch; pass a non-empty iterable")
+    return count

@@ -1,0 +1,197 @@
+"""DetectorBase and what detectors exchange with ModelReport: requests in, typed records out."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..features import Side, Stat, SuggestionKind
+from ..graph import OBSERVER_CONTAINER, ModelGraph, Unit
+from ..observer import ModelReportObserver
+
+
+class QReportWarning(UserWarning):
+    """Degenerate data or an unobservable module; the message names the module."""
+
+
+@dataclass(frozen=True)
+class ObservationRequest:
+    """A detector's wish to see one tensor of one unit, with the statistics it will read."""
+
+    unit: str
+    side: Side
+    stats: frozenset[Stat]
+    percentile: float | None = None
+    ch_axis: int | None = None  # None: the unit's default axis (Conv: 1, Linear: last)
+    histogram_bins: int = 0
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One recommendation of one detector for one module."""
+
+    module_fqn: str
+    detector: str
+    kind: SuggestionKind
+    reason: str
+    evidence: float = math.nan
+
+
+@dataclass(frozen=True)
+class DetectorResult:
+    """Typed output of one detector: per-module records plus notes on what it could not judge."""
+
+    detector: str
+    records: tuple[Any, ...]
+    notes: tuple[str, ...] = ()
+    suggestions: tuple[Suggestion, ...] = ()
+
+    def by_module(self) -> dict[str, Any]:
+        return {record.module_fqn: record for record in self.records}
+
+
+@dataclass(frozen=True)
+class ObservedTensor:
+    """Read-only numpy snapshot of one observer, as detectors consume it."""
+
+    observer: ModelReportObserver
+    ch_axis: int  # normalised to the observed rank, as PyTorch reports it
+
+    @property
+    def batches(self) -> int:
+        return self.observer.num_batches_tracked
+
+    def range_ratio(self) -> float:
+        return float(self.observer.get_batch_to_epoch_ratio())
+
+    def batch_range_std(self) -> float:
+        return float(self.observer.batch_range_variance.sqrt())
+
+    def channel_min(self) -> np.ndarray:
+        return self.observer.min_val.detach().cpu().numpy().copy()
+
+    def channel_max(self) -> np.ndarray:
+        return self.observer.max_val.detach().cpu().numpy().copy()
+
+    def percentile_ratio(self, q: float) -> tuple[np.ndarray, np.ndarray]:
+        ratio, count = self.observer.percentile_ratio(q)
+        return ratio.cpu().numpy().copy(), count.cpu().numpy().copy()
+
+    def constant_counts(self) -> np.ndarray:
+        return self.observer.constant_channels.cpu().numpy().copy()
+
+
+@dataclass
+class ReportContext:
+    """What a detector sees when it writes its report: the graph and the filled observers."""
+
+    graph: ModelGraph
+    index: dict[tuple[str, str, int | None], str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ReportContext:
+        container = getattr(model, OBSERVER_CONTAINER, None)
+        if not isinstance(model, torch.fx.GraphModule):
+            raise TypeError("generate_detector_report needs the GraphModule that ModelReport instrumented")
+        return cls(ModelGraph.of(model), dict(getattr(container, "index", {})))
+
+    def observed(self, unit: str, side: Side, ch_axis: int | None = None) -> ObservedTensor | None:
+        """The observer that watched ``unit``'s ``side`` tensor, or None if none was inserted."""
+        name = self.index.get((unit, side.value, ch_axis))
+        if name is None:
+            return None
+        observer = getattr(self.graph.model, OBSERVER_CONTAINER).get_submodule(name)
+        ndim = observer.observed_ndim or 0
+        axis = observer.ch_axis % ndim if ndim and -ndim <= observer.ch_axis < ndim else observer.ch_axis
+        return ObservedTensor(observer, axis)
+
+    def warn(self, module_fqn: str, message: str) -> str:
+        text = f"{module_fqn}: {message}"
+        warnings.warn(text, QReportWarning, stacklevel=4)
+        return text
+
+
+class DetectorBase(ABC):
+    """Base of every detector.
+
+    A detector says which tensors it needs (:meth:`requests`) and turns the filled observers into
+    typed per-module records (:meth:`analyze`). The PyTorch-shaped methods
+    (``generate_detector_report``, ``determine_observer_insert_points``) are derived from those two.
+    """
+
+    name: ClassVar[str] = ""
+    affects_qconfig: ClassVar[bool] = False  # its records name the modules generate_qconfig_mapping() covers
+
+    def get_detector_name(self) -> str:
+        return self.name
+
+    @abstractmethod
+    def requests(self, graph: ModelGraph) -> list[ObservationRequest]:
+        """Tensors to observe during calibration, with the statistics this detector reads."""
+
+    @abstractmethod
+    def analyze(self, context: ReportContext) -> DetectorResult:
+        """Typed records from the observers; must not change any observer (reports are idempotent)."""
+
+    def describe(self, result: DetectorResult) -> str:
+        """Human-readable report text."""
+        lines = [f"{self.name}:"] + [f"  {s.module_fqn}: {s.reason}" for s in result.suggestions]
+        return "\n".join(lines + [f"  note: {n}" for n in result.notes]) + "\n"
+
+    def upstream_dict(self, record: Any) -> dict[str, Any]:
+        """The record as PyTorch's dictionary for the module (override for custom records)."""
+        from ..compat import to_upstream
+
+        return to_upstream(record)
+
+    # ---- PyTorch-compatible surface ----------------------------------------------------------
+    def generate_detector_report(self, model: nn.Module) -> tuple[str, dict[str, Any]]:
+        result = self.analyze(ReportContext.of(model))
+        return self.describe(result), {r.module_fqn: self.upstream_dict(r) for r in result.records}
+
+    def determine_observer_insert_points(self, model: torch.fx.GraphModule) -> dict[str, dict[str, Any]]:
+        graph = ModelGraph.of(model)
+        points: dict[str, dict[str, Any]] = {}
+        for request in self.requests(graph):
+            unit = graph.units[request.unit]
+            located = graph.point(unit, request.side, request.ch_axis)
+            if located is None:
+                continue
+            node, axis = located
+            points[f"{request.unit}.{request.side.value}"] = {
+                "target_node": unit.node,
+                "observer_to_insert": ModelReportObserver(axis, request.percentile or 0.9, stats=request.stats),
+                "is_post_observer": request.side is Side.OUTPUT,
+                "observer_args": (node,),
+            }
+        return points
+
+
+def weighted_units(graph: ModelGraph, types: tuple[type, ...], exact: bool = False) -> list[Unit]:
+    """Units whose weighted module (the first child of a fused unit) is one of ``types``."""
+    if exact:
+        return [u for u in graph.units.values() if type(u.base) in types]
+    return [u for u in graph.units.values() if isinstance(u.base, types)]
+
+
+def check_range(name: str, value: float, low: float, high: float, *, low_open: bool = True, high_open: bool = True) -> float:
+    """``value`` if it lies in the interval, else a ValueError naming the argument and the interval."""
+    ok_low = value > low if low_open else value >= low
+    ok_high = value < high if high_open else value <= high
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (ok_low and ok_high):
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must lie in {interval}, got {value!r}")
+    return float(value)
+
+
+def check_axis(ch_axis: int | None) -> int | None:
+    if ch_axis is not None and (isinstance(ch_axis, bool) or not isinstance(ch_axis, int) or not -8 <= ch_axis < 8):
+        raise ValueError(f"ch_axis must be None (pick per module) or an int in [-8, 8), got {ch_axis!r}")
+    return ch_axis

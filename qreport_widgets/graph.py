@@ -1,0 +1,162 @@
+"""What a prepared FX model offers to observe: its modules, their tensors and channel axes.
+
+A *unit* is a module with its own ``call_module`` node, named as ``prepare_fx`` sees it: a fused
+``ConvReLU2d`` is one unit ``conv`` (not ``conv.0``), and a leaf module that FX traced through has no
+unit at all. An observation point is a tensor (an FX node) plus the channel axis to read it along;
+a tensor used by several units is observed once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch import nn
+from torch.ao.nn.intrinsic import _FusedModule
+from torch.ao.quantization.fake_quantize import FakeQuantizeBase
+from torch.ao.quantization.observer import ObserverBase
+
+from .features import Side
+
+OBSERVER_CONTAINER = "model_report_observers"
+
+_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CHANNEL_FIRST = (*_CONV_TYPES, nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
+_CHANNEL_LAST = (nn.Linear, nn.LayerNorm, nn.Bilinear)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One observable module of the prepared model."""
+
+    fqn: str
+    node: torch.fx.Node
+    module: nn.Module
+    order: int
+
+    @property
+    def base(self) -> nn.Module:
+        """The weighted module inside a fused unit, the unit itself otherwise."""
+        return self.module[0] if isinstance(self.module, _FusedModule) else self.module
+
+    @property
+    def type_name(self) -> str:
+        return type(self.module).__name__
+
+    @property
+    def is_linear(self) -> bool:
+        return isinstance(self.base, nn.Linear)
+
+    @property
+    def is_conv(self) -> bool:
+        return isinstance(self.base, _CONV_TYPES)
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        weight = getattr(self.base, "weight", None)
+        return weight if isinstance(weight, torch.Tensor) else None
+
+
+@dataclass(frozen=True)
+class PointKey:
+    node: str
+    ch_axis: int
+
+
+@dataclass
+class ModelGraph:
+    """Units, skipped modules and axis rules of one prepared GraphModule."""
+
+    model: torch.fx.GraphModule
+    units: dict[str, Unit] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: torch.fx.GraphModule) -> ModelGraph:
+        modules = dict(model.named_modules(remove_duplicate=False))
+        graph = cls(model, modules=modules)
+        called: set[str] = set()
+        for order, node in enumerate(model.graph.nodes):
+            if node.op != "call_module" or node.target in called:
+                continue
+            module = modules.get(str(node.target))
+            if module is None or _is_instrumentation(module) or str(node.target).startswith(OBSERVER_CONTAINER):
+                continue
+            called.add(str(node.target))
+            graph.units[str(node.target)] = Unit(str(node.target), node, module, order)
+        fused_children = {
+            f"{fqn}.{child}"
+            for fqn, unit in graph.units.items()
+            if isinstance(unit.module, _FusedModule)
+            for child, _ in unit.module.named_modules()
+            if child
+        }
+        for fqn, module in modules.items():
+            if not fqn or fqn in graph.units or fqn in fused_children or fqn.startswith(OBSERVER_CONTAINER):
+                continue
+            if _is_instrumentation(module) or next(module.children(), None) is not None:
+                continue
+            owner = next((u for u in graph.units if fqn.startswith(f"{u}.")), None)
+            graph.skipped[fqn] = (
+                f"runs inside {owner} ({graph.units[owner].type_name}), which is observed as a whole"
+                if owner
+                else "FX traced through it or it is never called: the graph has no call_module node for it"
+            )
+        return graph
+
+    def input_node(self, unit: Unit) -> torch.fx.Node | None:
+        """The tensor a unit reads first, looking through the observers prepare_fx inserted."""
+        for arg in (*unit.node.args, *unit.node.kwargs.values()):
+            if isinstance(arg, torch.fx.Node):
+                return self._through_observers(arg)
+        return None
+
+    def point(self, unit: Unit, side: Side, ch_axis: int | None) -> tuple[torch.fx.Node, int] | None:
+        node = unit.node if side is Side.OUTPUT else self.input_node(unit)
+        if node is None:
+            return None
+        return node, self.default_axis(unit) if ch_axis is None else ch_axis
+
+    def default_axis(self, unit: Unit) -> int:
+        """Channel axis for a unit's tensors: Conv and norms over channels dim 1, Linear the last dim.
+
+        Element-wise modules (ReLU, GELU, Dropout ...) take the axis of the layer that produced
+        their input, so a GELU after a Linear on (batch, tokens, hidden) sees ``hidden`` channels.
+        """
+        module = unit.base
+        if isinstance(module, _CHANNEL_FIRST):
+            return 1
+        if isinstance(module, _CHANNEL_LAST):
+            return -1
+        return self._producer_axis(self.input_node(unit))
+
+    def _producer_axis(self, node: torch.fx.Node | None) -> int:
+        modules = self.modules
+        for _ in range(64):
+            if node is None or node.op in ("placeholder", "get_attr"):
+                return 1
+            if node.op == "call_module":
+                module = modules.get(str(node.target))
+                if isinstance(module, _FusedModule):
+                    module = module[0]
+                if isinstance(module, _CHANNEL_FIRST):
+                    return 1
+                if isinstance(module, _CHANNEL_LAST):
+                    return -1
+            node = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
+        return 1
+
+    def _through_observers(self, node: torch.fx.Node) -> torch.fx.Node:
+        modules = self.modules
+        while node.op == "call_module" and isinstance(modules.get(str(node.target)), ObserverBase):
+            first = node.args[0] if node.args else None
+            if not isinstance(first, torch.fx.Node):
+                break
+            node = first
+        return node
+
+
+def _is_instrumentation(module: nn.Module) -> bool:
+    return isinstance(module, (ObserverBase, FakeQuantizeBase))

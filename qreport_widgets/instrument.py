@@ -1,0 +1,118 @@
+"""Insert and remove ModelReportObservers: one per distinct (tensor, channel axis), shared by detectors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch.fx
+from torch import nn
+
+from .detectors.base import ObservationRequest
+from .features import Stat
+from .graph import OBSERVER_CONTAINER, ModelGraph
+from .observer import ModelReportObserver
+
+_PER_CHANNEL = frozenset({Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
+
+
+@dataclass
+class Placement:
+    """One observer to insert: the tensor it watches and the union of what was asked of it."""
+
+    name: str
+    node: torch.fx.Node
+    ch_axis: int
+    stats: set[Stat] = field(default_factory=set)
+    percentiles: list[float] = field(default_factory=list)
+    histogram_bins: int = 0
+
+    def build(self) -> ModelReportObserver:
+        percentiles = self.percentiles or [0.9]
+        return ModelReportObserver(
+            self.ch_axis,
+            percentiles[0],
+            stats=self.stats,
+            percentiles=percentiles[1:],
+            histogram_bins=self.histogram_bins,
+        )
+
+
+class ObserverContainer(nn.Module):
+    """Holds the inserted observers; ``index`` maps (unit, side, requested axis) to an observer name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index: dict[tuple[str, str, int | None], str] = {}
+
+
+def plan(graph: ModelGraph, requests: Iterable[ObservationRequest]) -> tuple[list[Placement], dict]:
+    """Merge requests on the same tensor. Range-only requests join any observer of that tensor."""
+    placements: dict[tuple[str, int], Placement] = {}
+    index: dict[tuple[str, str, int | None], str] = {}
+    pending_range_only: list[tuple[ObservationRequest, torch.fx.Node, int]] = []
+    for request in requests:
+        located = graph.point(graph.units[request.unit], request.side, request.ch_axis)
+        if located is None:
+            continue
+        node, axis = located
+        if not request.stats & _PER_CHANNEL and Stat.HISTOGRAM not in request.stats:
+            pending_range_only.append((request, node, axis))
+            continue
+        placement = _placement(placements, node, axis)
+        _merge(placement, request)
+        index[(request.unit, request.side.value, request.ch_axis)] = placement.name
+    by_name = {p.name: p for p in placements.values()}
+    for request, node, axis in pending_range_only:
+        key = (request.unit, request.side.value, request.ch_axis)
+        placement = by_name.get(index.get(key, ""))
+        placement = placement or next((p for (n, _), p in placements.items() if n == node.name), None)
+        placement = placement or _placement(placements, node, axis)
+        by_name[placement.name] = placement
+        _merge(placement, request)
+        index[key] = placement.name
+    return list(placements.values()), index
+
+
+def _placement(placements: dict[tuple[str, int], Placement], node: torch.fx.Node, axis: int) -> Placement:
+    key = (node.name, axis)
+    if key not in placements:
+        suffix = "" if not any(n == node.name for n, _ in placements) else f"_axis{axis}".replace("-", "m")
+        placements[key] = Placement(f"{node.name}{suffix}", node, axis)
+    return placements[key]
+
+
+def _merge(placement: Placement, request: ObservationRequest) -> None:
+    placement.stats |= request.stats
+    if request.percentile is not None and request.percentile not in placement.percentiles:
+        placement.percentiles.append(request.percentile)
+    placement.histogram_bins = max(placement.histogram_bins, request.histogram_bins)
+
+
+def insert(model: torch.fx.GraphModule, placements: list[Placement], index: dict) -> ObserverContainer:
+    """Add the observers to ``model`` (in place) as call_module nodes right after their tensors."""
+    container = ObserverContainer()
+    container.index = index
+    model.add_module(OBSERVER_CONTAINER, container)
+    last_placeholder = None
+    for node in model.graph.nodes:
+        if node.op == "placeholder":
+            last_placeholder = node
+    for placement in placements:
+        container.add_module(placement.name, placement.build())
+        anchor = last_placeholder if placement.node.op == "placeholder" else placement.node
+        with model.graph.inserting_after(anchor):
+            model.graph.call_module(f"{OBSERVER_CONTAINER}.{placement.name}", (placement.node,))
+    model.recompile()
+    return container
+
+
+def remove(model: torch.fx.GraphModule) -> None:
+    """Take every inserted observer node and module out of ``model``."""
+    prefix = f"{OBSERVER_CONTAINER}."
+    for node in list(model.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith(prefix):
+            model.graph.erase_node(node)
+    if hasattr(model, OBSERVER_CONTAINER):
+        delattr(model, OBSERVER_CONTAINER)
+    model.recompile()

@@ -1,0 +1,206 @@
+"""ModelReport: instrument a prepared model, then turn what the observers saw into reports."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from enum import Enum
+from typing import Any
+
+import torch.fx
+from torch.ao.quantization import QConfigMapping
+
+from . import instrument
+from .detectors.base import DetectorBase, DetectorResult, ReportContext, Suggestion
+from .errors import (
+    AlreadyPreparedError,
+    DetectorConfigError,
+    NotCalibratedError,
+    NotPreparedError,
+    ObserversRemovedError,
+    ReportNotGeneratedError,
+)
+from .graph import OBSERVER_CONTAINER, ModelGraph
+from .qconfig import ModuleSettings, build_equalization_mapping, build_qconfig_mapping, suggested_settings
+
+
+class ReportState(str, Enum):
+    CREATED = "created"
+    PREPARED = "prepared"  # observers inserted, waiting for calibration batches
+    REMOVED = "removed"  # observers taken out after a report was generated
+
+
+class ModelReport:
+    """Reports on a ``prepare_fx`` model: where to insert observers and what they found.
+
+    Same workflow and method names as ``torch.ao.quantization.fx._model_report.ModelReport``::
+
+        report = ModelReport(prepared, {DynamicStaticDetector(), OutlierDetector()})
+        instrumented = report.prepare_detailed_calibration()
+        for batch in batches:
+            instrumented(batch)
+        reports = report.generate_model_report(remove_inserted_observers=False)
+        mapping = report.generate_qconfig_mapping()
+
+    Every observed tensor gets one observer however many detectors read it, and each detector
+    keeps its own settings (reference percentile, channel axis).
+    """
+
+    def __init__(self, model: torch.fx.GraphModule, desired_report_detectors: Iterable[DetectorBase]) -> None:
+        if not isinstance(model, torch.fx.GraphModule):
+            raise TypeError(
+                f"ModelReport needs a torch.fx.GraphModule, got {type(model).__name__}; prepare the float "
+                "model first with prepare_fx(model, qconfig_mapping, example_inputs), or call qreport_widgets.analyze(...)"
+            )
+        detectors = list(desired_report_detectors)
+        if not detectors:
+            raise DetectorConfigError("ModelReport needs at least one detector, e.g. {DynamicStaticDetector()}")
+        for detector in detectors:
+            if not isinstance(detector, DetectorBase):
+                raise DetectorConfigError(f"{detector!r} is not a detector: subclass qreport_widgets.DetectorBase")
+        names = [d.get_detector_name() for d in detectors]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise DetectorConfigError(f"each detector type may appear once; got several {', '.join(duplicates)}")
+        order = {name: i for i, name in enumerate(_BUILTIN_ORDER)}
+        self._model = model
+        self._detectors = sorted(detectors, key=lambda d: (order.get(d.get_detector_name(), len(order)), d.get_detector_name()))
+        self._state = ReportState.CREATED
+        self._observer_names: dict[str, set[str]] = {name: set() for name in names}
+        self._results: dict[str, DetectorResult] = {}
+        self._graph: ModelGraph | None = None
+        self.analysis_inputs: Any = None  # set by analyze(): what a later re-quantization needs
+
+    # ------------------------------------------------------------------ PyTorch-compatible API
+    def get_desired_reports_names(self) -> set[str]:
+        return {d.get_detector_name() for d in self._detectors}
+
+    def get_observers_of_interest(self) -> dict[str, set[str]]:
+        return {name: set(fqns) for name, fqns in self._observer_names.items()}
+
+    def prepare_detailed_calibration(self) -> torch.fx.GraphModule:
+        """Insert the observers the detectors need and return the model to calibrate (the same object)."""
+        if self._state is not ReportState.CREATED:
+            raise AlreadyPreparedError(
+                "observers are already inserted; run calibration batches through the model, then call "
+                "generate_model_report(). For a fresh report, create a new ModelReport on a new prepare_fx model."
+            )
+        if hasattr(self._model, OBSERVER_CONTAINER):
+            raise AlreadyPreparedError("this model already carries ModelReport observers from another ModelReport")
+        graph = ModelGraph.of(self._model)
+        requests = {d.get_detector_name(): d.requests(graph) for d in self._detectors}
+        placements, index = instrument.plan(graph, (r for rs in requests.values() for r in rs))
+        instrument.insert(self._model, placements, index)
+        for name, wanted in requests.items():
+            self._observer_names[name] = {
+                f"{OBSERVER_CONTAINER}.{index[(r.unit, r.side.value, r.ch_axis)]}"
+                for r in wanted
+                if (r.unit, r.side.value, r.ch_axis) in index
+            }
+        self._graph = ModelGraph.of(self._model)
+        self._state = ReportState.PREPARED
+        return self._model
+
+    def generate_model_report(self, remove_inserted_observers: bool = False) -> dict[str, tuple[str, dict[str, Any]]]:
+        """``{detector name: (text, {module fqn: {feature: value}})}`` with PyTorch's keys.
+
+        Reading the observers changes nothing, so calling this twice gives the same answer.
+        """
+        if self._state is ReportState.CREATED:
+            raise NotPreparedError(
+                "call prepare_detailed_calibration() and run calibration batches through the model it returns "
+                "before generating the report"
+            )
+        if self._state is ReportState.REMOVED:
+            raise ObserversRemovedError(
+                "the observers were removed by generate_model_report(remove_inserted_observers=True); the report "
+                "from that call is still available via results(), generate_visualizer() and generate_qconfig_mapping()"
+            )
+        container = getattr(self._model, OBSERVER_CONTAINER)
+        observers = list(container.children())
+        if observers and not any(o.num_batches_tracked for o in observers):
+            raise NotCalibratedError(
+                "no calibration batch reached any observer; run your calibration data through the model "
+                "returned by prepare_detailed_calibration() (not the float model) before generating the report"
+            )
+        context = ReportContext(self._graph or ModelGraph.of(self._model), dict(container.index))
+        self._results = {d.get_detector_name(): d.analyze(context) for d in self._detectors}
+        reports = {
+            d.get_detector_name(): (
+                d.describe(self._results[d.get_detector_name()]),
+                {r.module_fqn: d.upstream_dict(r) for r in self._results[d.get_detector_name()].records},
+            )
+            for d in self._detectors
+        }
+        if remove_inserted_observers:
+            instrument.remove(self._model)
+            self._state = ReportState.REMOVED
+        return reports
+
+    def generate_qconfig_mapping(self) -> QConfigMapping:
+        """Module-name entries (no global entry, as in PyTorch) with every suggestion accepted.
+
+        Modules are named as prepare_fx sees them, so an entry for a fused conv-bn-relu applies.
+        """
+        return build_qconfig_mapping(self._settings(lambda d: d.affects_qconfig))
+
+    def generate_equalization_mapping(self) -> QConfigMapping:
+        """Equalization entries only for the modules the equalization detector recommends."""
+        return build_equalization_mapping(self._settings(lambda d: True))
+
+    # ------------------------------------------------------------------ typed access
+    @property
+    def model(self) -> torch.fx.GraphModule:
+        return self._model
+
+    @property
+    def detectors(self) -> list[DetectorBase]:
+        return list(self._detectors)
+
+    @property
+    def graph(self) -> ModelGraph:
+        return self._graph or ModelGraph.of(self._model)
+
+    def results(self) -> dict[str, DetectorResult]:
+        """Typed per-detector results of the last generate_model_report() call."""
+        self._require_results()
+        return dict(self._results)
+
+    def suggestions(self) -> list[Suggestion]:
+        self._require_results()
+        order = {fqn: i for i, fqn in enumerate(self.graph.units)}
+        found = [s for r in self._results.values() for s in r.suggestions]
+        return sorted(found, key=lambda s: order.get(s.module_fqn, len(order)))
+
+    def suggested_settings(self) -> dict[str, ModuleSettings]:
+        return self._settings(lambda d: True)
+
+    def features_by_module(self) -> OrderedDict[str, dict[str, Any]]:
+        """PyTorch's visualizer input: module fqn -> merged features of every detector, forward order."""
+        self._require_results()
+        merged: dict[str, dict[str, Any]] = {}
+        for detector in self._detectors:
+            for record in self._results[detector.get_detector_name()].records:
+                merged.setdefault(record.module_fqn, {}).update(detector.upstream_dict(record))
+        return OrderedDict((fqn, merged[fqn]) for fqn in self.graph.units if fqn in merged)
+
+    def _settings(self, include) -> dict[str, ModuleSettings]:
+        self._require_results()
+        graph = self.graph
+        named = {
+            r.module_fqn for d in self._detectors if include(d) for r in self._results[d.get_detector_name()].records
+        }
+        units = [u for fqn, u in graph.units.items() if fqn in named]
+        return suggested_settings(units, self.suggestions())
+
+    def _require_results(self) -> None:
+        if not self._results:
+            raise ReportNotGeneratedError("call generate_model_report() after calibration first")
+
+
+_BUILTIN_ORDER = (
+    "per_channel_detector",
+    "dynamic_vs_static_detector",
+    "input_weight_equalization_detector",
+    "outlier_detector",
+)
