@@ -178,7 +178,7 @@ class ModelReportObserver(ObserverBase):
             return
         self.constant_channels += (cmax == cmin).to(self.constant_channels.dtype)
         for i, q in enumerate(self.percentiles):
-            reference = kth_smallest(y, percentile_rank(q, y.shape[1]))
+            reference = kth_smallest(y, percentile_rank(q, y.shape[1])) + 0.0  # -0.0 -> +0.0
             counted = (reference != 0) | (cmax != 0)
             ratio = torch.where(counted, cmax / reference, torch.zeros_like(cmax))
             getattr(self, f"_ratio_sum_{i}").add_(ratio.to(self.min_val.dtype))

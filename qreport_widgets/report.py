@@ -116,15 +116,7 @@ class ModelReport:
                 "the observers were removed by generate_model_report(remove_inserted_observers=True); the report "
                 "from that call is still available via results(), generate_visualizer() and generate_qconfig_mapping()"
             )
-        container = getattr(self._model, OBSERVER_CONTAINER)
-        observers = list(container.children())
-        if observers and not any(o.num_batches_tracked for o in observers):
-            raise NotCalibratedError(
-                "no calibration batch reached any observer; run your calibration data through the model "
-                "returned by prepare_detailed_calibration() (not the float model) before generating the report"
-            )
-        context = ReportContext(self._graph or ModelGraph.of(self._model), dict(container.index))
-        self._results = {d.get_detector_name(): d.analyze(context) for d in self._detectors}
+        self._analyze()
         reports = {
             d.get_detector_name(): (
                 d.describe(self._results[d.get_detector_name()]),
@@ -193,9 +185,26 @@ class ModelReport:
         units = [u for fqn, u in graph.units.items() if fqn in named]
         return suggested_settings(units, self.suggestions())
 
+    def _analyze(self) -> None:
+        container = getattr(self._model, OBSERVER_CONTAINER)
+        observers = list(container.children())
+        if observers and not any(o.num_batches_tracked for o in observers):
+            raise NotCalibratedError(
+                "no calibration batch reached any observer; run your calibration data through the model "
+                "returned by prepare_detailed_calibration() (not the float model) before generating the report"
+            )
+        context = ReportContext(self._graph or ModelGraph.of(self._model), dict(container.index))
+        self._results = {d.get_detector_name(): d.analyze(context) for d in self._detectors}
+
     def _require_results(self) -> None:
-        if not self._results:
-            raise ReportNotGeneratedError("call generate_model_report() after calibration first")
+        if self._results:
+            return
+        if self._state is ReportState.PREPARED:
+            self._analyze()
+            return
+        raise ReportNotGeneratedError(
+            "prepare_detailed_calibration(), run calibration batches, then generate_model_report() first"
+        )
 
 
 _BUILTIN_ORDER = (

@@ -84,8 +84,10 @@ class DynamicStaticDetector(DetectorBase):
             records.append(record)
             if record.batches == 0:
                 notes.append(context.warn(unit.fqn, "no calibration batch reached this layer; its statistics are NaN"))
-            elif math.isnan(record.output_stat):
-                notes.append(context.warn(unit.fqn, "output range is zero or not finite; dynamic vs static is undetermined"))
+            else:
+                for side, stat in (("input", record.input_stat), ("output", record.output_stat)):
+                    if math.isnan(stat):
+                        notes.append(context.warn(unit.fqn, f"{side} range is zero or not finite; its statistic is NaN"))
             if record.dynamic_recommended:
                 reason = f"output range is non-stationary (S={record.output_stat:.3f} <= {self.tolerance})"
                 if record.dynamic_supported:
