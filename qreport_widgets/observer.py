@@ -85,9 +85,7 @@ class ModelReportObserver(ObserverBase):
         if not isinstance(ch_axis, int) or isinstance(ch_axis, bool):
             raise ValueError(f"ch_axis must be an int, got {ch_axis!r}")
         self.stats = ALL_STATS if stats is None else frozenset(Stat(s) for s in stats)
-        self.percentiles: tuple[float, ...] = tuple(
-            dict.fromkeys(float(p) for p in (comp_percentile, *percentiles))
-        )
+        self.percentiles: tuple[float, ...] = tuple(dict.fromkeys(float(p) for p in (comp_percentile, *percentiles)))
         for p in self.percentiles:
             if not 0.0 < p < 1.0:
                 raise ValueError(f"percentiles must lie in (0, 1), got {p}")

@@ -72,9 +72,7 @@ def suggested_settings(units: Iterable[Unit], suggestions: Iterable[Suggestion])
     return settings
 
 
-def build_qconfig_mapping(
-    settings: Mapping[str, ModuleSettings], base: QConfigMapping | None = None
-) -> QConfigMapping:
+def build_qconfig_mapping(settings: Mapping[str, ModuleSettings], base: QConfigMapping | None = None) -> QConfigMapping:
     """``base`` (copied, never changed) with one module-name entry per module in ``settings``."""
     mapping = copy.deepcopy(base) if base is not None else QConfigMapping()
     for fqn, choice in settings.items():

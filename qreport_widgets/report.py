@@ -179,9 +179,7 @@ class ModelReport:
     def _settings(self, include) -> dict[str, ModuleSettings]:
         self._require_results()
         graph = self.graph
-        named = {
-            r.module_fqn for d in self._detectors if include(d) for r in self._results[d.get_detector_name()].records
-        }
+        named = {r.module_fqn for d in self._detectors if include(d) for r in self._results[d.get_detector_name()].records}
         units = [u for fqn, u in graph.units.items() if fqn in named]
         return suggested_settings(units, self.suggestions())
 

@@ -167,7 +167,9 @@ def test_forward_never_syncs_with_host(monkeypatch):
     called = []
     for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
         original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _o=original, **k: called.append(_n) or _o(self, *a, **k))
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _n=name, _o=original, **k: called.append(_n) or _o(self, *a, **k)
+        )
     for _ in range(3):
         observer(torch.randn(4, 5, 6))
     monkeypatch.undo()

@@ -79,7 +79,7 @@ class DynamicStaticDetector(DetectorBase):
                 seen_in.batch_range_std(),
                 seen_out.batch_range_std(),
                 unit.is_linear,
-                seen_out.batches,
+                min(seen_in.batches, seen_out.batches),
             )
             records.append(record)
             if record.batches == 0:

@@ -10,7 +10,16 @@ from torch import nn
 
 from ..features import EQUALIZATION_MODULE_FRACTION, DetectorName, Side, Stat, SuggestionKind
 from ..graph import ModelGraph, Unit
-from .base import DetectorBase, DetectorResult, ObservationRequest, ReportContext, Suggestion, check_axis, check_range, weighted_units
+from .base import (
+    DetectorBase,
+    DetectorResult,
+    ObservationRequest,
+    ReportContext,
+    Suggestion,
+    check_axis,
+    check_range,
+    weighted_units,
+)
 
 _SUPPORTED_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nnqat.Linear, nnqat.Conv1d, nnqat.Conv2d, nnqat.Conv3d)
 
@@ -87,7 +96,9 @@ class InputWeightEqualizationDetector(DetectorBase):
             if record.recommended:
                 flagged = int(record.channel_recommended.sum())
                 reason = f"{flagged}/{comparison.size} input channels are out of balance with their weights"
-                suggestions.append(Suggestion(unit.fqn, self.name, SuggestionKind.EQUALIZATION, reason, flagged / comparison.size))
+                suggestions.append(
+                    Suggestion(unit.fqn, self.name, SuggestionKind.EQUALIZATION, reason, flagged / comparison.size)
+                )
         return DetectorResult(self.name, tuple(records), tuple(notes), tuple(suggestions))
 
     def describe(self, result: DetectorResult) -> str:
@@ -95,7 +106,9 @@ class InputWeightEqualizationDetector(DetectorBase):
         for r in result.records:
             flagged, total = int(r.channel_recommended.sum()), r.comparison.size
             verdict = "use" if r.recommended else "skip"
-            lines.append(f"  {r.module_fqn} (axis {r.ch_axis}): {verdict} equalization, {flagged}/{total} channels out of balance")
+            lines.append(
+                f"  {r.module_fqn} (axis {r.ch_axis}): {verdict} equalization, {flagged}/{total} channels out of balance"
+            )
         if not result.records:
             lines.append("  No Linear or Conv layer was observed.")
         return "\n".join(lines + [f"  note: {n}" for n in result.notes]) + "\n"

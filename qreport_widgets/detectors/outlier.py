@@ -109,7 +109,8 @@ class OutlierDetector(DetectorBase):
             flagged = record.outliers & record.sufficient_batches
             if flagged.any():
                 worst = float(np.nanmax(np.where(flagged, record.ratios, np.nan)))
-                reason = f"{int(flagged.sum())}/{flagged.size} input channels have outliers (max/p{self.reference_percentile * 100:g} up to {worst:.3g})"
+                percentile = f"p{self.reference_percentile * 100:g}"
+                reason = f"{int(flagged.sum())}/{flagged.size} input channels have outliers (max/{percentile} up to {worst:.3g})"
                 suggestions.append(Suggestion(fqn, self.name, SuggestionKind.OUTLIERS, reason, worst))
         return DetectorResult(self.name, tuple(records), tuple(notes), tuple(suggestions))
 

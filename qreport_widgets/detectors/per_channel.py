@@ -53,10 +53,19 @@ class PerChannelDetector(DetectorBase):
                 "PerChannelDetector reads each layer's qconfig, and no layer has one. Pass the model "
                 "returned by prepare_fx(model, qconfig_mapping, example_inputs), or drop this detector."
             )
-        notes = tuple(f"{u.fqn}: left in float by the qconfig mapping, per-channel does not apply" for u in units if u not in configured)
-        records = tuple(PerChannelRecord(u.fqn, True, _uses_per_channel(u.module.qconfig), self.backend_chosen) for u in configured)
+        notes = tuple(
+            f"{u.fqn}: left in float by the qconfig mapping, per-channel does not apply" for u in units if u not in configured
+        )
+        records = tuple(
+            PerChannelRecord(u.fqn, True, _uses_per_channel(u.module.qconfig), self.backend_chosen) for u in configured
+        )
         suggestions = tuple(
-            Suggestion(r.module_fqn, self.name, SuggestionKind.PER_CHANNEL, f"weights are quantized per tensor; {self.backend_chosen} supports per-channel weights")
+            Suggestion(
+                r.module_fqn,
+                self.name,
+                SuggestionKind.PER_CHANNEL,
+                f"weights are quantized per tensor; {self.backend_chosen} supports per-channel weights",
+            )
             for r in records
             if r.supported and not r.used
         )

@@ -1,0 +1,137 @@
+"""Misuse raises a specific exception whose message says what to do next."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import prepared, run
+from models import ConvNet, Mlp, conv_batches, mlp_batches
+from torch import nn
+
+import qreport_widgets as qw
+
+
+def make_report(detectors=None):
+    model, batches = Mlp().eval(), mlp_batches()
+    return qw.ModelReport(prepared(model, batches[0]), detectors or [qw.DynamicStaticDetector()]), batches
+
+
+def test_generate_before_prepare():
+    report, _ = make_report()
+    with pytest.raises(qw.NotPreparedError, match="prepare_detailed_calibration"):
+        report.generate_model_report(False)
+
+
+def test_generate_before_calibration():
+    report, _ = make_report()
+    report.prepare_detailed_calibration()
+    with pytest.raises(qw.NotCalibratedError, match="run your calibration data"):
+        report.generate_model_report(False)
+
+
+def test_prepare_twice():
+    report, _ = make_report()
+    report.prepare_detailed_calibration()
+    with pytest.raises(qw.AlreadyPreparedError, match="generate_model_report"):
+        report.prepare_detailed_calibration()
+
+
+def test_second_report_on_an_instrumented_model():
+    report, _ = make_report()
+    model = report.prepare_detailed_calibration()
+    with pytest.raises(qw.AlreadyPreparedError, match="another ModelReport"):
+        qw.ModelReport(model, [qw.OutlierDetector()]).prepare_detailed_calibration()
+
+
+def test_generate_after_removing_observers_keeps_the_last_report():
+    report, batches = make_report()
+    run(report.prepare_detailed_calibration(), batches)
+    first = report.generate_model_report(remove_inserted_observers=True)
+    assert not hasattr(report.model, "model_report_observers")
+    assert "model_report_observers" not in report.model.code
+    with pytest.raises(qw.ObserversRemovedError, match="still available"):
+        report.generate_model_report(False)
+    assert set(report.results()) == set(first)
+    assert report.generate_qconfig_mapping().module_name_qconfigs
+
+
+def test_duplicate_detector_types():
+    with pytest.raises(qw.DetectorConfigError, match="once"):
+        make_report([qw.OutlierDetector(), qw.OutlierDetector(ratio_threshold=5)])
+
+
+def test_no_detectors_and_non_detectors():
+    with pytest.raises(qw.DetectorConfigError, match="at least one"):
+        qw.ModelReport(prepared(Mlp(), mlp_batches()[0]), [])
+    with pytest.raises(qw.DetectorConfigError, match="DetectorBase"):
+        qw.ModelReport(prepared(Mlp(), mlp_batches()[0]), ["outlier"])
+
+
+def test_model_that_is_not_a_graph_module():
+    with pytest.raises(TypeError, match="prepare_fx"):
+        qw.ModelReport(Mlp(), [qw.OutlierDetector()])
+
+
+def test_per_channel_detector_on_a_model_without_qconfigs():
+    traced = torch.fx.symbolic_trace(ConvNet())
+    report = qw.ModelReport(traced, [qw.PerChannelDetector("x86")])
+    run(report.prepare_detailed_calibration(), conv_batches())
+    with pytest.raises(qw.DetectorConfigError, match="prepare_fx"):
+        report.generate_model_report(False)
+
+
+@pytest.mark.parametrize(
+    "make, argument",
+    [
+        (lambda: qw.OutlierDetector(ratio_threshold=0.5), "ratio_threshold"),
+        (lambda: qw.OutlierDetector(reference_percentile=1.5), "reference_percentile"),
+        (lambda: qw.OutlierDetector(fraction_batches_used_threshold=-0.1), "fraction_batches_used_threshold"),
+        (lambda: qw.OutlierDetector(ch_axis="last"), "ch_axis"),
+        (lambda: qw.InputWeightEqualizationDetector(1.5), "ratio_threshold"),
+        (lambda: qw.InputWeightEqualizationDetector(0.5, ch_axis=12), "ch_axis"),
+        (lambda: qw.DynamicStaticDetector(tolerance=0), "tolerance"),
+        (lambda: qw.PerChannelDetector("tpu"), "backend"),
+        (lambda: qw.ModelReportObserver(comp_percentile=1.0), "percentiles"),
+    ],
+)
+def test_detector_arguments_out_of_range(make, argument):
+    with pytest.raises(ValueError, match=argument):
+        make()
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow
+            return self.fc(x)
+        return x
+
+
+def test_untraceable_model_names_the_limitation_and_the_options():
+    with pytest.raises(qw.UntraceableModelError) as caught:
+        qw.analyze(Branchy(), (torch.randn(2, 4),), [(torch.randn(2, 4),)], progress=False)
+    message = str(caught.value)
+    assert "Branchy" in message and "concrete_args" in message and "non_traceable" in message
+    assert "test_misuse.py" in message  # the offending line
+
+
+def test_calibration_errors_name_the_batch_and_leave_the_model_alone():
+    model = Mlp().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    good = mlp_batches()
+    with pytest.raises(qw.CalibrationError, match="batch 2"):
+        qw.analyze(model, good[0], [*good[:2], (torch.randn(3, 7),)], progress=False)
+
+    def failing():
+        yield good[0]
+        raise OSError("disk gone")
+
+    with pytest.raises(qw.CalibrationError, match="batch 1.*disk gone"):
+        qw.analyze(model, good[0], failing(), progress=False)
+    with pytest.raises(qw.NotCalibratedError, match="no batch"):
+        qw.analyze(model, good[0], [], progress=False)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
