@@ -7,8 +7,8 @@ for the host. Branches depend only on shapes and on which statistics were reques
 
 from __future__ import annotations
 
+import functools
 import math
-import warnings
 from collections.abc import Iterable
 
 import numpy as np
@@ -16,13 +16,16 @@ import torch
 from torch.ao.quantization.observer import ObserverBase
 
 from .features import Stat
+from .selection import kth_largest_rows
 
 ALL_STATS = frozenset({Stat.RANGE, Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
 _NEEDS_CHANNELS = frozenset({Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
+HISTOGRAM_SAMPLE = 1 << 14  # at most this many values per batch enter the value histogram
 _MIN_EXPONENT = -126.0  # the histogram never zooms below float32's smallest normal range
 _MAX_EXPONENT = 127.0
 
 
+@functools.lru_cache(maxsize=4096)
 def percentile_rank(q: float, n: int) -> int:
     """1-based rank of the ``q`` percentile of ``n`` values, "lower" interpolation.
 
@@ -31,16 +34,6 @@ def percentile_rank(q: float, n: int) -> int:
     """
     position = np.float32(q) * np.float32(n - 1)
     return int(np.floor(position)) + 1
-
-
-def kth_smallest(y: torch.Tensor, k: int) -> torch.Tensor:
-    """Exact k-th smallest value of every row of ``y`` (rows are channels)."""
-    n = y.shape[1]
-    from_top = n - k + 1
-    if from_top <= max(1, n // 64):
-        # selecting a short tail with topk is cheaper than a full selection pass
-        return y.topk(from_top, dim=1, sorted=False).values.amin(dim=1)
-    return y.kthvalue(k, dim=1).values
 
 
 class ModelReportObserver(ObserverBase):
@@ -131,56 +124,72 @@ class ModelReportObserver(ObserverBase):
         self.num_batches_tracked += 1
         self.num_values += t.numel()
 
-        channels = self._channel_major(t) if self.stats & _NEEDS_CHANNELS else None
-        if channels is not None:
-            cmin, cmax = torch.aminmax(channels, dim=1)
+        if self.stats & _NEEDS_CHANNELS:
+            cmin, cmax = self._channel_extremes(t)
             bmin, bmax = cmin.amin(), cmax.amax()
+            self._update_range(bmin, bmax)
+            self._update_channels(t, cmin, cmax)
         else:
             bmin, bmax = torch.aminmax(t)
-        self._update_range(bmin, bmax)
-        if channels is not None:
-            self._update_channels(channels, cmin, cmax)
+            self._update_range(bmin, bmax)
         if Stat.HISTOGRAM in self.stats:
             self._update_histogram(t, bmin, bmax)
         return x
 
+    def _axis(self, t: torch.Tensor) -> int | None:
+        """The channel axis of ``t``; None when ``t`` has no such axis (one channel)."""
+        return self.ch_axis % t.dim() if -t.dim() <= self.ch_axis < t.dim() else None
+
+    def _channel_extremes(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel min and max, reduced in the tensor's own layout (no copy)."""
+        axis = self._axis(t)
+        if axis is None:
+            low, high = torch.aminmax(t)
+            return low.reshape(1), high.reshape(1)
+        dims = tuple(d for d in range(t.dim()) if d != axis)
+        if not dims:
+            return t, t
+        return t.amin(dim=dims), t.amax(dim=dims)
+
     def _channel_major(self, t: torch.Tensor) -> torch.Tensor:
-        """A contiguous (channels x values) view of ``t``."""
-        if t.dim() == 0:
-            return t.reshape(1, 1)
-        axis = self.ch_axis if -t.dim() <= self.ch_axis < t.dim() else None
+        """A contiguous (channels x values) copy of ``t``."""
+        axis = self._axis(t)
         if axis is None:
             return t.reshape(1, -1)
         return t.movedim(axis, 0).reshape(t.shape[axis], -1).contiguous()
 
     def _update_range(self, bmin: torch.Tensor, bmax: torch.Tensor) -> None:
-        self.epoch_activation_min = torch.minimum(self.epoch_activation_min, bmin.to(self.epoch_activation_min.dtype))
-        self.epoch_activation_max = torch.maximum(self.epoch_activation_max, bmax.to(self.epoch_activation_max.dtype))
+        # in-place updates: the hot path allocates little and skips nn.Module.__setattr__
+        low, high = self.epoch_activation_min, self.epoch_activation_max
+        torch.minimum(low, bmin.to(low.dtype), out=low)
+        torch.maximum(high, bmax.to(high.dtype), out=high)
         batch_range = (bmax - bmin).to(self.batch_range_mean.dtype)
         delta = batch_range - self.batch_range_mean
-        self.batch_range_mean = self.batch_range_mean + delta / self.num_batches_tracked
-        self.batch_range_m2 = self.batch_range_m2 + delta * (batch_range - self.batch_range_mean)
+        self.batch_range_mean.add_(delta / self.num_batches_tracked)
+        self.batch_range_m2.add_(delta * (batch_range - self.batch_range_mean))
 
-    def _update_channels(self, y: torch.Tensor, cmin: torch.Tensor, cmax: torch.Tensor) -> None:
-        n_channels = y.shape[0]
+    def _update_channels(self, t: torch.Tensor, cmin: torch.Tensor, cmax: torch.Tensor) -> None:
+        n_channels = cmin.shape[0]
         if self.min_val.numel() == 0:
-            self._init_channel_state(n_channels, y.device)
+            self._init_channel_state(n_channels, t.device)
         elif self.min_val.numel() != n_channels:
             raise ValueError(
                 f"ModelReportObserver saw {n_channels} channels on axis {self.ch_axis} after "
                 f"{self.min_val.numel()} in earlier batches; pass the channel axis that stays fixed"
             )
-        self.min_val = torch.minimum(self.min_val, cmin.to(self.min_val.dtype))
-        self.max_val = torch.maximum(self.max_val, cmax.to(self.max_val.dtype))
+        torch.minimum(self.min_val, cmin.to(self.min_val.dtype), out=self.min_val)
+        torch.maximum(self.max_val, cmax.to(self.max_val.dtype), out=self.max_val)
         if Stat.PERCENTILE not in self.stats:
             return
-        self.constant_channels += (cmax == cmin).to(self.constant_channels.dtype)
+        self.constant_channels.add_(cmax == cmin)
+        y = self._channel_major(t)
+        n = y.shape[1]
         for i, q in enumerate(self.percentiles):
-            reference = kth_smallest(y, percentile_rank(q, y.shape[1])) + 0.0  # -0.0 -> +0.0
+            reference = kth_largest_rows(y, n - percentile_rank(q, n) + 1) + 0.0  # -0.0 -> +0.0
             counted = (reference != 0) | (cmax != 0)
             ratio = torch.where(counted, cmax / reference, torch.zeros_like(cmax))
-            getattr(self, f"_ratio_sum_{i}").add_(ratio.to(self.min_val.dtype))
-            getattr(self, f"_ratio_count_{i}").add_(counted.to(torch.int64))
+            self._buffers[f"_ratio_sum_{i}"].add_(ratio.to(self.min_val.dtype))
+            self._buffers[f"_ratio_count_{i}"].add_(counted)
 
     def _init_channel_state(self, n_channels: int, device: torch.device) -> None:
         self.min_val = torch.full((n_channels,), math.inf, device=device)
@@ -194,10 +203,14 @@ class ModelReportObserver(ObserverBase):
         absmax = torch.maximum(bmin.abs(), bmax.abs()).float()
         batch_exponent = torch.log2(absmax).ceil().nan_to_num(_MAX_EXPONENT, _MAX_EXPONENT, _MIN_EXPONENT)
         exponent = torch.maximum(self.histogram_exponent, batch_exponent.clamp(_MIN_EXPONENT, _MAX_EXPONENT))
-        self.histogram = _rebin(self.histogram, torch.exp2(exponent - self.histogram_exponent))
-        self.histogram_exponent = exponent
-        scaled = t.reshape(-1).float() / torch.exp2(exponent)
-        self.histogram += torch.histc(scaled, bins=self.histogram_bins, min=-1.0, max=1.0).to(self.histogram.dtype)
+        self.histogram.copy_(_rebin(self.histogram, torch.exp2(exponent - self.histogram_exponent)))
+        self.histogram_exponent.copy_(exponent)
+        values = t.reshape(-1)
+        if values.numel() > HISTOGRAM_SAMPLE:
+            # the histogram is a picture of the distribution: an evenly strided sample draws it as well
+            values = values[:: (values.numel() // HISTOGRAM_SAMPLE) | 1]
+        scaled = values.float() / torch.exp2(exponent)
+        self.histogram.add_(torch.histc(scaled, bins=self.histogram_bins, min=-1.0, max=1.0))
 
     # ------------------------------------------------------------------ derived values
     def percentile_ratio(self, q: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,6 +365,3 @@ def _rebin(histogram: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     target = (torch.floor(centres / factor) + half).clamp(0, bins - 1).to(torch.int64)
     return torch.zeros_like(histogram).scatter_add_(0, target, histogram)
 
-
-def warn_once(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -1,0 +1,77 @@
+"""Shared set-up for the benchmarks: cases, models prepared three ways, a timer."""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.ao.quantization import get_default_qconfig_mapping
+from torch.ao.quantization.fx._model_report import detector as upstream_detector
+from torch.ao.quantization.fx._model_report.model_report import ModelReport as UpstreamReport
+
+from qreport_widgets import ModelReport, default_detectors
+from qreport_widgets.analyze import prepare
+from qreport_widgets.architectures import TinyConvNet, TransformerMlp, resnet18, resnet50
+
+THREADS = 2
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable[[], torch.nn.Module]
+    shape: tuple[int, ...]
+
+
+CASES = {
+    "tiny-conv 8x3x32x32": Case("tiny-conv 8x3x32x32", lambda: TinyConvNet().eval(), (8, 3, 32, 32)),
+    "resnet18 8x3x224x224": Case("resnet18 8x3x224x224", resnet18, (8, 3, 224, 224)),
+    "mlp-blocks 8x128x768": Case("mlp-blocks 8x128x768", lambda: TransformerMlp().eval(), (8, 128, 768)),
+    "resnet50 8x3x224x224": Case("resnet50 8x3x224x224", resnet50, (8, 3, 224, 224)),
+}
+
+
+def setup() -> None:
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    warnings.simplefilter("ignore")
+
+
+def batches_for(case: Case, count: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(*case.shape, generator=generator) for _ in range(count)]
+
+
+def plain_model(model: torch.nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
+    return prepare(model, get_default_qconfig_mapping("x86"), (example,))
+
+
+def our_model(model: torch.nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
+    report = ModelReport(plain_model(model, example), default_detectors("x86"))
+    return report.prepare_detailed_calibration()
+
+
+def upstream_model(model: torch.nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
+    detectors = {
+        upstream_detector.PerChannelDetector("x86"),
+        upstream_detector.DynamicStaticDetector(),
+        upstream_detector.InputWeightEqualizationDetector(0.5),
+        upstream_detector.OutlierDetector(),
+    }
+    return UpstreamReport(plain_model(model, example), detectors).prepare_detailed_calibration()
+
+
+def seconds_per_batch(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
+    with torch.no_grad():
+        start = time.perf_counter()
+        for batch in batches:
+            model(batch)
+        return (time.perf_counter() - start) / len(batches)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
