@@ -16,7 +16,7 @@ import torch
 from torch.ao.quantization.observer import ObserverBase
 
 from .features import Stat
-from .selection import kth_largest_rows
+from .selection import kth_largest_rows, scratch
 
 ALL_STATS = frozenset({Stat.RANGE, Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
 _NEEDS_CHANNELS = frozenset({Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
@@ -93,6 +93,7 @@ class ModelReportObserver(ObserverBase):
         self.observed_ndim: int | None = None
         self.observed_dtype: str | None = None
         self.non_tensor_calls = 0
+        self._selection_hints: dict[int, torch.Tensor | None] = {}  # speeds up the next batch only
 
         self.register_buffer("epoch_activation_min", torch.tensor(math.inf))
         self.register_buffer("epoch_activation_max", torch.tensor(-math.inf))
@@ -152,11 +153,17 @@ class ModelReportObserver(ObserverBase):
         return t.amin(dim=dims), t.amax(dim=dims)
 
     def _channel_major(self, t: torch.Tensor) -> torch.Tensor:
-        """A contiguous (channels x values) copy of ``t``."""
+        """A contiguous (channels x values) copy of ``t``, in a reused work buffer."""
         axis = self._axis(t)
         if axis is None:
             return t.reshape(1, -1)
-        return t.movedim(axis, 0).reshape(t.shape[axis], -1).contiguous()
+        channels = t.shape[axis]
+        view = t.movedim(axis, 0)
+        if view.is_contiguous():
+            return view.reshape(channels, -1)
+        out = scratch((channels, t.numel() // channels), t.dtype, t.device, "channel_major")
+        out.view(view.shape).copy_(view)
+        return out
 
     def _update_range(self, bmin: torch.Tensor, bmax: torch.Tensor) -> None:
         # in-place updates: the hot path allocates little and skips nn.Module.__setattr__
@@ -185,7 +192,10 @@ class ModelReportObserver(ObserverBase):
         y = self._channel_major(t)
         n = y.shape[1]
         for i, q in enumerate(self.percentiles):
-            reference = kth_largest_rows(y, n - percentile_rank(q, n) + 1) + 0.0  # -0.0 -> +0.0
+            reference, self._selection_hints[i] = kth_largest_rows(
+                y, n - percentile_rank(q, n) + 1, self._selection_hints.get(i)
+            )
+            reference = reference + 0.0  # -0.0 -> +0.0
             counted = (reference != 0) | (cmax != 0)
             ratio = torch.where(counted, cmax / reference, torch.zeros_like(cmax))
             self._buffers[f"_ratio_sum_{i}"].add_(ratio.to(self.min_val.dtype))
