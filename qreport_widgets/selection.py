@@ -91,10 +91,11 @@ def _bracketed(y: torch.Tensor, m: int, bound: torch.Tensor) -> tuple[torch.Tens
         slot = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[row_of]
         packed = torch.full((rows, cap), -math.inf, dtype=y.dtype)
         packed[row_of, slot] = y.view(-1)[flat]
-        top = packed.topk(min(2 * m, cap), dim=1, sorted=True).values
-        result = top[:, m - 1].clone()
-        depth = counts.clamp(1, top.shape[1]) - 1
-        hint = top.gather(1, depth.unsqueeze(1)).squeeze(1)
+        depth = min(2 * m, cap)
+        top = packed.topk(depth, dim=1, sorted=False).values  # padding sorts below every survivor
+        result = top.kthvalue(depth - m + 1, dim=1).values
+        # next bound: the (2m)-th largest, or this bound where fewer values survived
+        hint = torch.where(counts >= depth, top.amin(dim=1), bound)
     if not bool(good.all()):
         bad = (~good).nonzero().squeeze(1)
         result[bad] = _select(y[bad], m)

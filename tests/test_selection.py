@@ -1,0 +1,59 @@
+"""The bracketed selection returns exactly what kthvalue returns, whatever the bound was."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qreport_widgets import selection
+
+
+@pytest.fixture(scope="module")
+def bracket_everything():
+    saved = selection.BRACKET_MIN_ROW, selection.BRACKET_MIN_VALUES
+    selection.BRACKET_MIN_ROW, selection.BRACKET_MIN_VALUES = 1, 1
+    yield
+    selection.BRACKET_MIN_ROW, selection.BRACKET_MIN_VALUES = saved
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    n=st.integers(8, 300),
+    fraction=st.floats(0.0, 0.12),
+    batches=st.integers(1, 4),
+    ties=st.booleans(),
+    drift=st.floats(0.2, 5.0),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_kthvalue_across_batches(bracket_everything, rows, n, fraction, batches, ties, drift, seed):
+    rng = np.random.default_rng(seed)
+    m = max(1, int(fraction * n))
+    hint = None
+    for b in range(batches):
+        values = rng.standard_normal((rows, n)) * drift**b
+        if ties:
+            values = np.round(values)
+        y = torch.from_numpy(values.astype(np.float32))
+        got, hint = selection.kth_largest_rows(y, m, hint)
+        assert torch.equal(got, y.kthvalue(n - m + 1, dim=1).values)
+
+
+@pytest.mark.parametrize("shape", [(64, 25088), (3, 401408), (512, 1024)])
+def test_large_rows_take_the_bracket_and_stay_exact(shape):
+    torch.manual_seed(0)
+    hint = None
+    for scale in (1.0, 1.3, 0.5):
+        y = torch.randn(*shape).relu() * scale
+        m = shape[1] // 40
+        got, hint = selection.kth_largest_rows(y, m, hint)
+        assert hint is not None
+        assert torch.equal(got, y.kthvalue(shape[1] - m + 1, dim=1).values)
+
+
+def test_rank_out_of_range():
+    with pytest.raises(ValueError, match="m must lie"):
+        selection.kth_largest_rows(torch.zeros(2, 5), 6)
