@@ -47,8 +47,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     setup()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
-          f"{args.batches} batches x {args.repeats} repeats (medians)")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
+        f"{args.batches} batches x {args.repeats} repeats (medians)"
+    )
     header = f"{'case':24s} {'plain s/batch':>13s} {'ours s/batch':>12s} {'upstream s/batch':>16s} {'ours/plain':>10s} {'upstream/ours':>13s}"
     print(header)
     for name in args.cases:

@@ -192,9 +192,7 @@ class ModelReportObserver(ObserverBase):
         y = self._channel_major(t)
         n = y.shape[1]
         for i, q in enumerate(self.percentiles):
-            reference, self._selection_hints[i] = kth_largest_rows(
-                y, n - percentile_rank(q, n) + 1, self._selection_hints.get(i)
-            )
+            reference, self._selection_hints[i] = kth_largest_rows(y, n - percentile_rank(q, n) + 1, self._selection_hints.get(i))
             reference = reference + 0.0  # -0.0 -> +0.0
             counted = (reference != 0) | (cmax != 0)
             ratio = torch.where(counted, cmax / reference, torch.zeros_like(cmax))
@@ -374,4 +372,3 @@ def _rebin(histogram: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     centres = torch.arange(bins, device=histogram.device, dtype=torch.float32) + 0.5 - half
     target = (torch.floor(centres / factor) + half).clamp(0, bins - 1).to(torch.int64)
     return torch.zeros_like(histogram).scatter_add_(0, target, histogram)
-

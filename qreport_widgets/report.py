@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
+import pandas as pd
 import torch.fx
 from torch.ao.quantization import QConfigMapping
 
@@ -20,8 +21,10 @@ from .errors import (
     ObserversRemovedError,
     ReportNotGeneratedError,
 )
+from .frame import MODULE, ReportFrame
 from .graph import OBSERVER_CONTAINER, ModelGraph
 from .qconfig import ModuleSettings, build_equalization_mapping, build_qconfig_mapping, suggested_settings
+from .visualizer import ModelReportVisualizer
 
 
 class ReportState(str, Enum):
@@ -69,6 +72,7 @@ class ModelReport:
         self._observer_names: dict[str, set[str]] = {name: set() for name in names}
         self._results: dict[str, DetectorResult] = {}
         self._graph: ModelGraph | None = None
+        self._frame: ReportFrame | None = None
         self.analysis_inputs: Any = None  # set by analyze(): what a later re-quantization needs
 
     # ------------------------------------------------------------------ PyTorch-compatible API
@@ -176,6 +180,22 @@ class ModelReport:
                 merged.setdefault(record.module_fqn, {}).update(detector.upstream_dict(record))
         return OrderedDict((fqn, merged[fqn]) for fqn in self.graph.units if fqn in merged)
 
+    def frame(self) -> ReportFrame:
+        """The report as tidy tables (built once per generated report)."""
+        self._require_results()
+        if self._frame is None:
+            self._frame = ReportFrame.from_report(self)
+        return self._frame
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """One row per (module, channel) with every per-channel and per-module feature."""
+        frame = self.frame()
+        return frame.channels.join(frame.modules, on=MODULE)
+
+    def generate_visualizer(self) -> ModelReportVisualizer:
+        """Tables and bqplot views of the generated report (PyTorch's method names)."""
+        return ModelReportVisualizer(self.frame())
+
     def _settings(self, include) -> dict[str, ModuleSettings]:
         self._require_results()
         graph = self.graph
@@ -193,6 +213,7 @@ class ModelReport:
             )
         context = ReportContext(self._graph or ModelGraph.of(self._model), dict(container.index))
         self._results = {d.get_detector_name(): d.analyze(context) for d in self._detectors}
+        self._frame = None
 
     def _require_results(self) -> None:
         if self._results:

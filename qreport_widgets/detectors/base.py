@@ -87,6 +87,13 @@ class ObservedTensor:
     def constant_counts(self) -> np.ndarray:
         return self.observer.constant_channels.cpu().numpy().copy()
 
+    def histogram(self) -> tuple[np.ndarray, np.ndarray]:
+        """Counts and bin edges of the observed values (empty when no histogram was kept)."""
+        counts = self.observer.histogram.detach().cpu().numpy().copy()
+        if counts.size == 0 or self.batches == 0:
+            return np.zeros(0), np.zeros(0)
+        return counts, self.observer.histogram_edges()
+
 
 @dataclass
 class ReportContext:

@@ -25,6 +25,8 @@ class OutlierRecord:
     batches_used: np.ndarray
     constant_counts: np.ndarray
     max_vals: np.ndarray
+    histogram: np.ndarray  # counts of the input values (a strided sample of each batch); may be empty
+    histogram_edges: np.ndarray
 
     @property
     def outliers(self) -> np.ndarray:
@@ -96,6 +98,7 @@ class OutlierDetector(DetectorBase):
                 used,
                 seen.constant_counts(),
                 seen.channel_max(),
+                *seen.histogram(),
             )
             records.append(record)
             if seen.batches == 0:
