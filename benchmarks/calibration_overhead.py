@@ -51,13 +51,13 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
         f"{args.batches} batches x {args.repeats} repeats (medians)"
     )
-    header = f"{'case':24s} {'plain s/batch':>13s} {'ours s/batch':>12s} {'upstream s/batch':>16s} {'ours/plain':>10s} {'upstream/ours':>13s}"
-    print(header)
+    columns = ("plain s/batch", "ours s/batch", "upstream s/batch", "ours/plain", "upstream/ours")
+    print(f"{'case':24s} " + " ".join(f"{c:>16s}" for c in columns))
     for name in args.cases:
         row = measure(name, args.repeats, args.batches, not args.no_upstream, args.device)
         upstream = f"{row['upstream']:16.4f}" if "upstream" in row else f"{'-':>16s}"
-        ratio = f"{row['upstream/ours']:13.2f}" if "upstream/ours" in row else f"{'-':>13s}"
-        print(f"{name:24s} {row['plain']:13.4f} {row['ours']:12.4f} {upstream} {row['ours/plain']:10.2f} {ratio}", flush=True)
+        ratio = f"{row['upstream/ours']:16.2f}" if "upstream/ours" in row else f"{'-':>16s}"
+        print(f"{name:24s} {row['plain']:16.4f} {row['ours']:16.4f} {upstream} {row['ours/plain']:16.2f} {ratio}", flush=True)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def test_statistics_match_numpy_reference(case):
     np.testing.assert_allclose(observer.max_val.numpy(), expected["max"], rtol=rtol)
     ratio, count = observer.percentile_ratio(q)
     np.testing.assert_array_equal(count.numpy(), expected["count"])
-    np.testing.assert_allclose(ratio.numpy(), expected["ratio"], rtol=1e-4)
+    np.testing.assert_allclose(ratio.numpy(), expected["ratio"], rtol=1e-4, atol=1e-5)  # sums of signed ratios cancel
     np.testing.assert_array_equal(observer.constant_channels.numpy(), expected["constant"])
     assert observer.histogram.sum().item() == sum(x.size for x in batches)
 
