@@ -16,7 +16,7 @@ import torch
 from torch.ao.quantization.observer import ObserverBase
 
 from .features import Stat
-from .selection import kth_largest_rows, scratch
+from .selection import kth_largest_per_channel
 
 ALL_STATS = frozenset({Stat.RANGE, Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
 _NEEDS_CHANNELS = frozenset({Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
@@ -152,19 +152,6 @@ class ModelReportObserver(ObserverBase):
             return t, t
         return t.amin(dim=dims), t.amax(dim=dims)
 
-    def _channel_major(self, t: torch.Tensor) -> torch.Tensor:
-        """A contiguous (channels x values) copy of ``t``, in a reused work buffer."""
-        axis = self._axis(t)
-        if axis is None:
-            return t.reshape(1, -1)
-        channels = t.shape[axis]
-        view = t.movedim(axis, 0)
-        if view.is_contiguous():
-            return view.reshape(channels, -1)
-        out = scratch((channels, t.numel() // channels), t.dtype, t.device, "channel_major")
-        out.view(view.shape).copy_(view)
-        return out
-
     def _update_range(self, bmin: torch.Tensor, bmax: torch.Tensor) -> None:
         # in-place updates: the hot path allocates little and skips nn.Module.__setattr__
         low, high = self.epoch_activation_min, self.epoch_activation_max
@@ -189,10 +176,10 @@ class ModelReportObserver(ObserverBase):
         if Stat.PERCENTILE not in self.stats:
             return
         self.constant_channels.add_(cmax == cmin)
-        y = self._channel_major(t)
-        n = y.shape[1]
+        axis, n = self._axis(t), t.numel() // n_channels
         for i, q in enumerate(self.percentiles):
-            reference, self._selection_hints[i] = kth_largest_rows(y, n - percentile_rank(q, n) + 1, self._selection_hints.get(i))
+            rank = n - percentile_rank(q, n) + 1
+            reference, self._selection_hints[i] = kth_largest_per_channel(t, axis, rank, self._selection_hints.get(i))
             reference = reference + 0.0  # -0.0 -> +0.0
             counted = (reference != 0) | (cmax != 0)
             ratio = torch.where(counted, cmax / reference, torch.zeros_like(cmax))

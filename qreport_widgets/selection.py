@@ -1,15 +1,18 @@
-"""Exact per-row order statistics, cheaper than a full ``kthvalue`` pass on large CPU rows.
+"""Exact per-channel order statistics without a full selection pass over large CPU tensors.
 
-``kth_largest_rows(y, m)`` returns, for every row of a contiguous (rows x n) tensor, exactly the
-value ``y.kthvalue(n - m + 1, dim=1)`` would. On accelerators that is what it calls (no host
-synchronisation). On the CPU, where looking at a count costs nothing, large inputs go through a
-bracket: a per-row lower bound that at least ``m`` values clear, one compare pass that keeps only
-the values above it (a few times ``m`` per row), and the selection runs on those.
+``kth_largest_per_channel(t, axis, m)`` returns, for every channel of ``t`` along ``axis``, exactly
+the ``m``-th largest of its values, i.e. what ``kthvalue`` gives on the channel-major copy. On
+accelerators that is what runs (no host synchronisation). On the CPU, where reading a count costs
+nothing, large tensors go through a bracket in their own layout (no channel-major copy):
 
-The bound comes from the previous batch when the caller passes the returned ``hint`` back (the
-(2m)-th largest value it saw, so a stationary activation keeps about 2m values per row), and
-from a strided sample otherwise. Rows where the bound turns out too tight fall back to a full
-selection, so the answer is always exact; only the cost depends on how good the bound was.
+1. a per-channel lower bound that at least ``m`` values clear: the previous batch's hint when the
+   caller passes it back (a stationary activation then keeps about 2m values per channel), else a
+   strided sample's high-order statistic with four standard deviations of slack;
+2. one compare pass keeps only the values above the bound;
+3. the selection runs on those few values per channel.
+
+Channels where the bound was too tight fall back to a full selection, so the answer is always
+exact; only the cost depends on the bound. Extra memory: one bool mask of the tensor's shape.
 """
 
 from __future__ import annotations
@@ -19,39 +22,19 @@ import threading
 
 import torch
 
-# below these sizes a plain selection is already cheap
+# below these sizes a plain selection on a channel-major copy is already cheap
 BRACKET_MIN_ROW = 256
 BRACKET_MIN_VALUES = 1 << 17
 # a prime stride does not line up with image rows or head sizes, so the sample is not biased
-# towards the same columns of every row
+# towards the same positions of every channel
 _SAMPLE_STRIDE = 11
-
-
-def kth_largest_rows(y: torch.Tensor, m: int, hint: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ``m``-th largest value of every row of the 2-D tensor ``y`` (``m`` counts from 1).
-
-    Returns the values and a hint for the next call on data like this (None when there is none).
-    Rows holding NaN have an unspecified result (their maximum is NaN, and so is any ratio to it).
-    """
-    n = y.shape[1]
-    if not 1 <= m <= n:
-        raise ValueError(f"m must lie in [1, {n}], got {m}")
-    if y.device.type != "cpu" or n < BRACKET_MIN_ROW or y.numel() < BRACKET_MIN_VALUES or m * 8 > n:
-        return _select(y, m), None
-    if hint is None or hint.shape != (y.shape[0],):
-        hint = _sample_bound(y, m)
-    elif bool(hint.isnan().any()):
-        hint = torch.where(hint.isnan(), _sample_bound(y, m), hint)
-    return _bracketed(y, m, hint)
-
 
 _local = threading.local()
 
 
 def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slot: str) -> torch.Tensor:
     """A reusable per-thread work buffer: large temporaries come back from the allocator as fresh
-    pages every batch (page faults cost as much as the work), so the hot path borrows them here.
-    Peak extra memory stays one tensor per slot, sized by the largest observed activation.
+    pages every batch (the page faults cost as much as the work), so the hot path borrows them here.
     """
     buffers = _local.__dict__.setdefault("buffers", {})
     key = (slot, dtype, device)
@@ -62,42 +45,95 @@ def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, sl
     return buffer[:count].view(shape)
 
 
-def _select(y: torch.Tensor, m: int) -> torch.Tensor:
+def channel_view(t: torch.Tensor, axis: int | None) -> torch.Tensor:
+    """``t`` as (before, channels, after) without copying; ``axis=None`` is one channel."""
+    if axis is None:
+        return t.reshape(1, 1, -1)
+    return t.reshape(math.prod(t.shape[:axis]), t.shape[axis], -1)
+
+
+def channel_major(view: torch.Tensor) -> torch.Tensor:
+    """A contiguous (channels, values) copy of a (before, channels, after) view."""
+    return view.transpose(0, 1).reshape(view.shape[1], -1)
+
+
+def kth_largest_per_channel(
+    t: torch.Tensor, axis: int | None, m: int, hint: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``m``-th largest value of every channel (``m`` counts from 1), and a hint for the next
+    batch of data like this (None when there is none). Channels holding NaN have an unspecified
+    result (their maximum is NaN, and so is any ratio to it).
+    """
+    view = channel_view(t, axis)
+    channels = view.shape[1]
+    n = view.shape[0] * view.shape[2]
+    if not 1 <= m <= n:
+        raise ValueError(f"m must lie in [1, {n}], got {m}")
+    if t.device.type != "cpu" or n < BRACKET_MIN_ROW or t.numel() < BRACKET_MIN_VALUES or m * 8 > n:
+        return select(channel_major(view), m), None
+    if hint is None or hint.shape != (channels,):
+        hint = _sample_bound(view, m)
+    elif bool(hint.isnan().any()):
+        hint = torch.where(hint.isnan(), _sample_bound(view, m), hint)
+    return _bracketed(view, m, hint)
+
+
+def select(y: torch.Tensor, m: int) -> torch.Tensor:
+    """The ``m``-th largest of every row of a 2-D tensor, by top-k or selection."""
     n = y.shape[1]
     if m <= max(1, n // 16):  # a short upper tail: partial top-k beats a full selection
         return y.topk(m, dim=1, sorted=False).values.amin(dim=1)
     return y.kthvalue(n - m + 1, dim=1).values
 
 
-def _sample_bound(y: torch.Tensor, m: int) -> torch.Tensor:
-    sample = y[:, ::_SAMPLE_STRIDE]
-    expected = m * sample.shape[1] / y.shape[1]
-    # about four standard deviations of slack on the sample's count above the bound
+def _sample_bound(view: torch.Tensor, m: int) -> torch.Tensor:
+    sampled = view[:, :, ::_SAMPLE_STRIDE] if view.shape[2] >= _SAMPLE_STRIDE else view[::_SAMPLE_STRIDE]
+    sample = channel_major(sampled)
+    expected = m * sample.shape[1] / (view.shape[0] * view.shape[2])
     rank = min(sample.shape[1], int(expected + 4.0 * math.sqrt(expected) + 4))
     return sample.topk(rank, dim=1, sorted=False).values.amin(dim=1)
 
 
-def _bracketed(y: torch.Tensor, m: int, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, n = y.shape
-    keep = torch.ge(y, bound.unsqueeze(1), out=scratch(tuple(y.shape), torch.bool, y.device, "keep"))
+def _bracketed(view: torch.Tensor, m: int, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    before, channels, after = view.shape
+    keep = torch.ge(view, bound.view(1, -1, 1), out=scratch(tuple(view.shape), torch.bool, view.device, "keep"))
     flat = keep.view(-1).nonzero().squeeze(1)
-    row_of = flat // n
-    counts = torch.bincount(row_of, minlength=rows)
+    channel_of, slot, counts = _slots(flat, before, channels, after)
     good = counts >= m
-    result = torch.empty(rows, dtype=y.dtype)
-    hint = torch.full((rows,), math.nan, dtype=y.dtype)
+    result = torch.empty(channels, dtype=view.dtype)
+    hint = torch.full((channels,), math.nan, dtype=view.dtype)
     if bool(good.any()):
-        cap = int(counts.max())
-        slot = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[row_of]
-        packed = torch.full((rows, cap), -math.inf, dtype=y.dtype)
-        packed[row_of, slot] = y.view(-1)[flat]
-        depth = min(2 * m, cap)
+        depth = min(2 * m, int(counts.max()))
+        packed = torch.full((channels, int(counts.max())), -math.inf, dtype=view.dtype)
+        packed[channel_of, slot] = view.reshape(-1)[flat]
         top = packed.topk(depth, dim=1, sorted=False).values  # padding sorts below every survivor
         result = top.kthvalue(depth - m + 1, dim=1).values
         # next bound: the (2m)-th largest, or this bound where fewer values survived
         hint = torch.where(counts >= depth, top.amin(dim=1), bound)
     if not bool(good.all()):
         bad = (~good).nonzero().squeeze(1)
-        result[bad] = _select(y[bad], m)
-        hint[bad] = math.nan  # the next call draws a fresh bound for these rows
+        result[bad] = select(channel_major(view[:, bad]), m)
+        hint[bad] = math.nan  # the next call draws a fresh bound for these channels
     return result, hint
+
+
+def _slots(flat: torch.Tensor, before: int, channels: int, after: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Channel, a distinct slot within the channel, and per-channel counts of kept positions.
+
+    ``flat`` is in memory order, so the kept values of one (before, channel) block are contiguous:
+    a value's slot is its rank in its block plus the kept counts of the same channel's earlier
+    blocks. Channels-last data (one value per block) is grouped by a sort instead.
+    """
+    if after < 16 and before > 1:
+        channel_of = flat.remainder(channels)
+        counts = torch.bincount(channel_of, minlength=channels)
+        channel_of, order = torch.sort(channel_of)
+        flat.copy_(flat[order])
+        return channel_of, torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[channel_of], counts
+    block = torch.div(flat, after, rounding_mode="floor")
+    per_block = torch.bincount(block, minlength=before * channels)
+    rank = torch.arange(flat.numel()) - (torch.cumsum(per_block, 0) - per_block)[block]
+    per_block = per_block.view(before, channels)
+    earlier = (torch.cumsum(per_block, 0) - per_block).view(-1)
+    slot = earlier[block] + rank
+    return block.remainder_(channels), slot, per_block.sum(0)

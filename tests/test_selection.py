@@ -38,22 +38,25 @@ def test_matches_kthvalue_across_batches(bracket_everything, rows, n, fraction, 
         if ties:
             values = np.round(values)
         y = torch.from_numpy(values.astype(np.float32))
-        got, hint = selection.kth_largest_rows(y, m, hint)
+        got, hint = selection.kth_largest_per_channel(y, 0, m, hint)
         assert torch.equal(got, y.kthvalue(n - m + 1, dim=1).values)
 
 
-@pytest.mark.parametrize("shape", [(64, 25088), (3, 401408), (512, 1024)])
-def test_large_rows_take_the_bracket_and_stay_exact(shape):
+@pytest.mark.parametrize(
+    "shape, axis", [((8, 64, 56, 56), 1), ((3, 401408), 0), ((8, 128, 768), 2), ((8, 1024, 64), 1), ((4, 40000), None)]
+)
+def test_large_tensors_take_the_bracket_and_stay_exact(shape, axis):
     torch.manual_seed(0)
     hint = None
     for scale in (1.0, 1.3, 0.5):
-        y = torch.randn(*shape).relu() * scale
-        m = shape[1] // 40
-        got, hint = selection.kth_largest_rows(y, m, hint)
+        t = torch.randn(*shape).relu() * scale
+        reference = selection.channel_major(selection.channel_view(t, axis))
+        m = reference.shape[1] // 40
+        got, hint = selection.kth_largest_per_channel(t, axis, m, hint)
         assert hint is not None
-        assert torch.equal(got, y.kthvalue(shape[1] - m + 1, dim=1).values)
+        assert torch.equal(got, reference.kthvalue(reference.shape[1] - m + 1, dim=1).values)
 
 
 def test_rank_out_of_range():
     with pytest.raises(ValueError, match="m must lie"):
-        selection.kth_largest_rows(torch.zeros(2, 5), 6)
+        selection.kth_largest_per_channel(torch.zeros(2, 5), 0, 6)
