@@ -53,8 +53,13 @@ def measure(case_name: str, batches: int = 8) -> dict[str, float]:
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     extra = (results["ours"]["peak_kb"] - results["plain"]["peak_kb"]) * 1024
     largest = results["plain"]["largest_activation_bytes"]
-    return {"plain_peak_mb": results["plain"]["peak_kb"] / 1024, "ours_peak_mb": results["ours"]["peak_kb"] / 1024,
-            "extra_mb": extra / 2**20, "largest_activation_mb": largest / 2**20, "extra_over_activation": extra / largest}  # fmt: skip
+    return {
+        "plain_peak_mb": results["plain"]["peak_kb"] / 1024,
+        "ours_peak_mb": results["ours"]["peak_kb"] / 1024,
+        "extra_mb": extra / 2**20,
+        "largest_activation_mb": largest / 2**20,
+        "extra_over_activation": extra / largest,
+    }
 
 
 def main() -> None:
@@ -68,8 +73,9 @@ def main() -> None:
         return
     row = measure(args.case, args.batches)
     print(
-        f"{args.case}: peak RSS plain {row['plain_peak_mb']:.0f} MB, ours {row['ours_peak_mb']:.0f} MB; extra "
-        f"{row['extra_mb']:.0f} MB = {row['extra_over_activation']:.2f} x the largest activation ({row['largest_activation_mb']:.0f} MB)"
+        f"{args.case}: peak RSS plain {row['plain_peak_mb']:.0f} MB, ours {row['ours_peak_mb']:.0f} MB; "
+        f"extra {row['extra_mb']:.0f} MB = {row['extra_over_activation']:.2f} x the largest activation "
+        f"({row['largest_activation_mb']:.0f} MB)"
     )
 
 

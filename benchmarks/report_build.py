@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import CASES, batches_for, median, our_model, setup
+from common import CASES, batches_for, median, setup
 
 from qreport_widgets import ModelReport, default_detectors
 from qreport_widgets.analyze import prepare

@@ -1,0 +1,51 @@
+"""`make bench`: every benchmark, one table. Numbers are measured here and now, never asserted.
+
+python benchmarks/run_all.py [--quick]   (--quick: 3 repeats, no ResNet-50 calibration row)
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+
+import calibration_overhead
+import memory
+import report_build
+import torch
+from common import CASES, THREADS, setup
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    setup()
+    repeats = 3 if args.quick else 5
+    machine = platform.processor() or platform.machine()
+    print(f"{machine}, torch {torch.__version__}, {THREADS} threads; medians of {repeats} repeats")
+    print()
+    print("Calibration, seconds per batch of 8 (plain prepare_fx | ours, all four detectors | PyTorch ModelReport)")
+    columns = ("plain s/batch", "ours s/batch", "upstream s/batch", "ours/plain", "upstream/ours")
+    print(f"{'case':24s} " + " ".join(f"{c:>16s}" for c in columns))
+    cases = [c for c in CASES if not (args.quick and c.startswith("resnet50"))]
+    for name in cases:
+        row = calibration_overhead.measure(name, repeats, 8, upstream=not name.startswith("resnet50"))
+        upstream = f"{row['upstream']:16.4f}" if "upstream" in row else f"{'-':>16s}"
+        ratio = f"{row['upstream/ours']:16.2f}" if "upstream/ours" in row else f"{'-':>16s}"
+        print(f"{name:24s} {row['plain']:16.4f} {row['ours']:16.4f} {upstream} {row['ours/plain']:16.2f} {ratio}", flush=True)
+    print()
+    row = report_build.measure(repeats)
+    print(
+        f"Report + tables, ResNet-50 layout ({row['modules']} modules, {row['channels']} channel rows): "
+        f"generate_model_report {row['report_s']:.3f} s + ReportFrame {row['frame_s']:.3f} s = {row['total_s']:.3f} s"
+    )
+    for name in ("resnet18 8x3x224x224", "mlp-blocks 8x128x768"):
+        row = memory.measure(name)
+        print(
+            f"Peak memory, {name}: extra {row['extra_mb']:.0f} MB = {row['extra_over_activation']:.2f} x the largest "
+            f"activation ({row['largest_activation_mb']:.0f} MB)"
+        )
+
+
+if __name__ == "__main__":
+    main()
