@@ -106,6 +106,22 @@ class ModelGraph:
             )
         return graph
 
+    def op_counts(self) -> dict[str, int]:
+        """FX node ops of the model as prepare_fx built it (observers of any kind left out)."""
+        counts = dict.fromkeys(("placeholder", "get_attr", "call_function", "call_module", "call_method", "output"), 0)
+        for node in self.model.graph.nodes:
+            if node.op == "call_module" and _is_instrumentation_target(self.modules, str(node.target)):
+                continue
+            counts[node.op] = counts.get(node.op, 0) + 1
+        return counts
+
+    def layer_type_counts(self) -> dict[str, int]:
+        """How many units of each module type, most common first."""
+        counts: dict[str, int] = {}
+        for unit in self.units.values():
+            counts[unit.type_name] = counts.get(unit.type_name, 0) + 1
+        return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
     def input_node(self, unit: Unit) -> torch.fx.Node | None:
         """The tensor a unit reads first, looking through the observers prepare_fx inserted."""
         for arg in (*unit.node.args, *unit.node.kwargs.values()):
@@ -156,6 +172,10 @@ class ModelGraph:
                 break
             node = first
         return node
+
+
+def _is_instrumentation_target(modules: dict[str, nn.Module], target: str) -> bool:
+    return target.startswith(OBSERVER_CONTAINER) or _is_instrumentation(modules.get(target, nn.Identity()))
 
 
 def _is_instrumentation(module: nn.Module) -> bool:

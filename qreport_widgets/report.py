@@ -73,6 +73,7 @@ class ModelReport:
         self._results: dict[str, DetectorResult] = {}
         self._graph: ModelGraph | None = None
         self._frame: ReportFrame | None = None
+        self._batches_seen = 0
         self.analysis_inputs: Any = None  # set by analyze(): what a later re-quantization needs
 
     # ------------------------------------------------------------------ PyTorch-compatible API
@@ -121,12 +122,11 @@ class ModelReport:
                 "from that call is still available via results(), generate_visualizer() and generate_qconfig_mapping()"
             )
         self._analyze()
+        texts = self.text_reports()
         reports = {
-            d.get_detector_name(): (
-                d.describe(self._results[d.get_detector_name()]),
-                {r.module_fqn: d.upstream_dict(r) for r in self._results[d.get_detector_name()].records},
-            )
+            name: (texts[name], {r.module_fqn: d.upstream_dict(r) for r in self._results[name].records})
             for d in self._detectors
+            for name in [d.get_detector_name()]
         }
         if remove_inserted_observers:
             instrument.remove(self._model)
@@ -192,6 +192,23 @@ class ModelReport:
         frame = self.frame()
         return frame.channels.join(frame.modules, on=MODULE)
 
+    def widget(self) -> Any:
+        """The interactive view: ``display(report.widget())`` in a notebook."""
+        from .widgets import ReportWidget
+
+        return ReportWidget(self)
+
+    def text_reports(self) -> dict[str, str]:
+        """Each detector's text report of the last generated report."""
+        self._require_results()
+        return {d.get_detector_name(): d.describe(self._results[d.get_detector_name()]) for d in self._detectors}
+
+    def calibration_batches(self) -> int:
+        """Most batches any observer saw (0 before calibration or after the observers were removed)."""
+        container = getattr(self._model, OBSERVER_CONTAINER, None)
+        counts = [o.num_batches_tracked for o in container.children()] if container is not None else []
+        return max(counts, default=self._batches_seen)
+
     def generate_visualizer(self) -> ModelReportVisualizer:
         """Tables and bqplot views of the generated report (PyTorch's method names)."""
         return ModelReportVisualizer(self.frame())
@@ -214,6 +231,7 @@ class ModelReport:
         context = ReportContext(self._graph or ModelGraph.of(self._model), dict(container.index))
         self._results = {d.get_detector_name(): d.analyze(context) for d in self._detectors}
         self._frame = None
+        self._batches_seen = max((o.num_batches_tracked for o in observers), default=0)
 
     def _require_results(self) -> None:
         if self._results:

@@ -1,0 +1,89 @@
+"""ReportWidget: the report as one ipywidget (header, Explore / Model / Reports tabs)."""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING
+
+import ipywidgets as w
+import pandas as pd
+
+from .controls import ExploreControls
+from .views import ExploreViews, ModuleCard, View
+
+if TYPE_CHECKING:
+    from ..report import ModelReport
+
+
+class ReportWidget(w.VBox):
+    """Built once from a generated report; every selection updates the views in place."""
+
+    def __init__(self, report: ModelReport) -> None:
+        self.report = report
+        self.frame = report.frame()
+        self.header = w.HTML(self._header_html())
+        self.controls = ExploreControls(self.frame)
+        self.views = ExploreViews(self.frame)
+        self.card = ModuleCard(self.frame)
+        explore = w.VBox([self.controls, w.HBox([w.Box([self.views], layout={"flex": "1 1 auto"}), self.card])])
+        self.tabs = w.Tab(children=[explore, w.HTML(self._model_html()), self._reports_accordion()])
+        for i, title in enumerate(("Explore", "Model", "Reports")):
+            self.tabs.set_title(i, title)
+        super().__init__([self.header, self.tabs])
+        self.controls.module.observe(self._on_module_change, names="value")
+        self.controls.feature.observe(self._on_selection_change, names="value")
+        self.controls.view.observe(self._on_selection_change, names="value")
+        self.controls.prefix.observe(self._on_selection_change, names="value")
+        self._refresh()
+
+    # ---- handlers ------------------------------------------------------------------------------
+    def _on_module_change(self, change: dict) -> None:
+        with self.hold_sync():
+            self.controls.refresh_features()
+            self._refresh()
+
+    def _on_selection_change(self, change: dict) -> None:
+        if not self.controls.changing:
+            self._refresh()
+
+    def _refresh(self) -> None:
+        module, feature = self.controls.module.value, self.controls.feature.value
+        self.card.show(module)
+        if feature is None:
+            self.views.message.value = "<i>This module reports no plottable feature.</i>"
+            return
+        self.views.show(module, feature, View(self.controls.view.value), self.controls.prefix.value)
+
+    # ---- static panes --------------------------------------------------------------------------
+    def _header_html(self) -> str:
+        report, frame = self.report, self.frame
+        inputs = report.analysis_inputs
+        model = type(inputs.float_model).__name__ if inputs is not None else type(report.model).__name__
+        batches = report.calibration_batches()
+        kinds = frame.suggestions["kind"].value_counts()
+        detail = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+        parts = [
+            f"<b>qreport</b> · {html.escape(model)}",
+            f"{len(report.detectors)} detectors",
+            f"{batches} calibration batches",
+            f"{len(frame.suggestions)} suggestions" + (f" ({detail})" if detail else ""),
+        ]
+        return "<div style='font-size:14px;padding:4px 0'>" + " · ".join(parts) + "</div>"
+
+    def _model_html(self) -> str:
+        graph = self.report.graph
+        ops = pd.DataFrame(list(graph.op_counts().items()), columns=["FX op", "nodes"])
+        layers = pd.DataFrame(list(graph.layer_type_counts().items()), columns=["layer type", "modules"])
+        skipped = pd.DataFrame(list(graph.skipped.items()), columns=["not observed", "why"])
+        tables = [("Graph (as prepare_fx built it)", ops), ("Layer types", layers)]
+        if len(skipped):
+            tables.append(("Modules without their own graph node", skipped))
+        return "".join(f"<h4>{t}</h4>{df.to_html(index=False, border=0)}" for t, df in tables)
+
+    def _reports_accordion(self) -> w.Accordion:
+        texts = self.report.text_reports()
+        children = [w.HTML(f"<pre style='white-space:pre-wrap'>{html.escape(text)}</pre>") for text in texts.values()]
+        accordion = w.Accordion(children=children)
+        for i, name in enumerate(texts):
+            accordion.set_title(i, name)
+        return accordion

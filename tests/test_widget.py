@@ -1,0 +1,124 @@
+"""The widget driven without a browser: set .value, read the marks and the tables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import prepared, run
+from models import ConvNet, conv_batches
+
+import qreport_widgets as qw
+from qreport_widgets import demo
+from qreport_widgets import features as F
+from qreport_widgets.widgets.views import ACTIVATION_VALUES, ALL_MODULES
+
+
+@pytest.fixture(scope="module")
+def report():
+    batches = demo.demo_batches(4)
+    return qw.analyze(demo.build_demo_model(), batches[0], batches, qconfig_mapping=demo.demo_qconfig_mapping(), progress=False)
+
+
+def test_header_and_model_overview(report):
+    widget = report.widget()
+    assert "DemoNet" in widget.header.value and "4 detectors" in widget.header.value
+    assert "4 calibration batches" in widget.header.value and "dynamic" in widget.header.value
+    model_tab = widget.tabs.children[1].value
+    assert "call_module" in model_tab and "ConvReLU2d" in model_tab and "Linear" in model_tab
+    assert len(widget.tabs.children[2].children) == 4
+
+
+def test_module_dropdown_lists_modules_in_forward_order(report):
+    controls = report.widget().controls
+    values = [v for _, v in controls.module.options]
+    assert values[0] == ALL_MODULES and values[1:] == report.frame().module_names
+    assert controls.module.options[1][0] == "stem.conv (ConvReLU2d, 3 ch)"
+
+
+def test_feature_dropdown_offers_only_what_the_module_reports(report):
+    widget = report.widget()
+    controls = widget.controls
+    controls.module.value = "mlp.act"  # GELU: outlier detector only
+    features = [v for _, v in controls.feature.options]
+    assert F.OUTLIER_RATIOS in features and ACTIVATION_VALUES in features
+    assert F.EQUALIZATION_COMP_METRICS not in features and F.INPUT_COMP_STAT not in features
+    controls.module.value = "mlp.fc1"
+    features = [v for _, v in controls.feature.options]
+    assert F.EQUALIZATION_COMP_METRICS in features and F.INPUT_COMP_STAT in features
+    labels = dict((v, label) for label, v in controls.feature.options)
+    assert labels[F.EQUALIZATION_COMP_METRICS].endswith("per-channel") and labels[F.INPUT_COMP_STAT].endswith("per-tensor")
+
+
+def test_line_view_shows_channels_and_the_threshold(report):
+    widget = report.widget()
+    widget.controls.module.value = "mlp.fc1"
+    widget.controls.feature.value = F.OUTLIER_RATIOS
+    line = widget.views.line
+    expected = report.frame().channel_values("mlp.fc1", F.OUTLIER_RATIOS)
+    np.testing.assert_allclose(line.line.y, expected.astype(np.float32))
+    assert line.line.y.dtype == np.float32 and line.line.x.size == 32
+    assert np.atleast_2d(line.thresholds.y).tolist() == [[3.5, 3.5]] and line.thresholds.labels == ["outlier threshold"]
+    widget.controls.feature.value = F.EQUALIZATION_COMP_METRICS
+    assert line.thresholds.y[:, 0].tolist() == pytest.approx([0.5, 2.0])
+
+
+def test_all_modules_line_is_mean_with_min_max_band(report):
+    widget = report.widget()
+    widget.controls.module.value = ALL_MODULES
+    widget.controls.feature.value = F.INPUT_PER_CHANNEL_MAX
+    frame = report.frame()
+    means = [np.nanmean(frame.channel_values(m, F.INPUT_PER_CHANNEL_MAX)) for m in frame.module_names]
+    np.testing.assert_allclose(widget.views.line.line.y, np.array(means, dtype=np.float32), rtol=1e-6)
+    assert widget.views.line.band.y.shape == (2, len(frame.module_names))
+
+
+def test_histogram_views(report):
+    widget = report.widget()
+    controls = widget.controls
+    controls.module.value = "stem.conv"
+    controls.view.value = "Histogram"
+    controls.feature.value = ACTIVATION_VALUES
+    bars = widget.views.histogram.bars
+    counts, _ = report.frame().histograms["stem.conv"]
+    assert bars.y.sum() == counts.sum() and bars.x.max() >= 16  # the spikes at 25 are in the picture
+    controls.feature.value = F.INPUT_PER_CHANNEL_MAX
+    assert bars.y.sum() == 3
+    assert widget.views.histogram.figure.layout.display is None and widget.views.line.figure.layout.display == "none"
+
+
+def test_table_view_and_prefix_filter(report):
+    widget = report.widget()
+    controls = widget.controls
+    controls.view.value = "Table"
+    table = widget.views.table.value
+    assert "Suggestions" in table and "meta_fc" in table and "stem.conv" in table
+    controls.prefix.value = "mlp"
+    table = widget.views.table.value
+    assert "mlp.fc1" in table and "meta_fc" not in table
+    controls.module.value = "head"
+    assert "Per-channel features" in widget.views.table.value
+
+
+def test_module_card_lists_suggestions(report):
+    widget = report.widget()
+    widget.controls.module.value = "meta_fc"
+    assert "dynamic" in widget.card.value and "non-stationary" in widget.card.value
+
+
+def test_wide_module_is_drawn_bucketed():
+    from qreport_widgets.plots import MAX_DRAWN_POINTS, LineView
+
+    view = LineView()
+    values = np.arange(4096, dtype=float)
+    view.update(values)
+    assert view.line.y.size <= MAX_DRAWN_POINTS and view.band.y.shape[1] == view.line.y.size
+    assert view.band.y[1].max() == 4095
+
+
+def test_widget_from_a_bare_prepared_model():
+    report = qw.ModelReport(prepared(ConvNet(), conv_batches()[0]), [qw.OutlierDetector()])
+    run(report.prepare_detailed_calibration(), conv_batches())
+    widget = report.widget()
+    assert "GraphModule" in widget.header.value
+    widget.controls.module.value = "conv2"
+    assert widget.controls.feature.value == F.OUTLIER_RATIOS
