@@ -91,6 +91,12 @@ class LineView:
         if x is None and y.size > MAX_DRAWN_POINTS:
             x, y, low, high = bucketed(y)
         x = np.arange(y.size, dtype=np.float64) if x is None else np.asarray(x, dtype=np.float64)
+        # SVG paths cannot hold NaN: points without a finite value are left out (x keeps the gap)
+        keep = np.isfinite(y)
+        if low is not None and high is not None:
+            keep &= np.isfinite(low) & np.isfinite(high)
+            low, high = np.asarray(low)[keep], np.asarray(high)[keep]
+        x, y = x[keep], y[keep]
         thresholds = {k: v for k, v in (thresholds or {}).items() if v is not None and np.isfinite(v)}
         span = np.array([x.min(), x.max()]) if x.size else np.zeros(2)
         with self.figure.hold_sync():
@@ -136,6 +142,8 @@ class HistogramView:
     def update(self, counts: np.ndarray, edges: np.ndarray, *, title: str | None = None, x_label: str | None = None) -> None:
         counts, edges = np.asarray(counts, dtype=np.float64), np.asarray(edges, dtype=np.float64)
         centres = (edges[:-1] + edges[1:]) / 2 if edges.size > 1 else np.zeros(0)
+        keep = np.isfinite(centres) & np.isfinite(counts)
+        centres, counts = centres[keep], counts[keep]
         with self.figure.hold_sync():
             with self.bars.hold_sync():
                 self.bars.x, self.bars.y = finite32(centres), finite32(counts)

@@ -25,7 +25,8 @@ class ReportWidget(w.VBox):
         self.controls = ExploreControls(self.frame)
         self.views = ExploreViews(self.frame)
         self.card = ModuleCard(self.frame)
-        explore = w.VBox([self.controls, w.HBox([w.Box([self.views], layout={"flex": "1 1 auto"}), self.card])])
+        self.views.layout = w.Layout(flex="1 1 0%", min_width="480px")
+        explore = w.VBox([self.controls, w.HBox([self.views, self.card], layout={"width": "100%"})])
         self.tabs = w.Tab(children=[explore, w.HTML(self._model_html()), self._reports_accordion()])
         for i, title in enumerate(("Explore", "Model", "Reports")):
             self.tabs.set_title(i, title)

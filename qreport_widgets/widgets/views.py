@@ -58,13 +58,14 @@ class ExploreViews(w.VBox):
         self.table = w.HTML(layout={"max_height": "420px", "overflow": "auto"})
         self.message = w.HTML()
         self._shown: dict[View, tuple[str, str, str]] = {}
-        super().__init__([self.message, self.line.figure, self.histogram.figure, self.table])
+        super().__init__([self.message, self.line.figure])
 
     def show(self, module: str, feature: str, view: View, prefix: str = "") -> None:
         panes = {View.LINE: self.line.figure, View.HISTOGRAM: self.histogram.figure, View.TABLE: self.table}
         with self.hold_sync():
-            for name, pane in panes.items():
-                pane.layout.display = None if name is view else "none"
+            # only the visible pane is attached: a hidden bqplot figure has no size to lay out in
+            if self.children[1] is not panes[view]:
+                self.children = (self.message, panes[view])
             key = (module, feature, prefix)
             if self._shown.get(view) == key:
                 return
