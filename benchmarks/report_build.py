@@ -11,8 +11,8 @@ import time
 from common import CASES, batches_for, median, setup
 
 from qreport_widgets import ModelReport, default_detectors
-from qreport_widgets.analyze import prepare
 from qreport_widgets.frame import ReportFrame
+from qreport_widgets.pipeline import prepare
 
 
 def measure(repeats: int = 5) -> dict[str, float]:

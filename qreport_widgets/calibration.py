@@ -32,8 +32,18 @@ def first_batch(data: CalibrationData) -> Any:
     return None
 
 
-def calibrate(model: torch.nn.Module, data: CalibrationData, *, desc: str = "calibrating", progress: bool = True) -> int:
-    """Run every batch through ``model`` without gradients; return how many batches ran."""
+def calibrate(
+    model: torch.nn.Module,
+    data: CalibrationData,
+    *,
+    desc: str = "calibrating",
+    progress: bool = True,
+    on_batch: Callable[[int, int | None], None] | None = None,
+) -> int:
+    """Run every batch through ``model`` without gradients; return how many batches ran.
+
+    ``on_batch(done, total)`` is called after each batch (a widget's progress bar, say).
+    """
     model.eval()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -71,6 +81,8 @@ def calibrate(model: torch.nn.Module, data: CalibrationData, *, desc: str = "cal
                     ) from error
                 count += 1
                 bar.update()
+                if on_batch is not None:
+                    on_batch(count, total)
         finally:
             bar.close()
     if count == 0:

@@ -6,6 +6,7 @@ import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.ao.quantization import QConfig, QConfigMapping
 from torch.ao.quantization.fx._equalize import default_equalization_qconfig
@@ -17,6 +18,7 @@ from torch.ao.quantization.observer import (
 )
 
 from .detectors.base import Suggestion
+from .detectors.per_channel import _uses_per_channel
 from .features import SuggestionKind
 from .graph import Unit
 
@@ -45,38 +47,71 @@ def validate(unit: Unit, settings: ModuleSettings) -> None:
         raise InvalidSettingsError(f"{unit.fqn}: per-channel weights need a Linear or Conv layer, not {unit.type_name}")
     if settings.equalize and not (unit.is_linear or unit.is_conv):
         raise InvalidSettingsError(f"{unit.fqn}: input-weight equalization needs a Linear or Conv layer")
+    if settings.equalize and settings.dynamic:
+        raise InvalidSettingsError(f"{unit.fqn}: input-weight equalization needs static activation quantization")
 
 
-def qconfig_for(settings: ModuleSettings) -> QConfig | None:
-    """The QConfig PyTorch's ModelReport builds for the same choices (None keeps the layer float)."""
+def qconfig_for(settings: ModuleSettings, current: QConfig | None = None) -> QConfig | None:
+    """The QConfig for ``settings`` (None keeps the layer float).
+
+    Without ``current`` it is the QConfig PyTorch's ModelReport builds for the same choices. With
+    the module's current QConfig only what the settings change is replaced, so a suggestion is
+    layered on top of the starting mapping instead of resetting the layer's observers.
+    """
     if settings.keep_float:
         return None
-    activation = default_dynamic_quant_observer if settings.dynamic else default_observer
-    weight = default_per_channel_weight_observer if settings.per_channel else default_weight_observer
+    if current is None:
+        activation = default_dynamic_quant_observer if settings.dynamic else default_observer
+        weight = default_per_channel_weight_observer if settings.per_channel else default_weight_observer
+        return QConfig(activation=activation, weight=weight)
+    if settings.dynamic:
+        activation = current.activation if _is_dynamic(current) else default_dynamic_quant_observer
+    else:
+        activation = default_observer if _is_dynamic(current) else current.activation
+    if settings.per_channel:
+        weight = current.weight if _uses_per_channel(current) else default_per_channel_weight_observer
+    else:
+        weight = default_weight_observer if _uses_per_channel(current) else current.weight
     return QConfig(activation=activation, weight=weight)
 
 
+def current_settings(unit: Unit) -> ModuleSettings:
+    """What the module's qconfig (set by prepare_fx) does today."""
+    qconfig = getattr(unit.module, "qconfig", None)
+    if qconfig is None:
+        return ModuleSettings(keep_float=True)
+    return ModuleSettings(dynamic=_is_dynamic(qconfig), per_channel=_uses_per_channel(qconfig))
+
+
 def suggested_settings(units: Iterable[Unit], suggestions: Iterable[Suggestion]) -> dict[str, ModuleSettings]:
-    """Per-module settings with every suggestion accepted, for the given units (in their order)."""
+    """Per-module settings with every suggestion accepted on top of the current ones (unit order)."""
     kinds: dict[str, set[SuggestionKind]] = {}
     for suggestion in suggestions:
         kinds.setdefault(suggestion.module_fqn, set()).add(suggestion.kind)
     settings = {}
     for unit in units:
-        chosen = kinds.get(unit.fqn, set())
+        chosen, now = kinds.get(unit.fqn, set()), current_settings(unit)
         settings[unit.fqn] = ModuleSettings(
-            dynamic=SuggestionKind.DYNAMIC in chosen,
-            per_channel=SuggestionKind.PER_CHANNEL in chosen or _already_per_channel(unit),
-            equalize=SuggestionKind.EQUALIZATION in chosen,
+            dynamic=now.dynamic or SuggestionKind.DYNAMIC in chosen,
+            per_channel=now.per_channel or SuggestionKind.PER_CHANNEL in chosen,
+            equalize=SuggestionKind.EQUALIZATION in chosen and SuggestionKind.DYNAMIC not in chosen,
+            keep_float=now.keep_float,
         )
     return settings
 
 
-def build_qconfig_mapping(settings: Mapping[str, ModuleSettings], base: QConfigMapping | None = None) -> QConfigMapping:
-    """``base`` (copied, never changed) with one module-name entry per module in ``settings``."""
+def build_qconfig_mapping(
+    settings: Mapping[str, ModuleSettings],
+    base: QConfigMapping | None = None,
+    current: Mapping[str, QConfig | None] | None = None,
+) -> QConfigMapping:
+    """``base`` (copied, never changed) with one module-name entry per module in ``settings``.
+
+    With ``current`` (module -> its QConfig today) the settings are layered on top of it.
+    """
     mapping = copy.deepcopy(base) if base is not None else QConfigMapping()
     for fqn, choice in settings.items():
-        mapping.set_module_name(fqn, qconfig_for(choice))
+        mapping.set_module_name(fqn, qconfig_for(choice, (current or {}).get(fqn)))
     return mapping
 
 
@@ -88,8 +123,47 @@ def build_equalization_mapping(settings: Mapping[str, ModuleSettings]) -> QConfi
     return mapping
 
 
-def _already_per_channel(unit: Unit) -> bool:
-    from .detectors.per_channel import _uses_per_channel
+def mapping_as_code(mapping: QConfigMapping, equalization: QConfigMapping | None = None) -> str:
+    """Python that rebuilds the module-name entries of ``mapping`` (to paste into a pipeline)."""
+    lines = [
+        "import torch",
+        "from torch.ao.quantization import QConfig, get_default_qconfig_mapping",
+        "from torch.ao.quantization.observer import *  # noqa: F403",
+        "",
+        "qconfig_mapping = get_default_qconfig_mapping('x86')  # or your starting mapping",
+    ]
+    for fqn, qconfig in mapping.module_name_qconfigs.items():
+        if qconfig is None:
+            lines.append(f"qconfig_mapping.set_module_name({fqn!r}, None)")
+            continue
+        parts = [f"{name}={_observer_code(getattr(qconfig, name))}" for name in ("activation", "weight")]
+        lines.append(f"qconfig_mapping.set_module_name({fqn!r}, QConfig({', '.join(parts)}))")
+    if equalization is not None and equalization.module_name_qconfigs:
+        lines += [
+            "",
+            "from torch.ao.quantization import QConfigMapping",
+            "from torch.ao.quantization.fx._equalize import default_equalization_qconfig",
+            "equalization_mapping = QConfigMapping()",
+        ]
+        for fqn in equalization.module_name_qconfigs:
+            lines.append(f"equalization_mapping.set_module_name({fqn!r}, default_equalization_qconfig)")
+        lines.append("# prepare_fx(model, qconfig_mapping, example_inputs, _equalization_config=equalization_mapping)")
+    return "\n".join(lines) + "\n"
 
-    qconfig = getattr(unit.module, "qconfig", None)
-    return qconfig is not None and _uses_per_channel(qconfig)
+
+def _observer_code(factory) -> str:
+    partial = getattr(factory, "p", factory)
+    func = getattr(partial, "func", partial)
+    keywords = {k: v for k, v in getattr(partial, "keywords", {}).items() if k != "factory_kwargs"}
+    args = ", ".join(f"{k}={_value_code(v)}" for k, v in keywords.items())
+    return f"{func.__name__}.with_args({args})" if args else func.__name__
+
+
+def _value_code(value) -> str:
+    if isinstance(value, (torch.dtype, torch.qscheme)):
+        return f"torch.{str(value).removeprefix('torch.')}"
+    return repr(value)
+
+
+def _is_dynamic(qconfig: QConfig) -> bool:
+    return bool(getattr(qconfig.activation(), "is_dynamic", False))

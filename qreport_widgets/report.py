@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from enum import Enum
 from typing import Any
 
@@ -22,8 +22,15 @@ from .errors import (
     ReportNotGeneratedError,
 )
 from .frame import MODULE, ReportFrame
-from .graph import OBSERVER_CONTAINER, ModelGraph
-from .qconfig import ModuleSettings, build_equalization_mapping, build_qconfig_mapping, suggested_settings
+from .graph import OBSERVER_CONTAINER, ModelGraph, Unit
+from .qconfig import (
+    ModuleSettings,
+    build_equalization_mapping,
+    build_qconfig_mapping,
+    current_settings,
+    suggested_settings,
+)
+from .session import QuantizationSession
 from .visualizer import ModelReportVisualizer
 
 
@@ -74,6 +81,7 @@ class ModelReport:
         self._graph: ModelGraph | None = None
         self._frame: ReportFrame | None = None
         self._batches_seen = 0
+        self._session: QuantizationSession | None = None
         self.analysis_inputs: Any = None  # set by analyze(): what a later re-quantization needs
 
     # ------------------------------------------------------------------ PyTorch-compatible API
@@ -168,8 +176,42 @@ class ModelReport:
         found = [s for r in self._results.values() for s in r.suggestions]
         return sorted(found, key=lambda s: order.get(s.module_fqn, len(order)))
 
+    def tunable_units(self) -> list[Unit]:
+        """The Linear / Conv modules whose settings a user can change, in forward order."""
+        return [u for u in self.graph.units.values() if u.is_linear or u.is_conv]
+
+    def current_settings(self) -> dict[str, ModuleSettings]:
+        return {u.fqn: current_settings(u) for u in self.tunable_units()}
+
     def suggested_settings(self) -> dict[str, ModuleSettings]:
-        return self._settings(lambda d: True)
+        """Every tunable module's settings with all suggestions accepted."""
+        return suggested_settings(self.tunable_units(), self.suggestions())
+
+    def suggested_qconfig_mapping(self, settings: Mapping[str, ModuleSettings] | None = None) -> QConfigMapping:
+        """The starting mapping with ``settings`` (default: every suggestion) layered on top.
+
+        Unlike generate_qconfig_mapping() the global and type entries of the starting mapping stay,
+        so no layer silently drops to float, and each module keeps the observers it had except
+        where a setting changes them.
+        """
+        settings = self.suggested_settings() if settings is None else settings
+        current = {u.fqn: getattr(u.module, "qconfig", None) for u in self.tunable_units()}
+        base = self.analysis_inputs.qconfig_mapping if self.analysis_inputs is not None else None
+        return build_qconfig_mapping(settings, base, current)
+
+    def suggested_equalization_mapping(self, settings: Mapping[str, ModuleSettings] | None = None) -> QConfigMapping:
+        return build_equalization_mapping(self.suggested_settings() if settings is None else settings)
+
+    @property
+    def session(self) -> QuantizationSession | None:
+        """The QuantizationSession for live tuning when this report came from analyze(), else None."""
+        if self._session is None and self.analysis_inputs is not None:
+            inputs = self.analysis_inputs
+            self._session = QuantizationSession(
+                inputs.float_model, inputs.example_inputs, inputs.calibration_data, inputs.eval_data, inputs.backend,
+                inputs.eval_fn, inputs.qconfig_mapping,
+            )  # fmt: skip
+        return self._session
 
     def features_by_module(self) -> OrderedDict[str, dict[str, Any]]:
         """PyTorch's visualizer input: module fqn -> merged features of every detector, forward order."""

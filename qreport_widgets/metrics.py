@@ -1,0 +1,84 @@
+"""Metrics of a quantized model against its float original: SQNR, per-layer SQNR, what converted."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.ao.ns._numeric_suite_fx as ns
+from torch.ao.ns.fx.utils import compute_sqnr
+
+from .calibration import call_with
+from .graph import ModelGraph
+
+_QUANTIZED_NAMESPACES = ("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized", "torch.nn.quantized")
+
+
+def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    """10 log10(signal power / noise power); inf for an exact match, NaN for an all-zero signal."""
+    reference, approximation = reference.double(), approximation.double()
+    signal = float(reference.pow(2).sum())
+    noise = float((reference - approximation).pow(2).sum())
+    if noise == 0:
+        return math.inf if signal > 0 else math.nan
+    return 10 * math.log10(signal / noise) if signal > 0 else math.nan
+
+
+def per_layer_sqnr(float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
+    """Output SQNR of every matched layer, from torch's Numeric Suite FX on one batch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logged_float, logged_quantized = ns.add_loggers(
+            "float", copy.deepcopy(float_model), "quantized", copy.deepcopy(quantized), ns.OutputLogger
+        )
+        with torch.no_grad():
+            call_with(logged_float, batch)
+            call_with(logged_quantized, batch)
+        results = ns.extract_logger_info(logged_float, logged_quantized, ns.OutputLogger, "quantized")
+        ns.extend_logger_results_with_comparison(results, "float", "quantized", compute_sqnr, "sqnr")
+        ns.maybe_add_missing_fqns(results)
+    values = {}
+    for layer, by_type in results.items():
+        for entries in by_type.values():
+            info = entries["quantized"][0]
+            name = info.get("fqn") or layer
+            values[name] = float(torch.as_tensor(info["sqnr"][0]).mean())
+    return pd.Series(values, name="SQNR (dB)", dtype=float)
+
+
+def quantization_summary(prepared: torch.fx.GraphModule, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per original layer type: total / quantized / float; and per module: float type -> converted type.
+
+    Only layers with weights are counted (Linear, Conv, norms, ...): element-wise modules keep their
+    type and simply run on whatever tensors reach them.
+    """
+    graph = ModelGraph.of(prepared)
+    rows = []
+    for fqn, unit in graph.units.items():
+        if unit.weight is None:
+            continue
+        try:
+            converted = quantized.get_submodule(fqn)
+        except AttributeError:
+            converted = None
+        kind = f"{type(converted).__module__}.{type(converted).__name__}" if converted is not None else "(folded away)"
+        rows.append(
+            {
+                "module": fqn,
+                "float type": unit.type_name,
+                "converted type": type(converted).__name__ if converted is not None else "(folded away)",
+                "quantized": kind.startswith(_QUANTIZED_NAMESPACES),
+            }
+        )
+    conversions = pd.DataFrame(rows, columns=["module", "float type", "converted type", "quantized"])
+    summary = (
+        conversions.groupby("float type", sort=False)["quantized"]
+        .agg(total="size", quantized="sum")
+        .assign(float=lambda df: df["total"] - df["quantized"])
+        .reset_index()
+    )
+    return summary, conversions
