@@ -1,8 +1,9 @@
 """The built-in demo: a small conv + transformer-style model with a problem for every detector.
 
 - ``meta_fc`` reads side features whose scale drifts from batch to batch (dynamic vs static);
-- ``mlp.fc1`` reads LayerNorm output whose per-channel gains span three orders of magnitude
-  (input-weight equalization);
+- ``head`` reads a LayerNorm whose per-channel gains span three orders of magnitude
+  (input-weight equalization); ``mlp.fc1`` has the same imbalance on a 3-D input, which torch's
+  equalization cannot handle, so the report says so instead of suggesting it;
 - image channel 0 carries rare large spikes (outliers at ``stem.conv``);
 - the starting mapping quantizes every weight per tensor (per-channel).
 
@@ -53,6 +54,7 @@ class DemoNet(nn.Module):
         self.down = ConvBlock(16, HIDDEN, stride=2)
         self.mlp = Mlp(HIDDEN)
         self.meta_fc = nn.Linear(META_FEATURES, HIDDEN)
+        self.neck = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, CLASSES)
 
     def forward(self, image: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,7 @@ class DemoNet(nn.Module):
         tokens = x.flatten(2).transpose(1, 2)  # (B, 64 tokens, C)
         tokens = self.mlp(tokens)
         pooled = tokens.mean(dim=1) + self.meta_fc(meta)
-        return self.head(pooled)
+        return self.head(self.neck(pooled))
 
 
 def build_demo_model(seed: int = 0) -> DemoNet:
@@ -75,8 +77,9 @@ def build_demo_model(seed: int = 0) -> DemoNet:
             block.bn.running_mean.zero_()
             block.bn.running_var.fill_(1.0)
         # LayerNorm gains spanning 1e-2 .. 1e1: fc1's input channels differ by orders of magnitude
-        model.mlp.norm.weight.copy_(torch.logspace(-2, 1, HIDDEN)[torch.randperm(HIDDEN, generator=generator)])
-        model.mlp.norm.bias.zero_()
+        for norm in (model.mlp.norm, model.neck):
+            norm.weight.copy_(torch.logspace(-2, 1, HIDDEN)[torch.randperm(HIDDEN, generator=generator)])
+            norm.bias.zero_()
     return model.eval()
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import warnings
 from typing import Any
 
 import pandas as pd
 import torch
 import torch.ao.ns._numeric_suite_fx as ns
+from torch.ao.ns.fx.mappings import get_unmatchable_types_map
 from torch.ao.ns.fx.utils import compute_sqnr
 
 from .calibration import call_with
@@ -30,11 +32,15 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
 
 def per_layer_sqnr(float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
     """Output SQNR of every matched layer, from torch's Numeric Suite FX on one batch."""
+    # input-weight equalization adds a mul before each equalized layer that the float model lacks
+    unmatchable = get_unmatchable_types_map()
+    unmatchable["funs_unmatchable"] = unmatchable["funs_unmatchable"] | {torch.mul, operator.mul}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         logged_float, logged_quantized = ns.add_loggers(
-            "float", copy.deepcopy(float_model), "quantized", copy.deepcopy(quantized), ns.OutputLogger
-        )
+            "float", copy.deepcopy(float_model), "quantized", copy.deepcopy(quantized), ns.OutputLogger,
+            unmatchable_types_map=unmatchable,
+        )  # fmt: skip
         with torch.no_grad():
             call_with(logged_float, batch)
             call_with(logged_quantized, batch)

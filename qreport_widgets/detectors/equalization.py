@@ -34,6 +34,7 @@ class EqualizationRecord:
     weight_min: np.ndarray  # per input channel, over the output channels that read it
     weight_max: np.ndarray
     comparison: np.ndarray  # s_c = sqrt(w_c / W) / sqrt(i_c / I), NaN where undefined
+    applicable: bool = True  # False where torch's FX equalization cannot equalize this layer
 
     @property
     def channel_recommended(self) -> np.ndarray:
@@ -89,15 +90,26 @@ class InputWeightEqualizationDetector(DetectorBase):
                 problem = "no calibration batch reached this layer"
             if problem:
                 notes.append(context.warn(unit.fqn, f"{problem}; equalization metrics are NaN"))
+            # torch's equalization observes dim 1 of a Linear's input, so it only works on 2-D inputs
+            ndim = seen.observer.observed_ndim or 2
+            applicable = not (unit.is_linear and ndim > 2)
             record = EqualizationRecord(
-                unit.fqn, self.ratio_threshold, seen.ch_axis, input_min, input_max, weight_min, weight_max, comparison
+                unit.fqn, self.ratio_threshold, seen.ch_axis, input_min, input_max, weight_min, weight_max, comparison, applicable
             )
             records.append(record)
-            if record.recommended:
-                flagged = int(record.channel_recommended.sum())
-                reason = f"{flagged}/{comparison.size} input channels are out of balance with their weights"
+            if not record.recommended:
+                continue
+            flagged = int(record.channel_recommended.sum())
+            reason = f"{flagged}/{comparison.size} input channels are out of balance with their weights"
+            if applicable:
                 suggestions.append(
                     Suggestion(unit.fqn, self.name, SuggestionKind.EQUALIZATION, reason, flagged / comparison.size)
+                )
+            else:
+                notes.append(
+                    f"{unit.fqn}: {reason}, but torch's input-weight equalization reads dim 1 of a Linear's input "
+                    f"and cannot equalize this {ndim}-D input; per-channel weights or keeping the layer in float "
+                    "are the options here"
                 )
         return DetectorResult(self.name, tuple(records), tuple(notes), tuple(suggestions))
 
@@ -105,7 +117,7 @@ class InputWeightEqualizationDetector(DetectorBase):
         lines = ["Input-weight equalization:"]
         for r in result.records:
             flagged, total = int(r.channel_recommended.sum()), r.comparison.size
-            verdict = "use" if r.recommended else "skip"
+            verdict = ("use" if r.applicable else "cannot apply (torch needs a 2-D input)") if r.recommended else "skip"
             lines.append(
                 f"  {r.module_fqn} (axis {r.ch_axis}): {verdict} equalization, {flagged}/{total} channels out of balance"
             )
