@@ -47,11 +47,12 @@ def per_layer_sqnr(float_model: torch.nn.Module, quantized: torch.nn.Module, bat
         results = ns.extract_logger_info(logged_float, logged_quantized, ns.OutputLogger, "quantized")
         ns.extend_logger_results_with_comparison(results, "float", "quantized", compute_sqnr, "sqnr")
         ns.maybe_add_missing_fqns(results)
+    modules = {n.name: str(n.target) for n in getattr(quantized, "graph", torch.fx.Graph()).nodes if n.op == "call_module"}
     values = {}
     for layer, by_type in results.items():
         for entries in by_type.values():
             info = entries["quantized"][0]
-            name = info.get("fqn") or layer
+            name = info.get("fqn") or modules.get(info.get("ref_node_name", layer), layer)
             values[name] = float(torch.as_tensor(info["sqnr"][0]).mean())
     return pd.Series(values, name="SQNR (dB)", dtype=float)
 

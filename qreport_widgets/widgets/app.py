@@ -9,6 +9,7 @@ import ipywidgets as w
 import pandas as pd
 
 from .controls import ExploreControls
+from .tuning import TuningPanel
 from .views import ExploreViews, ModuleCard, View
 
 if TYPE_CHECKING:
@@ -27,8 +28,9 @@ class ReportWidget(w.VBox):
         self.card = ModuleCard(self.frame)
         self.views.layout = w.Layout(flex="1 1 0%", min_width="480px")
         explore = w.VBox([self.controls, w.HBox([self.views, self.card], layout={"width": "100%"})])
-        self.tabs = w.Tab(children=[explore, w.HTML(self._model_html()), self._reports_accordion()])
-        for i, title in enumerate(("Explore", "Model", "Reports")):
+        self.tuning = TuningPanel(report)
+        self.tabs = w.Tab(children=[explore, self.tuning, w.HTML(self._model_html()), self._reports_accordion()])
+        for i, title in enumerate(("Explore", "Tune", "Model", "Reports")):
             self.tabs.set_title(i, title)
         super().__init__([self.header, self.tabs])
         self.controls.module.observe(self._on_module_change, names="value")

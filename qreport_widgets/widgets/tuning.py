@@ -1,0 +1,209 @@
+"""The Tune tab: per-module settings, Apply (prepare -> calibrate -> convert), run history."""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING
+
+import ipywidgets as w
+import numpy as np
+import pandas as pd
+
+from ..qconfig import InvalidSettingsError, ModuleSettings, mapping_as_code, validate
+
+if TYPE_CHECKING:
+    from ..report import ModelReport
+    from ..session import RunResult
+
+STATIC, DYNAMIC = "static", "dynamic"
+PER_TENSOR, PER_CHANNEL = "per-tensor", "per-channel"
+_SERIES_COLORS = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
+
+
+class SettingsRow(w.HBox):
+    """One module's editable settings; the reason for each suggestion is on hover and in the row."""
+
+    def __init__(self, fqn: str, type_name: str, is_linear: bool, reasons: list[str]) -> None:
+        self.fqn = fqn
+        tip = "; ".join(reasons) or "no suggestion"
+        self.activation = w.ToggleButtons(options=[STATIC, DYNAMIC], tooltips=["static activations", "dynamic (Linear only)"],
+                                          style={"button_width": "62px"}, disabled=not is_linear)  # fmt: skip
+        self.weight = w.ToggleButtons(options=[PER_TENSOR, PER_CHANNEL], style={"button_width": "82px"})
+        self.equalize = w.Checkbox(description="equalize", indent=False, layout={"width": "90px"})
+        self.keep_float = w.Checkbox(description="keep float", indent=False, layout={"width": "95px"})
+        label = w.HTML(f"<b>{html.escape(fqn)}</b><br><span style='color:#666'>{type_name}</span>",
+                       layout={"width": "150px"}, tooltip=tip)  # fmt: skip
+        why = w.HTML(f"<span style='font-size:11px;color:#444' title='{html.escape(tip)}'>{html.escape(tip)}</span>",
+                     layout={"width": "360px"})  # fmt: skip
+        super().__init__([label, self.activation, self.weight, self.equalize, self.keep_float, why],
+                         layout={"align_items": "center", "border_bottom": "1px solid #eee"})  # fmt: skip
+
+    @property
+    def settings(self) -> ModuleSettings:
+        return ModuleSettings(
+            dynamic=self.activation.value == DYNAMIC,
+            per_channel=self.weight.value == PER_CHANNEL,
+            equalize=self.equalize.value,
+            keep_float=self.keep_float.value,
+        )
+
+    @settings.setter
+    def settings(self, value: ModuleSettings) -> None:
+        with self.hold_sync():
+            self.activation.value = DYNAMIC if value.dynamic else STATIC
+            self.weight.value = PER_CHANNEL if value.per_channel else PER_TENSOR
+            self.equalize.value = value.equalize
+            self.keep_float.value = value.keep_float
+
+
+class TuningPanel(w.VBox):
+    """Edit settings, Apply them through the report's QuantizationSession, compare runs."""
+
+    def __init__(self, report: ModelReport) -> None:
+        self.report = report
+        self.session = report.session
+        units = report.tunable_units()
+        reasons = {}
+        for s in report.suggestions():
+            reasons.setdefault(s.module_fqn, []).append(f"{s.kind.value}: {s.reason}")
+        self.rows = {u.fqn: SettingsRow(u.fqn, u.type_name, u.is_linear, reasons.get(u.fqn, [])) for u in units}
+        self.accept = w.Button(description="Accept all suggestions", icon="check", layout={"width": "190px"})
+        self.reset = w.Button(description="Reset to default", icon="undo", layout={"width": "150px"})
+        self.apply = w.Button(description="Apply", icon="play", button_style="primary", layout={"width": "110px"})
+        self.progress = w.IntProgress(value=0, min=0, max=1, layout={"width": "220px", "visibility": "hidden"})
+        self.status = w.HTML()
+        self.error = w.HTML()
+        self.history = w.HTML()
+        self.summary = w.HTML()
+        self.code = w.Textarea(layout={"width": "100%", "height": "160px"}, description="", placeholder="")
+        self.figure, self.bars, self.x_scale = _sqnr_figure()
+        self._busy = False
+        self.accept.on_click(self._on_accept_click)
+        self.reset.on_click(self._on_reset_click)
+        self.apply.on_click(self._on_apply_click)
+        header = w.HTML("<span style='color:#666'>module · activation · weights · equalization · keep float · why</span>")
+        buttons = w.HBox([self.accept, self.reset, self.apply, self.progress, self.status], layout={"align_items": "center"})
+        rows = w.VBox(list(self.rows.values()), layout={"max_height": "300px", "overflow_y": "auto"})
+        results = w.Accordion(
+            children=[self.summary, self.code], titles=("Quantization summary of the last run", "QConfigMapping as Python")
+        )
+        super().__init__([header, rows, buttons, self.error, self.history, self.figure, results])
+        self._set_all(report.current_settings())
+        if self.session is None:
+            for control in (self.accept, self.reset, self.apply):
+                control.disabled = True
+            self.status.value = ("<i>Live tuning needs the float model and data: build the report with "
+                                 "qreport_widgets.analyze(model, example_inputs, calibration_data).</i>")  # fmt: skip
+        self._show_code()
+
+    # ---- handlers ------------------------------------------------------------------------------
+    def _on_accept_click(self, _button: w.Button) -> None:
+        self._set_all(self.report.suggested_settings())
+        self._show_code()
+
+    def _on_reset_click(self, _button: w.Button) -> None:
+        self._set_all(self.report.current_settings())
+        self._show_code()
+
+    def _on_apply_click(self, _button: w.Button) -> None:
+        if self._busy:  # ipywidgets queues clicks; a second one while running is dropped
+            self.status.value = "<i>A run is in progress; that click was ignored.</i>"
+            return
+        settings = self.settings()
+        try:
+            units = {u.fqn: u for u in self.report.tunable_units()}
+            for fqn, choice in settings.items():
+                validate(units[fqn], choice)
+        except InvalidSettingsError as error:
+            self.error.value = f"<span style='color:#b00'>{html.escape(str(error))}</span>"
+            return
+        self._busy = True
+        self._enable(False)
+        self.error.value = ""
+        try:
+            if not self.session.history:
+                self._run_with_progress("baseline", lambda cb: self.session.baseline(progress=cb))
+            mapping = self.report.suggested_qconfig_mapping(settings)
+            equalization = self.report.suggested_equalization_mapping(settings)
+            label = f"run {len(self.session.history)}"
+            result = self._run_with_progress(label, lambda cb: self.session.run(mapping, equalization, label=label, progress=cb))
+            if result.ok:
+                self.status.value = f"{html.escape(result.label)}: output SQNR {result.output_sqnr_db:.2f} dB"
+            else:
+                self.status.value = "<i>Run failed; the previous results are kept.</i>"
+                self.error.value = f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(result.error)}</pre>"
+            self._show_results(result if result.ok else None)
+        except Exception as error:  # never leave the buttons disabled
+            self.error.value = f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(repr(error))}</pre>"
+        finally:
+            self._busy = False
+            self._enable(True)
+            self.progress.layout.visibility = "hidden"
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def settings(self) -> dict[str, ModuleSettings]:
+        return {fqn: row.settings for fqn, row in self.rows.items()}
+
+    def _set_all(self, settings: dict[str, ModuleSettings]) -> None:
+        with self.hold_sync():
+            for fqn, row in self.rows.items():
+                row.settings = settings.get(fqn, ModuleSettings())
+
+    def _enable(self, enabled: bool) -> None:
+        for control in (self.accept, self.reset, self.apply):
+            control.disabled = not enabled
+
+    def _run_with_progress(self, label: str, run) -> RunResult:
+        self.progress.value, self.progress.max = 0, 1
+        self.progress.layout.visibility = "visible"
+        self.status.value = f"{html.escape(label)}: calibrating"
+
+        def on_batch(done: int, total: int | None) -> None:
+            self.progress.max = total or max(done, 1)
+            self.progress.value = done
+            self.status.value = f"{html.escape(label)}: calibrating {done}/{total or '?'}"
+
+        return run(on_batch)
+
+    def _show_code(self) -> None:
+        settings = self.settings()
+        self.code.value = mapping_as_code(
+            self.report.suggested_qconfig_mapping(settings), self.report.suggested_equalization_mapping(settings)
+        )
+
+    def _show_results(self, latest: RunResult | None) -> None:
+        runs, layers = self.session.compare()
+        with self.hold_sync():
+            self.history.value = "<h4 style='margin:6px 0'>Runs</h4>" + runs.to_html(
+                index=False, float_format=lambda v: f"{v:.3g}", border=0
+            )
+            self._draw_layers(layers)
+            if latest is not None:
+                self.summary.value = latest.summary.to_html(index=False, border=0) + latest.conversions.to_html(
+                    index=False, border=0
+                )
+                self._show_code()
+
+    def _draw_layers(self, layers: pd.DataFrame) -> None:
+        layers = layers.replace([np.inf, -np.inf], np.nan)
+        with self.figure.hold_sync():
+            self.x_scale.domain = list(layers.index)
+            with self.bars.hold_sync():
+                self.bars.x = list(layers.index)
+                self.bars.y = layers.T.to_numpy(dtype=np.float32, na_value=0.0)
+                self.bars.labels = list(layers.columns)
+                self.bars.colors = _SERIES_COLORS[: len(layers.columns)]
+
+
+def _sqnr_figure():
+    import bqplot as bq
+
+    x_scale, y_scale = bq.OrdinalScale(), bq.LinearScale(min=0.0)
+    bars = bq.Bars(x=[], y=np.zeros((0, 0), np.float32), scales={"x": x_scale, "y": y_scale}, type="grouped",
+                   display_legend=True, labels=[], colors=_SERIES_COLORS[:1], padding=0.15,
+                   tooltip=bq.Tooltip(fields=["x", "y"], labels=["layer", "SQNR (dB)"], formats=["", ".1f"]))  # fmt: skip
+    axes = [bq.Axis(scale=x_scale, label="layer", tick_rotate=-30, tick_style={"font-size": "9px"}),
+            bq.Axis(scale=y_scale, orientation="vertical", label="SQNR (dB)")]  # fmt: skip
+    figure = bq.Figure(marks=[bars], axes=axes, title="Per-layer SQNR, runs side by side", legend_location="top-right",
+                       fig_margin={"top": 40, "bottom": 70, "left": 60, "right": 20}, layout={"width": "100%", "height": "320px"})  # fmt: skip
+    return figure, bars, x_scale

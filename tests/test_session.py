@@ -1,0 +1,137 @@
+"""QuantizationSession and the Tune tab: real prepare_fx -> calibrate -> convert_fx runs."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import qreport_widgets as qw
+from qreport_widgets import demo
+from qreport_widgets.qconfig import InvalidSettingsError, ModuleSettings, mapping_as_code, validate
+from qreport_widgets.session import QuantizationSession
+
+
+@pytest.fixture(scope="module")
+def analyzed():
+    model = demo.build_demo_model()
+    batches = demo.demo_batches(6)
+    snapshot = copy.deepcopy(model)
+    report = qw.analyze(model, batches[0], batches, qconfig_mapping=demo.demo_qconfig_mapping(), progress=False)
+    return model, snapshot, report
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_baseline_and_suggestions_are_measured(analyzed):
+    _, _, report = analyzed
+    session = report.session
+    baseline = session.baseline()
+    assert baseline.ok and baseline is session.baseline()  # cached
+    suggested = session.run(report.suggested_qconfig_mapping(), report.suggested_equalization_mapping(), label="suggested")
+    assert suggested.ok, suggested.error
+    assert suggested.output_sqnr_db > baseline.output_sqnr_db + 3  # dynamic meta_fc and equalized head
+    assert suggested.per_layer_sqnr_db["meta_fc"] > baseline.per_layer_sqnr_db["meta_fc"] + 10
+    assert {"meta_fc", "head", "stem.conv"} <= set(suggested.per_layer_sqnr_db.index)
+    assert baseline.size_bytes > 0 and baseline.latency_ms > 0 and "held out" in baseline.eval_batches
+    runs, layers = session.compare()
+    assert list(runs["run"])[:2] == ["baseline", "suggested"] and "suggested" in layers.columns
+    conversions = suggested.conversions.set_index("module")
+    assert conversions.loc["meta_fc", "converted type"] == "Linear" and conversions.loc["meta_fc", "quantized"]
+    # equalizing head keeps the LayerNorm before it in float: torch puts the float scale there
+    assert not conversions.loc["neck", "quantized"] and suggested.quantized_layers == baseline.quantized_layers - 1
+
+
+def test_suggested_mapping_keeps_the_starting_mapping(analyzed):
+    _, _, report = analyzed
+    mapping = report.suggested_qconfig_mapping()
+    assert mapping.global_qconfig is not None  # the starting mapping's global entry stays
+    upstream_style = report.generate_qconfig_mapping()
+    assert upstream_style.global_qconfig is None
+    result = report.session.run(mapping, label="no equalization")
+    baseline = report.session.baseline()
+    assert result.quantized_layers == baseline.quantized_layers
+
+
+def test_invalid_settings_are_refused(analyzed):
+    _, _, report = analyzed
+    units = {u.fqn: u for u in report.tunable_units()}
+    with pytest.raises(InvalidSettingsError, match="dynamic quantization needs a Linear"):
+        validate(units["stem.conv"], ModuleSettings(dynamic=True))
+    with pytest.raises(InvalidSettingsError, match="static"):
+        validate(units["head"], ModuleSettings(dynamic=True, equalize=True))
+
+
+def test_failed_run_keeps_history(analyzed):
+    _, _, report = analyzed
+    session = report.session
+    before = list(session.history)
+    session.calibration_data.append((torch.randn(2, 5), torch.randn(2, 3)))  # a batch of the wrong shape
+    try:
+        result = session.run(report.suggested_qconfig_mapping(), label="broken")
+    finally:
+        session.calibration_data.pop()
+    assert not result.ok and "batch 5 failed" in result.error and session.history == before
+
+
+def test_mapping_as_code_runs(analyzed):
+    _, _, report = analyzed
+    namespace: dict = {}
+    exec(mapping_as_code(report.suggested_qconfig_mapping(), report.suggested_equalization_mapping()), namespace)
+    built = namespace["qconfig_mapping"]
+    assert set(built.module_name_qconfigs) == {u.fqn for u in report.tunable_units()}
+    assert list(namespace["equalization_mapping"].module_name_qconfigs) == ["head"]
+
+
+def test_tuning_panel_apply_accept_reset_and_errors(analyzed):
+    model, snapshot, report = analyzed
+    widget = report.widget()
+    tuning = widget.tuning
+    tuning.accept.click()
+    assert tuning.rows["meta_fc"].settings.dynamic and tuning.rows["head"].settings.equalize
+    assert tuning.rows["stem.conv"].activation.disabled  # dynamic is Linear-only
+    tuning.apply.click()
+    assert "output SQNR" in tuning.status.value and not tuning.error.value
+    runs = len(report.session.history)
+    assert "baseline" in tuning.history.value and tuning.bars.y.shape[0] == runs
+    assert not tuning.apply.disabled
+    tuning.rows["head"].activation.value = "dynamic"  # with equalize: refused before running
+    tuning.apply.click()
+    assert "static" in tuning.error.value and len(report.session.history) == runs
+    tuning.reset.click()
+    assert not tuning.rows["meta_fc"].settings.dynamic and not tuning.rows["head"].settings.equalize
+    tuning._busy = True  # a click that arrives while a run is in progress
+    tuning.apply.click()
+    assert "ignored" in tuning.status.value and len(report.session.history) == runs
+    tuning._busy = False
+    tuning.apply.click()
+    assert len(report.session.history) == runs + 1
+    # the caller's float model is bit-identical after analyze, the widget and three Applies
+    for (name, a), b in zip(model.state_dict().items(), snapshot.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert str(model) == str(snapshot)
+    assert torch.fx.symbolic_trace(model).code == torch.fx.symbolic_trace(snapshot).code
+
+
+def test_report_without_session_disables_tuning():
+    from conftest import prepared, run
+    from models import ConvNet, conv_batches
+
+    report = qw.ModelReport(prepared(ConvNet(), conv_batches()[0]), [qw.OutlierDetector()])
+    run(report.prepare_detailed_calibration(), conv_batches())
+    tuning = report.widget().tuning
+    assert report.session is None and tuning.apply.disabled and "analyze(" in tuning.status.value
+
+
+def test_session_with_own_eval_data_and_metric():
+    batches = demo.demo_batches(3)
+    session = QuantizationSession(demo.build_demo_model(), batches[0], batches, eval_data=batches[:1],
+                                  eval_fn=lambda m: 0.5, qconfig_mapping=demo.demo_qconfig_mapping())  # fmt: skip
+    result = session.baseline()
+    assert result.ok and result.eval_metric == 0.5 and result.eval_batches == "the eval_data you passed"
+    assert "your metric" in session.compare()[0].columns
+    assert math.isfinite(result.mean_batch_sqnr_db)
