@@ -204,6 +204,8 @@ def _sqnr_figure():
                    tooltip=bq.Tooltip(fields=["x", "y"], labels=["layer", "SQNR (dB)"], formats=["", ".1f"]))  # fmt: skip
     axes = [bq.Axis(scale=x_scale, label="layer", tick_rotate=-30, tick_style={"font-size": "9px"}),
             bq.Axis(scale=y_scale, orientation="vertical", label="SQNR (dB)")]  # fmt: skip
-    figure = bq.Figure(marks=[bars], axes=axes, title="Per-layer SQNR, runs side by side", legend_location="top-right",
-                       fig_margin={"top": 40, "bottom": 70, "left": 60, "right": 20}, layout={"width": "100%", "height": "320px"})  # fmt: skip
+    figure = bq.Figure(
+        marks=[bars], axes=axes, title="Per-layer SQNR, runs side by side", legend_location="top-right",
+        fig_margin={"top": 40, "bottom": 70, "left": 60, "right": 20}, layout={"width": "100%", "height": "320px"},
+    )  # fmt: skip
     return figure, bars, x_scale
