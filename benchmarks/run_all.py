@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import platform
 
+import apply_cost
 import calibration_overhead
 import memory
 import report_build
 import torch
+import widget_interaction
 from common import CASES, THREADS, setup
 
 
@@ -39,6 +41,16 @@ def main() -> None:
         f"Report + tables, ResNet-50 layout ({row['modules']} modules, {row['channels']} channel rows): "
         f"generate_model_report {row['report_s']:.3f} s + ReportFrame {row['frame_s']:.3f} s = {row['total_s']:.3f} s"
     )
+    row = widget_interaction.measure()
+    print(
+        f"Widget: first state {row['first_state_s']:.3f} s; dropdown change to a {row['channels']}-channel module "
+        f"{row['change_ms']:.1f} ms in the kernel, {row['sent_kb']:.1f} KB sent"
+    )
+    for case in ("demo", "resnet18 8x3x224x224"):
+        row = apply_cost.measure(case, repeats)
+        print(
+            f"Apply, {case}: {row['apply_s']:.3f} s vs bare prepare_fx + calibrate + convert_fx {row['bare_s']:.3f} s = {row['ratio']:.2f}x"
+        )
     for name in ("resnet18 8x3x224x224", "mlp-blocks 8x128x768"):
         row = memory.measure(name)
         print(

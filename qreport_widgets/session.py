@@ -26,8 +26,6 @@ from .errors import CalibrationError
 from .metrics import per_layer_sqnr, quantization_summary, sqnr_db
 from .pipeline import prepare
 
-LATENCY_REPEATS = 5
-
 
 @dataclass
 class RunResult:
@@ -38,7 +36,7 @@ class RunResult:
     output_sqnr_db: float
     per_layer_sqnr_db: pd.Series
     size_bytes: int
-    latency_ms: float
+    latency_ms: float  # median seconds per evaluation batch, in ms
     duration_s: float
     error: str | None = None
     label: str = ""
@@ -164,9 +162,13 @@ class QuantizationSession:
 
     def _measure(self, quantized, prepared, mapping, equalization, label) -> RunResult:
         reference = self._reference_outputs()
+        outputs, seconds = [], []
         with torch.no_grad():
             try:
-                outputs = [_tensor_output(call_with(quantized, b)) for b in self.eval_data]
+                for batch in self.eval_data:
+                    start = time.perf_counter()
+                    outputs.append(_tensor_output(call_with(quantized, batch)))
+                    seconds.append(time.perf_counter() - start)
             except Exception as error:
                 raise CalibrationError(f"{label}: the quantized model failed on the evaluation data: {error}") from error
         batch_sqnr = [sqnr_db(r, o) for r, o in zip(reference, outputs, strict=True)]
@@ -177,7 +179,7 @@ class QuantizationSession:
             output_sqnr_db=sqnr_db(torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs])),
             per_layer_sqnr_db=per_layer_sqnr(self._float, quantized, self.eval_data[0]),
             size_bytes=_serialized_size(quantized),
-            latency_ms=_latency_ms(quantized, self.eval_data[0]),
+            latency_ms=float(np.median(seconds) * 1000),
             duration_s=0.0,
             label=label,
             mean_batch_sqnr_db=float(np.mean(batch_sqnr)),
@@ -220,13 +222,3 @@ def _serialized_size(model: torch.nn.Module) -> int:
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     return buffer.getbuffer().nbytes
-
-
-def _latency_ms(model: torch.nn.Module, batch: Any) -> float:
-    times = []
-    with torch.no_grad():
-        for _ in range(LATENCY_REPEATS):
-            start = time.perf_counter()
-            call_with(model, batch)
-            times.append(time.perf_counter() - start)
-    return float(np.median(times) * 1000)
