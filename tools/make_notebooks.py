@@ -43,6 +43,28 @@ QUICKSTART = [
     ("code", "report.widget()"),
     ("md", "## What the detectors suggest"),
     ("code", "report.frame().suggestions[['module', 'kind', 'reason']]"),
+    (
+        "md",
+        "## Tune and re-quantize\n\n"
+        "In the widget's **Tune** tab, *Accept all suggestions* fills in every module's settings and "
+        "**Apply** re-runs `prepare_fx` -> calibration -> `convert_fx` on a pristine copy of the model, "
+        "then adds the run to the history next to the baseline. The same from code:",
+    ),
+    (
+        "code",
+        "session = report.session\n"
+        "baseline = session.baseline()\n"
+        "tuned = session.run(report.suggested_qconfig_mapping(), report.suggested_equalization_mapping(), label='suggested')\n"
+        "runs, per_layer = session.compare()\n"
+        "runs  # NBVAL_IGNORE_OUTPUT",
+    ),
+    ("code", "per_layer.round(1)  # NBVAL_IGNORE_OUTPUT"),
+    (
+        "md",
+        "The dynamic activation on `meta_fc` (whose input scale drifts between batches) and the equalized "
+        "`head` raise the output SQNR; equalizing `head` keeps the LayerNorm before it in float, which the "
+        "*quantized layers* column shows.",
+    ),
 ]
 
 

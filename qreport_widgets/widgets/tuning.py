@@ -27,8 +27,11 @@ class SettingsRow(w.HBox):
         self.fqn = fqn
         tip = "; ".join(reasons) or "no suggestion"
         self.activation = w.ToggleButtons(options=[STATIC, DYNAMIC], tooltips=["static activations", "dynamic (Linear only)"],
-                                          style={"button_width": "62px"}, disabled=not is_linear)  # fmt: skip
-        self.weight = w.ToggleButtons(options=[PER_TENSOR, PER_CHANNEL], style={"button_width": "82px"})
+                                          style={"button_width": "72px"}, disabled=not is_linear,
+                                          layout={"width": "170px", "flex": "0 0 auto"})  # fmt: skip
+        self.weight = w.ToggleButtons(
+            options=[PER_TENSOR, PER_CHANNEL], style={"button_width": "96px"}, layout={"width": "225px", "flex": "0 0 auto"}
+        )
         self.equalize = w.Checkbox(description="equalize", indent=False, layout={"width": "90px"})
         self.keep_float = w.Checkbox(description="keep float", indent=False, layout={"width": "95px"})
         label = w.HTML(f"<b>{html.escape(fqn)}</b><br><span style='color:#666'>{type_name}</span>",
@@ -78,6 +81,7 @@ class TuningPanel(w.VBox):
         self.code = w.Textarea(layout={"width": "100%", "height": "160px"}, description="", placeholder="")
         self.figure, self.bars, self.x_scale = _sqnr_figure()
         self._busy = False
+        self._applied = 0
         self.accept.on_click(self._on_accept_click)
         self.reset.on_click(self._on_reset_click)
         self.apply.on_click(self._on_apply_click)
@@ -87,7 +91,8 @@ class TuningPanel(w.VBox):
         results = w.Accordion(
             children=[self.summary, self.code], titles=("Quantization summary of the last run", "QConfigMapping as Python")
         )
-        super().__init__([header, rows, buttons, self.error, self.history, self.figure, results])
+        # the SQNR figure joins after the first run: a bqplot figure laid out in a hidden tab has no size
+        super().__init__([header, rows, buttons, self.error, self.history, results])
         self._set_all(report.current_settings())
         if self.session is None:
             for control in (self.accept, self.reset, self.apply):
@@ -125,7 +130,8 @@ class TuningPanel(w.VBox):
                 self._run_with_progress("baseline", lambda cb: self.session.baseline(progress=cb))
             mapping = self.report.suggested_qconfig_mapping(settings)
             equalization = self.report.suggested_equalization_mapping(settings)
-            label = f"run {len(self.session.history)}"
+            self._applied += 1
+            label = f"apply {self._applied}"
             result = self._run_with_progress(label, lambda cb: self.session.run(mapping, equalization, label=label, progress=cb))
             if result.ok:
                 self.status.value = f"{html.escape(result.label)}: output SQNR {result.output_sqnr_db:.2f} dB"
@@ -178,6 +184,8 @@ class TuningPanel(w.VBox):
                 index=False, float_format=lambda v: f"{v:.3g}", border=0
             )
             self._draw_layers(layers)
+            if self.figure not in self.children:
+                self.children = (*self.children[:5], self.figure, *self.children[5:])
             if latest is not None:
                 self.summary.value = latest.summary.to_html(index=False, border=0) + latest.conversions.to_html(
                     index=False, border=0
