@@ -29,8 +29,8 @@ _MAX_EXPONENT = 127.0
 def percentile_rank(q: float, n: int) -> int:
     """1-based rank of the ``q`` percentile of ``n`` values, "lower" interpolation.
 
-    Computed in float32 like ``torch.quantile(..., interpolation="lower")`` so both pick the same
-    element; unlike ``torch.quantile`` it has no size limit because the value is found by selection.
+    Computed in float32 like PyTorch's quantile with ``interpolation="lower"`` so both pick the same
+    element; unlike that function it has no size limit, because the value is found by selection.
     """
     position = np.float32(q) * np.float32(n - 1)
     return int(np.floor(position)) + 1
