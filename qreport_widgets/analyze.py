@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -55,16 +56,16 @@ def analyze(
     instrumented = report.prepare_detailed_calibration()
     batches = calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress)
     report.generate_model_report(remove_inserted_observers=False)
+    # a pristine copy as it was analyzed: later edits to the caller's model do not leak into tuning
     report.analysis_inputs = AnalysisInputs(
-        float_model, example_inputs, calibration_data, mapping, backend, batches, eval_data, eval_fn
+        copy.deepcopy(float_model).eval(), example_inputs, calibration_data, mapping, backend, batches, eval_data, eval_fn
     )
     return report
 
 
 @dataclass
 class AnalysisInputs:
-    """What analyze() was given, kept for re-running quantization later (the float model by reference;
-    the session deep-copies it)."""
+    """What analyze() was given, kept for re-running quantization later (a copy of the float model)."""
 
     float_model: torch.nn.Module
     example_inputs: tuple[Any, ...]
