@@ -1,7 +1,7 @@
 """The quickstart in JupyterLab in headless Chromium: pick a module, Apply, see the new run.
 
-Needs Debian's chromium (``apt-get install -y chromium``); ``.ci/run`` installs it. Without it the
-test fails loudly with that command rather than passing silently.
+Needs Debian's chromium (``apt-get install -y chromium``); ``.ci/run`` installs it, and under CI
+a missing Chromium fails the test. Elsewhere the test reports itself as not run, with the command.
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     if not Path(CHROMIUM).exists():
-        pytest.fail("Chromium is missing: install it with `apt-get install -y chromium` (never `playwright install`)")
+        message = "NOT RUN: Chromium is missing; install it with `apt-get install -y chromium` (not `playwright install`)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
     tmp = tmp_path_factory.mktemp("lab")
     for name, values in {
         "docmanager-extension/plugin": {"autosave": False},
