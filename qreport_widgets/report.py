@@ -187,16 +187,20 @@ class ModelReport:
         """Every tunable module's settings with all suggestions accepted."""
         return suggested_settings(self.tunable_units(), self.suggestions())
 
-    def suggested_qconfig_mapping(self, settings: Mapping[str, ModuleSettings] | None = None) -> QConfigMapping:
+    def suggested_qconfig_mapping(
+        self, settings: Mapping[str, ModuleSettings] | None = None, base: QConfigMapping | None = None
+    ) -> QConfigMapping:
         """The starting mapping with ``settings`` (default: every suggestion) layered on top.
 
         Unlike generate_qconfig_mapping() the global and type entries of the starting mapping stay,
         so no layer silently drops to float, and each module keeps the observers it had except
-        where a setting changes them.
+        where a setting changes them. ``base`` defaults to the mapping analyze() prepared with; pass
+        the mapping you prepared with when the report came from ModelReport directly.
         """
         settings = self.suggested_settings() if settings is None else settings
         current = {u.fqn: getattr(u.module, "qconfig", None) for u in self.tunable_units()}
-        base = self.analysis_inputs.qconfig_mapping if self.analysis_inputs is not None else None
+        if base is None and self.analysis_inputs is not None:
+            base = self.analysis_inputs.qconfig_mapping
         return build_qconfig_mapping(settings, base, current)
 
     def suggested_equalization_mapping(self, settings: Mapping[str, ModuleSettings] | None = None) -> QConfigMapping:
