@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch.fx
@@ -26,8 +26,11 @@ class Placement:
     stats: set[Stat] = field(default_factory=set)
     percentiles: list[float] = field(default_factory=list)
     histogram_bins: int = 0
+    factory: Callable[[int], nn.Module] | None = None
 
-    def build(self) -> ModelReportObserver:
+    def build(self) -> nn.Module:
+        if self.factory is not None:
+            return self.factory(self.ch_axis)
         percentiles = self.percentiles or [0.9]
         return ModelReportObserver(
             self.ch_axis,
@@ -56,6 +59,13 @@ def plan(graph: ModelGraph, requests: Iterable[ObservationRequest]) -> tuple[lis
         if located is None:
             continue
         node, axis = located
+        if request.observer_factory is not None:
+            if not request.tag.isidentifier():
+                raise ValueError(f"an observer tag must be an identifier, got {request.tag!r}")
+            name = f"{node.name}_{request.tag}"
+            placements.setdefault((name, axis), Placement(name, node, axis, factory=request.observer_factory))
+            index[(request.unit, request.side.value, request.tag)] = name
+            continue
         if not request.stats & _PER_CHANNEL and Stat.HISTOGRAM not in request.stats:
             pending_range_only.append((request, node, axis))
             continue
@@ -66,7 +76,7 @@ def plan(graph: ModelGraph, requests: Iterable[ObservationRequest]) -> tuple[lis
     for request, node, axis in pending_range_only:
         key = (request.unit, request.side.value, request.ch_axis)
         placement = by_name.get(index.get(key, ""))
-        placement = placement or next((p for (n, _), p in placements.items() if n == node.name), None)
+        placement = placement or next((p for (n, _), p in placements.items() if n == node.name and p.factory is None), None)
         placement = placement or _placement(placements, node, axis)
         by_name[placement.name] = placement
         _merge(placement, request)

@@ -252,7 +252,7 @@ class ModelReport:
     def calibration_batches(self) -> int:
         """Most batches any observer saw (0 before calibration or after the observers were removed)."""
         container = getattr(self._model, OBSERVER_CONTAINER, None)
-        counts = [o.num_batches_tracked for o in container.children()] if container is not None else []
+        counts = [getattr(o, "num_batches_tracked", 0) for o in container.children()] if container is not None else []
         return max(counts, default=self._batches_seen)
 
     def generate_visualizer(self) -> ModelReportVisualizer:
@@ -269,7 +269,7 @@ class ModelReport:
     def _analyze(self) -> None:
         container = getattr(self._model, OBSERVER_CONTAINER)
         observers = list(container.children())
-        if observers and not any(o.num_batches_tracked for o in observers):
+        if observers and not any(getattr(o, "num_batches_tracked", 1) for o in observers):
             raise NotCalibratedError(
                 "no calibration batch reached any observer; run your calibration data through the model "
                 "returned by prepare_detailed_calibration() (not the float model) before generating the report"
@@ -277,7 +277,7 @@ class ModelReport:
         context = ReportContext(self._graph or ModelGraph.of(self._model), dict(container.index))
         self._results = {d.get_detector_name(): d.analyze(context) for d in self._detectors}
         self._frame = None
-        self._batches_seen = max((o.num_batches_tracked for o in observers), default=0)
+        self._batches_seen = max((getattr(o, "num_batches_tracked", 0) for o in observers), default=0)
 
     def _require_results(self) -> None:
         if self._results:

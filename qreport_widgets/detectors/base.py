@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -31,6 +32,10 @@ class ObservationRequest:
     percentile: float | None = None
     ch_axis: int | None = None  # None: the unit's default axis (Conv: 1, Linear: last)
     histogram_bins: int = 0
+    # a detector's own observer: ``observer_factory(channel_axis)`` builds it, ``tag`` (an
+    # identifier) names it; it gets the tensor alone and must return it unchanged
+    observer_factory: Callable[[int], nn.Module] | None = None
+    tag: str = ""
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,11 @@ class ReportContext:
         ndim = observer.observed_ndim or 0
         axis = observer.ch_axis % ndim if ndim and -ndim <= observer.ch_axis < ndim else observer.ch_axis
         return ObservedTensor(observer, axis)
+
+    def observer(self, unit: str, side: Side, tag: str) -> nn.Module | None:
+        """A detector's own observer (see ``ObservationRequest.observer_factory``), or None."""
+        name = self.index.get((unit, side.value, tag))
+        return None if name is None else getattr(self.graph.model, OBSERVER_CONTAINER).get_submodule(name)
 
     def warn(self, module_fqn: str, message: str) -> str:
         text = f"{module_fqn}: {message}"
