@@ -23,15 +23,6 @@ def call_with(model: torch.nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
-def first_batch(data: CalibrationData) -> Any:
-    """The first batch of an iterable (for example inputs); None for a callable."""
-    if callable(data):
-        return None
-    for batch in data:
-        return batch
-    return None
-
-
 def calibrate(
     model: torch.nn.Module,
     data: CalibrationData,

@@ -36,7 +36,6 @@ class SuggestionKind(str, Enum):
     """What a detector can recommend for a module."""
 
     DYNAMIC = "dynamic"
-    STATIC = "static"
     PER_CHANNEL = "per_channel"
     EQUALIZATION = "equalization"
     OUTLIERS = "outliers"

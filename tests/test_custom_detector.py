@@ -1,71 +1,29 @@
-"""A detector written outside the package, with its own observer, shows up everywhere."""
+"""The detector notebook 04 writes, with its own observer, shows up in the report and the widget."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
 
+import nbformat
 import numpy as np
-import torch
-from torch import nn
 
 import qreport_widgets as qw
 from qreport_widgets import demo
-from qreport_widgets.detectors import DetectorResult, ObservationRequest
-from qreport_widgets.features import Side, Stat
 
 
-class ZeroFraction(nn.Module):
-    """Counts exact zeros per channel; returns its input untouched."""
-
-    def __init__(self, ch_axis: int) -> None:
-        super().__init__()
-        self.ch_axis = ch_axis
-        self.register_buffer("zeros", torch.zeros(0))
-        self.register_buffer("total", torch.zeros(()))
-        self.num_batches_tracked = 0
-
-    def forward(self, x):
-        axis = self.ch_axis % x.dim()
-        dims = [d for d in range(x.dim()) if d != axis]
-        zeros = (x == 0).sum(dim=dims).float()
-        self.zeros = zeros if self.zeros.numel() == 0 else self.zeros + zeros
-        self.total += x.numel() / x.shape[axis]
-        self.num_batches_tracked += 1
-        return x
-
-
-@dataclass(frozen=True)
-class SparsityRecord:
-    module_fqn: str
-    zero_fraction: np.ndarray
-
-
-class SparsityDetector(qw.DetectorBase):
-    name = "sparsity_detector"
-
-    def requests(self, graph):
-        return [
-            ObservationRequest(fqn, Side.INPUT, frozenset({Stat.RANGE}), observer_factory=ZeroFraction, tag="zeros")
-            for fqn in graph.units
-        ]
-
-    def analyze(self, context):
-        records = []
-        for fqn in context.graph.units:
-            observer = context.observer(fqn, Side.INPUT, "zeros")
-            if observer is not None and observer.num_batches_tracked:
-                records.append(SparsityRecord(fqn, (observer.zeros / observer.total).numpy()))
-        return DetectorResult(self.name, tuple(records))
-
-    def upstream_dict(self, record):
-        return {"input_activation_zero_fraction": torch.from_numpy(record.zero_fraction)}
+def _notebook_code() -> dict:
+    """The observer and detector exactly as notebooks/04_custom_detector.ipynb defines them."""
+    notebook = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / "04_custom_detector.ipynb", 4)
+    namespace: dict = {}
+    for cell in [c for c in notebook.cells if c.cell_type == "code"][:2]:
+        exec(cell.source, namespace)
+    return namespace
 
 
 def test_custom_detector_features_reach_report_frame_and_widget():
     batches = demo.demo_batches(3)
-    report = qw.analyze(
-        demo.build_demo_model(), batches[0], batches, detectors=[SparsityDetector(), qw.OutlierDetector()], progress=False
-    )
+    detector = _notebook_code()["SparsityDetector"]()
+    report = qw.analyze(demo.build_demo_model(), batches[0], batches, detectors=[detector, qw.OutlierDetector()], progress=False)
     features = report.generate_model_report()["sparsity_detector"][1]
     # down.conv reads the ReLU output of stem.conv: about half of its values are exact zeros
     assert 0.2 < float(features["down.conv"]["input_activation_zero_fraction"].mean()) < 0.8

@@ -83,6 +83,10 @@ def test_frame_values_and_feature_lists():
     assert frame.modules["module_type"].tolist()[:2] == ["Conv2d", "MaxPool2d"]
     assert set(frame.suggestions.columns) == {"module", "detector", "kind", "reason", "evidence"}
     assert "conv1" in frame.histograms
+    tidy = report.to_dataframe()
+    assert len(tidy) == len(frame.channels) and {"module_type", F.OUTLIER_RATIOS} <= set(tidy.columns)
+    observers = report.get_observers_of_interest()
+    assert observers["per_channel_detector"] == set() and observers["outlier_detector"]
 
 
 def test_plot_and_histogram_return_bqplot_figures():
