@@ -43,5 +43,9 @@ class CalibrationError(QReportError, RuntimeError):
     """A calibration batch could not be run through the model."""
 
 
+class QReportWarning(UserWarning):
+    """Degenerate data, an unobservable module or a quantization step we had to adjust; names the module."""
+
+
 class ReportFileError(QReportError, ValueError):
     """A saved report file is missing, truncated or was modified."""

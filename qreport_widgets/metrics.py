@@ -32,11 +32,16 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
     return 10 * math.log10(signal / noise) if signal > 0 else math.nan
 
 
+_MULS = {torch.mul, operator.mul, torch.ops.quantized.mul, torch.ops.quantized.mul_relu}
+
+
 def per_layer_sqnr(float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
     """Output SQNR of every matched layer, from torch's Numeric Suite FX on one batch."""
-    # input-weight equalization adds a mul before each equalized layer that the float model lacks
+    # input-weight equalization adds a float mul before each equalized layer that the float model
+    # lacks, so muls are left out of the matching on both sides (squeeze-excitation gates and layer
+    # scales become quantized muls that would otherwise pair with the wrong float op)
     unmatchable = get_unmatchable_types_map()
-    unmatchable["funs_unmatchable"] = unmatchable["funs_unmatchable"] | {torch.mul, operator.mul}
+    unmatchable["funs_unmatchable"] = unmatchable["funs_unmatchable"] | _MULS
     with warnings.catch_warnings(), _cached_reversed_fusions():
         warnings.simplefilter("ignore")
         # add_loggers builds new GraphModules around the same submodules; neither model is changed

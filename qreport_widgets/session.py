@@ -47,6 +47,7 @@ class RunResult:
     summary: pd.DataFrame = field(default_factory=pd.DataFrame)
     conversions: pd.DataFrame = field(default_factory=pd.DataFrame)
     equalization_mapping: QConfigMapping | None = None
+    notes: list[str] = field(default_factory=list)  # what could not be measured, and why
 
     @property
     def ok(self) -> bool:
@@ -172,12 +173,18 @@ class QuantizationSession:
             except Exception as error:
                 raise CalibrationError(f"{label}: the quantized model failed on the evaluation data: {error}") from error
         batch_sqnr = [sqnr_db(r, o) for r, o in zip(reference, outputs, strict=True)]
+        notes = []
+        try:
+            layers = per_layer_sqnr(self._float, quantized, self.eval_data[0])
+        except Exception as error:  # Numeric Suite cannot pair every graph; the run itself is fine
+            layers = pd.Series(dtype=float, name="SQNR (dB)")
+            notes.append(f"per-layer SQNR unavailable: Numeric Suite could not match the two graphs ({type(error).__name__})")
         summary, conversions = quantization_summary(prepared, quantized)
         return RunResult(
             qconfig_mapping=mapping,
             quantized_model=quantized,
             output_sqnr_db=sqnr_db(torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs])),
-            per_layer_sqnr_db=per_layer_sqnr(self._float, quantized, self.eval_data[0]),
+            per_layer_sqnr_db=layers,
             size_bytes=_serialized_size(quantized),
             latency_ms=float(np.median(seconds) * 1000),
             duration_s=0.0,
@@ -189,6 +196,7 @@ class QuantizationSession:
             summary=summary,
             conversions=conversions,
             equalization_mapping=equalization,
+            notes=notes,
         )
 
 

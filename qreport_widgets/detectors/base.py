@@ -13,13 +13,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import QReportWarning
 from ..features import Side, Stat, SuggestionKind
 from ..graph import OBSERVER_CONTAINER, ModelGraph, Unit
 from ..observer import ModelReportObserver
-
-
-class QReportWarning(UserWarning):
-    """Degenerate data or an unobservable module; the message names the module."""
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,8 @@ class TuningPanel(w.VBox):
             label = f"apply {self._applied}"
             result = self._run_with_progress(label, lambda cb: self.session.run(mapping, equalization, label=label, progress=cb))
             if result.ok:
-                self.status.value = f"{html.escape(result.label)}: output SQNR {result.output_sqnr_db:.2f} dB"
+                notes = "".join(f"<br><i>{html.escape(note)}</i>" for note in result.notes)
+                self.status.value = f"{html.escape(result.label)}: output SQNR {result.output_sqnr_db:.2f} dB{notes}"
             else:
                 self.status.value = "<i>Run failed; the previous results are kept.</i>"
                 self.error.value = f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(result.error)}</pre>"
