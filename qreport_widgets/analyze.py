@@ -12,7 +12,7 @@ from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
 from .calibration import CalibrationData, calibrate
 from .detectors import DetectorBase, DynamicStaticDetector, InputWeightEqualizationDetector, OutlierDetector, PerChannelDetector
-from .pipeline import prepare
+from .pipeline import prepare, torch_observers_paused
 from .report import ModelReport
 
 
@@ -35,6 +35,7 @@ def analyze(
     *,
     eval_data: Any = None,
     eval_fn: Any = None,
+    prepare_custom_config: Any = None,
     progress: bool = True,
 ) -> ModelReport:
     """Prepare a copy of ``float_model`` with ``prepare_fx``, observe it during calibration and report.
@@ -48,18 +49,23 @@ def analyze(
         qconfig_mapping: the starting mapping; default ``get_default_qconfig_mapping(backend)``.
         eval_data, eval_fn: for ``report.session`` (live tuning): batches to measure quantized
             models on (default: held-out calibration batches) and your own metric of a model.
+        prepare_custom_config: passed to ``prepare_fx`` here and in every later run, e.g.
+            ``PrepareCustomConfig().set_non_traceable_module_classes([MyBlock])`` for a block
+            whose forward FX cannot trace.
     """
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
-    prepared = prepare(float_model, mapping, example_inputs)
+    prepared = prepare(float_model, mapping, example_inputs, prepare_custom_config=prepare_custom_config)
     report = ModelReport(prepared, default_detectors(backend) if detectors is None else detectors)
     instrumented = report.prepare_detailed_calibration()
-    batches = calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress)
+    with torch_observers_paused(instrumented):  # the detectors read only the report's observers
+        batches = calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress)
     report.generate_model_report(remove_inserted_observers=False)
     # a pristine copy as it was analyzed: later edits to the caller's model do not leak into tuning
     report.analysis_inputs = AnalysisInputs(
-        copy.deepcopy(float_model).eval(), example_inputs, calibration_data, mapping, backend, batches, eval_data, eval_fn
-    )
+        copy.deepcopy(float_model).eval(), example_inputs, calibration_data, mapping, backend, batches, eval_data, eval_fn,
+        prepare_custom_config,
+    )  # fmt: skip
     return report
 
 
@@ -75,3 +81,4 @@ class AnalysisInputs:
     batches: int
     eval_data: Any = None
     eval_fn: Any = None
+    prepare_custom_config: Any = None

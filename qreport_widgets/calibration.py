@@ -67,8 +67,8 @@ def calibrate(
                 except Exception as error:
                     raise CalibrationError(
                         f"{desc}: batch {count} failed in the model's forward ({type(error).__name__}: {error}). "
-                        f"Check that batch {count} has the shape and dtype the model expects; a tuple is passed "
-                        "as positional inputs, a dict as keyword inputs."
+                        f"{_non_finite_hint(batch, count)}{_device_hint(model, batch, count)}Check that batch {count} has the shape and dtype the "
+                        "model expects; a tuple is passed as positional inputs, a dict as keyword inputs."
                     ) from error
                 count += 1
                 bar.update()
@@ -79,3 +79,28 @@ def calibrate(
     if count == 0:
         raise NotCalibratedError(f"{desc}: the calibration data produced no batch; pass a non-empty iterable")
     return count
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else [batch]
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _device_hint(model: torch.nn.Module, batch: Any, index: int) -> str:
+    weights = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    inputs = {t.device for t in _tensors(batch)}
+    if len(weights) == 1 and inputs and inputs != weights:
+        (device,) = weights
+        on = ", ".join(sorted(str(d) for d in inputs))
+        return f"Batch {index} is on {on} but the model is on {device}; move the batch there with .to('{device}'). "
+    return ""
+
+
+def _non_finite_hint(batch: Any, index: int) -> str:
+    for value in _tensors(batch):
+        if value.is_floating_point() and not value.is_meta and not bool(torch.isfinite(value).all()):
+            return (
+                f"Batch {index} contains NaN or inf values, which torch's quantization observers cannot take; "
+                "qreport_widgets.analyze() reports on such data, but quantizing needs finite calibration data. "
+            )
+    return ""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -13,6 +15,7 @@ from torch.ao.quantization.observer import ObserverBase
 from torch.ao.quantization.quantize_fx import prepare_fx
 
 from .errors import QReportWarning, UntraceableModelError
+from .graph import OBSERVER_CONTAINER
 
 
 def prepare(
@@ -30,17 +33,43 @@ def prepare(
             warnings.simplefilter("ignore", DeprecationWarning)
             prepared = prepare_fx(model, qconfig_mapping, example_inputs, **kwargs)
     except (torch.fx.proxy.TraceError, TypeError, NotImplementedError, RuntimeError, AttributeError) as error:
-        where = _user_frame(error)
+        where, culprit = _user_frame(error, model)
         raise UntraceableModelError(
-            f"torch.fx could not trace {type(float_model).__name__}: {type(error).__name__}: {error}{where}\n"
+            f"torch.fx could not trace {type(float_model).__name__}{culprit}: {type(error).__name__}: {error}{where}\n"
             "FX traces with symbolic values, so Python control flow that depends on tensor values "
             "(if x.sum() > 0, loops over x.shape[0] ...) cannot be traced. Options: pass "
             "prepare_custom_config=PrepareCustomConfig().set_non_traceable_module_names([...]) or "
-            ".set_non_traceable_module_classes([...]) to keep the offending submodule as one opaque call, "
-            "fix input-dependent arguments with concrete_args, or move the branch out of forward()."
+            ".set_non_traceable_module_classes([...]) (to analyze() or prepare_fx) to keep the offending "
+            "submodule as one opaque call, fix input-dependent arguments with concrete_args, or move the "
+            "branch out of forward()."
         ) from error
     _drop_observers_on_non_float(prepared, example_inputs)
     return prepared
+
+
+@contextlib.contextmanager
+def torch_observers_paused(model: torch.fx.GraphModule) -> Iterator[None]:
+    """prepare_fx's own observers pass tensors through untouched for the duration.
+
+    For an analysis pass, whose detectors read only the report's observers: it saves the cost of
+    torch's histogram observers and lets data they cannot take (NaN, inf) reach the report.
+    """
+    paused = [
+        module
+        for name, module in model.named_modules()
+        if isinstance(module, (ObserverBase, FakeQuantizeBase)) and not name.startswith(OBSERVER_CONTAINER)
+    ]
+    for module in paused:
+        module.forward = _pass_through
+    try:
+        yield
+    finally:
+        for module in paused:
+            del module.forward
+
+
+def _pass_through(x: Any, *args: Any, **kwargs: Any) -> Any:
+    return x
 
 
 class _DtypeProbe(torch.fx.Interpreter):
@@ -83,12 +112,18 @@ def _drop_observers_on_non_float(prepared: torch.fx.GraphModule, example_inputs:
         prepared.recompile()
 
 
-def _user_frame(error: BaseException) -> str:
-    """' (at file:line)' for the deepest traceback frame outside torch, if there is one."""
-    tb, found = error.__traceback__, ""
+def _user_frame(error: BaseException, model: torch.nn.Module) -> tuple[str, str]:
+    """(' (at file:line)', ' in submodule name (Type)') for the deepest traceback frame outside torch."""
+    tb, where, culprit = error.__traceback__, "", ""
+    names = {id(module): name for name, module in model.named_modules()}
     while tb is not None:
-        filename = tb.tb_frame.f_code.co_filename
+        frame = tb.tb_frame
+        filename = frame.f_code.co_filename
         if "/torch/" not in filename and "qreport_widgets" not in filename:
-            found = f" (at {filename}:{tb.tb_lineno})"
+            where = f" (at {filename}:{tb.tb_lineno})"
+            owner = frame.f_locals.get("self")
+            culprit = ""
+            if isinstance(owner, torch.nn.Module) and names.get(id(owner)):
+                culprit = f", in submodule {names[id(owner)]} ({type(owner).__name__}.{frame.f_code.co_name})"
         tb = tb.tb_next
-    return found
+    return where, culprit

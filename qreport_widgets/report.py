@@ -213,7 +213,7 @@ class ModelReport:
             inputs = self.analysis_inputs
             self._session = QuantizationSession(
                 inputs.float_model, inputs.example_inputs, inputs.calibration_data, inputs.eval_data, inputs.backend,
-                inputs.eval_fn, inputs.qconfig_mapping,
+                inputs.eval_fn, inputs.qconfig_mapping, inputs.prepare_custom_config,
             )  # fmt: skip
         return self._session
 
@@ -271,8 +271,9 @@ class ModelReport:
         observers = list(container.children())
         if observers and not any(getattr(o, "num_batches_tracked", 1) for o in observers):
             raise NotCalibratedError(
-                "no calibration batch reached any observer; run your calibration data through the model "
-                "returned by prepare_detailed_calibration() (not the float model) before generating the report"
+                "no calibration batch reached any observer: run your calibration data through the model "
+                "returned by prepare_detailed_calibration() (not the float model) before generating the report, "
+                "and check that the batches are not empty (zero elements are skipped)"
             )
         context = ReportContext(self._graph or ModelGraph.of(self._model), dict(container.index))
         self._results = {d.get_detector_name(): d.analyze(context) for d in self._detectors}

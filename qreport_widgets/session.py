@@ -66,6 +66,7 @@ class QuantizationSession:
             held out from calibration (all of them when there is a single batch).
         eval_fn: ``eval_fn(model) -> float``, your own metric (e.g. accuracy), shown next to ours.
         qconfig_mapping: the starting mapping the baseline uses (default: the backend's default).
+        prepare_custom_config: passed to every ``prepare_fx`` (non-traceable modules, ...).
     """
 
     def __init__(
@@ -77,6 +78,7 @@ class QuantizationSession:
         backend: str = "x86",
         eval_fn: Callable[[torch.nn.Module], float] | None = None,
         qconfig_mapping: QConfigMapping | None = None,
+        prepare_custom_config: Any = None,
     ) -> None:
         from torch.ao.quantization import get_default_qconfig_mapping
 
@@ -84,6 +86,7 @@ class QuantizationSession:
         self.example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         self.backend = backend
         self.eval_fn = eval_fn
+        self.prepare_custom_config = prepare_custom_config
         self.qconfig_mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
         self.calibration_data, self.eval_data, self.eval_description = _split(calibration_data, eval_data)
         self.history: list[RunResult] = []
@@ -119,6 +122,8 @@ class QuantizationSession:
         self.running = True
         try:
             extra = {"_equalization_config": equalization_mapping} if equalization_mapping is not None else {}
+            if self.prepare_custom_config is not None:
+                extra["prepare_custom_config"] = self.prepare_custom_config
             prepared = prepare(self._float, qconfig_mapping, self.example_inputs, **extra)
             calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None, on_batch=progress)
             with warnings.catch_warnings():

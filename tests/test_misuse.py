@@ -118,12 +118,43 @@ def test_untraceable_model_names_the_limitation_and_the_options():
     assert "test_misuse.py" in message  # the offending line
 
 
+class Gate(nn.Module):
+    def forward(self, x):
+        return x if x.amax() > 0 else -x  # data-dependent control flow inside a submodule
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gate = Gate()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(self.gate(self.fc(x)))
+
+
+def test_untraceable_submodule_is_named_and_the_suggested_fix_works():
+    from torch.ao.quantization.fx.custom_config import PrepareCustomConfig
+
+    batches = [(torch.randn(3, 4),) for _ in range(4)]
+    with pytest.raises(qw.UntraceableModelError, match=r"in submodule gate \(Gate\.forward\)"):
+        qw.analyze(Gated(), batches[0], batches, progress=False)
+    config = PrepareCustomConfig().set_non_traceable_module_classes([Gate])
+    report = qw.analyze(Gated(), batches[0], batches, prepare_custom_config=config, progress=False)
+    assert {"fc", "out"} <= set(report.frame().module_names)
+    result = report.session.baseline()  # later runs prepare with the same config
+    assert result.ok, result.error
+
+
 def test_calibration_errors_name_the_batch_and_leave_the_model_alone():
     model = Mlp().eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     good = mlp_batches()
     with pytest.raises(qw.CalibrationError, match="batch 2"):
         qw.analyze(model, good[0], [*good[:2], (torch.randn(3, 7),)], progress=False)
+    with pytest.raises(qw.CalibrationError, match="calibrating with observers: batch 1 failed.*dtype"):
+        qw.analyze(model, good[0], [good[0], (torch.ones(6, 12, dtype=torch.int64),)], progress=False)
 
     def failing():
         yield good[0]
@@ -135,3 +166,4 @@ def test_calibration_errors_name_the_batch_and_leave_the_model_alone():
         qw.analyze(model, good[0], [], progress=False)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
+    assert not hasattr(model, "model_report_observers") and not isinstance(model, torch.fx.GraphModule)
