@@ -19,12 +19,14 @@ from .errors import (
     NotPreparedError,
     ObserversRemovedError,
     QReportError,
+    ReportFileError,
     ReportNotGeneratedError,
     UntraceableModelError,
 )
 from .observer import ModelReportObserver
 from .qconfig import ModuleSettings
 from .report import ModelReport
+from .storage import SavedReport, load_report
 
 __version__ = "0.1.0"
 
@@ -45,8 +47,11 @@ __all__ = [
     "PerChannelDetector",
     "QReportError",
     "QReportWarning",
+    "ReportFileError",
     "ReportNotGeneratedError",
+    "SavedReport",
     "UntraceableModelError",
     "analyze",
     "default_detectors",
+    "load_report",
 ]

@@ -65,10 +65,11 @@ def calibrate(
                 try:
                     call_with(model, batch)
                 except Exception as error:
+                    hints = _non_finite_hint(batch, count) + _device_hint(model, batch, count)
                     raise CalibrationError(
                         f"{desc}: batch {count} failed in the model's forward ({type(error).__name__}: {error}). "
-                        f"{_non_finite_hint(batch, count)}{_device_hint(model, batch, count)}Check that batch {count} has the shape and dtype the "
-                        "model expects; a tuple is passed as positional inputs, a dict as keyword inputs."
+                        f"{hints}Check that batch {count} has the shape and dtype the model expects; a tuple is "
+                        "passed as positional inputs, a dict as keyword inputs."
                     ) from error
                 count += 1
                 bar.update()

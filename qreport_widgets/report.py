@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -19,6 +21,7 @@ from .errors import (
     NotCalibratedError,
     NotPreparedError,
     ObserversRemovedError,
+    QReportWarning,
     ReportNotGeneratedError,
 )
 from .frame import MODULE, ReportFrame
@@ -158,6 +161,12 @@ class ModelReport:
         return self._model
 
     @property
+    def model_name(self) -> str:
+        """The float model's class name (the GraphModule's when the report did not come from analyze())."""
+        inputs = self.analysis_inputs
+        return type(inputs.float_model).__name__ if inputs is not None else type(self._model).__name__
+
+    @property
     def detectors(self) -> list[DetectorBase]:
         return list(self._detectors)
 
@@ -255,6 +264,13 @@ class ModelReport:
         counts = [getattr(o, "num_batches_tracked", 0) for o in container.children()] if container is not None else []
         return max(counts, default=self._batches_seen)
 
+    def save(self, path: str | Path) -> Path:
+        """Write the generated report to one file (JSON and numpy arrays, no pickle); open it with
+        ``qreport_widgets.load_report(path)`` to get the tables, views and widget back."""
+        from .storage import save_report
+
+        return save_report(self, path)
+
     def generate_visualizer(self) -> ModelReportVisualizer:
         """Tables and bqplot views of the generated report (PyTorch's method names)."""
         return ModelReportVisualizer(self.frame())
@@ -275,8 +291,9 @@ class ModelReport:
                 "returned by prepare_detailed_calibration() (not the float model) before generating the report, "
                 "and check that the batches are not empty (zero elements are skipped)"
             )
-        context = ReportContext(self._graph or ModelGraph.of(self._model), dict(container.index))
+        context = ReportContext(self._graph or ModelGraph.of(self._model), dict(container.index), pending=[])
         self._results = {d.get_detector_name(): d.analyze(context) for d in self._detectors}
+        _warn_grouped(context.pending)
         self._frame = None
         self._batches_seen = max((getattr(o, "num_batches_tracked", 0) for o in observers), default=0)
 
@@ -289,6 +306,18 @@ class ModelReport:
         raise ReportNotGeneratedError(
             "prepare_detailed_calibration(), run calibration batches, then generate_model_report() first"
         )
+
+
+def _warn_grouped(pending: list[tuple[str, str]], shown: int = 8) -> None:
+    """One QReportWarning per problem, naming every module that has it (a ResNet can have dozens)."""
+    modules_by_message: dict[str, list[str]] = {}
+    for module, message in pending:
+        names = modules_by_message.setdefault(message, [])
+        if module not in names:
+            names.append(module)
+    for message, modules in modules_by_message.items():
+        names = ", ".join(modules[:shown]) + (f" and {len(modules) - shown} more modules" if len(modules) > shown else "")
+        warnings.warn(f"{names}: {message}", QReportWarning, stacklevel=4)
 
 
 _BUILTIN_ORDER = (

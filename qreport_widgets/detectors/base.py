@@ -103,6 +103,7 @@ class ReportContext:
 
     graph: ModelGraph
     index: dict[tuple[str, str, int | None], str] = field(default_factory=dict)
+    pending: list[tuple[str, str]] | None = None
 
     @classmethod
     def of(cls, model: nn.Module) -> ReportContext:
@@ -127,8 +128,13 @@ class ReportContext:
         return None if name is None else getattr(self.graph.model, OBSERVER_CONTAINER).get_submodule(name)
 
     def warn(self, module_fqn: str, message: str) -> str:
+        """Warn (QReportWarning) that ``module_fqn`` has ``message``; with ``pending`` set, the
+        warning waits there so that ModelReport can group modules with the same problem."""
         text = f"{module_fqn}: {message}"
-        warnings.warn(text, QReportWarning, stacklevel=4)
+        if self.pending is not None:
+            self.pending.append((module_fqn, message))
+        else:
+            warnings.warn(text, QReportWarning, stacklevel=4)
         return text
 
 

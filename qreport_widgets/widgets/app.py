@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import ipywidgets as w
 import pandas as pd
 
+from ..storage import SavedReport
 from .controls import ExploreControls
 from .tuning import TuningPanel
 from .views import ExploreViews, ModuleCard, View
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 class ReportWidget(w.VBox):
     """Built once from a generated report; every selection updates the views in place."""
 
-    def __init__(self, report: ModelReport) -> None:
+    def __init__(self, report: ModelReport | SavedReport) -> None:
         self.report = report
         self.frame = report.frame()
         self.header = w.HTML(self._header_html())
@@ -28,7 +29,7 @@ class ReportWidget(w.VBox):
         self.card = ModuleCard(self.frame)
         self.views.layout = w.Layout(flex="1 1 0%", min_width="480px")
         explore = w.VBox([self.controls, w.HBox([self.views, self.card], layout={"width": "100%"})])
-        self.tuning = TuningPanel(report)
+        self.tuning = TuningPanel(report) if not isinstance(report, SavedReport) else _saved_report_note(report)
         self.tabs = w.Tab(children=[explore, self.tuning, w.HTML(self._model_html()), self._reports_accordion()])
         for i, title in enumerate(("Explore", "Tune", "Model", "Reports")):
             self.tabs.set_title(i, title)
@@ -60,13 +61,13 @@ class ReportWidget(w.VBox):
     # ---- static panes --------------------------------------------------------------------------
     def _header_html(self) -> str:
         report, frame = self.report, self.frame
-        inputs = report.analysis_inputs
-        model = type(inputs.float_model).__name__ if inputs is not None else type(report.model).__name__
+        model = report.model_name
+        saved = isinstance(report, SavedReport)
         batches = report.calibration_batches()
         kinds = frame.suggestions["kind"].value_counts()
         detail = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
         parts = [
-            f"<b>qreport</b> · {html.escape(model)}",
+            f"<b>qreport</b> · {html.escape(model)}" + (f" (saved {html.escape(report.saved_at)})" if saved else ""),
             f"{len(report.detectors)} detectors",
             f"{batches} calibration batches",
             f"{len(frame.suggestions)} suggestions" + (f" ({detail})" if detail else ""),
@@ -90,3 +91,11 @@ class ReportWidget(w.VBox):
         for i, name in enumerate(texts):
             accordion.set_title(i, name)
         return accordion
+
+
+def _saved_report_note(report: SavedReport) -> w.HTML:
+    return w.HTML(
+        f"<p><i>This report was opened from {html.escape(str(report.source or 'a file'))}. Trying other "
+        "quantization settings needs the float model and calibration data, which a report file does not hold: "
+        "run qreport_widgets.analyze(model, example_inputs, calibration_data) to tune live.</i></p>"
+    )
