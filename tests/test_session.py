@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,10 +106,11 @@ def test_tuning_panel_apply_accept_reset_and_errors(analyzed):
     assert "static" in tuning.error.value and len(report.session.history) == runs
     tuning.reset.click()
     assert not tuning.rows["meta_fc"].settings.dynamic and not tuning.rows["head"].settings.equalize
-    tuning._busy = True  # a click that arrives while a run is in progress
+    tuning._running.acquire()  # a click handled while a run is in progress (another kernel thread)
     tuning.apply.click()
-    assert "ignored" in tuning.status.value and len(report.session.history) == runs
-    tuning._busy = False
+    assert "1 click made while the run was in progress ignored" in tuning.status.value
+    assert len(report.session.history) == runs
+    tuning._running.release()
     tuning.apply.click()
     assert len(report.session.history) == runs + 1
     # the caller's float model is bit-identical after analyze, the widget and three Applies
@@ -135,3 +138,53 @@ def test_session_with_own_eval_data_and_metric():
     assert result.ok and result.eval_metric == 0.5 and result.eval_batches == "the eval_data you passed"
     assert "your metric" in session.compare()[0].columns
     assert math.isfinite(result.mean_batch_sqnr_db)
+
+
+def test_clicks_made_during_a_run_are_dropped(analyzed, monkeypatch):
+    from qreport_widgets.widgets import tuning as tuning_module
+
+    _, _, report = analyzed
+    start = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    sent = iter([start, start + datetime.timedelta(milliseconds=10), start + datetime.timedelta(minutes=5)])
+    monkeypatch.setattr(tuning_module, "_click_sent_at", lambda: next(sent))
+    tuning = report.widget().tuning
+    tuning.apply.click()
+    runs = len(report.session.history)
+    tuning.apply.click()  # clicked 10 ms after the first, while it ran: handled only after it, dropped
+    assert len(report.session.history) == runs
+    assert "output SQNR" in tuning.status.value and "1 click made while the run was in progress ignored" in tuning.status.value
+    tuning.apply.click()  # clicked after the run had finished
+    assert len(report.session.history) == runs + 1 and "output SQNR" in tuning.status.value
+
+
+def test_failing_apply_keeps_the_previous_results_on_screen(analyzed):
+    _, _, report = analyzed
+    tuning = report.widget().tuning
+    tuning.apply.click()
+    history, bars, summary = tuning.history.value, tuning.bars.y.copy(), tuning.summary.value
+    runs = list(report.session.history)
+    broken = len(report.session.calibration_data)
+    report.session.calibration_data.append((torch.randn(2, 3), torch.randn(2, 3)))  # wrong shape
+    try:
+        tuning.apply.click()
+    finally:
+        report.session.calibration_data.pop()
+    assert f"batch {broken} failed" in tuning.error.value and "previous results are kept" in tuning.status.value
+    assert report.session.history == runs and tuning.history.value == history and tuning.summary.value == summary
+    np.testing.assert_array_equal(tuning.bars.y, bars)
+    assert not tuning.apply.disabled and tuning.progress.layout.visibility == "hidden"
+
+
+def test_run_survives_numeric_suite_failing_to_pair_the_graphs(analyzed, monkeypatch):
+    from torch.ao.ns.fx.graph_matcher import GraphMatchingException
+
+    from qreport_widgets import session as session_module
+
+    def unmatched(*args, **kwargs):
+        raise GraphMatchingException("subgraphs of different types")
+
+    _, _, report = analyzed
+    monkeypatch.setattr(session_module, "per_layer_sqnr", unmatched)
+    result = report.session.run(report.suggested_qconfig_mapping(), label="no per-layer")
+    assert result.ok and math.isfinite(result.output_sqnr_db) and result.per_layer_sqnr_db.empty
+    assert result.notes == ["per-layer SQNR unavailable: Numeric Suite could not match the two graphs (GraphMatchingException)"]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import html
+import threading
+import time
 from typing import TYPE_CHECKING
 
 import ipywidgets as w
@@ -70,17 +73,21 @@ class TuningPanel(w.VBox):
         for s in report.suggestions():
             reasons.setdefault(s.module_fqn, []).append(f"{s.kind.value}: {s.reason}")
         self.rows = {u.fqn: SettingsRow(u.fqn, u.type_name, u.is_linear, reasons.get(u.fqn, [])) for u in units}
-        self.accept = w.Button(description="Accept all suggestions", icon="check", layout={"width": "190px"})
-        self.reset = w.Button(description="Reset to default", icon="undo", layout={"width": "150px"})
-        self.apply = w.Button(description="Apply", icon="play", button_style="primary", layout={"width": "110px"})
-        self.progress = w.IntProgress(value=0, min=0, max=1, layout={"width": "220px", "visibility": "hidden"})
+        fixed = {"flex": "0 0 auto"}  # the status line beside them must not squeeze the buttons
+        self.accept = w.Button(description="Accept all suggestions", icon="check", layout={"width": "190px", **fixed})
+        self.reset = w.Button(description="Reset to default", icon="undo", layout={"width": "150px", **fixed})
+        self.apply = w.Button(description="Apply", icon="play", button_style="primary", layout={"width": "110px", **fixed})
+        self.progress = w.IntProgress(value=0, min=0, max=1, layout={"width": "220px", "visibility": "hidden", **fixed})
         self.status = w.HTML()
         self.error = w.HTML()
         self.history = w.HTML()
         self.summary = w.HTML()
         self.code = w.Textarea(layout={"width": "100%", "height": "160px"}, description="", placeholder="")
         self.figure, self.bars, self.x_scale = _sqnr_figure()
-        self._busy = False
+        self._running = threading.Lock()
+        self._ignored = 0  # clicks dropped during the current or last run
+        self._final_status = ""
+        self._last_run: tuple[datetime.datetime | None, float] = (None, 0.0)
         self._applied = 0
         self.accept.on_click(self._on_accept_click)
         self.reset.on_click(self._on_reset_click)
@@ -111,9 +118,20 @@ class TuningPanel(w.VBox):
         self._show_code()
 
     def _on_apply_click(self, _button: w.Button) -> None:
-        if self._busy:  # ipywidgets queues clicks; a second one while running is dropped
-            self.status.value = "<i>A run is in progress; that click was ignored.</i>"
+        # One run at a time. A click made during a run reaches us either while it is going (newer
+        # kernels handle widget messages on another thread) or right after it (older kernels
+        # queue them); both are dropped, and the status line says so.
+        sent = _click_sent_at()
+        if self._sent_during_last_run(sent) or not self._running.acquire(blocking=False):
+            self._ignored += 1
+            self.status.value = self._final_status + _ignored_note(self._ignored)
             return
+        try:
+            self._apply(sent)
+        finally:
+            self._running.release()
+
+    def _apply(self, sent: datetime.datetime | None) -> None:
         settings = self.settings()
         try:
             units = {u.fqn: u for u in self.report.tunable_units()}
@@ -122,9 +140,10 @@ class TuningPanel(w.VBox):
         except InvalidSettingsError as error:
             self.error.value = f"<span style='color:#b00'>{html.escape(str(error))}</span>"
             return
-        self._busy = True
         self._enable(False)
         self.error.value = ""
+        self._ignored, self._final_status = 0, ""
+        started = time.monotonic()
         try:
             if not self.session.history:
                 self._run_with_progress("baseline", lambda cb: self.session.baseline(progress=cb))
@@ -135,19 +154,36 @@ class TuningPanel(w.VBox):
             result = self._run_with_progress(label, lambda cb: self.session.run(mapping, equalization, label=label, progress=cb))
             if result.ok:
                 notes = "".join(f"<br><i>{html.escape(note)}</i>" for note in result.notes)
-                self.status.value = f"{html.escape(result.label)}: output SQNR {result.output_sqnr_db:.2f} dB{notes}"
+                self._final_status = f"{html.escape(result.label)}: output SQNR {result.output_sqnr_db:.2f} dB{notes}"
             else:
-                self.status.value = "<i>Run failed; the previous results are kept.</i>"
+                self._final_status = "<i>Run failed; the previous results are kept.</i>"
                 self.error.value = f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(result.error)}</pre>"
             self._show_results(result if result.ok else None)
         except Exception as error:  # never leave the buttons disabled
+            self._final_status = "<i>Run failed; the previous results are kept.</i>"
             self.error.value = f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(repr(error))}</pre>"
         finally:
-            self._busy = False
+            self._last_run = (sent, time.monotonic() - started)
+            self.status.value = self._final_status + _ignored_note(self._ignored)
             self._enable(True)
             self.progress.layout.visibility = "hidden"
 
+    @property
+    def running(self) -> bool:
+        return self._running.locked()
+
     # ---- helpers -------------------------------------------------------------------------------
+    def _sent_during_last_run(self, sent: datetime.datetime | None) -> bool:
+        """Whether a click was made while the previous run was still going.
+
+        Both click times come from the browser's clock and the run's length from the kernel's, so
+        a clock offset between the two machines does not matter.
+        """
+        previous, seconds = self._last_run
+        if sent is None or previous is None:
+            return False
+        return (sent - previous).total_seconds() < seconds
+
     def settings(self) -> dict[str, ModuleSettings]:
         return {fqn: row.settings for fqn, row in self.rows.items()}
 
@@ -202,6 +238,27 @@ class TuningPanel(w.VBox):
                 self.bars.y = layers.T.to_numpy(dtype=np.float32, na_value=0.0)
                 self.bars.labels = list(layers.columns)
                 self.bars.colors = _SERIES_COLORS[: len(layers.columns)]
+
+
+def _ignored_note(count: int) -> str:
+    if not count:
+        return ""
+    clicks = "1 click" if count == 1 else f"{count} clicks"
+    return f"<br><i>{clicks} made while the run was in progress ignored.</i>"
+
+
+def _click_sent_at() -> datetime.datetime | None:
+    """When the browser sent the message being handled (inside a Jupyter kernel), else None."""
+    try:
+        from IPython import get_ipython
+
+        kernel = getattr(get_ipython(), "kernel", None)
+        sent = kernel.get_parent()["header"]["date"] if kernel is not None else None
+        if isinstance(sent, str):
+            sent = datetime.datetime.fromisoformat(sent)
+    except Exception:  # no kernel, or a kernel without message headers: no check
+        return None
+    return sent if isinstance(sent, datetime.datetime) else None
 
 
 def _sqnr_figure():
