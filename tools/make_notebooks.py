@@ -17,6 +17,8 @@ def notebook(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
     nb = new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [new_markdown_cell(src) if kind == "md" else new_code_cell(src) for kind, src in cells]
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i:02d}"  # stable ids: regenerating changes only what changed
     return nb
 
 
@@ -64,6 +66,21 @@ QUICKSTART = [
         "The dynamic activation on `meta_fc` (whose input scale drifts between batches) and the equalized "
         "`head` raise the output SQNR; equalizing `head` keeps the LayerNorm before it in float, which the "
         "*quantized layers* column shows.",
+    ),
+    (
+        "md",
+        "## Share the report\n\n"
+        "`report.save(path)` writes one file of JSON and numpy arrays (no pickle, so opening a file someone "
+        "sent you cannot run code). `load_report(path)` brings back the tables, the views and the widget's "
+        "analysis tabs; tuning needs the model again, so its tab says how to get it.",
+    ),
+    (
+        "code",
+        "import tempfile\nfrom pathlib import Path\n\n"
+        "from qreport_widgets import load_report\n\n"
+        "path = report.save(Path(tempfile.mkdtemp()) / 'demo.qreport')\n"
+        "shared = load_report(path)\n"
+        "shared.widget()",
     ),
 ]
 
