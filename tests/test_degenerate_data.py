@@ -109,3 +109,16 @@ def test_batches_on_another_device_are_named():
     good = (torch.randn(2, 3, 12, 12),)
     with pytest.raises(qw.CalibrationError, match=r"Batch 1 is on meta but the model is on cpu"):
         qw.analyze(model, good, [good, (torch.empty(2, 3, 12, 12, device="meta"),)], progress=False)
+
+
+def test_modules_sharing_a_problem_share_one_warning():
+    from qreport_widgets.report import _warn_grouped
+
+    pending = [(f"layer{i}", "output range is zero") for i in range(10)] + [("head", "input holds NaN")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _warn_grouped(pending)
+    assert [str(w.message) for w in caught] == [
+        "layer0, layer1, layer2, layer3, layer4, layer5, layer6, layer7 and 2 more modules: output range is zero",
+        "head: input holds NaN",
+    ]
