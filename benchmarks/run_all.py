@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import platform
 
+import analysis_and_files
 import apply_cost
 import calibration_overhead
 import memory
@@ -56,6 +57,16 @@ def main() -> None:
             f"Peak memory, {name}: extra {row['extra_mb']:.0f} MB = {row['extra_over_activation']:.2f} x the largest "
             f"activation ({row['largest_activation_mb']:.0f} MB)"
         )
+    row = analysis_and_files.measure_pause(repeats)
+    print(
+        f"analyze() calibration, ResNet-18 layout: torch observers running {row['running']:.3f} s/batch, "
+        f"paused {row['paused']:.3f} s/batch ({row['running/paused']:.2f}x)"
+    )
+    row = analysis_and_files.measure_files(repeats)
+    print(
+        f"Report file, ResNet-50 layout ({row['rows']} channel rows): save {row['save_s']:.3f} s, "
+        f"load {row['load_s']:.3f} s, {row['mb']:.2f} MB"
+    )
 
 
 if __name__ == "__main__":
