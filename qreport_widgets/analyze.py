@@ -52,6 +52,10 @@ def analyze(
         prepare_custom_config: passed to ``prepare_fx`` here and in every later run, e.g.
             ``PrepareCustomConfig().set_non_traceable_module_classes([MyBlock])`` for a block
             whose forward FX cannot trace.
+
+    The report's model (``report.model``) is for analysis: ``prepare_fx``'s own observers rest
+    while it calibrates, since no detector reads them. To quantize, use ``report.session`` (or
+    the Tune tab), which prepares and calibrates a fresh copy for every run.
     """
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
