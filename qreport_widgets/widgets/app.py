@@ -68,9 +68,9 @@ class ReportWidget(w.VBox):
         detail = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
         parts = [
             f"<b>qreport</b> · {html.escape(model)}" + (f" (saved {html.escape(report.saved_at)})" if saved else ""),
-            f"{len(report.detectors)} detectors",
-            f"{batches} calibration batches",
-            f"{len(frame.suggestions)} suggestions" + (f" ({detail})" if detail else ""),
+            _count(len(report.detectors), "detector"),
+            _count(batches, "calibration batch", "calibration batches"),
+            _count(len(frame.suggestions), "suggestion") + (f" ({detail})" if detail else ""),
         ]
         return "<div style='font-size:14px;padding:4px 0'>" + " · ".join(parts) + "</div>"
 
@@ -91,6 +91,10 @@ class ReportWidget(w.VBox):
         for i, name in enumerate(texts):
             accordion.set_title(i, name)
         return accordion
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def _saved_report_note(report: SavedReport) -> w.HTML:
