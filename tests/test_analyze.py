@@ -16,10 +16,11 @@ def _fingerprint(model):
 
 
 def test_analyze_never_mutates_the_float_model():
-    model = demo.build_demo_model()
+    model = demo.build_demo_model().train()  # a model straight from training, in train mode
     reference = copy.deepcopy(model)
     batches = demo.demo_batches(3)
     qw.analyze(model, batches[0], batches, qconfig_mapping=demo.demo_qconfig_mapping(), progress=False)
+    assert all(m.training for m in model.modules())  # analysis runs in eval mode on its own copy
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert str(model) == str(reference)
