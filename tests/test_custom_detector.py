@@ -35,3 +35,15 @@ def test_custom_detector_features_reach_report_frame_and_widget():
     np.testing.assert_allclose(
         widget.views.line.line.y, features["down.conv"]["input_activation_zero_fraction"].numpy(), rtol=1e-6
     )
+
+
+def test_a_report_with_a_custom_detector_saves_and_loads(tmp_path):
+    import pandas as pd
+
+    batches = demo.demo_batches(3)
+    detector = _notebook_code()["SparsityDetector"]()
+    report = qw.analyze(demo.build_demo_model(), batches[0], batches, detectors=[detector], progress=False)
+    loaded = qw.load_report(report.save(tmp_path / "sparsity.qreport"))
+    pd.testing.assert_frame_equal(loaded.frame().channels, report.frame().channels, check_exact=True)
+    pd.testing.assert_frame_equal(loaded.frame().modules, report.frame().modules, check_exact=True)
+    assert loaded.detectors == ["sparsity_detector"] and "sparsity_detector" in loaded.text_reports()
