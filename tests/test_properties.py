@@ -126,7 +126,11 @@ def per_channel(arrays: list[np.ndarray], axis: int) -> np.ndarray:
 
 
 # QREPORT_PROPERTY_EXAMPLES=300 for a longer hunt than the 30 examples make test draws
-@settings(max_examples=int(os.environ.get("QREPORT_PROPERTY_EXAMPLES", "30")), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=int(os.environ.get("QREPORT_PROPERTY_EXAMPLES", "30")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(spec=specs())
 def test_random_models_never_break_the_pipeline_and_match_numpy(spec, tmp_path_factory):
     torch.manual_seed(spec.seed)
