@@ -151,23 +151,10 @@ def save_report(report: ModelReport | SavedReport, path: str | Path) -> Path:
 def load_report(path: str | Path) -> SavedReport:
     """Open a file written by ``report.save(path)``; raises ReportFileError if it is not one, or was changed."""
     path = Path(path)
-    try:
-        with zipfile.ZipFile(path) as archive:
-            names = set(archive.namelist())
-            if not {_JSON, _ARRAYS} <= names:
-                raise ReportFileError(f"{path} is a zip archive but not a saved report (no {_JSON} and {_ARRAYS})")
-            text, blob = archive.read(_JSON), archive.read(_ARRAYS)
-    except FileNotFoundError:
-        raise ReportFileError(f"{path} does not exist") from None
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as error:  # ValueError: zip CRC failures
-        if isinstance(error, ReportFileError):
-            raise
-        raise ReportFileError(
-            f"{path} is not a readable report file ({type(error).__name__}: {error}); it may be truncated - save it again"
-        ) from error
+    text, blob = _read_members(path)
     try:
         document = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ReportFileError(f"{path}: {_JSON} is not valid JSON ({error})") from error
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise ReportFileError(f"{path} is not a qreport_widgets report file")
@@ -176,18 +163,37 @@ def load_report(path: str | Path) -> SavedReport:
             f"{path} has report format version {document.get('version')!r}; this qreport_widgets reads version {VERSION}"
         )
     content = document.get("content")
-    if document.get("sha256") != _digest(content, blob):
+    try:
+        intact = document.get("sha256") == _digest(content, blob)
+    except (TypeError, ValueError, RecursionError):  # content no save would write (NaN tokens, ...)
+        intact = False
+    if not intact:
         raise ReportFileError(f"{path} was modified after it was saved (checksum mismatch); it cannot be trusted")
     try:
         with np.load(io.BytesIO(blob), allow_pickle=False) as npz:
             arrays = {name: npz[name] for name in npz.files}
         _check_fields(content)
-        report = SavedReport(content, _decode_frame(content["tables"], arrays), path)
+        return SavedReport(content, _decode_frame(content["tables"], arrays), path)
     except ReportFileError:
         raise
     except Exception as error:  # a well-formed archive with contents we did not write
         raise ReportFileError(f"{path}: malformed report content ({type(error).__name__}: {error})") from error
-    return report
+
+
+def _read_members(path: Path) -> tuple[bytes, bytes]:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = set(archive.namelist())
+            members = [archive.read(name) for name in (_JSON, _ARRAYS) if name in names]
+    except FileNotFoundError:
+        raise ReportFileError(f"{path} does not exist") from None
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as error:  # ValueError: zip CRC failures
+        raise ReportFileError(
+            f"{path} is not a readable report file ({type(error).__name__}: {error}); it may be truncated - save it again"
+        ) from error
+    if len(members) != 2:
+        raise ReportFileError(f"{path} is a zip archive but not a saved report (it needs {_JSON} and {_ARRAYS})")
+    return members[0], members[1]
 
 
 # ---------------------------------------------------------------------------------------- writing

@@ -162,3 +162,18 @@ def test_save_is_atomic(report, saved, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         report.save(saved)
     assert saved.read_bytes() == before  # the earlier file under that name is intact
+
+
+def test_odd_documents_are_refused_not_crashed_on(saved, tmp_path):
+    with pytest.raises(qw.ReportFileError, match="checksum mismatch"):  # a NaN token no save writes
+        qw.load_report(rewrite(saved, document=edit("calibration_batches", float("nan"))))
+    other = tmp_path / "other.zip"
+    with zipfile.ZipFile(other, "w") as archive:
+        archive.writestr("data.csv", "a,b\n1,2\n")
+    with pytest.raises(qw.ReportFileError, match="not a saved report"):
+        qw.load_report(other)
+    with zipfile.ZipFile(other, "w") as archive:
+        archive.writestr("report.json", "[" * 100_000)
+        archive.writestr("arrays.npz", b"")
+    with pytest.raises(qw.ReportFileError, match="not valid JSON"):
+        qw.load_report(other)
