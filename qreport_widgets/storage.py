@@ -20,6 +20,7 @@ import io
 import json
 import math
 import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -187,7 +188,7 @@ def _read_members(path: Path) -> tuple[bytes, bytes]:
             members = [archive.read(name) for name in (_JSON, _ARRAYS) if name in names]
     except FileNotFoundError:
         raise ReportFileError(f"{path} does not exist") from None
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as error:  # ValueError: zip CRC failures
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error) as error:  # ValueError: CRC failures
         raise ReportFileError(
             f"{path} is not a readable report file ({type(error).__name__}: {error}); it may be truncated - save it again"
         ) from error

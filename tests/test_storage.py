@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import zipfile
 
 import numpy as np
 import pandas as pd
 import pytest
 from conftest import prepared
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from models import ConvNet, conv_batches
 
 import qreport_widgets as qw
@@ -177,3 +180,30 @@ def test_odd_documents_are_refused_not_crashed_on(saved, tmp_path):
         archive.writestr("arrays.npz", b"")
     with pytest.raises(qw.ReportFileError, match="not valid JSON"):
         qw.load_report(other)
+
+
+@pytest.fixture(scope="module")
+def pristine(report, tmp_path_factory):
+    return report.save(tmp_path_factory.mktemp("fuzz") / "demo.qreport")  # saved once: compression varies
+
+
+@settings(
+    max_examples=int(os.environ.get("QREPORT_FUZZ_EXAMPLES", "200")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_any_corruption_is_a_report_file_error_or_harmless(report, pristine, tmp_path_factory, data):
+    damaged = bytearray(pristine.read_bytes())
+    for _ in range(data.draw(st.integers(1, 8))):
+        position = data.draw(st.integers(0, len(damaged) - 1))
+        damaged[position] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        damaged = damaged[: data.draw(st.integers(0, len(damaged)))]
+    path = tmp_path_factory.mktemp("fuzz") / "damaged.qreport"
+    path.write_bytes(bytes(damaged))
+    try:
+        loaded = qw.load_report(path)
+    except qw.ReportFileError:
+        return
+    assert_same_report(loaded, report)  # only bytes the zip does not read (padding, comments) changed
