@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
+import numpy as np
 import pytest
 import torch
 from conftest import prepared, run
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from models import ConvNet, Mlp, conv_batches, mlp_batches
 from torch import nn
 
@@ -167,3 +173,31 @@ def test_calibration_errors_name_the_batch_and_leave_the_model_alone():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
     assert not hasattr(model, "model_report_observers") and not isinstance(model, torch.fx.GraphModule)
+
+
+ARGUMENTS = {  # argument: (build, accepted interval as (low, high, low_open, high_open))
+    "ratio_threshold": (lambda v: qw.OutlierDetector(ratio_threshold=v), (1.0, math.inf, False, True)),
+    "reference_percentile": (lambda v: qw.OutlierDetector(reference_percentile=v), (0.0, 1.0, True, True)),
+    "fraction_batches_used_threshold": (
+        lambda v: qw.OutlierDetector(fraction_batches_used_threshold=v),
+        (0.0, 1.0, False, False),
+    ),
+    "tolerance": (lambda v: qw.DynamicStaticDetector(tolerance=v), (0.0, 1.0, True, False)),
+    "equalization ratio_threshold": (lambda v: qw.InputWeightEqualizationDetector(v), (0.0, 1.0, True, True)),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(sorted(ARGUMENTS)),
+    value=st.one_of(st.floats(), st.integers(-5, 5), st.booleans(), st.none(), st.text(max_size=3), st.just(np.float32(0.5))),
+)
+def test_any_detector_argument_is_accepted_in_range_or_refused_by_name(name, value):
+    build, (low, high, low_open, high_open) = ARGUMENTS[name]
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    inside = number and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if inside:
+        build(value)
+    else:
+        with pytest.raises(ValueError, match=name.split()[-1]):
+            build(value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -203,15 +204,17 @@ def weighted_units(graph: ModelGraph, types: tuple[type, ...], exact: bool = Fal
 
 def check_range(name: str, value: float, low: float, high: float, *, low_open: bool = True, high_open: bool = True) -> float:
     """``value`` if it lies in the interval, else a ValueError naming the argument and the interval."""
+    interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r} ({type(value).__name__})")
     ok_low = value > low if low_open else value >= low
     ok_high = value < high if high_open else value <= high
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (ok_low and ok_high):
-        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if not (ok_low and ok_high):
         raise ValueError(f"{name} must lie in {interval}, got {value!r}")
     return float(value)
 
 
 def check_axis(ch_axis: int | None) -> int | None:
-    if ch_axis is not None and (isinstance(ch_axis, bool) or not isinstance(ch_axis, int) or not -8 <= ch_axis < 8):
+    if ch_axis is not None and (isinstance(ch_axis, bool) or not isinstance(ch_axis, numbers.Integral) or not -8 <= ch_axis < 8):
         raise ValueError(f"ch_axis must be None (pick per module) or an int in [-8, 8), got {ch_axis!r}")
-    return ch_axis
+    return None if ch_axis is None else int(ch_axis)
