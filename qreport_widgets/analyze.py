@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
-from .calibration import CalibrationData, calibrate
+from .calibration import CalibrationData, calibrate, is_one_shot
 from .detectors import DetectorBase, DynamicStaticDetector, InputWeightEqualizationDetector, OutlierDetector, PerChannelDetector
 from .pipeline import prepare, torch_observers_paused
 from .report import ModelReport
@@ -44,7 +44,8 @@ def analyze(
         float_model: the float model; it is deep-copied and never changed.
         example_inputs: one input tuple (a single tensor is wrapped).
         calibration_data: an iterable of batches (tuples, dicts or single tensors) or a callable
-            that runs the model on its data.
+            that runs the model on its data. A one-shot iterator (a generator) is kept as a list,
+            since every later tuning run calibrates again.
         detectors: default: all four built-in detectors.
         qconfig_mapping: the starting mapping; default ``get_default_qconfig_mapping(backend)``.
         eval_data, eval_fn: for ``report.session`` (live tuning): batches to measure quantized
@@ -62,8 +63,10 @@ def analyze(
     prepared = prepare(float_model, mapping, example_inputs, prepare_custom_config=prepare_custom_config)
     report = ModelReport(prepared, default_detectors(backend) if detectors is None else detectors)
     instrumented = report.prepare_detailed_calibration()
+    kept = [] if is_one_shot(calibration_data) else None  # a generator is kept for later tuning runs
     with torch_observers_paused(instrumented):  # the detectors read only the report's observers
-        batches = calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress)
+        batches = calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
+    calibration_data = kept if kept is not None else calibration_data
     report.generate_model_report(remove_inserted_observers=False)
     # a pristine copy as it was analyzed: later edits to the caller's model do not leak into tuning
     report.analysis_inputs = AnalysisInputs(

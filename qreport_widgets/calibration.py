@@ -30,10 +30,12 @@ def calibrate(
     desc: str = "calibrating",
     progress: bool = True,
     on_batch: Callable[[int, int | None], None] | None = None,
+    keep: list[Any] | None = None,
 ) -> int:
     """Run every batch through ``model`` without gradients; return how many batches ran.
 
-    ``on_batch(done, total)`` is called after each batch (a widget's progress bar, say).
+    ``on_batch(done, total)`` is called after each batch (a widget's progress bar, say); each
+    batch that ran is appended to ``keep`` when one is given (for data that can be read once).
     """
     model.eval()
     with torch.no_grad(), warnings.catch_warnings():
@@ -72,6 +74,8 @@ def calibrate(
                         "passed as positional inputs, a dict as keyword inputs."
                     ) from error
                 count += 1
+                if keep is not None:
+                    keep.append(batch)
                 bar.update()
                 if on_batch is not None:
                     on_batch(count, total)
@@ -80,6 +84,11 @@ def calibrate(
     if count == 0:
         raise NotCalibratedError(f"{desc}: the calibration data produced no batch; pass a non-empty iterable")
     return count
+
+
+def is_one_shot(data: Any) -> bool:
+    """Whether ``data`` is an iterator (a generator, say) that is used up by reading it once."""
+    return not callable(data) and iter(data) is data
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:

@@ -188,3 +188,27 @@ def test_run_survives_numeric_suite_failing_to_pair_the_graphs(analyzed, monkeyp
     result = report.session.run(report.suggested_qconfig_mapping(), label="no per-layer")
     assert result.ok and math.isfinite(result.output_sqnr_db) and result.per_layer_sqnr_db.empty
     assert result.notes == ["per-layer SQNR unavailable: Numeric Suite could not match the two graphs (GraphMatchingException)"]
+
+
+def test_a_generator_of_batches_is_kept_for_tuning():
+    batches = demo.demo_batches(4)
+    report = qw.analyze(demo.build_demo_model(), batches[0], (b for b in batches), qconfig_mapping=demo.demo_qconfig_mapping(),
+                        progress=False)  # fmt: skip
+    assert report.calibration_batches() == 4
+    tuning = report.widget().tuning
+    tuning.apply.click()
+    assert not tuning.error.value and [r.label for r in report.session.history] == ["baseline", "apply 1"]
+
+
+def test_a_session_that_cannot_be_built_leaves_the_analysis_usable():
+    batches = demo.demo_batches(3)
+
+    def feed(model):  # a calibration callable, but no eval_data to measure quantized models on
+        for batch in batches:
+            model(*batch)
+
+    report = qw.analyze(demo.build_demo_model(), batches[0], feed, qconfig_mapping=demo.demo_qconfig_mapping(), progress=False)
+    widget = report.widget()
+    widget.controls.module.value = "head"
+    assert "unavailable" in widget.tuning.status.value and "pass eval_data" in widget.tuning.error.value
+    assert widget.tuning.apply.disabled

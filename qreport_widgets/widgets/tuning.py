@@ -67,7 +67,11 @@ class TuningPanel(w.VBox):
 
     def __init__(self, report: ModelReport) -> None:
         self.report = report
-        self.session = report.session
+        try:
+            self.session = report.session
+            session_problem = ""
+        except Exception as error:  # e.g. no evaluation data: the analysis tabs still work
+            self.session, session_problem = None, f"{type(error).__name__}: {error}"
         units = report.tunable_units()
         reasons = {}
         for s in report.suggestions():
@@ -106,6 +110,9 @@ class TuningPanel(w.VBox):
                 control.disabled = True
             self.status.value = ("<i>Live tuning needs the float model and data: build the report with "
                                  "qreport_widgets.analyze(model, example_inputs, calibration_data).</i>")  # fmt: skip
+            if session_problem:
+                self.status.value = "<i>Live tuning is unavailable.</i>"
+                self.error.value = f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(session_problem)}</pre>"
         self._show_code()
 
     # ---- handlers ------------------------------------------------------------------------------
