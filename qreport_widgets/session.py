@@ -121,6 +121,7 @@ class QuantizationSession:
         start = time.perf_counter()
         self.running = True
         try:
+            _require_float32(self._float)
             extra = {"_equalization_config": equalization_mapping} if equalization_mapping is not None else {}
             if self.prepare_custom_config is not None:
                 extra["prepare_custom_config"] = self.prepare_custom_config
@@ -202,6 +203,17 @@ class QuantizationSession:
             conversions=conversions,
             equalization_mapping=equalization,
             notes=notes,
+        )
+
+
+def _require_float32(model: torch.nn.Module) -> None:
+    """torch's quantized kernels take float32 only; say so before prepare_fx gets far."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} - {torch.float32}
+    if dtypes:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise TypeError(
+            f"the model has {names} parameters, but torch's quantization works on float32 models: quantize "
+            "model.float() with float32 batches (the report of the model as it is stays valid)"
         )
 
 
