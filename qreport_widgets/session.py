@@ -6,6 +6,7 @@ The caller's float model is deep-copied once and never touched; every run prepar
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
 import time
@@ -240,7 +241,13 @@ def _tensor_output(output: Any) -> torch.Tensor:
         return torch.cat([_tensor_output(o).flatten() for o in output if isinstance(o, (torch.Tensor, tuple, list))])
     if isinstance(output, dict):
         return torch.cat([_tensor_output(v).flatten() for v in output.values()])
-    raise TypeError(f"cannot compare model outputs of type {type(output).__name__}")
+    if dataclasses.is_dataclass(output):  # model-output classes of transformer libraries, say
+        fields = [getattr(output, f.name) for f in dataclasses.fields(output)]
+        return torch.cat([_tensor_output(v).flatten() for v in fields if isinstance(v, (torch.Tensor, tuple, list, dict))])
+    raise TypeError(
+        f"cannot compare model outputs of type {type(output).__name__}: return tensors, or tuples, lists, dicts "
+        "or dataclasses of them"
+    )
 
 
 def _serialized_size(model: torch.nn.Module) -> int:

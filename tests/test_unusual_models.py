@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -37,6 +39,23 @@ class DictOutput(nn.Module):
         return {"logits": self.fc(x), "hidden": x}
 
 
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    note: str = "not a tensor"
+
+
+class DataclassOutput(nn.Module):
+    """Returns an output object, as transformer libraries do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return Output(self.fc(x))
+
+
 class OddNames(nn.Module):
     """Submodule names with a dash and a space (legal in a ModuleDict)."""
 
@@ -59,9 +78,10 @@ def batches(n=4, dtype=torch.float32):
         (Shared(), ["fc", "out"]),
         (OnlyActivations(), []),
         (DictOutput(), ["fc"]),
+        (DataclassOutput(), ["fc"]),
         (OddNames(), ["blocks.block-a", "blocks.block b"]),
     ],
-    ids=["shared-weights", "nothing-to-tune", "dict-output", "odd-names"],
+    ids=["shared-weights", "nothing-to-tune", "dict-output", "dataclass-output", "odd-names"],
 )
 def test_unusual_models_get_a_report_a_widget_and_a_run(model, units):
     data = batches()
