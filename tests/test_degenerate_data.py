@@ -12,6 +12,7 @@ from models import Mixed
 
 import qreport_widgets as qw
 from qreport_widgets import features as F
+from qreport_widgets.widgets.views import ALL_MODULES
 
 
 def warned(messages: list[str], module: str, text: str) -> bool:
@@ -57,11 +58,18 @@ def test_nan_and_inf_batches_give_a_report_with_the_module_named(nan_report):
 def test_the_widget_draws_only_finite_values(nan_report):
     _, _, report, _ = nan_report
     widget = report.widget()
-    widget.controls.module.value = "conv"
-    for _, feature in widget.controls.feature.options:
-        widget.controls.feature.value = feature
-        y = np.asarray(widget.views.line.line.y, dtype=float)
-        assert np.isfinite(y).all(), feature
+    controls = widget.controls
+    for module in ("conv", "pool", "fc", ALL_MODULES):
+        controls.module.value = module
+        for _, feature in controls.feature.options:
+            controls.feature.value = feature
+            controls.view.value = "Line"
+            assert np.isfinite(np.asarray(widget.views.line.line.y, dtype=float)).all(), (module, feature)
+            controls.view.value = "Histogram"
+            bars = widget.views.histogram.bars
+            assert np.isfinite(np.asarray(bars.x, dtype=float)).all() and np.isfinite(np.asarray(bars.y, dtype=float)).all()
+            controls.view.value = "Table"
+            assert "<table" in widget.views.table.value
 
 
 def test_quantizing_such_data_fails_with_the_reason_in_the_widget(nan_report):
