@@ -1,11 +1,12 @@
 """Invariants over random small models and data (hypothesis).
 
-Random stacks of Linear / Conv1d / Conv2d layers with random channel counts on 2-D, 3-D and 4-D
-inputs, ReLU / GELU / none between them and residual adds where shapes allow, run on random data
+Random stacks of Linear / Conv1d / Conv2d layers (grouped or not) with random channel counts on
+2-D, 3-D and 4-D inputs, ReLU / GELU / none between them and residual adds where shapes allow, run on random data
 (batch size 1 included, constant channels included):
 
 - analyze, generate_model_report, ReportFrame and the widget never raise;
-- each layer's observed input statistics equal a numpy reference computed from the float model;
+- each layer's observed input statistics and per-input-channel weight ranges equal a numpy
+  reference computed from the float model;
 - generating the report again gives identical tables, and save/load gives them back exactly;
 - the caller's float model is bit-identical afterwards.
 """
@@ -13,6 +14,7 @@ inputs, ReLU / GELU / none between them and residual adds where shapes allow, ru
 from __future__ import annotations
 
 import copy
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ class Spec:
     scale: float
     constant_channel: bool
     seed: int
+    grouped: bool = False  # Conv1d / Conv2d layers use the largest group count both widths allow
 
 
 class RandomNet(nn.Module):
@@ -49,10 +52,11 @@ class RandomNet(nn.Module):
         self.spec = spec
         layers, acts = [], []
         for cin, cout, act in zip(spec.widths[:-1], spec.widths[1:], spec.activations, strict=True):
+            groups = math.gcd(cin, cout) if spec.grouped else 1
             if spec.rank == 4:
-                layers.append(nn.Conv2d(cin, cout, 3, padding=1))
+                layers.append(nn.Conv2d(cin, cout, 3, padding=1, groups=groups))
             elif spec.rank == -3:
-                layers.append(nn.Conv1d(cin, cout, 1))
+                layers.append(nn.Conv1d(cin, cout, 1, groups=groups))
             else:
                 layers.append(nn.Linear(cin, cout))
             acts.append({"relu": nn.ReLU(), "gelu": nn.GELU(), "none": nn.Identity()}[act])
@@ -82,6 +86,7 @@ def specs(draw) -> Spec:
         scale=draw(st.sampled_from([1e-3, 1.0, 1e3])),
         constant_channel=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
+        grouped=draw(st.booleans()),
     )
 
 
@@ -118,6 +123,19 @@ def layer_inputs(model: nn.Module, batches) -> dict[str, list[np.ndarray]]:
     for hook in hooks:
         hook.remove()
     return seen
+
+
+def reference_weight_ranges(layer: nn.Module) -> tuple[np.ndarray, np.ndarray]:
+    weight = layer.weight.detach().numpy()
+    groups = getattr(layer, "groups", 1)
+    per_group_out, per_group_in = weight.shape[0] // groups, weight.shape[1]
+    low, high = [], []
+    for c in range(per_group_in * groups):
+        group = c // per_group_in
+        filters = weight[group * per_group_out : (group + 1) * per_group_out, c % per_group_in]
+        low.append(filters.min())
+        high.append(filters.max())
+    return np.array(low, dtype=np.float32), np.array(high, dtype=np.float32)
 
 
 def per_channel(arrays: list[np.ndarray], axis: int) -> np.ndarray:
@@ -165,6 +183,13 @@ def test_random_models_never_break_the_pipeline_and_match_numpy(spec, tmp_path_f
         expected = batch_ranges.mean() / epoch_range if epoch_range > 0 else np.nan
         np.testing.assert_allclose(modules.at[name, F.INPUT_COMP_STAT], expected, rtol=1e-5, equal_nan=True)
     assert set(inputs) & set(modules.index), "no layer was observed"
+
+    # weight ranges per input channel; a grouped conv's input channel meets only its group's filters
+    for name, layer in model.named_modules():
+        if name in modules.index and isinstance(layer, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+            low, high = reference_weight_ranges(layer)
+            np.testing.assert_array_equal(again.channel_values(name, F.WEIGHT_PER_CHANNEL_MIN), low)
+            np.testing.assert_array_equal(again.channel_values(name, F.WEIGHT_PER_CHANNEL_MAX), high)
 
     # save / load gives every table back exactly
     loaded = qw.load_report(report.save(tmp_path_factory.mktemp("saved") / "random.qreport"))
