@@ -25,6 +25,26 @@ def run(model, batches):
             model(*batch)
 
 
+def fingerprint(model: torch.nn.Module) -> tuple[dict, str, str | None, list[bool]]:
+    """What must not change in a caller's float model: parameters and buffers (values and dtypes),
+    structure, traced graph code (None when plain FX cannot trace it) and train / eval flags."""
+    try:
+        code = torch.fx.symbolic_trace(model).code
+    except Exception:
+        code = None
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return state, str(model), code, [m.training for m in model.modules()]
+
+
+def assert_unchanged(model: torch.nn.Module, before: tuple[dict, str, str | None, list[bool]]) -> None:
+    state, text, code, training = before
+    after_state, after_text, after_code, after_training = fingerprint(model)
+    assert list(after_state) == list(state)
+    for name, value in after_state.items():
+        assert value.dtype == state[name].dtype and torch.equal(value, state[name]), name
+    assert after_text == text and after_code == code and after_training == training
+
+
 @pytest.fixture
 def x86_mapping():
     return get_default_qconfig_mapping("x86")

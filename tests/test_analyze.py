@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
-import copy
-
-import torch
+from conftest import assert_unchanged, fingerprint
 
 import qreport_widgets as qw
 from qreport_widgets import demo
 from qreport_widgets.features import DetectorName, SuggestionKind
 
 
-def _fingerprint(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}, str(model)
-
-
 def test_analyze_never_mutates_the_float_model():
     model = demo.build_demo_model().train()  # a model straight from training, in train mode
-    reference = copy.deepcopy(model)
+    before = fingerprint(model)
     batches = demo.demo_batches(3)
     qw.analyze(model, batches[0], batches, qconfig_mapping=demo.demo_qconfig_mapping(), progress=False)
     assert all(m.training for m in model.modules())  # analysis runs in eval mode on its own copy
-    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
-        assert torch.equal(a, b), name
-    assert str(model) == str(reference)
+    assert_unchanged(model, before)
     assert not any("model_report" in n for n, _ in model.named_modules())
 
 

@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import assert_unchanged, fingerprint
 from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.fx._model_report import detector as upstream_detector
 from torch.ao.quantization.fx._model_report.model_report import ModelReport as UpstreamReport
@@ -26,26 +27,13 @@ from qreport_widgets.frame import MODULE
 NAMES = list(ARCHITECTURES)
 
 
-def snapshot(model: torch.nn.Module) -> tuple[dict, str]:
-    return {k: v.clone() for k, v in model.state_dict().items()}, str(model)
-
-
-def assert_unchanged(model: torch.nn.Module, before: tuple[dict, str]) -> None:
-    state, text = before
-    after = model.state_dict()
-    assert list(after) == list(state)
-    for name, value in after.items():
-        assert value.dtype == state[name].dtype and torch.equal(value, state[name]), name
-    assert str(model) == text
-
-
 @pytest.fixture(scope="module", params=NAMES)
 def analyzed(request):
     make, data = ARCHITECTURES[request.param]
     torch.manual_seed(0)
     model = make().eval()
     batches = data(6)
-    before = snapshot(model)
+    before = fingerprint(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = qw.analyze(model, batches[0], batches, progress=False)

@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import assert_unchanged, fingerprint
 from models import Mixed
 
 import qreport_widgets as qw
@@ -37,7 +38,7 @@ def nan_report():
     for batch in batches:
         batch[0][0, 2] = 0.0  # an all-zero input channel
     model = Mixed().eval()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before = fingerprint(model)
     report, messages = analyze_recording(model, batches)
     return model, before, report, messages
 
@@ -78,8 +79,7 @@ def test_quantizing_such_data_fails_with_the_reason_in_the_widget(nan_report):
     tuning.apply.click()
     assert "batch 1 failed" in tuning.error.value and "NaN or inf" in tuning.error.value
     assert report.session.history == [] and not tuning.apply.disabled
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, before[k])
+    assert_unchanged(model, before)
 
 
 def test_empty_batches_are_skipped_and_all_empty_is_an_error():

@@ -8,7 +8,7 @@ import numbers
 import numpy as np
 import pytest
 import torch
-from conftest import prepared, run
+from conftest import assert_unchanged, fingerprint, prepared, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import ConvNet, Mlp, conv_batches, mlp_batches
@@ -155,7 +155,7 @@ def test_untraceable_submodule_is_named_and_the_suggested_fix_works():
 
 def test_calibration_errors_name_the_batch_and_leave_the_model_alone():
     model = Mlp().eval()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before = fingerprint(model)
     good = mlp_batches()
     with pytest.raises(qw.CalibrationError, match="batch 2"):
         qw.analyze(model, good[0], [*good[:2], (torch.randn(3, 7),)], progress=False)
@@ -170,8 +170,7 @@ def test_calibration_errors_name_the_batch_and_leave_the_model_alone():
         qw.analyze(model, good[0], failing(), progress=False)
     with pytest.raises(qw.NotCalibratedError, match="no batch"):
         qw.analyze(model, good[0], [], progress=False)
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, before[k])
+    assert_unchanged(model, before)
     assert not hasattr(model, "model_report_observers") and not isinstance(model, torch.fx.GraphModule)
 
 

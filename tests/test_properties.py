@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
+from conftest import assert_unchanged, fingerprint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -154,7 +155,7 @@ def test_random_models_never_break_the_pipeline_and_match_numpy(spec, tmp_path_f
     torch.manual_seed(spec.seed)
     model = RandomNet(spec).eval()
     batches = make_batches(spec)
-    before = ({k: v.clone() for k, v in model.state_dict().items()}, str(model), torch.fx.symbolic_trace(model).code)
+    before = fingerprint(model)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # degenerate random data warns by design; here we check values
@@ -197,7 +198,4 @@ def test_random_models_never_break_the_pipeline_and_match_numpy(spec, tmp_path_f
         pd.testing.assert_frame_equal(getattr(again, table), getattr(loaded.frame(), table), check_exact=True)
 
     # the caller's float model: parameters, buffers, structure and traced graph unchanged
-    state, text, code = before
-    for key, value in model.state_dict().items():
-        assert torch.equal(value, state[key]), key
-    assert str(model) == text and torch.fx.symbolic_trace(model).code == code
+    assert_unchanged(model, before)

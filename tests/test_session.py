@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 import datetime
 import math
 
 import numpy as np
 import pytest
 import torch
+from conftest import assert_unchanged, fingerprint
 
 import qreport_widgets as qw
 from qreport_widgets import demo
@@ -20,13 +20,9 @@ from qreport_widgets.session import QuantizationSession
 def analyzed():
     model = demo.build_demo_model()
     batches = demo.demo_batches(6)
-    snapshot = copy.deepcopy(model)
+    before = fingerprint(model)
     report = qw.analyze(model, batches[0], batches, qconfig_mapping=demo.demo_qconfig_mapping(), progress=False)
-    return model, snapshot, report
-
-
-def _state(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return model, before, report
 
 
 def test_baseline_and_suggestions_are_measured(analyzed):
@@ -90,7 +86,7 @@ def test_mapping_as_code_runs(analyzed):
 
 
 def test_tuning_panel_apply_accept_reset_and_errors(analyzed):
-    model, snapshot, report = analyzed
+    model, before, report = analyzed
     widget = report.widget()
     tuning = widget.tuning
     tuning.accept.click()
@@ -114,10 +110,7 @@ def test_tuning_panel_apply_accept_reset_and_errors(analyzed):
     tuning.apply.click()
     assert len(report.session.history) == runs + 1
     # the caller's float model is bit-identical after analyze, the widget and three Applies
-    for (name, a), b in zip(model.state_dict().items(), snapshot.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
-    assert str(model) == str(snapshot)
-    assert torch.fx.symbolic_trace(model).code == torch.fx.symbolic_trace(snapshot).code
+    assert_unchanged(model, before)
 
 
 def test_report_without_session_disables_tuning():
