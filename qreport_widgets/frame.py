@@ -125,6 +125,10 @@ class ReportFrame:
         start = int(self.modules[CHANNELS].iloc[:order].sum())
         return self.channels.iloc[start : start + int(self.modules.at[module, CHANNELS])]
 
+    def to_dataframe(self) -> pd.DataFrame:
+        """One row per (module, channel) with every per-channel and per-module feature."""
+        return self.channels.join(self.modules, on=MODULE)
+
     def channel_values(self, module: str, feature: str) -> np.ndarray:
         return self.channel_block(module)[feature].to_numpy(dtype=np.float64)
 

@@ -82,7 +82,7 @@ class ModelGraph:
             if node.op != "call_module" or node.target in called:
                 continue
             module = modules.get(str(node.target))
-            if module is None or _is_instrumentation(module) or str(node.target).startswith(OBSERVER_CONTAINER):
+            if module is None or is_quantization_observer(module) or str(node.target).startswith(OBSERVER_CONTAINER):
                 continue
             called.add(str(node.target))
             graph.units[str(node.target)] = Unit(str(node.target), node, module, order)
@@ -96,7 +96,7 @@ class ModelGraph:
         for fqn, module in modules.items():
             if not fqn or fqn in graph.units or fqn in fused_children or fqn.startswith(OBSERVER_CONTAINER):
                 continue
-            if _is_instrumentation(module) or next(module.children(), None) is not None:
+            if is_quantization_observer(module) or next(module.children(), None) is not None:
                 continue
             owner = next((u for u in graph.units if fqn.startswith(f"{u}.")), None)
             graph.skipped[fqn] = (
@@ -175,8 +175,9 @@ class ModelGraph:
 
 
 def _is_instrumentation_target(modules: dict[str, nn.Module], target: str) -> bool:
-    return target.startswith(OBSERVER_CONTAINER) or _is_instrumentation(modules.get(target, nn.Identity()))
+    return target.startswith(OBSERVER_CONTAINER) or is_quantization_observer(modules.get(target, nn.Identity()))
 
 
-def _is_instrumentation(module: nn.Module) -> bool:
+def is_quantization_observer(module: nn.Module) -> bool:
+    """An observer or fake-quantize module (prepare_fx's, or ours)."""
     return isinstance(module, (ObserverBase, FakeQuantizeBase))

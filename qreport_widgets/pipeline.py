@@ -10,12 +10,10 @@ from typing import Any
 
 import torch
 from torch.ao.quantization import QConfigMapping
-from torch.ao.quantization.fake_quantize import FakeQuantizeBase
-from torch.ao.quantization.observer import ObserverBase
 from torch.ao.quantization.quantize_fx import prepare_fx
 
 from .errors import QReportWarning, UntraceableModelError
-from .graph import OBSERVER_CONTAINER
+from .graph import OBSERVER_CONTAINER, is_quantization_observer
 
 
 def prepare(
@@ -57,7 +55,7 @@ def torch_observers_paused(model: torch.fx.GraphModule) -> Iterator[None]:
     paused = [
         module
         for name, module in model.named_modules()
-        if isinstance(module, (ObserverBase, FakeQuantizeBase)) and not name.startswith(OBSERVER_CONTAINER)
+        if is_quantization_observer(module) and not name.startswith(OBSERVER_CONTAINER)
     ]
     for module in paused:
         module.forward = _pass_through
@@ -81,7 +79,7 @@ class _DtypeProbe(torch.fx.Interpreter):
         self.dtypes: dict[torch.fx.Node, torch.dtype] = {}
 
     def run_node(self, node: torch.fx.Node) -> Any:
-        if node.op == "call_module" and isinstance(self.module.get_submodule(node.target), (ObserverBase, FakeQuantizeBase)):
+        if node.op == "call_module" and is_quantization_observer(self.module.get_submodule(node.target)):
             value = self.env[node.args[0]] if isinstance(node.args[0], torch.fx.Node) else None
             if isinstance(value, torch.Tensor):
                 self.dtypes[node] = value.dtype

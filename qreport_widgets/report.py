@@ -24,7 +24,7 @@ from .errors import (
     QReportWarning,
     ReportNotGeneratedError,
 )
-from .frame import MODULE, ReportFrame
+from .frame import ReportFrame
 from .graph import OBSERVER_CONTAINER, ModelGraph, Unit
 from .qconfig import (
     ModuleSettings,
@@ -244,8 +244,7 @@ class ModelReport:
 
     def to_dataframe(self) -> pd.DataFrame:
         """One row per (module, channel) with every per-channel and per-module feature."""
-        frame = self.frame()
-        return frame.channels.join(frame.modules, on=MODULE)
+        return self.frame().to_dataframe()
 
     def widget(self) -> Any:
         """The interactive view: ``display(report.widget())`` in a notebook."""

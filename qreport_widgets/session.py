@@ -93,7 +93,6 @@ class QuantizationSession:
         self.history: list[RunResult] = []
         self._baseline: RunResult | None = None
         self._float_outputs: list[torch.Tensor] | None = None
-        self.running = False
 
     @property
     def float_model(self) -> torch.nn.Module:
@@ -120,7 +119,6 @@ class QuantizationSession:
         """
         label = label or f"run {len(self.history) + 1}"
         start = time.perf_counter()
-        self.running = True
         try:
             _require_float32(self._float)
             extra = {"_equalization_config": equalization_mapping} if equalization_mapping is not None else {}
@@ -135,8 +133,6 @@ class QuantizationSession:
         except Exception as error:  # user models and data: report, keep the session usable
             detail = "".join(traceback.format_exception_only(type(error), error)).strip()
             result = RunResult(qconfig_mapping, None, math.nan, pd.Series(dtype=float), 0, math.nan, 0.0, detail, label)
-        finally:
-            self.running = False
         result.duration_s = time.perf_counter() - start
         if result.ok:
             self.history.append(result)

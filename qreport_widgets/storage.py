@@ -30,7 +30,7 @@ import pandas as pd
 
 from .errors import ReportFileError
 from .features import SuggestionKind
-from .frame import MODULE, ReportFrame
+from .frame import ReportFrame
 
 if TYPE_CHECKING:
     from .detectors.base import Suggestion
@@ -87,7 +87,7 @@ class SavedReport:
         return self._frame
 
     def to_dataframe(self) -> pd.DataFrame:
-        return self._frame.channels.join(self._frame.modules, on=MODULE)
+        return self._frame.to_dataframe()
 
     def text_reports(self) -> dict[str, str]:
         return dict(self._content["text_reports"])
@@ -133,10 +133,8 @@ class GraphSummary:
         return dict(self._layers)
 
 
-def save_report(report: ModelReport | SavedReport, path: str | Path) -> Path:
-    """Write ``report`` (a generated ModelReport or a SavedReport) to ``path``; return the path."""
-    if isinstance(report, SavedReport):
-        return report.save(path)
+def save_report(report: ModelReport, path: str | Path) -> Path:
+    """Write a generated ModelReport to ``path``; return the path (``SavedReport.save`` re-saves)."""
     frame = report.frame()  # raises ReportNotGeneratedError with the next step when there is none
     graph = report.graph
     content = {
@@ -261,7 +259,7 @@ def _encode_column(column: pd.Series, name: Any, key: str, arrays: dict[str, np.
     if isinstance(dtype, np.dtype) and dtype.kind in _NUMERIC_KINDS:
         arrays[key] = column.to_numpy()
         return {"name": name, "array": key}
-    kind = "str" if isinstance(dtype, pd.StringDtype) and dtype.na_value is not pd.NA else str(dtype)
+    kind = str(dtype)  # "object", "boolean", "str" (NaN-missing strings) or "string" (NA-missing)
     if kind not in _VALUE_DTYPES:
         raise TypeError(f"column {name!r} has dtype {dtype}, which a report file cannot hold")
     return {"name": name, "dtype": kind, "values": [_encode_value(v) for v in column.tolist()]}

@@ -175,10 +175,6 @@ class TuningPanel(w.VBox):
             self._enable(True)
             self.progress.layout.visibility = "hidden"
 
-    @property
-    def running(self) -> bool:
-        return self._running.locked()
-
     # ---- helpers -------------------------------------------------------------------------------
     def _sent_during_last_run(self, sent: datetime.datetime | None) -> bool:
         """Whether a click was made while the previous run was still going.
