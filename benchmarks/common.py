@@ -15,7 +15,7 @@ from torch.ao.quantization.fx._model_report.model_report import ModelReport as U
 
 from qreport_widgets import ModelReport, default_detectors
 from qreport_widgets.architectures import TinyConvNet, TransformerMlp, resnet18, resnet50
-from qreport_widgets.pipeline import prepare
+from qreport_widgets.fx.prepare import prepare
 
 THREADS = 2
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .analysis import Analysis
 from .analyze import analyze, default_detectors
 from .detectors import (
     DetectorBase,
@@ -15,6 +16,7 @@ from .errors import (
     AlreadyPreparedError,
     CalibrationError,
     DetectorConfigError,
+    InvalidSettingsError,
     NotCalibratedError,
     NotPreparedError,
     ObserversRemovedError,
@@ -24,19 +26,22 @@ from .errors import (
     UntraceableModelError,
 )
 from .observer import ModelReportObserver
-from .qconfig import ModuleSettings
 from .report import ModelReport
+from .session import QuantizationSession, RunResult
+from .settings import ModuleSettings
 from .storage import SavedReport, load_report
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AlreadyPreparedError",
+    "Analysis",
     "CalibrationError",
     "DetectorBase",
     "DetectorConfigError",
     "DynamicStaticDetector",
     "InputWeightEqualizationDetector",
+    "InvalidSettingsError",
     "ModelReport",
     "ModelReportObserver",
     "ModuleSettings",
@@ -47,8 +52,10 @@ __all__ = [
     "PerChannelDetector",
     "QReportError",
     "QReportWarning",
+    "QuantizationSession",
     "ReportFileError",
     "ReportNotGeneratedError",
+    "RunResult",
     "SavedReport",
     "UntraceableModelError",
     "analyze",

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
+from torch.ao.quantization import QConfigMapping
 
 from .calibration import CalibrationData, calibrate, is_one_shot
 from .detectors import DetectorBase, DynamicStaticDetector, InputWeightEqualizationDetector, OutlierDetector, PerChannelDetector
-from .pipeline import prepare, torch_observers_paused
+from .fx import FxEngine
 from .report import ModelReport
+from .session import QuantizationSession
 
 
 def default_detectors(backend: str = "x86") -> list[DetectorBase]:
@@ -33,15 +33,15 @@ def analyze(
     qconfig_mapping: QConfigMapping | None = None,
     backend: str = "x86",
     *,
-    eval_data: Any = None,
-    eval_fn: Any = None,
+    eval_data: Iterable[Any] | None = None,
+    eval_fn: Callable[[torch.nn.Module], float] | None = None,
     prepare_custom_config: Any = None,
     progress: bool = True,
 ) -> ModelReport:
     """Prepare a copy of ``float_model`` with ``prepare_fx``, observe it during calibration and report.
 
     Args:
-        float_model: the float model; it is deep-copied and never changed.
+        float_model: the float model; it is deep-copied once and never changed.
         example_inputs: one input tuple (a single tensor is wrapped).
         calibration_data: an iterable of batches (tuples, dicts or single tensors) or a callable
             that runs the model on its data. A one-shot iterator (a generator) is kept as a list,
@@ -59,33 +59,24 @@ def analyze(
     the Tune tab), which prepares and calibrates a fresh copy for every run.
     """
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
-    prepared = prepare(float_model, mapping, example_inputs, prepare_custom_config=prepare_custom_config)
-    report = ModelReport(prepared, default_detectors(backend) if detectors is None else detectors)
+    engine = FxEngine(backend, qconfig_mapping, prepare_custom_config)
+    # the session's own copy, made before anything runs: later edits to the caller's model do not
+    # leak into tuning, and the analysis prepares from the same copy
+    float_copy = copy.deepcopy(float_model).eval()
+    prepared = engine.prepare(float_copy, engine.base_config(), example_inputs)
+    modules = engine.tunable_modules(prepared)
+    report = ModelReport(prepared, default_detectors(backend) if detectors is None else detectors,
+                         model_name=type(float_model).__name__)  # fmt: skip
     instrumented = report.prepare_detailed_calibration()
     kept = [] if is_one_shot(calibration_data) else None  # a generator is kept for later tuning runs
-    with torch_observers_paused(instrumented):  # the detectors read only the report's observers
-        batches = calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
-    calibration_data = kept if kept is not None else calibration_data
+    with engine.observers_paused(instrumented):  # the detectors read only the report's observers
+        calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
     report.generate_model_report(remove_inserted_observers=False)
-    # a pristine copy as it was analyzed: later edits to the caller's model do not leak into tuning
-    report.analysis_inputs = AnalysisInputs(
-        copy.deepcopy(float_model).eval(), example_inputs, calibration_data, mapping, backend, batches, eval_data, eval_fn,
-        prepare_custom_config,
-    )  # fmt: skip
+    data = kept if kept is not None else calibration_data
+    try:
+        session = QuantizationSession._adopt(float_copy, engine, example_inputs, data, eval_data, eval_fn, modules)
+    except ValueError as error:  # e.g. a calibration callable without eval_data: the analysis still stands
+        report._attach_session(None, f"{type(error).__name__}: {error}")
+    else:
+        report._attach_session(session)
     return report
-
-
-@dataclass
-class AnalysisInputs:
-    """What analyze() was given, kept for re-running quantization later (a copy of the float model)."""
-
-    float_model: torch.nn.Module
-    example_inputs: tuple[Any, ...]
-    calibration_data: Any
-    qconfig_mapping: QConfigMapping
-    backend: str
-    batches: int
-    eval_data: Any = None
-    eval_fn: Any = None
-    prepare_custom_config: Any = None

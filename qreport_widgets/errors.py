@@ -49,3 +49,7 @@ class QReportWarning(UserWarning):
 
 class ReportFileError(QReportError, ValueError):
     """A saved report file is missing, truncated or was modified."""
+
+
+class InvalidSettingsError(QReportError, ValueError):
+    """Per-module settings the quantization engine cannot apply to that module."""

@@ -11,16 +11,14 @@ Built with numpy slices per (module, feature), never one value at a time.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 
-if TYPE_CHECKING:
-    from .report import ModelReport
+from .records import Column, Suggestion
 
 MODULE = "module"
 CHANNEL = "channel"
@@ -39,40 +37,23 @@ class ReportFrame:
     present: Mapping[str, frozenset[str]] = field(default_factory=dict)  # features each module reports
 
     @classmethod
-    def from_report(cls, report: ModelReport) -> ReportFrame:
-        graph = report.graph
-        types = {fqn: unit.type_name for fqn, unit in graph.units.items()}
-        suggestions = pd.DataFrame(
-            [(s.module_fqn, s.detector, s.kind.value, s.reason, s.evidence) for s in report.suggestions()],
-            columns=_SUGGESTION_COLUMNS,
-        )
-        histograms = {
-            record.module_fqn: (record.histogram, record.histogram_edges)
-            for result in report.results().values()
-            for record in result.records
-            if getattr(record, "histogram", np.zeros(0)).size
-        }
-        return cls.from_features(report.features_by_module(), types, suggestions, histograms)
-
-    @classmethod
     def from_features(
         cls,
-        features_by_module: Mapping[str, Mapping[str, Any]],
+        features_by_module: Mapping[str, Mapping[str, Column]],
         module_types: Mapping[str, str] | None = None,
-        suggestions: pd.DataFrame | None = None,
+        suggestions: Iterable[Suggestion] = (),
         histograms: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> ReportFrame:
-        """From PyTorch-shaped ``{module: {feature: value}}`` (values: tensors, lists or scalars)."""
+        """From ``{module: {feature: column}}`` in forward order (see ``records.py`` for columns)."""
         names = list(features_by_module)
         per_tensor: dict[str, list[Any]] = {}
         per_channel: dict[str, dict[int, np.ndarray]] = {}
         counts = np.zeros(len(names), dtype=np.int64)
         for i, fqn in enumerate(names):
             for feature, value in features_by_module[fqn].items():
-                array = _as_array(value)
-                if array is not None and array.ndim == 1:
-                    per_channel.setdefault(feature, {})[i] = array
-                    counts[i] = max(counts[i], array.size)
+                if isinstance(value, np.ndarray) and value.ndim == 1:
+                    per_channel.setdefault(feature, {})[i] = value
+                    counts[i] = max(counts[i], value.size)
                 else:
                     per_tensor.setdefault(feature, [None] * len(names))[i] = _as_scalar(value)
         starts = np.concatenate([[0], np.cumsum(counts)])
@@ -97,9 +78,11 @@ class ReportFrame:
             },
             index=pd.Index(names, name=MODULE),
         )
-        suggestions = suggestions if suggestions is not None else pd.DataFrame(columns=_SUGGESTION_COLUMNS)
+        table = pd.DataFrame(
+            [(s.module_fqn, s.detector, s.kind.value, s.reason, s.evidence) for s in suggestions], columns=_SUGGESTION_COLUMNS
+        )
         present = {fqn: frozenset(features_by_module[fqn]) for fqn in names}
-        return cls(modules, channels, suggestions, dict(histograms or {}), present)
+        return cls(modules, channels, table, dict(histograms or {}), present)
 
     # ------------------------------------------------------------------ lookups for views
     @property
@@ -113,6 +96,18 @@ class ReportFrame:
     @property
     def tensor_features(self) -> list[str]:
         return [c for c in self.modules.columns if c not in (ORDER, MODULE_TYPE, CHANNELS)]
+
+    def is_numeric(self, feature: str) -> bool:
+        """Whether a per-module feature holds numbers that can be plotted (not flags or text)."""
+        column = self.modules[feature]
+        return pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column)
+
+    def per_module(self, feature: str, modules: list[str] | None = None) -> pd.DataFrame:
+        """Mean, min and max of a per-channel feature for each module (forward order, NaN left out)."""
+        modules = self.module_names if modules is None else modules
+        rows = self.channels[[MODULE, feature]].dropna()
+        rows = rows[rows[MODULE].isin(modules)]
+        return rows.groupby(MODULE, sort=False)[feature].agg(["mean", "min", "max"]).reindex(modules)
 
     def features_of(self, module: str) -> tuple[list[str], list[str]]:
         """(per-channel, per-tensor) features ``module`` reports (a NaN value still counts)."""
@@ -133,20 +128,8 @@ class ReportFrame:
         return self.channel_block(module)[feature].to_numpy(dtype=np.float64)
 
 
-def _as_array(value: Any) -> np.ndarray | None:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().double().numpy() if value.dim() else None
-    if isinstance(value, np.ndarray):
-        return value.astype(np.float64) if value.ndim else None
-    if isinstance(value, (list, tuple)):
-        return np.asarray(value, dtype=np.float64)
-    return None
-
-
 def _as_scalar(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    if isinstance(value, np.generic):
+    if isinstance(value, (np.ndarray, np.generic)):
         return value.item()
     return value
 

@@ -58,12 +58,6 @@ class Unit:
         return weight if isinstance(weight, torch.Tensor) else None
 
 
-@dataclass(frozen=True)
-class PointKey:
-    node: str
-    ch_axis: int
-
-
 @dataclass
 class ModelGraph:
     """Units, skipped modules and axis rules of one prepared GraphModule."""

@@ -89,10 +89,7 @@ class ModelReportObserver(ObserverBase):
         self.histogram_bins = histogram_bins
         self.num_batches_tracked = 0
         self.empty_batches = 0
-        self.num_values = 0
         self.observed_ndim: int | None = None
-        self.observed_dtype: str | None = None
-        self.non_tensor_calls = 0
         self._selection_hints: dict[int, torch.Tensor | None] = {}  # speeds up the next batch only
 
         self.register_buffer("epoch_activation_min", torch.tensor(math.inf))
@@ -112,7 +109,6 @@ class ModelReportObserver(ObserverBase):
     def forward(self, x, *more):  # type: ignore[override]
         tensor = _first_tensor((x, *more))
         if tensor is None:
-            self.non_tensor_calls += 1
             return x
         t = tensor.detach()
         if t.dtype != torch.float32 and t.dtype != torch.float64:
@@ -121,9 +117,7 @@ class ModelReportObserver(ObserverBase):
             self.empty_batches += 1
             return x
         self.observed_ndim = t.dim()
-        self.observed_dtype = str(tensor.dtype).removeprefix("torch.")
         self.num_batches_tracked += 1
-        self.num_values += t.numel()
 
         if self.stats & _NEEDS_CHANNELS:
             cmin, cmax = self._channel_extremes(t)
@@ -294,13 +288,11 @@ class ModelReportObserver(ObserverBase):
             theirs = _rebin(other.histogram, torch.exp2(exponent - other.histogram_exponent))
             self.histogram, self.histogram_exponent = mine + theirs, exponent
         self.num_batches_tracked = n
-        self.num_values += other.num_values
         self.empty_batches += other.empty_batches
-        self.non_tensor_calls += other.non_tensor_calls
         return self
 
     def _copy_counters(self, other: ModelReportObserver) -> None:
-        for name in ("num_batches_tracked", "num_values", "empty_batches", "non_tensor_calls", "observed_ndim", "observed_dtype"):
+        for name in ("num_batches_tracked", "empty_batches", "observed_ndim"):
             setattr(self, name, getattr(other, name))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]

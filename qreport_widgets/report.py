@@ -7,14 +7,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch.fx
 from torch.ao.quantization import QConfigMapping
 
 from . import instrument
-from .detectors.base import DetectorBase, DetectorResult, ReportContext, Suggestion
+from .analysis import Analysis, GraphSummary, build_analysis
+from .detectors.base import DetectorBase, ReportContext
 from .errors import (
     AlreadyPreparedError,
     DetectorConfigError,
@@ -24,17 +26,16 @@ from .errors import (
     QReportWarning,
     ReportNotGeneratedError,
 )
+from .features import DetectorName
 from .frame import ReportFrame
-from .graph import OBSERVER_CONTAINER, ModelGraph, Unit
-from .qconfig import (
-    ModuleSettings,
-    build_equalization_mapping,
-    build_qconfig_mapping,
-    current_settings,
-    suggested_settings,
-)
-from .session import QuantizationSession
-from .visualizer import ModelReportVisualizer
+from .fx.qconfig import build_equalization_mapping, build_qconfig_mapping, tunable_modules
+from .graph import OBSERVER_CONTAINER, ModelGraph
+from .records import DetectorResult, Suggestion
+from .settings import ModuleSettings, TunableModule, with_suggestions
+
+if TYPE_CHECKING:
+    from .session import QuantizationSession
+    from .visualizer import ModelReportVisualizer
 
 
 class ReportState(str, Enum):
@@ -56,10 +57,15 @@ class ModelReport:
         mapping = report.generate_qconfig_mapping()
 
     Every observed tensor gets one observer however many detectors read it, and each detector
-    keeps its own settings (reference percentile, channel axis).
+    keeps its own settings (reference percentile, channel axis). What the detectors find is one
+    immutable :class:`~qreport_widgets.analysis.Analysis` (``report.analysis()``); the tables, report
+    files and the widget read that. A report made by ``analyze()`` also carries the
+    ``QuantizationSession`` for tuning (``report.session``).
     """
 
-    def __init__(self, model: torch.fx.GraphModule, desired_report_detectors: Iterable[DetectorBase]) -> None:
+    def __init__(
+        self, model: torch.fx.GraphModule, desired_report_detectors: Iterable[DetectorBase], *, model_name: str | None = None
+    ) -> None:
         if not isinstance(model, torch.fx.GraphModule):
             raise TypeError(
                 f"ModelReport needs a torch.fx.GraphModule, got {type(model).__name__}; prepare the float "
@@ -75,17 +81,17 @@ class ModelReport:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise DetectorConfigError(f"each detector type may appear once; got several {', '.join(duplicates)}")
-        order = {name: i for i, name in enumerate(_BUILTIN_ORDER)}
+        order = {name.value: i for i, name in enumerate(DetectorName)}
         self._model = model
+        self._model_name = model_name or type(model).__name__
         self._detectors = sorted(detectors, key=lambda d: (order.get(d.get_detector_name(), len(order)), d.get_detector_name()))
         self._state = ReportState.CREATED
         self._observer_names: dict[str, set[str]] = {name: set() for name in names}
         self._results: dict[str, DetectorResult] = {}
+        self._analysis: Analysis | None = None
         self._graph: ModelGraph | None = None
-        self._frame: ReportFrame | None = None
-        self._batches_seen = 0
         self._session: QuantizationSession | None = None
-        self.analysis_inputs: Any = None  # set by analyze(): what a later re-quantization needs
+        self._session_problem = ""
 
     # ------------------------------------------------------------------ PyTorch-compatible API
     def get_desired_reports_names(self) -> set[str]:
@@ -133,7 +139,7 @@ class ModelReport:
                 "from that call is still available via results(), generate_visualizer() and generate_qconfig_mapping()"
             )
         self._analyze()
-        texts = self.text_reports()
+        texts = self.analysis().texts
         reports = {
             name: (texts[name], {r.module_fqn: d.upstream_dict(r) for r in self._results[name].records})
             for d in self._detectors
@@ -163,8 +169,7 @@ class ModelReport:
     @property
     def model_name(self) -> str:
         """The float model's class name (the GraphModule's when the report did not come from analyze())."""
-        inputs = self.analysis_inputs
-        return type(inputs.float_model).__name__ if inputs is not None else type(self._model).__name__
+        return self._model_name
 
     @property
     def detectors(self) -> list[DetectorBase]:
@@ -174,27 +179,35 @@ class ModelReport:
     def graph(self) -> ModelGraph:
         return self._graph or ModelGraph.of(self._model)
 
+    @property
+    def session(self) -> QuantizationSession | None:
+        """The QuantizationSession for live tuning when this report came from analyze(), else None."""
+        return self._session
+
     def results(self) -> dict[str, DetectorResult]:
         """Typed per-detector results of the last generate_model_report() call."""
         self._require_results()
         return dict(self._results)
 
-    def suggestions(self) -> list[Suggestion]:
+    def analysis(self) -> Analysis:
+        """The generated report as one immutable value (what tables, files and the widget read)."""
         self._require_results()
-        order = {fqn: i for i, fqn in enumerate(self.graph.units)}
-        found = [s for r in self._results.values() for s in r.suggestions]
-        return sorted(found, key=lambda s: order.get(s.module_fqn, len(order)))
+        assert self._analysis is not None
+        return self._analysis
 
-    def tunable_units(self) -> list[Unit]:
+    def suggestions(self) -> list[Suggestion]:
+        return self.analysis().suggestions()
+
+    def tunable_modules(self) -> list[TunableModule]:
         """The Linear / Conv modules whose settings a user can change, in forward order."""
-        return [u for u in self.graph.units.values() if u.is_linear or u.is_conv]
+        return tunable_modules(self.graph)
 
     def current_settings(self) -> dict[str, ModuleSettings]:
-        return {u.fqn: current_settings(u) for u in self.tunable_units()}
+        return {m.fqn: m.current for m in self.tunable_modules()}
 
     def suggested_settings(self) -> dict[str, ModuleSettings]:
         """Every tunable module's settings with all suggestions accepted."""
-        return suggested_settings(self.tunable_units(), self.suggestions())
+        return with_suggestions(self.tunable_modules(), self.suggestions())
 
     def suggested_qconfig_mapping(
         self, settings: Mapping[str, ModuleSettings] | None = None, base: QConfigMapping | None = None
@@ -207,24 +220,13 @@ class ModelReport:
         the mapping you prepared with when the report came from ModelReport directly.
         """
         settings = self.suggested_settings() if settings is None else settings
-        current = {u.fqn: getattr(u.module, "qconfig", None) for u in self.tunable_units()}
-        if base is None and self.analysis_inputs is not None:
-            base = self.analysis_inputs.qconfig_mapping
+        current = {m.fqn: m.native for m in self.tunable_modules()}
+        if base is None and self._session is not None:
+            base = getattr(self._session.engine, "qconfig_mapping", None)
         return build_qconfig_mapping(settings, base, current)
 
     def suggested_equalization_mapping(self, settings: Mapping[str, ModuleSettings] | None = None) -> QConfigMapping:
         return build_equalization_mapping(self.suggested_settings() if settings is None else settings)
-
-    @property
-    def session(self) -> QuantizationSession | None:
-        """The QuantizationSession for live tuning when this report came from analyze(), else None."""
-        if self._session is None and self.analysis_inputs is not None:
-            inputs = self.analysis_inputs
-            self._session = QuantizationSession(
-                inputs.float_model, inputs.example_inputs, inputs.calibration_data, inputs.eval_data, inputs.backend,
-                inputs.eval_fn, inputs.qconfig_mapping, inputs.prepare_custom_config,
-            )  # fmt: skip
-        return self._session
 
     def features_by_module(self) -> OrderedDict[str, dict[str, Any]]:
         """PyTorch's visualizer input: module fqn -> merged features of every detector, forward order."""
@@ -237,10 +239,7 @@ class ModelReport:
 
     def frame(self) -> ReportFrame:
         """The report as tidy tables (built once per generated report)."""
-        self._require_results()
-        if self._frame is None:
-            self._frame = ReportFrame.from_report(self)
-        return self._frame
+        return self.analysis().frame()
 
     def to_dataframe(self) -> pd.DataFrame:
         """One row per (module, channel) with every per-channel and per-module feature."""
@@ -250,36 +249,48 @@ class ModelReport:
         """The interactive view: ``display(report.widget())`` in a notebook."""
         from .widgets import ReportWidget
 
-        return ReportWidget(self)
+        if self._session is not None:
+            return ReportWidget(self.analysis(), self._session)
+        if self._session_problem:
+            unavailable = "Live tuning is unavailable."
+            return ReportWidget(self.analysis(), tuning_unavailable=unavailable, tuning_error=self._session_problem)
+        return ReportWidget(
+            self.analysis(),
+            tuning_unavailable="Live tuning needs the float model and calibration data: build the report with "
+            "qreport_widgets.analyze(model, example_inputs, calibration_data).",
+        )
 
     def text_reports(self) -> dict[str, str]:
         """Each detector's text report of the last generated report."""
-        self._require_results()
-        return {d.get_detector_name(): d.describe(self._results[d.get_detector_name()]) for d in self._detectors}
+        return self.analysis().text_reports()
 
     def calibration_batches(self) -> int:
-        """Most batches any observer saw (0 before calibration or after the observers were removed)."""
+        """Most batches any observer saw (0 before calibration; the last report's count once removed)."""
         container = getattr(self._model, OBSERVER_CONTAINER, None)
         counts = [getattr(o, "num_batches_tracked", 0) for o in container.children()] if container is not None else []
-        return max(counts, default=self._batches_seen)
+        return max(counts, default=self._analysis.batches if self._analysis is not None else 0)
 
     def save(self, path: str | Path) -> Path:
         """Write the generated report to one file (JSON and numpy arrays, no pickle); open it with
         ``qreport_widgets.load_report(path)`` to get the tables, views and widget back."""
-        from .storage import save_report
+        from .storage import save_analysis
 
-        return save_report(self, path)
+        return save_analysis(self.analysis(), path)
 
     def generate_visualizer(self) -> ModelReportVisualizer:
         """Tables and bqplot views of the generated report (PyTorch's method names)."""
+        from .visualizer import ModelReportVisualizer
+
         return ModelReportVisualizer(self.frame())
+
+    def _attach_session(self, session: QuantizationSession | None, problem: str = "") -> None:
+        """analyze(): the session tuning runs use, or why none could be built."""
+        self._session, self._session_problem = session, problem
 
     def _settings(self, include) -> dict[str, ModuleSettings]:
         self._require_results()
-        graph = self.graph
         named = {r.module_fqn for d in self._detectors if include(d) for r in self._results[d.get_detector_name()].records}
-        units = [u for fqn, u in graph.units.items() if fqn in named]
-        return suggested_settings(units, self.suggestions())
+        return with_suggestions([m for m in self.tunable_modules() if m.fqn in named], self.suggestions())
 
     def _analyze(self) -> None:
         container = getattr(self._model, OBSERVER_CONTAINER)
@@ -290,11 +301,12 @@ class ModelReport:
                 "returned by prepare_detailed_calibration() (not the float model) before generating the report, "
                 "and check that the batches are not empty (zero elements are skipped)"
             )
-        context = ReportContext(self._graph or ModelGraph.of(self._model), dict(container.index), pending=[])
+        graph = self._graph or ModelGraph.of(self._model)
+        context = ReportContext(graph, dict(container.index), pending=[])
         self._results = {d.get_detector_name(): d.analyze(context) for d in self._detectors}
         _warn_grouped(context.pending)
-        self._frame = None
-        self._batches_seen = max((getattr(o, "num_batches_tracked", 0) for o in observers), default=0)
+        batches = max((getattr(o, "num_batches_tracked", 0) for o in observers), default=0)
+        self._analysis = build_analysis(self._model_name, self._detectors, self._results, _summary(graph), batches)
 
     def _require_results(self) -> None:
         if self._results:
@@ -307,6 +319,15 @@ class ModelReport:
         )
 
 
+def _summary(graph: ModelGraph) -> GraphSummary:
+    return GraphSummary(
+        units=MappingProxyType({fqn: unit.type_name for fqn, unit in graph.units.items()}),
+        ops=MappingProxyType(graph.op_counts()),
+        layer_types=MappingProxyType(graph.layer_type_counts()),
+        skipped=MappingProxyType(dict(graph.skipped)),
+    )
+
+
 def _warn_grouped(pending: list[tuple[str, str]], shown: int = 8) -> None:
     """One QReportWarning per problem, naming every module that has it (a ResNet can have dozens)."""
     modules_by_message: dict[str, list[str]] = {}
@@ -317,11 +338,3 @@ def _warn_grouped(pending: list[tuple[str, str]], shown: int = 8) -> None:
     for message, modules in modules_by_message.items():
         names = ", ".join(modules[:shown]) + (f" and {len(modules) - shown} more modules" if len(modules) > shown else "")
         warnings.warn(f"{names}: {message}", QReportWarning, stacklevel=4)
-
-
-_BUILTIN_ORDER = (
-    "per_channel_detector",
-    "dynamic_vs_static_detector",
-    "input_weight_equalization_detector",
-    "outlier_detector",
-)

@@ -1,38 +1,40 @@
-"""QuantizationSession: re-run prepare_fx -> calibrate -> convert_fx on a pristine copy and measure.
+"""QuantizationSession: quantize a pristine float copy again and again with other settings, and measure.
 
-The caller's float model is deep-copied once and never touched; every run prepares its own copy.
+The session is engine-neutral: the engine (``fx.FxEngine`` by default) prepares, converts and
+reads per-layer numbers; the session owns the float copy, the data, validation, the runs and
+their history. The caller's float model is deep-copied once and never touched.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import io
 import math
 import time
 import traceback
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
-from torch.ao.quantization import QConfigMapping
-from torch.ao.quantization.quantize_fx import convert_fx
 
 from .calibration import CalibrationData, calibrate, call_with
+from .engine import Engine
 from .errors import CalibrationError
-from .metrics import per_layer_sqnr, quantization_summary, sqnr_db
-from .pipeline import prepare
+from .metrics import output_tensor, sqnr_db
+from .records import Suggestion
+from .settings import ModuleSettings, TunableModule, validate_all, with_suggestions
+
+Progress = Callable[[int, "int | None"], None]
 
 
 @dataclass
 class RunResult:
     """One prepare -> calibrate -> convert run and what it measured (field names are public API)."""
 
-    qconfig_mapping: QConfigMapping
+    qconfig_mapping: Any  # the FX engine's QConfigMapping (None for another engine)
     quantized_model: torch.nn.Module | None
     output_sqnr_db: float
     per_layer_sqnr_db: pd.Series
@@ -47,8 +49,10 @@ class RunResult:
     eval_batches: str = ""
     summary: pd.DataFrame = field(default_factory=pd.DataFrame)
     conversions: pd.DataFrame = field(default_factory=pd.DataFrame)
-    equalization_mapping: QConfigMapping | None = None
+    equalization_mapping: Any = None
     notes: list[str] = field(default_factory=list)  # what could not be measured, and why
+    settings: Mapping[str, ModuleSettings] | None = None  # what apply() was given (None for run())
+    config: Any = None  # the engine's configuration of this run
 
     @property
     def ok(self) -> bool:
@@ -56,18 +60,20 @@ class RunResult:
 
 
 class QuantizationSession:
-    """Quantize a float model again and again with different QConfigMappings and compare.
+    """Quantize a float model again and again with different settings and compare.
 
     Args:
         float_model: deep-copied once; the caller's object is never changed.
-        example_inputs: one input tuple for ``prepare_fx``.
+        example_inputs: one input tuple for preparing the model.
         calibration_data: an iterable of batches (re-iterable; a one-shot iterator is kept as a
             list) or a callable that runs a model on its data.
         eval_data: batches for the metrics; default: the last quarter of the calibration batches,
             held out from calibration (all of them when there is a single batch).
+        backend: the quantized engine (``x86``, ``fbgemm``, ``qnnpack``, ``onednn``).
         eval_fn: ``eval_fn(model) -> float``, your own metric (e.g. accuracy), shown next to ours.
         qconfig_mapping: the starting mapping the baseline uses (default: the backend's default).
         prepare_custom_config: passed to every ``prepare_fx`` (non-traceable modules, ...).
+        engine: the quantization workflow; default: FX graph mode from ``qconfig_mapping``.
     """
 
     def __init__(
@@ -78,19 +84,42 @@ class QuantizationSession:
         eval_data: Iterable[Any] | None = None,
         backend: str = "x86",
         eval_fn: Callable[[torch.nn.Module], float] | None = None,
-        qconfig_mapping: QConfigMapping | None = None,
+        qconfig_mapping: Any = None,
         prepare_custom_config: Any = None,
+        *,
+        engine: Engine | None = None,
     ) -> None:
-        from torch.ao.quantization import get_default_qconfig_mapping
+        if engine is None:
+            from .fx import FxEngine
 
-        self._float = copy.deepcopy(float_model).eval()
+            engine = FxEngine(backend, qconfig_mapping, prepare_custom_config)
+        self._start(copy.deepcopy(float_model).eval(), engine, example_inputs, calibration_data, eval_data, eval_fn, None)
+
+    @classmethod
+    def _adopt(
+        cls,
+        float_copy: torch.nn.Module,
+        engine: Engine,
+        example_inputs: tuple[Any, ...],
+        calibration_data: CalibrationData,
+        eval_data: Iterable[Any] | None,
+        eval_fn: Callable[[torch.nn.Module], float] | None,
+        modules: list[TunableModule],
+    ) -> QuantizationSession:
+        """A session that owns ``float_copy`` (a private copy already) and knows the tunable modules
+        from an earlier prepare with the starting configuration, as ``analyze()`` has them."""
+        session = cls.__new__(cls)
+        session._start(float_copy, engine, example_inputs, calibration_data, eval_data, eval_fn, modules)
+        return session
+
+    def _start(self, float_copy, engine, example_inputs, calibration_data, eval_data, eval_fn, modules) -> None:
+        self._float = float_copy
+        self.engine = engine
         self.example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        self.backend = backend
         self.eval_fn = eval_fn
-        self.prepare_custom_config = prepare_custom_config
-        self.qconfig_mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
         self.calibration_data, self.eval_data, self.eval_description = _split(calibration_data, eval_data)
         self.history: list[RunResult] = []
+        self._modules: list[TunableModule] | None = None if modules is None else list(modules)
         self._baseline: RunResult | None = None
         self._float_outputs: list[torch.Tensor] | None = None
 
@@ -99,44 +128,63 @@ class QuantizationSession:
         """The session's own float copy (read-only by convention; runs deep-copy it again)."""
         return self._float
 
-    def baseline(self, progress: Callable[[int, int | None], None] | None = None) -> RunResult:
-        """The starting mapping's run, computed once."""
+    @property
+    def modules(self) -> list[TunableModule]:
+        """The modules whose settings can be changed, in forward order, with what they do now."""
+        if self._modules is None:
+            prepared = self.engine.prepare(self._float, self.engine.base_config(), self.example_inputs)
+            self._modules = self.engine.tunable_modules(prepared)
+        return list(self._modules)
+
+    def current_settings(self) -> dict[str, ModuleSettings]:
+        """What each tunable module does under the starting configuration."""
+        return {m.fqn: m.current for m in self.modules}
+
+    def suggested_settings(self, suggestions: Iterable[Suggestion]) -> dict[str, ModuleSettings]:
+        """The current settings with ``suggestions`` (e.g. ``report.suggestions()``) accepted."""
+        return with_suggestions(self.modules, suggestions)
+
+    def settings_as_code(self, settings: Mapping[str, ModuleSettings]) -> str:
+        """Python that builds the engine's configuration for ``settings``, to paste into a pipeline."""
+        return self.engine.config_as_code(self._config_for(settings))
+
+    def baseline(self, progress: Progress | None = None) -> RunResult:
+        """The starting configuration's run, computed once."""
         if self._baseline is None or not self._baseline.ok:
-            self._baseline = self.run(self.qconfig_mapping, label="baseline", progress=progress)
+            self._baseline = self._run(self.engine.base_config(), "baseline", progress)
         return self._baseline
+
+    def apply(
+        self, settings: Mapping[str, ModuleSettings], *, label: str | None = None, progress: Progress | None = None
+    ) -> RunResult:
+        """Quantize with ``settings`` (module name -> ModuleSettings; modules left out keep their
+        current settings) and measure.
+
+        Settings the engine cannot apply raise InvalidSettingsError before anything runs; a failure
+        during the run is returned as a RunResult with ``error`` set and leaves the history alone.
+        """
+        config = self._config_for(settings)
+        result = self._run(config, label, progress)
+        result.settings = dict(settings)
+        return result
 
     def run(
         self,
-        qconfig_mapping: QConfigMapping,
-        equalization_mapping: QConfigMapping | None = None,
+        qconfig_mapping: Any,
+        equalization_mapping: Any = None,
         *,
         label: str | None = None,
-        progress: Callable[[int, int | None], None] | None = None,
+        progress: Progress | None = None,
     ) -> RunResult:
-        """prepare_fx (with the equalization mapping when given) -> calibrate -> convert_fx -> metrics.
+        """FX: prepare_fx with a QConfigMapping you wrote (and an equalization mapping) -> calibrate ->
+        convert_fx -> metrics. Failures do not raise: the result carries ``error``."""
+        from .fx import FxConfig, FxEngine
 
-        Failures do not raise: the result carries ``error`` and the history is left unchanged.
-        """
-        label = label or f"run {len(self.history) + 1}"
-        start = time.perf_counter()
-        try:
-            _require_float32(self._float)
-            extra = {"_equalization_config": equalization_mapping} if equalization_mapping is not None else {}
-            if self.prepare_custom_config is not None:
-                extra["prepare_custom_config"] = self.prepare_custom_config
-            prepared = prepare(self._float, qconfig_mapping, self.example_inputs, **extra)
-            calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None, on_batch=progress)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                quantized = convert_fx(prepared)
-            result = self._measure(quantized, prepared, qconfig_mapping, equalization_mapping, label)
-        except Exception as error:  # user models and data: report, keep the session usable
-            detail = "".join(traceback.format_exception_only(type(error), error)).strip()
-            result = RunResult(qconfig_mapping, None, math.nan, pd.Series(dtype=float), 0, math.nan, 0.0, detail, label)
-        result.duration_s = time.perf_counter() - start
-        if result.ok:
-            self.history.append(result)
-        return result
+        if not isinstance(self.engine, FxEngine):
+            raise TypeError(
+                f"run(qconfig_mapping) is for the FX engine; this session uses {self.engine.name}: use apply(settings)"
+            )
+        return self._run(FxConfig(qconfig_mapping, equalization_mapping), label, progress)
 
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         """One row per run (metrics as columns), and per-layer SQNR with one column per run."""
@@ -157,34 +205,58 @@ class QuantizationSession:
         layers = pd.DataFrame({r.label: r.per_layer_sqnr_db for r in self.history})
         return runs, layers
 
-    # ---- metrics -------------------------------------------------------------------------------
+    # ---- runs ----------------------------------------------------------------------------------
+    def _config_for(self, settings: Mapping[str, ModuleSettings]) -> Any:
+        modules = self.modules
+        validate_all(modules, settings)
+        return self.engine.config_for(settings, modules)
+
+    def _run(self, config: Any, label: str | None, progress: Progress | None) -> RunResult:
+        label = label or f"run {len(self.history) + 1}"
+        engine = self.engine
+        start = time.perf_counter()
+        try:
+            _require_float32(self._float)
+            prepared = engine.prepare(self._float, config, self.example_inputs)
+            calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None, on_batch=progress)
+            quantized = engine.convert(prepared)
+            result = self._measure(quantized, prepared, config, label)
+        except Exception as error:  # user models and data: report, keep the session usable
+            detail = "".join(traceback.format_exception_only(type(error), error)).strip()
+            result = RunResult(_mapping_of(config), None, math.nan, pd.Series(dtype=float), 0, math.nan, 0.0, detail, label)
+            result.config = config
+        result.duration_s = time.perf_counter() - start
+        if result.ok:
+            self.history.append(result)
+        return result
+
     def _reference_outputs(self) -> list[torch.Tensor]:
         if self._float_outputs is None:
             with torch.no_grad():
-                self._float_outputs = [_tensor_output(call_with(self._float, b)) for b in self.eval_data]
+                self._float_outputs = [output_tensor(call_with(self._float, b)) for b in self.eval_data]
         return self._float_outputs
 
-    def _measure(self, quantized, prepared, mapping, equalization, label) -> RunResult:
+    def _measure(self, quantized: torch.nn.Module, prepared: torch.nn.Module, config: Any, label: str) -> RunResult:
         reference = self._reference_outputs()
         outputs, seconds = [], []
         with torch.no_grad():
             try:
                 for batch in self.eval_data:
                     start = time.perf_counter()
-                    outputs.append(_tensor_output(call_with(quantized, batch)))
+                    outputs.append(output_tensor(call_with(quantized, batch)))
                     seconds.append(time.perf_counter() - start)
             except Exception as error:
                 raise CalibrationError(f"{label}: the quantized model failed on the evaluation data: {error}") from error
         batch_sqnr = [sqnr_db(r, o) for r, o in zip(reference, outputs, strict=True)]
         notes = []
         try:
-            layers = per_layer_sqnr(self._float, quantized, self.eval_data[0])
+            layers = self.engine.per_layer_sqnr(self._float, quantized, self.eval_data[0])
         except Exception as error:  # Numeric Suite cannot pair every graph; the run itself is fine
             layers = pd.Series(dtype=float, name="SQNR (dB)")
             notes.append(f"per-layer SQNR unavailable: Numeric Suite could not match the two graphs ({type(error).__name__})")
-        summary, conversions = quantization_summary(prepared, quantized)
+        summary, conversions = self.engine.conversions(prepared, quantized)
         return RunResult(
-            qconfig_mapping=mapping,
+            qconfig_mapping=_mapping_of(config),
             quantized_model=quantized,
             output_sqnr_db=sqnr_db(torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs])),
             per_layer_sqnr_db=layers,
@@ -198,9 +270,14 @@ class QuantizationSession:
             eval_batches=self.eval_description,
             summary=summary,
             conversions=conversions,
-            equalization_mapping=equalization,
+            equalization_mapping=getattr(config, "equalization_mapping", None),
             notes=notes,
+            config=config,
         )
+
+
+def _mapping_of(config: Any) -> Any:
+    return getattr(config, "qconfig_mapping", None)
 
 
 def _require_float32(model: torch.nn.Module) -> None:
@@ -228,22 +305,6 @@ def _split(calibration_data, eval_data) -> tuple[Any, list[Any], str]:
         return batches, batches, "the single calibration batch (too few batches to hold one out)"
     held = max(1, len(batches) // 4)
     return batches[:-held], batches[-held:], f"the last {held} of {len(batches)} calibration batches, held out of calibration"
-
-
-def _tensor_output(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output.detach().float()
-    if isinstance(output, (tuple, list)):
-        return torch.cat([_tensor_output(o).flatten() for o in output if isinstance(o, (torch.Tensor, tuple, list))])
-    if isinstance(output, dict):
-        return torch.cat([_tensor_output(v).flatten() for v in output.values()])
-    if dataclasses.is_dataclass(output):  # model-output classes of transformer libraries, say
-        fields = [getattr(output, f.name) for f in dataclasses.fields(output)]
-        return torch.cat([_tensor_output(v).flatten() for v in fields if isinstance(v, (torch.Tensor, tuple, list, dict))])
-    raise TypeError(
-        f"cannot compare model outputs of type {type(output).__name__}: return tensors, or tuples, lists, dicts "
-        "or dataclasses of them"
-    )
 
 
 def _serialized_size(model: torch.nn.Module) -> int:

@@ -1,11 +1,15 @@
-"""Save a generated report to one file and open it again, without pickle.
+"""Save an Analysis to one file and open it again, without pickle.
 
 The file is a zip archive with two members:
 
-- ``report.json``: format and version, what was analyzed, each detector's text report, the model
-  overview, and every table column that is not a plain numeric array (strings, nullable booleans);
-- ``arrays.npz``: the numeric columns and the activation histograms, read with
-  ``allow_pickle=False``.
+- ``report.json``: format and version, what was analyzed, each detector's text report, notes and
+  suggestions, the model overview, and for every record the report keys it has; values that are
+  not numpy arrays (settings, classifications) are stored here;
+- ``arrays.npz``: the numeric columns (one array per detector and key, all records' values
+  concatenated) and the activation histograms, read with ``allow_pickle=False``.
+
+A file opened again is an Analysis (:class:`SavedReport`) whose records are ``StoredRecord`` s
+with the same columns, so its tables are identical to the original's.
 
 ``report.json`` also carries a SHA-256 of its own content and of ``arrays.npz``, so a truncated or
 edited file is refused with a clear error instead of loading half a report. Nothing in the file
@@ -22,129 +26,80 @@ import math
 import zipfile
 import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import Any
 
 import numpy as np
-import pandas as pd
 
+from .analysis import Analysis, GraphSummary
 from .errors import ReportFileError
 from .features import SuggestionKind
-from .frame import ReportFrame
-
-if TYPE_CHECKING:
-    from .detectors.base import Suggestion
-    from .report import ModelReport
-    from .visualizer import ModelReportVisualizer
+from .records import DetectorResult, StoredRecord, Suggestion
 
 FORMAT = "qreport-widgets report"
-VERSION = 1
+VERSION = 2
 _JSON, _ARRAYS = "report.json", "arrays.npz"
 _NUMERIC_KINDS = "fiub"  # float, signed and unsigned int, bool: stored as arrays
-_VALUE_DTYPES = {"object", "boolean", "str", "string"}  # stored as JSON values
 
 
-class SavedReport:
-    """A report opened from a file: tables, views and the widget's analysis tabs.
+@dataclass(frozen=True, eq=False, repr=False)
+class SavedReport(Analysis):
+    """An Analysis read from a file: tables, views and the widget's analysis tabs.
 
     Re-quantizing needs the model and the data, which a file does not hold, so the widget's Tune
-    tab explains that instead of offering Apply.
+    tab says so instead of offering Apply.
     """
 
-    def __init__(self, content: Mapping[str, Any], frame: ReportFrame, source: Path | None = None) -> None:
-        self._content = dict(content)
-        self._frame = frame
-        self.source = source
-        self.analysis_inputs = None
-        self.session = None
-
-    @property
-    def model_name(self) -> str:
-        return str(self._content["model"])
-
-    @property
-    def detectors(self) -> list[str]:
-        """The detectors' names (the objects themselves are not saved)."""
-        return list(self._content["detectors"])
-
-    @property
-    def saved_at(self) -> str:
-        return str(self._content["saved_at"])
-
-    @property
-    def versions(self) -> dict[str, str]:
-        """Package versions the report was made with."""
-        return dict(self._content["versions"])
-
-    @property
-    def graph(self) -> GraphSummary:
-        return GraphSummary(self._content["graph"])
-
-    def calibration_batches(self) -> int:
-        return int(self._content["calibration_batches"])
-
-    def frame(self) -> ReportFrame:
-        return self._frame
-
-    def to_dataframe(self) -> pd.DataFrame:
-        return self._frame.to_dataframe()
-
-    def text_reports(self) -> dict[str, str]:
-        return dict(self._content["text_reports"])
-
-    def suggestions(self) -> list[Suggestion]:
-        from .detectors.base import Suggestion
-
-        return [
-            Suggestion(row.module, row.detector, SuggestionKind(row.kind), row.reason, float(row.evidence))
-            for row in self._frame.suggestions.itertuples(index=False)
-        ]
-
-    def generate_visualizer(self) -> ModelReportVisualizer:
-        from .visualizer import ModelReportVisualizer
-
-        return ModelReportVisualizer(self._frame)
+    def save(self, path: str | Path) -> Path:
+        return save_analysis(self, path)
 
     def widget(self) -> Any:
         from .widgets import ReportWidget
 
-        return ReportWidget(self)
-
-    def save(self, path: str | Path) -> Path:
-        return _write(path, self._content, self._frame)
-
-    def __repr__(self) -> str:
-        where = f" from {self.source}" if self.source else ""
-        return f"<SavedReport of {self.model_name}{where}: {len(self._frame.module_names)} modules>"
+        return ReportWidget(
+            self,
+            tuning_unavailable=f"This report was opened from {self.source or 'a file'}. Trying other quantization "
+            "settings needs the float model and calibration data, which a report file does not hold: run "
+            "qreport_widgets.analyze(model, example_inputs, calibration_data) to tune live.",
+        )
 
 
-class GraphSummary:
-    """What the widget's Model tab shows of a graph that is no longer at hand."""
+def save_analysis(analysis: Analysis, path: str | Path) -> Path:
+    """Write ``analysis`` to ``path`` atomically; return the path."""
+    from . import __version__
 
-    def __init__(self, content: Mapping[str, Any]) -> None:
-        self.skipped: dict[str, str] = dict(content["skipped"])
-        self._ops = dict(content["op_counts"])
-        self._layers = dict(content["layer_type_counts"])
-
-    def op_counts(self) -> dict[str, int]:
-        return dict(self._ops)
-
-    def layer_type_counts(self) -> dict[str, int]:
-        return dict(self._layers)
-
-
-def save_report(report: ModelReport, path: str | Path) -> Path:
-    """Write a generated ModelReport to ``path``; return the path (``SavedReport.save`` re-saves)."""
-    frame = report.frame()  # raises ReportNotGeneratedError with the next step when there is none
-    graph = report.graph
+    path = Path(path)
+    arrays: dict[str, np.ndarray] = {}
+    graph = analysis.graph
     content = {
-        "model": report.model_name,
-        "detectors": [d.get_detector_name() for d in report.detectors],
-        "calibration_batches": report.calibration_batches(),
-        "text_reports": report.text_reports(),
-        "graph": {"op_counts": graph.op_counts(), "layer_type_counts": graph.layer_type_counts(), "skipped": graph.skipped},
+        "model": analysis.model_name,
+        "detectors": list(analysis.detectors),
+        "calibration_batches": int(analysis.batches),
+        "text_reports": dict(analysis.texts),
+        "graph": {
+            "units": dict(graph.units),
+            "op_counts": dict(graph.ops),
+            "layer_type_counts": dict(graph.layer_types),
+            "skipped": dict(graph.skipped),
+        },  # fmt: skip
+        "results": [_encode_result(result, f"r{i}", arrays) for i, result in enumerate(analysis.results.values())],
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"qreport_widgets": __version__, "torch": _torch_version(), "numpy": np.__version__},
     }
-    return _write(path, content, frame)
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    blob = buffer.getvalue()
+    document = {"format": FORMAT, "version": VERSION, "sha256": _digest(content, blob), "content": content}
+    text = json.dumps(document, indent=1, allow_nan=False).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with zipfile.ZipFile(partial, "w") as archive:
+        archive.writestr(_JSON, text, compress_type=zipfile.ZIP_DEFLATED)
+        archive.writestr(_ARRAYS, blob, compress_type=zipfile.ZIP_STORED)
+    partial.replace(path)  # an interrupted save never leaves a half-written report under the name
+    return path
 
 
 def load_report(path: str | Path) -> SavedReport:
@@ -159,7 +114,8 @@ def load_report(path: str | Path) -> SavedReport:
         raise ReportFileError(f"{path} is not a qreport_widgets report file")
     if document.get("version") != VERSION:
         raise ReportFileError(
-            f"{path} has report format version {document.get('version')!r}; this qreport_widgets reads version {VERSION}"
+            f"{path} has report format version {document.get('version')!r}; this qreport_widgets reads version "
+            f"{VERSION} (format 1 came from qreport_widgets 0.1: run analyze() again and save the report)"
         )
     content = document.get("content")
     try:
@@ -172,7 +128,7 @@ def load_report(path: str | Path) -> SavedReport:
         with np.load(io.BytesIO(blob), allow_pickle=False) as npz:
             arrays = {name: npz[name] for name in npz.files}
         _check_fields(content)
-        return SavedReport(content, _decode_frame(content["tables"], arrays), path)
+        return _decode(content, arrays, path)
     except ReportFileError:
         raise
     except Exception as error:  # a well-formed archive with contents we did not write
@@ -196,31 +152,6 @@ def _read_members(path: Path) -> tuple[bytes, bytes]:
 
 
 # ---------------------------------------------------------------------------------------- writing
-def _write(path: str | Path, content: Mapping[str, Any], frame: ReportFrame) -> Path:
-    from . import __version__
-
-    path = Path(path)
-    arrays: dict[str, np.ndarray] = {}
-    content = {
-        **{k: v for k, v in content.items() if k not in ("tables", "saved_at", "versions")},
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": {"qreport_widgets": __version__, "torch": _torch_version(), "pandas": pd.__version__},
-        "tables": _encode_frame(frame, arrays),
-    }
-    buffer = io.BytesIO()
-    np.savez_compressed(buffer, **arrays)
-    blob = buffer.getvalue()
-    document = {"format": FORMAT, "version": VERSION, "sha256": _digest(content, blob), "content": content}
-    text = json.dumps(document, indent=1, allow_nan=False).encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    with zipfile.ZipFile(partial, "w") as archive:
-        archive.writestr(_JSON, text, compress_type=zipfile.ZIP_DEFLATED)
-        archive.writestr(_ARRAYS, blob, compress_type=zipfile.ZIP_STORED)
-    partial.replace(path)  # an interrupted save never leaves a half-written report under the name
-    return path
-
-
 def _digest(content: Any, blob: bytes) -> str:
     canonical = json.dumps(content, sort_keys=True, allow_nan=False, separators=(",", ":")).encode()
     return hashlib.sha256(canonical + b"\0" + blob).hexdigest()
@@ -232,48 +163,68 @@ def _torch_version() -> str:
     return str(torch.__version__)
 
 
-def _encode_frame(frame: ReportFrame, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-    tables = {
-        name: _encode_table(table, name, arrays)
-        for name, table in (("modules", frame.modules), ("channels", frame.channels), ("suggestions", frame.suggestions))
+def _encode_result(result: DetectorResult, prefix: str, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """One detector's records, column by column: a key's values over all records share one array."""
+    records = result.records
+    columns = [dict(record.columns()) for record in records]
+    keys = list(dict.fromkeys(key for cols in columns for key in cols))
+    encoded_columns = []
+    for k, key in enumerate(keys):
+        values = [cols[key] for cols in columns if key in cols]
+        encoded_columns.append({"key": key, **_encode_values(values, f"{prefix}/{k}", arrays)})
+    with_histogram = [
+        i for i, r in enumerate(records) if isinstance(getattr(r, "histogram", None), np.ndarray) and r.histogram.size
+    ]
+    histograms = {"records": with_histogram}
+    if with_histogram:
+        for part, attribute in (("counts", "histogram"), ("edges", "histogram_edges")):
+            parts = [np.asarray(getattr(records[i], attribute)) for i in with_histogram]
+            arrays[f"{prefix}/h{part}"] = np.concatenate(parts)
+            histograms[f"{part}_lengths"] = [p.size for p in parts]
+    return {
+        "detector": result.detector,
+        "prefix": prefix,
+        "modules": [record.module_fqn for record in records],
+        "keys": [list(cols) for cols in columns],
+        "columns": encoded_columns,
+        "histograms": histograms,
+        "notes": list(result.notes),
+        "suggestions": [
+            {
+                "module": s.module_fqn,
+                "detector": s.detector,
+                "kind": s.kind.value,
+                "reason": s.reason,
+                "evidence": _encode_value(s.evidence),
+            }
+            for s in result.suggestions
+        ],  # fmt: skip
     }
-    histograms = []
-    for i, (module, (counts, edges)) in enumerate(frame.histograms.items()):
-        arrays[f"histogram/{i}/counts"], arrays[f"histogram/{i}/edges"] = np.asarray(counts), np.asarray(edges)
-        histograms.append(module)
-    tables["histograms"] = histograms
-    tables["present"] = {module: sorted(features) for module, features in frame.present.items()}
-    return tables
 
 
-def _encode_table(table: pd.DataFrame, name: str, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-    columns = [_encode_column(table[column], column, f"{name}/{i}", arrays) for i, column in enumerate(table.columns)]
-    index = table.index
-    if isinstance(index, pd.RangeIndex):
-        return {"columns": columns, "index": {"name": index.name, "range": [index.start, index.stop, index.step]}}
-    return {"columns": columns, "index": _encode_column(pd.Series(index), index.name, f"{name}/index", arrays)}
-
-
-def _encode_column(column: pd.Series, name: Any, key: str, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-    dtype = column.dtype
-    if isinstance(dtype, np.dtype) and dtype.kind in _NUMERIC_KINDS:
-        arrays[key] = column.to_numpy()
-        return {"name": name, "array": key}
-    kind = str(dtype)  # "object", "boolean", "str" (NaN-missing strings) or "string" (NA-missing)
-    if kind not in _VALUE_DTYPES:
-        raise TypeError(f"column {name!r} has dtype {dtype}, which a report file cannot hold")
-    return {"name": name, "dtype": kind, "values": [_encode_value(v) for v in column.tolist()]}
+def _encode_values(values: list[Any], key: str, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    numpy = [np.asarray(v) for v in values if isinstance(v, (np.ndarray, np.generic))]
+    if len(numpy) == len(values) and numpy and len({(a.dtype, a.ndim) for a in numpy}) == 1:
+        first = numpy[0]
+        if first.dtype.kind in _NUMERIC_KINDS and first.ndim == 1:
+            arrays[key] = np.concatenate(numpy)
+            return {"array": key, "lengths": [a.size for a in numpy]}
+        if first.dtype.kind in _NUMERIC_KINDS and first.ndim == 0:
+            arrays[key] = np.stack(numpy)
+            return {"array": key, "scalars": True}
+    return {"values": [_encode_value(v) for v in values]}
 
 
 def _encode_value(value: Any) -> Any:
-    if value is None or value is pd.NA:
+    if value is None:
         return None
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, (int, np.integer)):
+    if isinstance(value, (np.ndarray, np.generic)) and np.ndim(value) == 0:
+        value = value.item()
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
         return int(value)
-    if isinstance(value, (float, np.floating)):
-        value = float(value)
+    if isinstance(value, float):
         return value if math.isfinite(value) else {"float": repr(value)}  # nan, inf, -inf
     if isinstance(value, str):
         return value
@@ -281,7 +232,10 @@ def _encode_value(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- reading
-_FIELDS = {"model": str, "detectors": list, "calibration_batches": int, "text_reports": dict, "graph": dict, "tables": dict}
+_FIELDS = {
+    "model": str, "detectors": list, "calibration_batches": int, "text_reports": dict, "graph": dict, "results": list,
+    "saved_at": str, "versions": dict,
+}  # fmt: skip
 
 
 def _check_fields(content: Any) -> None:
@@ -293,47 +247,83 @@ def _check_fields(content: Any) -> None:
     texts, graph = content["text_reports"], content["graph"]
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in texts.items()):
         raise ReportFileError("text_reports must map detector names to text")
-    for name in ("op_counts", "layer_type_counts", "skipped"):
+    for name in ("units", "op_counts", "layer_type_counts", "skipped"):
         if not isinstance(graph.get(name), dict):
             raise ReportFileError(f"graph.{name} is missing")
 
 
-def _decode_frame(tables: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> ReportFrame:
-    modules, channels, suggestions = (_decode_table(tables[name], arrays) for name in ("modules", "channels", "suggestions"))
-    histograms = {
-        module: (arrays[f"histogram/{i}/counts"], arrays[f"histogram/{i}/edges"]) for i, module in enumerate(tables["histograms"])
-    }
-    present = {str(module): frozenset(map(str, features)) for module, features in tables["present"].items()}
-    if int(modules["channels"].sum()) != len(channels) or list(modules.index) != list(present):
-        raise ReportFileError("the module and channel tables do not agree")
-    return ReportFrame(modules, channels, suggestions, histograms, present)
+def _decode(content: Mapping[str, Any], arrays: Mapping[str, np.ndarray], path: Path) -> SavedReport:
+    graph = content["graph"]
+    results = {}
+    for encoded in content["results"]:
+        result = _decode_result(encoded, arrays)
+        results[result.detector] = result
+    if list(results) != list(content["detectors"]):
+        raise ReportFileError("the detectors and their results do not agree")
+    return SavedReport(
+        model_name=content["model"],
+        detectors=tuple(map(str, content["detectors"])),
+        results=MappingProxyType(results),
+        texts=MappingProxyType(dict(content["text_reports"])),
+        graph=GraphSummary(
+            units=MappingProxyType({str(k): str(v) for k, v in graph["units"].items()}),
+            ops=MappingProxyType({str(k): int(v) for k, v in graph["op_counts"].items()}),
+            layer_types=MappingProxyType({str(k): int(v) for k, v in graph["layer_type_counts"].items()}),
+            skipped=MappingProxyType({str(k): str(v) for k, v in graph["skipped"].items()}),
+        ),
+        batches=content["calibration_batches"],
+        saved_at=content["saved_at"],
+        source=path,
+        versions=MappingProxyType({str(k): str(v) for k, v in content["versions"].items()}),
+    )
 
 
-def _decode_table(encoded: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> pd.DataFrame:
-    if "range" in encoded["index"]:
-        start, stop, step = (int(v) for v in encoded["index"]["range"])
-        index = pd.RangeIndex(start, stop, step, name=encoded["index"]["name"])
-    else:
-        index = pd.Index(_decode_column(encoded["index"], arrays), name=encoded["index"]["name"])
-    columns = [_decode_column(column, arrays) for column in encoded["columns"]]
-    for column in columns:
-        if len(column) != len(index):
-            raise ReportFileError(f"column {column.name!r} has {len(column)} rows, the table {len(index)}")
-    return pd.DataFrame({column.name: column.set_axis(index) for column in columns}, index=index)
+def _decode_result(encoded: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> DetectorResult:
+    modules, keys = [str(m) for m in encoded["modules"]], encoded["keys"]
+    if len(keys) != len(modules):
+        raise ReportFileError("a detector's records and their keys do not agree")
+    values_by_key = {}
+    for column in encoded["columns"]:
+        holders = sum(column["key"] in record_keys for record_keys in keys)
+        values = _decode_values(column, arrays)
+        if len(values) != holders:
+            raise ReportFileError(f"column {column['key']!r} has {len(values)} values for {holders} records")
+        values_by_key[column["key"]] = iter(values)
+    columns = [{key: next(values_by_key[key]) for key in record_keys} for record_keys in keys]
+    histograms: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    spec = encoded["histograms"]
+    if spec["records"]:
+        prefix = str(encoded["prefix"])
+        counts = _split(arrays[f"{prefix}/hcounts"], spec["counts_lengths"])
+        edges = _split(arrays[f"{prefix}/hedges"], spec["edges_lengths"])
+        histograms = {int(i): (c, e) for i, c, e in zip(spec["records"], counts, edges, strict=True)}
+    records = tuple(
+        StoredRecord(module, MappingProxyType(cols), *histograms.get(i, (np.zeros(0), np.zeros(0))))
+        for i, (module, cols) in enumerate(zip(modules, columns, strict=True))
+    )
+    suggestions = tuple(
+        Suggestion(str(s["module"]), str(s["detector"]), SuggestionKind(s["kind"]), str(s["reason"]),
+                   float(_decode_value(s["evidence"])))
+        for s in encoded["suggestions"]
+    )  # fmt: skip
+    return DetectorResult(str(encoded["detector"]), records, tuple(map(str, encoded["notes"])), suggestions)
 
 
-def _decode_column(encoded: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> pd.Series:
-    name = encoded["name"]
-    if "array" in encoded:
-        values = arrays[encoded["array"]]
-        if values.ndim != 1 or values.dtype.kind not in _NUMERIC_KINDS:
-            raise ReportFileError(f"column {name!r}: expected a 1-D numeric array, got {values.dtype} {values.shape}")
-        return pd.Series(values, name=name)
-    dtype = encoded["dtype"]
-    if dtype not in _VALUE_DTYPES:
-        raise ReportFileError(f"column {name!r}: unknown column type {dtype!r}")
-    values = [_decode_value(v) for v in encoded["values"]]
-    return pd.Series(values, name=name, dtype=dtype)
+def _decode_values(column: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> list[Any]:
+    if "values" in column:
+        return [_decode_value(v) for v in column["values"]]
+    values = arrays[column["array"]]
+    if values.dtype.kind not in _NUMERIC_KINDS:
+        raise ReportFileError(f"column {column['key']!r}: expected a numeric array, got {values.dtype}")
+    if column.get("scalars"):
+        return list(values)  # numpy scalars of the saved dtype
+    return _split(values, column["lengths"])
+
+
+def _split(values: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
+    if values.ndim != 1 or sum(lengths) != values.size or any(n < 0 for n in lengths):
+        raise ReportFileError(f"an array of {values.size} values does not split into lengths summing to {sum(lengths)}")
+    return np.split(values, np.cumsum(lengths)[:-1]) if lengths else []
 
 
 def _decode_value(value: Any) -> Any:

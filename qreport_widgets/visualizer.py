@@ -15,7 +15,6 @@ import numpy as np
 import pandas as pd
 
 from .frame import CHANNEL, MODULE, ReportFrame
-from .plots import HistogramView, LineView, histogram_of
 
 TABLE_TENSOR_KEY = "tensor_level_info"
 TABLE_CHANNEL_KEY = "channel_level_info"
@@ -56,8 +55,7 @@ class ModelReportVisualizer:
         """Feature names; plottable ones are numeric (per-channel or per-tensor)."""
         names = set(self.frame.channel_features)
         for feature in self.frame.tensor_features:
-            column = self.frame.modules[feature]
-            if not plottable_features_only or _numeric(column):
+            if not plottable_features_only or self.frame.is_numeric(feature):
                 names.add(feature)
         return names
 
@@ -103,12 +101,14 @@ class ModelReportVisualizer:
         Over several modules a per-channel feature is drawn as the mean per module with a min-max
         band (PyTorch plots the mean only, assuming equal channel counts).
         """
+        from .widgets.plots import LineView
+
         feature, per_channel, modules = self._single_feature(feature_filter, module_fqn_filter)
         view = LineView(title=f"{feature} plot", y_label=feature)
         if per_channel and len(modules) == 1:
             view.update(self.frame.channel_values(modules[0], feature), title=f"{feature} · {modules[0]}", x_label="channel")
         elif per_channel:
-            grouped = self._per_module(feature, modules)
+            grouped = self.frame.per_module(feature, modules)
             view.update(grouped["mean"], low=grouped["min"], high=grouped["max"], x_label="module (forward order)")
         else:
             view.update(self.frame.modules.loc[modules, feature].astype(float).to_numpy(), x_label="module (forward order)")
@@ -116,6 +116,8 @@ class ModelReportVisualizer:
 
     def generate_histogram_visualization(self, feature_filter: str, module_fqn_filter: str = "", num_bins: int = 10) -> Any:
         """A bqplot Figure with the distribution of one feature over the matching modules / channels."""
+        from .widgets.plots import HistogramView, histogram_of
+
         feature, per_channel, modules = self._single_feature(feature_filter, module_fqn_filter)
         if per_channel:
             values = self.frame.channels.loc[self.frame.channels[MODULE].isin(modules), feature].to_numpy(dtype=float)
@@ -140,15 +142,6 @@ class ModelReportVisualizer:
         feature = matches[0]
         present = [m for m in modules if feature in self.frame.present.get(m, ())]
         return feature, feature in self.frame.channel_features, present
-
-    def _per_module(self, feature: str, modules: list[str]) -> pd.DataFrame:
-        rows = self.frame.channels[self.frame.channels[MODULE].isin(modules)]
-        grouped = rows.groupby(MODULE, sort=False)[feature].agg(["mean", "min", "max"])
-        return grouped.reindex(modules)
-
-
-def _numeric(column: pd.Series) -> bool:
-    return pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column)
 
 
 def _reported(frame: ReportFrame, feature: str, modules: list[str]) -> bool:

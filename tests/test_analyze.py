@@ -42,7 +42,7 @@ def test_calibration_data_forms():
     batches = demo.demo_batches(2)
     as_dicts = [{"image": i, "meta": m} for i, m in batches]
     report = qw.analyze(model, batches[0], as_dicts, progress=False)
-    assert report.analysis_inputs.batches == 2
+    assert report.analysis().batches == 2
 
     def loop(instrumented):
         for batch in batches:

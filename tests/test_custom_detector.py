@@ -46,4 +46,4 @@ def test_a_report_with_a_custom_detector_saves_and_loads(tmp_path):
     loaded = qw.load_report(report.save(tmp_path / "sparsity.qreport"))
     pd.testing.assert_frame_equal(loaded.frame().channels, report.frame().channels, check_exact=True)
     pd.testing.assert_frame_equal(loaded.frame().modules, report.frame().modules, check_exact=True)
-    assert loaded.detectors == ["sparsity_detector"] and "sparsity_detector" in loaded.text_reports()
+    assert list(loaded.detectors) == ["sparsity_detector"] and "sparsity_detector" in loaded.text_reports()

@@ -12,8 +12,9 @@ from conftest import assert_unchanged, fingerprint
 
 import qreport_widgets as qw
 from qreport_widgets import demo
-from qreport_widgets.qconfig import InvalidSettingsError, ModuleSettings, mapping_as_code, validate
+from qreport_widgets.fx.qconfig import mapping_as_code
 from qreport_widgets.session import QuantizationSession
+from qreport_widgets.settings import InvalidSettingsError, ModuleSettings, validate
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +58,11 @@ def test_suggested_mapping_keeps_the_starting_mapping(analyzed):
 
 def test_invalid_settings_are_refused(analyzed):
     _, _, report = analyzed
-    units = {u.fqn: u for u in report.tunable_units()}
+    modules = {m.fqn: m for m in report.session.modules}
     with pytest.raises(InvalidSettingsError, match="dynamic quantization needs a Linear"):
-        validate(units["stem.conv"], ModuleSettings(dynamic=True))
+        validate(modules["stem.conv"], ModuleSettings(dynamic=True))
     with pytest.raises(InvalidSettingsError, match="static"):
-        validate(units["head"], ModuleSettings(dynamic=True, equalize=True))
+        validate(modules["head"], ModuleSettings(dynamic=True, equalize=True))
 
 
 def test_failed_run_keeps_history(analyzed):
@@ -81,7 +82,7 @@ def test_mapping_as_code_runs(analyzed):
     namespace: dict = {}
     exec(mapping_as_code(report.suggested_qconfig_mapping(), report.suggested_equalization_mapping()), namespace)
     built = namespace["qconfig_mapping"]
-    assert set(built.module_name_qconfigs) == {u.fqn for u in report.tunable_units()}
+    assert set(built.module_name_qconfigs) == {m.fqn for m in report.tunable_modules()}
     assert list(namespace["equalization_mapping"].module_name_qconfigs) == ["head"]
 
 
@@ -121,6 +122,7 @@ def test_report_without_session_disables_tuning():
     run(report.prepare_detailed_calibration(), conv_batches())
     tuning = report.widget().tuning
     assert report.session is None and tuning.apply.disabled and "analyze(" in tuning.status.value
+    assert not tuning.rows
 
 
 def test_session_with_own_eval_data_and_metric():
@@ -171,13 +173,13 @@ def test_failing_apply_keeps_the_previous_results_on_screen(analyzed):
 def test_run_survives_numeric_suite_failing_to_pair_the_graphs(analyzed, monkeypatch):
     from torch.ao.ns.fx.graph_matcher import GraphMatchingException
 
-    from qreport_widgets import session as session_module
+    from qreport_widgets import fx
 
     def unmatched(*args, **kwargs):
         raise GraphMatchingException("subgraphs of different types")
 
     _, _, report = analyzed
-    monkeypatch.setattr(session_module, "per_layer_sqnr", unmatched)
+    monkeypatch.setattr(fx, "per_layer_sqnr", unmatched)
     result = report.session.run(report.suggested_qconfig_mapping(), label="no per-layer")
     assert result.ok and math.isfinite(result.output_sqnr_db) and result.per_layer_sqnr_db.empty
     assert result.notes == ["per-layer SQNR unavailable: Numeric Suite could not match the two graphs (GraphMatchingException)"]

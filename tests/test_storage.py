@@ -53,7 +53,7 @@ def assert_same_report(loaded, report) -> None:
 def test_round_trip_is_exact(report, saved):
     loaded = qw.load_report(saved)
     assert_same_report(loaded, report)
-    assert loaded.model_name == "DemoNet" and loaded.detectors == [d.get_detector_name() for d in report.detectors]
+    assert loaded.model_name == "DemoNet" and list(loaded.detectors) == [d.get_detector_name() for d in report.detectors]
     assert loaded.versions["qreport_widgets"] == qw.__version__
     pd.testing.assert_frame_equal(loaded.to_dataframe(), report.to_dataframe(), check_exact=True)
     again = qw.load_report(loaded.save(saved.with_name("again.qreport")))
@@ -66,7 +66,7 @@ def test_the_file_is_json_and_arrays_only(saved):
         document = json.loads(archive.read("report.json"))  # strict JSON: no NaN tokens
         with np.load(io.BytesIO(archive.read("arrays.npz")), allow_pickle=False) as arrays:
             assert all(arrays[name].dtype != object for name in arrays.files)
-    assert document["format"] == "qreport-widgets report" and document["version"] == 1
+    assert document["format"] == "qreport-widgets report" and document["version"] == 2
 
 
 def test_visualizer_and_widget_from_a_loaded_report(report, saved):
@@ -83,7 +83,8 @@ def test_visualizer_and_widget_from_a_loaded_report(report, saved):
     )
     widget.controls.view.value = "Histogram"
     assert widget.views.histogram.bars.y.sum() == 32
-    assert "analyze(" in widget.tuning.value and "call_module" in widget.tabs.children[2].value
+    assert "analyze(" in widget.tuning.status.value and widget.tuning.apply.disabled
+    assert "call_module" in widget.tabs.children[2].value
     assert len(widget.tabs.children[3].children) == 4
 
 

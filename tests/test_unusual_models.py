@@ -86,7 +86,7 @@ def batches(n=4, dtype=torch.float32):
 def test_unusual_models_get_a_report_a_widget_and_a_run(model, units):
     data = batches()
     report = qw.analyze(model.eval(), data[0], data, progress=False)
-    assert [u.fqn for u in report.tunable_units()] == units
+    assert [m.fqn for m in report.tunable_modules()] == units
     widget = report.widget()
     for _, module in widget.controls.module.options:
         widget.controls.module.value = module

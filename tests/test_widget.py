@@ -106,7 +106,7 @@ def test_module_card_lists_suggestions(report):
 
 
 def test_wide_module_is_drawn_bucketed():
-    from qreport_widgets.plots import MAX_DRAWN_POINTS, LineView
+    from qreport_widgets.widgets.plots import MAX_DRAWN_POINTS, LineView
 
     view = LineView()
     values = np.arange(4096, dtype=float)

@@ -1,12 +1,11 @@
-"""DetectorBase and what detectors exchange with ModelReport: requests in, typed records out."""
+"""DetectorBase and what detectors exchange with the observation step: requests in, typed records out."""
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -14,10 +13,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..compat import from_upstream, to_upstream
 from ..errors import QReportWarning
-from ..features import Side, Stat, SuggestionKind
+from ..features import Side, Stat
 from ..graph import OBSERVER_CONTAINER, ModelGraph, Unit
 from ..observer import ModelReportObserver
+from ..records import Column, DetectorResult, Suggestion
+
+__all__ = [
+    "Column", "DetectorBase", "DetectorResult", "ObservationRequest", "ObservedTensor", "QReportWarning", "ReportContext",
+    "Suggestion", "check_axis", "check_range", "weighted_units",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -34,30 +40,6 @@ class ObservationRequest:
     # identifier) names it; it gets the tensor alone and must return it unchanged
     observer_factory: Callable[[int], nn.Module] | None = None
     tag: str = ""
-
-
-@dataclass(frozen=True)
-class Suggestion:
-    """One recommendation of one detector for one module."""
-
-    module_fqn: str
-    detector: str
-    kind: SuggestionKind
-    reason: str
-    evidence: float = math.nan
-
-
-@dataclass(frozen=True)
-class DetectorResult:
-    """Typed output of one detector: per-module records plus notes on what it could not judge."""
-
-    detector: str
-    records: tuple[Any, ...]
-    notes: tuple[str, ...] = ()
-    suggestions: tuple[Suggestion, ...] = ()
-
-    def by_module(self) -> dict[str, Any]:
-        return {record.module_fqn: record for record in self.records}
 
 
 @dataclass(frozen=True)
@@ -166,11 +148,25 @@ class DetectorBase(ABC):
         lines = [f"{self.name}:"] + [f"  {s.module_fqn}: {s.reason}" for s in result.suggestions]
         return "\n".join(lines + [f"  note: {n}" for n in result.notes]) + "\n"
 
-    def upstream_dict(self, record: Any) -> dict[str, Any]:
-        """The record as PyTorch's dictionary for the module (override for custom records)."""
-        from ..compat import to_upstream
+    def columns(self, record: Any) -> Mapping[str, Column]:
+        """The record's features by report key, in numpy: what tables, views and report files read.
 
-        return to_upstream(record)
+        Records with a ``columns()`` method answer themselves; for a detector that only overrides
+        :meth:`upstream_dict`, the columns are read from that dictionary.
+        """
+        own = getattr(record, "columns", None)
+        if callable(own):
+            return own()
+        if type(self).upstream_dict is DetectorBase.upstream_dict:
+            raise TypeError(
+                f"{type(record).__name__} has no columns() method: give it one that returns its features "
+                "(numpy arrays per channel, scalars per module), or override upstream_dict() in the detector"
+            )
+        return from_upstream(self.upstream_dict(record))
+
+    def upstream_dict(self, record: Any) -> dict[str, Any]:
+        """The record as PyTorch's dictionary for the module (tensors and lists, as torch reports)."""
+        return to_upstream(self.columns(record))
 
     # ---- PyTorch-compatible surface ----------------------------------------------------------
     def generate_detector_report(self, model: nn.Module) -> tuple[str, dict[str, Any]]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 from torch import nn
 
+from .. import features as F
 from ..features import NON_STATIONARY, STATIONARY, UNDETERMINED, DetectorName, Side, Stat, SuggestionKind
 from ..graph import ModelGraph
 from .base import DetectorBase, DetectorResult, ObservationRequest, ReportContext, Suggestion, check_range, weighted_units
@@ -36,6 +38,17 @@ class DynamicStaticRecord:
     @property
     def output_classification(self) -> str:
         return _classify(self.output_stat, self.tolerance)
+
+    def columns(self) -> dict[str, object]:
+        return {
+            F.TOLERANCE: self.tolerance,
+            F.DYNAMIC_RECOMMENDED: np.bool_(self.dynamic_recommended),
+            F.INPUT_COMP_STAT: np.float32(self.input_stat),
+            F.INPUT_DATA_CLASSIFICATION: self.input_classification,
+            F.OUTPUT_COMP_STAT: np.float32(self.output_stat),
+            F.OUTPUT_DATA_CLASSIFICATION: self.output_classification,
+            F.DYNAMIC_SUPPORTED: self.dynamic_supported,
+        }
 
 
 def _classify(stat: float, tolerance: float) -> str:

@@ -8,6 +8,7 @@ import numpy as np
 import torch.ao.nn.qat as nnqat
 from torch import nn
 
+from .. import features as F
 from ..features import EQUALIZATION_MODULE_FRACTION, DetectorName, Side, Stat, SuggestionKind
 from ..graph import ModelGraph, Unit
 from .base import (
@@ -45,6 +46,23 @@ class EqualizationRecord:
     def recommended(self) -> bool:
         flags = self.channel_recommended
         return bool(flags.size) and flags.mean() >= EQUALIZATION_MODULE_FRACTION
+
+    def columns(self) -> dict[str, object]:
+        f32 = np.float32
+        return {
+            F.EQUALIZATION_RECOMMENDED: self.channel_recommended,
+            F.EQUALIZATION_COMP_METRICS: self.comparison.astype(f32),
+            F.EQUALIZATION_THRESHOLD: self.threshold,
+            F.EQUALIZATION_CHANNEL_AXIS: self.ch_axis,
+            F.INPUT_PER_CHANNEL_MAX: self.input_max.astype(f32),
+            F.INPUT_PER_CHANNEL_MIN: self.input_min.astype(f32),
+            F.INPUT_GLOBAL_MAX: f32(np.max(self.input_max, initial=-np.inf)),
+            F.INPUT_GLOBAL_MIN: f32(np.min(self.input_min, initial=np.inf)),
+            F.WEIGHT_PER_CHANNEL_MAX: self.weight_max.astype(f32),
+            F.WEIGHT_PER_CHANNEL_MIN: self.weight_min.astype(f32),
+            F.WEIGHT_GLOBAL_MAX: f32(self.weight_max.max()),
+            F.WEIGHT_GLOBAL_MIN: f32(self.weight_min.min()),
+        }
 
 
 class InputWeightEqualizationDetector(DetectorBase):

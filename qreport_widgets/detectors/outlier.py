@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import features as F
 from ..features import DetectorName, Side, Stat, SuggestionKind
 from ..graph import ModelGraph
 from .base import DetectorBase, DetectorResult, ObservationRequest, ReportContext, Suggestion, check_axis, check_range
@@ -37,6 +38,19 @@ class OutlierRecord:
         if self.total_batches == 0:
             return np.zeros(self.batches_used.shape, dtype=bool)
         return self.batches_used / self.total_batches >= self.fraction_threshold
+
+    def columns(self) -> dict[str, object]:
+        return {
+            F.OUTLIER_CHANNEL_AXIS: self.ch_axis,
+            F.OUTLIER_REFERENCE_PERCENTILE: self.reference_percentile,
+            F.OUTLIER_RATIO_THRESHOLD: self.ratio_threshold,
+            F.OUTLIER_RATIOS: self.ratios.astype(np.float32),
+            F.OUTLIER_BATCHES_USED: self.batches_used.astype(np.int64),
+            F.OUTLIERS_DETECTED: self.outliers,
+            F.OUTLIER_SUFFICIENT_BATCHES: self.sufficient_batches,
+            F.CONSTANT_BATCH_COUNTS: self.constant_counts.astype(np.int64),
+            F.INPUT_PER_CHANNEL_MAX: self.max_vals.astype(np.float32),
+        }
 
 
 class OutlierDetector(DetectorBase):

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.ao.quantization.fake_quantize import FakeQuantizeBase
 
+from .. import features as F
 from ..errors import DetectorConfigError
 from ..features import DetectorName, SuggestionKind
 from ..graph import ModelGraph
@@ -24,6 +25,9 @@ class PerChannelRecord:
     supported: bool
     used: bool
     backend: str
+
+    def columns(self) -> dict[str, object]:
+        return {F.PER_CHANNEL_SUPPORTED: self.supported, F.PER_CHANNEL_USED: self.used, F.BACKEND: self.backend}
 
 
 class PerChannelDetector(DetectorBase):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import ipywidgets as w
-import pandas as pd
 
+from .. import features as F
 from ..frame import ReportFrame
 from .views import ACTIVATION_VALUES, ALL_MODULES, View
 
@@ -24,16 +24,12 @@ def feature_options(frame: ReportFrame, module: str) -> list[tuple[str, str]]:
     else:
         per_channel, per_tensor = frame.features_of(module)
         has_histogram = module in frame.histograms
-    numeric = [f for f in per_tensor if _numeric(frame.modules[f])]
+    numeric = [f for f in per_tensor if frame.is_numeric(f)]
     options = [(f"{f} · per-channel", f) for f in per_channel]
     if has_histogram:
         options.append((f"{ACTIVATION_VALUES} · recorded histogram", ACTIVATION_VALUES))
     options += [(f"{f} · per-tensor", f) for f in numeric]
     return options
-
-
-def _numeric(column: pd.Series) -> bool:
-    return pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column)
 
 
 class ExploreControls(w.HBox):
@@ -65,7 +61,7 @@ class ExploreControls(w.HBox):
 
 
 def _preferred(values: list[str]) -> str:
-    for candidate in ("outlier_detection_percentile_ratios", "input_activation_per_channel_max"):
+    for candidate in (F.OUTLIER_RATIOS, F.INPUT_PER_CHANNEL_MAX):
         if candidate in values:
             return candidate
     return values[0]

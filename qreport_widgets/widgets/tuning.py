@@ -12,10 +12,11 @@ import ipywidgets as w
 import numpy as np
 import pandas as pd
 
-from ..qconfig import InvalidSettingsError, ModuleSettings, mapping_as_code, validate
+from ..errors import InvalidSettingsError
+from ..protocols import ReportSource, TuningSession
+from ..settings import ModuleSettings, TunableModule, validate_all
 
 if TYPE_CHECKING:
-    from ..report import ModelReport
     from ..session import RunResult
 
 STATIC, DYNAMIC = "static", "dynamic"
@@ -26,15 +27,17 @@ _SERIES_COLORS = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467b
 class SettingsRow(w.HBox):
     """One module's editable settings; the reason for each suggestion is on hover and in the row."""
 
-    def __init__(self, fqn: str, type_name: str, is_linear: bool, reasons: list[str]) -> None:
-        self.fqn = fqn
+    def __init__(self, module: TunableModule, reasons: list[str]) -> None:
+        self.fqn = fqn = module.fqn
+        type_name = html.escape(module.type_name)
         tip = "; ".join(reasons) or "no suggestion"
         self.activation = w.ToggleButtons(options=[STATIC, DYNAMIC], tooltips=["static activations", "dynamic (Linear only)"],
-                                          style={"button_width": "72px"}, disabled=not is_linear,
+                                          style={"button_width": "72px"}, disabled=not module.allows("dynamic"),
                                           layout={"width": "170px", "flex": "0 0 auto"})  # fmt: skip
         self.weight = w.ToggleButtons(
-            options=[PER_TENSOR, PER_CHANNEL], style={"button_width": "96px"}, layout={"width": "225px", "flex": "0 0 auto"}
-        )
+            options=[PER_TENSOR, PER_CHANNEL], style={"button_width": "96px"}, disabled=not module.allows("per_channel"),
+            layout={"width": "225px", "flex": "0 0 auto"},
+        )  # fmt: skip
         self.equalize = w.Checkbox(description="equalize", indent=False, layout={"width": "90px"})
         self.keep_float = w.Checkbox(description="keep float", indent=False, layout={"width": "95px"})
         label = w.HTML(f"<b>{html.escape(fqn)}</b><br><span style='color:#666'>{type_name}</span>",
@@ -63,20 +66,19 @@ class SettingsRow(w.HBox):
 
 
 class TuningPanel(w.VBox):
-    """Edit settings, Apply them through the report's QuantizationSession, compare runs."""
+    """Edit settings, Apply them through a tuning session, compare runs.
 
-    def __init__(self, report: ModelReport) -> None:
-        self.report = report
-        try:
-            self.session = report.session
-            session_problem = ""
-        except Exception as error:  # e.g. no evaluation data: the analysis tabs still work
-            self.session, session_problem = None, f"{type(error).__name__}: {error}"
-        units = report.tunable_units()
-        reasons = {}
-        for s in report.suggestions():
-            reasons.setdefault(s.module_fqn, []).append(f"{s.kind.value}: {s.reason}")
-        self.rows = {u.fqn: SettingsRow(u.fqn, u.type_name, u.is_linear, reasons.get(u.fqn, [])) for u in units}
+    Without a session the panel shows ``unavailable`` (and ``error``) instead of rows.
+    """
+
+    def __init__(self, source: ReportSource, session: TuningSession | None, *, unavailable: str = "", error: str = "") -> None:
+        self.source = source
+        self.session = session
+        reasons: dict[str, list[str]] = {}
+        for suggestion in source.suggestions():
+            reasons.setdefault(suggestion.module_fqn, []).append(f"{suggestion.kind.value}: {suggestion.reason}")
+        modules = session.modules if session is not None else []
+        self.rows = {m.fqn: SettingsRow(m, reasons.get(m.fqn, [])) for m in modules}
         fixed = {"flex": "0 0 auto"}  # the status line beside them must not squeeze the buttons
         self.accept = w.Button(description="Accept all suggestions", icon="check", layout={"width": "190px", **fixed})
         self.reset = w.Button(description="Reset to default", icon="undo", layout={"width": "150px", **fixed})
@@ -103,25 +105,24 @@ class TuningPanel(w.VBox):
             children=[self.summary, self.code], titles=("Quantization summary of the last run", "QConfigMapping as Python")
         )
         # the SQNR figure joins after the first run: a bqplot figure laid out in a hidden tab has no size
+        if session is None:
+            self._enable(False)
+            self.status.value = f"<i>{html.escape(unavailable or 'Live tuning needs a session.')}</i>"
+            if error:
+                self.error.value = f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(error)}</pre>"
+            super().__init__([self.status, self.error])
+            return
         super().__init__([header, rows, buttons, self.error, self.history, results])
-        self._set_all(report.current_settings())
-        if self.session is None:
-            for control in (self.accept, self.reset, self.apply):
-                control.disabled = True
-            self.status.value = ("<i>Live tuning needs the float model and data: build the report with "
-                                 "qreport_widgets.analyze(model, example_inputs, calibration_data).</i>")  # fmt: skip
-            if session_problem:
-                self.status.value = "<i>Live tuning is unavailable.</i>"
-                self.error.value = f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(session_problem)}</pre>"
+        self._set_all(session.current_settings())
         self._show_code()
 
     # ---- handlers ------------------------------------------------------------------------------
     def _on_accept_click(self, _button: w.Button) -> None:
-        self._set_all(self.report.suggested_settings())
+        self._set_all(self.session.suggested_settings(self.source.suggestions()))
         self._show_code()
 
     def _on_reset_click(self, _button: w.Button) -> None:
-        self._set_all(self.report.current_settings())
+        self._set_all(self.session.current_settings())
         self._show_code()
 
     def _on_apply_click(self, _button: w.Button) -> None:
@@ -141,9 +142,7 @@ class TuningPanel(w.VBox):
     def _apply(self, sent: datetime.datetime | None) -> None:
         settings = self.settings()
         try:
-            units = {u.fqn: u for u in self.report.tunable_units()}
-            for fqn, choice in settings.items():
-                validate(units[fqn], choice)
+            validate_all(self.session.modules, settings)
         except InvalidSettingsError as error:
             self.error.value = f"<span style='color:#b00'>{html.escape(str(error))}</span>"
             return
@@ -154,11 +153,9 @@ class TuningPanel(w.VBox):
         try:
             if not self.session.history:
                 self._run_with_progress("baseline", lambda cb: self.session.baseline(progress=cb))
-            mapping = self.report.suggested_qconfig_mapping(settings)
-            equalization = self.report.suggested_equalization_mapping(settings)
             self._applied += 1
             label = f"apply {self._applied}"
-            result = self._run_with_progress(label, lambda cb: self.session.run(mapping, equalization, label=label, progress=cb))
+            result = self._run_with_progress(label, lambda cb: self.session.apply(settings, label=label, progress=cb))
             if result.ok:
                 notes = "".join(f"<br><i>{html.escape(note)}</i>" for note in result.notes)
                 self._final_status = f"{html.escape(result.label)}: output SQNR {result.output_sqnr_db:.2f} dB{notes}"
@@ -212,10 +209,10 @@ class TuningPanel(w.VBox):
         return run(on_batch)
 
     def _show_code(self) -> None:
-        settings = self.settings()
-        self.code.value = mapping_as_code(
-            self.report.suggested_qconfig_mapping(settings), self.report.suggested_equalization_mapping(settings)
-        )
+        try:
+            self.code.value = self.session.settings_as_code(self.settings())
+        except InvalidSettingsError as error:
+            self.code.value = f"# these settings cannot be applied: {error}\n"
 
     def _show_results(self, latest: RunResult | None) -> None:
         runs, layers = self.session.compare()

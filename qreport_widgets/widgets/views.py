@@ -15,7 +15,7 @@ import pandas as pd
 
 from .. import features as F
 from ..frame import MODULE, ReportFrame
-from ..plots import HistogramView, LineView, histogram_of, trimmed_histogram
+from .plots import HistogramView, LineView, histogram_of, trimmed_histogram
 
 ALL_MODULES = ""
 ACTIVATION_VALUES = "input activation values"  # the observer's recorded histogram, not a report key
@@ -91,8 +91,7 @@ class ExploreViews(w.VBox):
             values = frame.channel_values(module, feature)
             self.line.update(values, thresholds=thresholds, title=f"{module} · {feature}", x_label="channel", y_label=feature)
         elif feature in frame.channel_features:
-            rows = frame.channels[[MODULE, feature]].dropna()
-            stats = rows.groupby(MODULE, sort=False)[feature].agg(["mean", "min", "max"]).reindex(frame.module_names)
+            stats = frame.per_module(feature)
             self.line.update(
                 stats["mean"].to_numpy(), low=stats["min"].to_numpy(), high=stats["max"].to_numpy(), thresholds=thresholds,
                 title=f"{feature}: mean per module, min-max band", x_label="module (forward order)", y_label=feature,

@@ -1,7 +1,6 @@
-"""bqplot figures shared by the visualizer and the widget.
+"""bqplot figures of the widget, which the visualizer's plot methods return too.
 
-bqplot is imported when a figure is built, so the core stays importable without it. Each view
-owns one Figure and its marks; ``update`` methods change mark data in place under ``hold_sync``.
+Each view owns one Figure and its marks; ``update`` methods change mark data in place under ``hold_sync``.
 """
 
 from __future__ import annotations
@@ -9,15 +8,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import bqplot as bq
 import numpy as np
 
 MAX_DRAWN_POINTS = 2048  # more channels than this are drawn as min / mean / max per bucket
-
-
-def _bq():
-    import bqplot
-
-    return bqplot
 
 
 def finite32(values: Any) -> np.ndarray:
@@ -51,7 +45,6 @@ class LineView:
     """Values against an index, an optional min-max band, and horizontal threshold lines."""
 
     def __init__(self, title: str = "", x_label: str = "channel", y_label: str = "") -> None:
-        bq = _bq()
         self.x_scale, self.y_scale = bq.LinearScale(), bq.LinearScale()
         scales = {"x": self.x_scale, "y": self.y_scale}
         self.tooltip = bq.Tooltip(fields=["x", "y"], labels=[x_label, "value"], formats=["", ".4g"])
@@ -125,7 +118,6 @@ class HistogramView:
     """Bars of counts over bin edges, binned in Python (only the bars are sent)."""
 
     def __init__(self, title: str = "", x_label: str = "value") -> None:
-        bq = _bq()
         self.x_scale, self.y_scale = bq.LinearScale(), bq.LinearScale(min=0.0)
         self.tooltip = bq.Tooltip(fields=["x", "y"], labels=["bin centre", "count"], formats=[".4g", ""])
         self.bars = bq.Bars(

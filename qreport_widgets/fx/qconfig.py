@@ -1,10 +1,9 @@
-"""Suggestions and user overrides -> QConfigMapping and equalization mapping."""
+"""Per-module settings -> FX's QConfigMapping and equalization mapping, and back to Python code."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -17,38 +16,31 @@ from torch.ao.quantization.observer import (
     default_weight_observer,
 )
 
-from .detectors.base import Suggestion
-from .detectors.per_channel import _uses_per_channel
-from .features import SuggestionKind
-from .graph import Unit
+from ..detectors.per_channel import _uses_per_channel
+from ..graph import ModelGraph, Unit
+from ..settings import ModuleSettings, TunableModule
 
 _NO_PER_CHANNEL = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
-@dataclass(frozen=True)
-class ModuleSettings:
-    """The per-module choices a user can accept or override."""
-
-    dynamic: bool = False
-    per_channel: bool = False
-    equalize: bool = False
-    keep_float: bool = False
+def tunable_modules(graph: ModelGraph) -> list[TunableModule]:
+    """The Linear and Conv modules of a prepare_fx model, in forward order, with their current QConfig."""
+    return [_tunable(unit) for unit in graph.units.values() if unit.is_linear or unit.is_conv]
 
 
-class InvalidSettingsError(ValueError):
-    pass
-
-
-def validate(unit: Unit, settings: ModuleSettings) -> None:
-    """Refuse combinations FX cannot convert, with the reason."""
-    if settings.dynamic and not unit.is_linear:
-        raise InvalidSettingsError(f"{unit.fqn}: dynamic quantization needs a Linear layer, not {unit.type_name}")
-    if settings.per_channel and (isinstance(unit.base, _NO_PER_CHANNEL) or not (unit.is_linear or unit.is_conv)):
-        raise InvalidSettingsError(f"{unit.fqn}: per-channel weights need a Linear or Conv layer, not {unit.type_name}")
-    if settings.equalize and not (unit.is_linear or unit.is_conv):
-        raise InvalidSettingsError(f"{unit.fqn}: input-weight equalization needs a Linear or Conv layer")
-    if settings.equalize and settings.dynamic:
-        raise InvalidSettingsError(f"{unit.fqn}: input-weight equalization needs static activation quantization")
+def _tunable(unit: Unit) -> TunableModule:
+    qconfig = getattr(unit.module, "qconfig", None)
+    current = (
+        ModuleSettings(keep_float=True)
+        if qconfig is None
+        else ModuleSettings(dynamic=_is_dynamic(qconfig), per_channel=_uses_per_channel(qconfig))
+    )
+    unavailable = {}
+    if not unit.is_linear:
+        unavailable["dynamic"] = f"dynamic quantization needs a Linear layer, not {unit.type_name}"
+    if isinstance(unit.base, _NO_PER_CHANNEL):
+        unavailable["per_channel"] = f"FX quantizes {unit.type_name} weights per tensor only"
+    return TunableModule(unit.fqn, unit.type_name, current, unavailable, native=qconfig)
 
 
 def qconfig_for(settings: ModuleSettings, current: QConfig | None = None) -> QConfig | None:
@@ -73,31 +65,6 @@ def qconfig_for(settings: ModuleSettings, current: QConfig | None = None) -> QCo
     else:
         weight = default_weight_observer if _uses_per_channel(current) else current.weight
     return QConfig(activation=activation, weight=weight)
-
-
-def current_settings(unit: Unit) -> ModuleSettings:
-    """What the module's qconfig (set by prepare_fx) does today."""
-    qconfig = getattr(unit.module, "qconfig", None)
-    if qconfig is None:
-        return ModuleSettings(keep_float=True)
-    return ModuleSettings(dynamic=_is_dynamic(qconfig), per_channel=_uses_per_channel(qconfig))
-
-
-def suggested_settings(units: Iterable[Unit], suggestions: Iterable[Suggestion]) -> dict[str, ModuleSettings]:
-    """Per-module settings with every suggestion accepted on top of the current ones (unit order)."""
-    kinds: dict[str, set[SuggestionKind]] = {}
-    for suggestion in suggestions:
-        kinds.setdefault(suggestion.module_fqn, set()).add(suggestion.kind)
-    settings = {}
-    for unit in units:
-        chosen, now = kinds.get(unit.fqn, set()), current_settings(unit)
-        settings[unit.fqn] = ModuleSettings(
-            dynamic=now.dynamic or SuggestionKind.DYNAMIC in chosen,
-            per_channel=now.per_channel or SuggestionKind.PER_CHANNEL in chosen,
-            equalize=SuggestionKind.EQUALIZATION in chosen and SuggestionKind.DYNAMIC not in chosen,
-            keep_float=now.keep_float,
-        )
-    return settings
 
 
 def build_qconfig_mapping(

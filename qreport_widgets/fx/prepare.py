@@ -1,4 +1,4 @@
-"""The torch steps every run shares: prepare_fx on a copy, with errors that say what to try."""
+"""prepare_fx on a copy, with errors that say what to try; torch observers that cannot run are taken out."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from torch.ao.quantization import QConfigMapping
 from torch.ao.quantization.quantize_fx import prepare_fx
 
-from .errors import QReportWarning, UntraceableModelError
-from .graph import OBSERVER_CONTAINER, is_quantization_observer
+from ..errors import QReportWarning, UntraceableModelError
+from ..graph import OBSERVER_CONTAINER, is_quantization_observer
 
 
 def prepare(
@@ -110,7 +110,7 @@ def _drop_observers_on_non_float(prepared: torch.fx.GraphModule, example_inputs:
             f"{source.name}: prepare_fx put an observer on a {str(probe.dtypes[node]).removeprefix('torch.')} tensor "
             "(produced by this node); it was removed, since such tensors are not quantized",
             QReportWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     if removed:
         prepared.recompile()

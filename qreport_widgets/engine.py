@@ -1,0 +1,50 @@
+"""The seam between the engine-neutral session and one quantization workflow (FX graph mode today).
+
+A session asks its engine for exactly these steps and nothing else, so views, detectors and the
+session never name a torch quantization API; a second workflow (torchao's PT2E) is a second class
+with the same methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import pandas as pd
+import torch
+
+from .settings import ModuleSettings, TunableModule
+
+
+class Engine(Protocol):
+    """prepare -> (calibrate, done by the session) -> convert, plus what a run measures."""
+
+    name: str
+
+    def base_config(self) -> Any:
+        """The starting configuration (what the baseline run uses)."""
+
+    def config_for(self, settings: Mapping[str, ModuleSettings], modules: Sequence[TunableModule]) -> Any:
+        """The starting configuration with ``settings`` (already validated) applied to those modules."""
+
+    def prepare(self, float_model: torch.nn.Module, config: Any, example_inputs: tuple[Any, ...]) -> torch.nn.Module:
+        """A copy of ``float_model`` with observers, ready for calibration (``float_model`` is unchanged)."""
+
+    def observers_paused(self, prepared: torch.nn.Module) -> AbstractContextManager[None]:
+        """The engine's own observers pass tensors through untouched while the context is open."""
+
+    def tunable_modules(self, prepared: torch.nn.Module) -> list[TunableModule]:
+        """The modules whose settings can be changed, in forward order, with what they do now."""
+
+    def convert(self, prepared: torch.nn.Module) -> torch.nn.Module:
+        """The quantized model of a calibrated prepared model."""
+
+    def per_layer_sqnr(self, float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
+        """SQNR (dB) of each layer's output, quantized model against float, on one batch."""
+
+    def conversions(self, prepared: torch.nn.Module, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """(per layer type: total / quantized / float, per module: float type -> converted type)."""
+
+    def config_as_code(self, config: Any) -> str:
+        """Python that rebuilds ``config``, to paste into a pipeline."""

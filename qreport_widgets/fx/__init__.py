@@ -1,0 +1,88 @@
+"""FX graph mode quantization (``prepare_fx`` / ``convert_fx``) as an engine of the session."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
+from torch.ao.quantization.quantize_fx import convert_fx
+
+from ..graph import ModelGraph
+from ..settings import ModuleSettings, TunableModule
+from .numeric_suite import per_layer_sqnr, quantization_summary
+from .prepare import prepare, torch_observers_paused
+from .qconfig import build_equalization_mapping, build_qconfig_mapping, mapping_as_code, tunable_modules
+
+__all__ = ["FxConfig", "FxEngine"]
+
+
+@dataclass(frozen=True)
+class FxConfig:
+    """What ``prepare_fx`` takes: a QConfigMapping and, optionally, an input-weight equalization mapping."""
+
+    qconfig_mapping: QConfigMapping
+    equalization_mapping: QConfigMapping | None = None
+
+
+class FxEngine:
+    """``prepare_fx`` -> calibrate -> ``convert_fx``, starting from ``qconfig_mapping``.
+
+    Args:
+        backend: the quantized engine; the default starting mapping is its default.
+        qconfig_mapping: the starting mapping (the baseline's); settings are layered on top of it.
+        prepare_custom_config: passed to every ``prepare_fx`` (non-traceable modules, ...).
+    """
+
+    name = "fx"
+
+    def __init__(
+        self, backend: str = "x86", qconfig_mapping: QConfigMapping | None = None, prepare_custom_config: Any = None
+    ) -> None:
+        self.backend = backend
+        self.qconfig_mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
+        self.prepare_custom_config = prepare_custom_config
+
+    def base_config(self) -> FxConfig:
+        return FxConfig(self.qconfig_mapping)
+
+    def config_for(self, settings: Mapping[str, ModuleSettings], modules: Sequence[TunableModule]) -> FxConfig:
+        current = {m.fqn: m.native for m in modules}
+        equalization = build_equalization_mapping(settings)
+        return FxConfig(
+            build_qconfig_mapping(settings, self.qconfig_mapping, current),
+            equalization if equalization.module_name_qconfigs else None,
+        )
+
+    def prepare(self, float_model: torch.nn.Module, config: FxConfig, example_inputs: tuple[Any, ...]) -> torch.fx.GraphModule:
+        extra: dict[str, Any] = {}
+        if config.equalization_mapping is not None:
+            extra["_equalization_config"] = config.equalization_mapping
+        if self.prepare_custom_config is not None:
+            extra["prepare_custom_config"] = self.prepare_custom_config
+        return prepare(float_model, config.qconfig_mapping, example_inputs, **extra)
+
+    def observers_paused(self, prepared: torch.nn.Module) -> AbstractContextManager[None]:
+        return torch_observers_paused(prepared)
+
+    def tunable_modules(self, prepared: torch.nn.Module) -> list[TunableModule]:
+        return tunable_modules(ModelGraph.of(prepared))
+
+    def convert(self, prepared: torch.nn.Module) -> torch.nn.Module:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return convert_fx(prepared)
+
+    def per_layer_sqnr(self, float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
+        return per_layer_sqnr(float_model, quantized, batch)
+
+    def conversions(self, prepared: torch.nn.Module, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
+        return quantization_summary(prepared, quantized)
+
+    def config_as_code(self, config: FxConfig) -> str:
+        return mapping_as_code(config.qconfig_mapping, config.equalization_mapping)

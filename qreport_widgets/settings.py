@@ -1,0 +1,85 @@
+"""Per-module quantization settings, in words no engine owns: what a user edits in the Tune tab.
+
+An engine (``fx`` today) says which modules can be tuned, what each does now, and which settings
+it cannot apply to a module and why; it translates settings into its own configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import InvalidSettingsError
+from .features import SuggestionKind
+from .records import Suggestion
+
+
+@dataclass(frozen=True)
+class ModuleSettings:
+    """The per-module choices a user can accept or override."""
+
+    dynamic: bool = False
+    per_channel: bool = False
+    equalize: bool = False
+    keep_float: bool = False
+
+
+SETTING_NAMES = tuple(f.name for f in fields(ModuleSettings))
+
+
+@dataclass(frozen=True)
+class TunableModule:
+    """A module whose settings can be changed, as the engine sees it in the prepared model.
+
+    ``unavailable`` maps a setting name (a ModuleSettings field) to why the engine cannot apply it
+    here; ``native`` is the engine's own description of the module's current configuration.
+    """
+
+    fqn: str
+    type_name: str
+    current: ModuleSettings
+    unavailable: Mapping[str, str] = field(default_factory=dict)
+    native: Any = None
+
+    def allows(self, setting: str) -> bool:
+        return setting not in self.unavailable
+
+
+def validate(module: TunableModule, settings: ModuleSettings) -> None:
+    """Raise InvalidSettingsError naming the module when ``settings`` cannot be applied to it."""
+    for name in SETTING_NAMES:
+        if getattr(settings, name) and not module.allows(name):
+            raise InvalidSettingsError(f"{module.fqn}: {module.unavailable[name]}")
+    if settings.equalize and settings.dynamic:
+        raise InvalidSettingsError(f"{module.fqn}: input-weight equalization needs static activation quantization")
+
+
+def validate_all(modules: Iterable[TunableModule], settings: Mapping[str, ModuleSettings]) -> None:
+    """Every entry of ``settings`` names a tunable module and fits it."""
+    by_name = {m.fqn: m for m in modules}
+    unknown = [fqn for fqn in settings if fqn not in by_name]
+    if unknown:
+        shown = ", ".join(sorted(by_name)[:6]) + (" ..." if len(by_name) > 6 else "")
+        raise InvalidSettingsError(f"no tunable module named {', '.join(map(repr, unknown))}; the tunable modules are {shown}")
+    for fqn, choice in settings.items():
+        if not isinstance(choice, ModuleSettings):
+            raise InvalidSettingsError(f"{fqn}: expected ModuleSettings, got {type(choice).__name__}")
+        validate(by_name[fqn], choice)
+
+
+def with_suggestions(modules: Iterable[TunableModule], suggestions: Iterable[Suggestion]) -> dict[str, ModuleSettings]:
+    """Each module's current settings with every suggestion for it accepted (module order kept)."""
+    kinds: dict[str, set[SuggestionKind]] = {}
+    for suggestion in suggestions:
+        kinds.setdefault(suggestion.module_fqn, set()).add(suggestion.kind)
+    settings = {}
+    for module in modules:
+        chosen, now = kinds.get(module.fqn, set()), module.current
+        settings[module.fqn] = ModuleSettings(
+            dynamic=now.dynamic or SuggestionKind.DYNAMIC in chosen,
+            per_channel=now.per_channel or SuggestionKind.PER_CHANNEL in chosen,
+            equalize=SuggestionKind.EQUALIZATION in chosen and SuggestionKind.DYNAMIC not in chosen,
+            keep_float=now.keep_float,
+        )
+    return settings
