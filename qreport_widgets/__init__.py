@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._version import __version__ as __version__
 from .analysis import Analysis
 from .analyze import analyze, default_detectors
 from .detectors import (
@@ -30,8 +31,6 @@ from .report import ModelReport
 from .session import QuantizationSession, RunResult
 from .settings import ModuleSettings
 from .storage import SavedReport, load_report
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AlreadyPreparedError",

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from ._version import __version__
 from .analysis import Analysis, GraphSummary
 from .errors import ReportFileError
 from .features import SuggestionKind
@@ -68,8 +69,6 @@ class SavedReport(Analysis):
 
 def save_analysis(analysis: Analysis, path: str | Path) -> Path:
     """Write ``analysis`` to ``path`` atomically; return the path."""
-    from . import __version__
-
     path = Path(path)
     arrays: dict[str, np.ndarray] = {}
     graph = analysis.graph
