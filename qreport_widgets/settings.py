@@ -42,6 +42,11 @@ class TunableModule:
     unavailable: Mapping[str, str] = field(default_factory=dict)
     native: Any = None
 
+    def __post_init__(self) -> None:
+        unknown = set(self.unavailable) - set(SETTING_NAMES)
+        if unknown:
+            raise ValueError(f"{self.fqn}: unavailable names {sorted(unknown)}, which are not ModuleSettings fields")
+
     def allows(self, setting: str) -> bool:
         return setting not in self.unavailable
 

@@ -9,6 +9,7 @@ import numpy as np
 
 import qreport_widgets as qw
 from qreport_widgets import demo
+from qreport_widgets.detectors import DetectorResult
 
 
 def _notebook_code() -> dict:
@@ -47,3 +48,42 @@ def test_a_report_with_a_custom_detector_saves_and_loads(tmp_path):
     pd.testing.assert_frame_equal(loaded.frame().channels, report.frame().channels, check_exact=True)
     pd.testing.assert_frame_equal(loaded.frame().modules, report.frame().modules, check_exact=True)
     assert list(loaded.detectors) == ["sparsity_detector"] and "sparsity_detector" in loaded.text_reports()
+
+
+def test_a_detector_that_only_writes_torch_dictionaries_still_feeds_the_views(tmp_path):
+    """Detectors written for PyTorch's API override upstream_dict(); their columns are read from it."""
+    import dataclasses
+
+    import pytest
+    import torch
+
+    code = _notebook_code()
+
+    @dataclasses.dataclass(frozen=True)
+    class PlainRecord:  # no columns() method
+        module_fqn: str
+        zero_fraction: np.ndarray
+
+    class TorchStyle(code["SparsityDetector"]):
+        name = "torch_style_detector"
+
+        def analyze(self, context):
+            records = super().analyze(context).records
+            return DetectorResult(self.name, tuple(PlainRecord(r.module_fqn, r.zero_fraction) for r in records))
+
+        def upstream_dict(self, record):
+            return {"zero_fraction_torch": torch.from_numpy(record.zero_fraction), "flags": [True, False]}
+
+    batches = demo.demo_batches(3)
+    report = qw.analyze(demo.build_demo_model(), batches[0], batches, detectors=[TorchStyle()], progress=False)
+    values = report.frame().channel_values("down.conv", "zero_fraction_torch")
+    assert 0.2 < values.mean() < 0.8
+    loaded = qw.load_report(report.save(tmp_path / "torch_style.qreport"))
+    np.testing.assert_array_equal(loaded.frame().channel_values("down.conv", "zero_fraction_torch"), values)
+
+    class Neither(TorchStyle):
+        name = "neither_detector"
+        upstream_dict = qw.DetectorBase.upstream_dict
+
+    with pytest.raises(TypeError, match="PlainRecord has no columns"):
+        qw.analyze(demo.build_demo_model(), batches[0], batches, detectors=[Neither()], progress=False)

@@ -207,3 +207,59 @@ def test_a_session_that_cannot_be_built_leaves_the_analysis_usable():
     widget.controls.module.value = "head"
     assert "unavailable" in widget.tuning.status.value and "pass eval_data" in widget.tuning.error.value
     assert widget.tuning.apply.disabled
+
+
+def test_apply_checks_settings_before_anything_runs(analyzed):
+    _, _, report = analyzed
+    session = report.session
+    runs = len(session.history)
+    with pytest.raises(InvalidSettingsError, match="stem.conv: dynamic quantization needs a Linear layer, not ConvReLU2d"):
+        session.apply({"stem.conv": ModuleSettings(dynamic=True)})
+    with pytest.raises(InvalidSettingsError, match="no tunable module named 'stem'"):
+        session.apply({"stem": ModuleSettings()})
+    with pytest.raises(InvalidSettingsError, match="head: expected ModuleSettings, got dict"):
+        session.apply({"head": {"dynamic": True}})
+    assert len(session.history) == runs
+
+
+def test_apply_is_the_run_of_the_mapping_the_settings_translate_to(analyzed):
+    _, _, report = analyzed
+    session = report.session
+    settings = report.suggested_settings()
+    assert settings == session.suggested_settings(report.suggestions())
+    applied = session.apply(settings, label="apply")
+    by_hand = session.run(
+        report.suggested_qconfig_mapping(settings), report.suggested_equalization_mapping(settings), label="by hand"
+    )
+    assert applied.ok and by_hand.ok
+    assert applied.output_sqnr_db == by_hand.output_sqnr_db and applied.quantized_layers == by_hand.quantized_layers
+    assert applied.settings == settings and by_hand.settings is None
+    assert list(applied.equalization_mapping.module_name_qconfigs) == ["head"]
+    # modules left out keep what the starting mapping gives them
+    only_head = session.apply({"head": ModuleSettings(per_channel=True)}, label="head per-channel")
+    assert only_head.ok and only_head.quantized_layers == session.baseline().quantized_layers
+    code = session.settings_as_code(settings)
+    assert "set_module_name('meta_fc'" in code and "equalization_mapping" in code
+
+
+def test_a_session_built_by_hand_finds_its_tunable_modules():
+    batches = demo.demo_batches(3)
+    session = QuantizationSession(demo.build_demo_model(), batches[0], batches, qconfig_mapping=demo.demo_qconfig_mapping())
+    names = [m.fqn for m in session.modules]
+    assert names[:2] == ["stem.conv", "down.conv"] and "head" in names
+    assert session.current_settings()["head"] == ModuleSettings()  # the demo mapping: per-tensor, static
+    assert not session.modules[0].allows("dynamic") and session.modules[-1].allows("dynamic")
+    result = session.apply({"head": ModuleSettings(keep_float=True)}, label="head float", progress=lambda done, total: None)
+    assert result.ok and result.conversions.set_index("module").loc["head", "quantized"] == False  # noqa: E712
+
+
+def test_the_widget_gets_an_analysis_and_a_session_through_their_protocols(analyzed, tmp_path):
+    from qreport_widgets.protocols import ReportSource, TuningSession
+
+    _, _, report = analyzed
+    analysis = report.analysis()
+    assert isinstance(analysis, ReportSource) and isinstance(report.session, TuningSession)
+    assert isinstance(qw.load_report(report.save(tmp_path / "demo.qreport")), (ReportSource, qw.Analysis))
+    widget = report.widget()
+    assert widget.source is analysis and widget.tuning.session is report.session
+    assert analysis is report.analysis()  # one value per generated report

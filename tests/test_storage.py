@@ -144,6 +144,8 @@ def test_damaged_and_tampered_files_are_refused(saved, tmp_path, monkeypatch):
         qw.load_report(rewrite(saved, document=edit("model", "Other")))
     with pytest.raises(qw.ReportFileError, match="version 99"):
         qw.load_report(rewrite(saved, document=lambda d: {**d, "version": 99}))
+    with pytest.raises(qw.ReportFileError, match="format 1 came from qreport_widgets 0.1: run analyze"):
+        qw.load_report(rewrite(saved, document=lambda d: {**d, "version": 1}))
     with pytest.raises(qw.ReportFileError, match="'calibration_batches' is missing or is not a int"):
         qw.load_report(rewrite(saved, document=edit("calibration_batches", "many"), recompute=True))
     # a crafted file whose arrays hold a pickle: refused, and the pickle never runs

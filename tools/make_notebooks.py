@@ -50,13 +50,15 @@ QUICKSTART = [
         "## Tune and re-quantize\n\n"
         "In the widget's **Tune** tab, *Accept all suggestions* fills in every module's settings and "
         "**Apply** re-runs `prepare_fx` -> calibration -> `convert_fx` on a pristine copy of the model, "
-        "then adds the run to the history next to the baseline. The same from code:",
+        "then adds the run to the history next to the baseline. The same from code: `report.suggested_settings()` "
+        "is every module's `ModuleSettings` with the suggestions accepted, and `session.apply(settings)` checks "
+        "them, turns them into a `QConfigMapping` layered on the starting one, and runs:",
     ),
     (
         "code",
         "session = report.session\n"
         "baseline = session.baseline()\n"
-        "tuned = session.run(report.suggested_qconfig_mapping(), report.suggested_equalization_mapping(), label='suggested')\n"
+        "tuned = session.apply(report.suggested_settings(), label='suggested')\n"
         "runs, per_layer = session.compare()\n"
         "runs  # NBVAL_IGNORE_OUTPUT",
     ),
@@ -194,7 +196,7 @@ TRANSFORMER = [
         "code",
         "session = report.session\n"
         "session.baseline()\n"
-        "session.run(report.suggested_qconfig_mapping(), report.suggested_equalization_mapping(), label='suggested')\n"
+        "session.apply(report.suggested_settings(), label='suggested')\n"
         "runs, per_layer = session.compare()\n"
         "runs  # NBVAL_IGNORE_OUTPUT",
     ),
@@ -211,7 +213,7 @@ TRANSFORMER = [
         "code",
         "import dataclasses\n\n"
         "dynamic = {fqn: dataclasses.replace(s, dynamic=True) for fqn, s in report.suggested_settings().items()}\n"
-        "session.run(report.suggested_qconfig_mapping(dynamic), label='dynamic Linear')\n"
+        "session.apply(dynamic, label='dynamic Linear')\n"
         "session.compare()[0]  # NBVAL_IGNORE_OUTPUT",
     ),
     ("code", "report.widget()"),
@@ -255,6 +257,9 @@ class SparsityRecord:
     module_fqn: str
     zero_fraction: np.ndarray
 
+    def columns(self):  # what tables, views and report files read; torch-style dicts are made from it
+        return {"input_activation_zero_fraction": self.zero_fraction.astype(np.float32)}
+
 
 class SparsityDetector(qw.DetectorBase):
     name = "sparsity_detector"
@@ -273,8 +278,7 @@ class SparsityDetector(qw.DetectorBase):
                 records.append(SparsityRecord(fqn, (observer.zeros / observer.total).numpy()))
         return DetectorResult(self.name, tuple(records))
 
-    def upstream_dict(self, record):
-        return {"input_activation_zero_fraction": torch.from_numpy(record.zero_fraction)}"""
+"""
 
 CUSTOM = [
     (
@@ -286,7 +290,7 @@ CUSTOM = [
     ),
     ("md", "## The observer: any module that returns its input"),
     ("code", CUSTOM_OBSERVER),
-    ("md", "## The detector: requests, typed records, and PyTorch-shaped features for the views"),
+    ("md", "## The detector: requests, and typed records that name their columns"),
     ("code", CUSTOM_DETECTOR),
     ("md", "## Use it next to the built-in detectors"),
     (

@@ -1,4 +1,4 @@
-"""The interactive layer: ipywidgets + bqplot views of a ModelReport."""
+"""The interactive layer: ipywidgets + bqplot views of a report source, and a tuning session."""
 
 from .app import ReportWidget
 

@@ -102,7 +102,8 @@ class TuningPanel(w.VBox):
         buttons = w.HBox([self.accept, self.reset, self.apply, self.progress, self.status], layout={"align_items": "center"})
         rows = w.VBox(list(self.rows.values()), layout={"max_height": "300px", "overflow_y": "auto"})
         results = w.Accordion(
-            children=[self.summary, self.code], titles=("Quantization summary of the last run", "QConfigMapping as Python")
+            children=[self.summary, self.code],
+            titles=("Quantization summary of the last run", "These settings as Python, to paste into a pipeline"),
         )
         # the SQNR figure joins after the first run: a bqplot figure laid out in a hidden tab has no size
         if session is None:
