@@ -33,12 +33,12 @@ def per_layer_sqnr(float_model: torch.nn.Module, quantized: torch.nn.Module, bat
         warnings.simplefilter("ignore")
         # add_loggers builds new GraphModules around the same submodules; neither model is changed
         logged_float, logged_quantized = ns.add_loggers(
-            "float", float_model, "quantized", quantized, ns.OutputLogger, unmatchable_types_map=unmatchable
+            "float", float_model, "quantized", quantized, _CopyingLogger, unmatchable_types_map=unmatchable
         )
         with torch.no_grad():
             call_with(logged_float, batch)
             call_with(logged_quantized, batch)
-        results = ns.extract_logger_info(logged_float, logged_quantized, ns.OutputLogger, "quantized")
+        results = ns.extract_logger_info(logged_float, logged_quantized, _CopyingLogger, "quantized")
         ns.extend_logger_results_with_comparison(results, "float", "quantized", compute_sqnr, "sqnr")
         ns.maybe_add_missing_fqns(results)
     modules = {n.name: str(n.target) for n in getattr(quantized, "graph", torch.fx.Graph()).nodes if n.op == "call_module"}
@@ -49,6 +49,17 @@ def per_layer_sqnr(float_model: torch.nn.Module, quantized: torch.nn.Module, bat
             name = info.get("fqn") or modules.get(info.get("ref_node_name", layer), layer)
             values[name] = float(torch.as_tensor(info["sqnr"][0]).mean())
     return pd.Series(values, name="SQNR (dB)", dtype=float)
+
+
+class _CopyingLogger(ns.OutputLogger):
+    """Numeric Suite's logger keeps a reference to each layer's output; an in-place op after the layer
+    (``Hardswish(inplace=True)``, ``x.relu_()``) then overwrites what was logged. This one keeps a copy."""
+
+    def forward(self, x):
+        if self.enabled and self.save_activations and isinstance(x, torch.Tensor):
+            self.stats.append(x.detach().clone())
+            return x
+        return super().forward(x)
 
 
 @contextlib.contextmanager
