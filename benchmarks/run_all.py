@@ -13,6 +13,7 @@ import apply_cost
 import calibration_overhead
 import memory
 import report_build
+import sensitivity
 import torch
 import widget_interaction
 from common import CASES, THREADS, setup
@@ -62,6 +63,12 @@ def main() -> None:
         f"analyze() calibration, ResNet-18 layout: torch observers running {row['running']:.3f} s/batch, "
         f"paused {row['paused']:.3f} s/batch ({row['running/paused']:.2f}x)"
     )
+    for name in ("cnn", "mixer"):
+        row = sensitivity.measure(name)
+        print(
+            f"Digits {name}: real keep-one-float sweep {row['seconds']:.1f} s for {len(row['sweep'])} modules; "
+            f"per-layer SQNR as a ranking of it: Spearman {row['spearman']:+.2f}, top-3 overlap {row['top3']}/3"
+        )
     row = analysis_and_files.measure_files(repeats)
     print(
         f"Report file, ResNet-50 layout ({row['rows']} channel rows): save {row['save_s']:.3f} s, "

@@ -1,0 +1,83 @@
+"""Which layer hurts: the real keep-one-float sweep (ground truth) against the per-layer SQNR ranking.
+
+For each model: a baseline FX run from the x86 default mapping, then one real prepare_fx ->
+calibrate -> convert_fx run per tunable module with only that module kept float. A module's real
+effect is the output SQNR gained that way. The per-layer SQNR of the baseline (Numeric Suite FX,
+error accumulated from the input) is scored as a ranking of that effect: Spearman rank
+correlation and the overlap of the top three.
+
+python benchmarks/sensitivity.py [--models cnn mixer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pandas as pd
+from common import setup
+
+from qreport_widgets import ModuleSettings, QuantizationSession
+from qreport_widgets.digits import trained_digits_model
+
+
+def keep_one_float_sweep(session: QuantizationSession) -> pd.DataFrame:
+    """One real run per tunable module with only that module float: output SQNR gain (dB), metric gain."""
+    baseline = session.baseline(progress=_quiet)
+    rows = []
+    for module in session.modules:
+        result = session.apply({module.fqn: ModuleSettings(keep_float=True)}, label=f"float {module.fqn}", progress=_quiet)
+        rows.append(
+            {
+                "module": module.fqn,
+                "real gain (dB)": result.output_sqnr_db - baseline.output_sqnr_db,
+                "metric gain": (result.eval_metric - baseline.eval_metric) if baseline.eval_metric is not None else None,
+                "per-layer SQNR (dB)": baseline.per_layer_sqnr_db.get(module.fqn, float("nan")),
+            }
+        )
+    return pd.DataFrame(rows).set_index("module")
+
+
+def ranking_quality(truth: pd.Series, score: pd.Series) -> tuple[float, int]:
+    """Spearman correlation of ``score`` with ``truth`` and how many of the true top three it ranks top three."""
+    both = pd.concat([truth, score], axis=1).dropna()
+    spearman = float(both.iloc[:, 0].corr(both.iloc[:, 1], method="spearman"))
+    top = set(both.iloc[:, 0].nlargest(3).index) & set(both.iloc[:, 1].nlargest(3).index)
+    return spearman, len(top)
+
+
+def measure(name: str, cache_dir: str | None = None) -> dict[str, object]:
+    model, data = trained_digits_model(name, cache_dir)
+    session = QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy)
+    start = time.perf_counter()
+    sweep = keep_one_float_sweep(session)
+    seconds = time.perf_counter() - start
+    # low per-layer SQNR would mean "harmful": score it negated
+    spearman, top3 = ranking_quality(sweep["real gain (dB)"], -sweep["per-layer SQNR (dB)"])
+    return {"sweep": sweep, "baseline": session.baseline(), "seconds": seconds, "spearman": spearman, "top3": top3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["cnn", "mixer"])
+    parser.add_argument("--cache-dir", default=None)
+    args = parser.parse_args()
+    setup()
+    for name in args.models:
+        row = measure(name, args.cache_dir)
+        baseline = row["baseline"]
+        print(
+            f"digits {name}: baseline output SQNR {baseline.output_sqnr_db:.2f} dB, accuracy {baseline.eval_metric:.3f}; "
+            f"real keep-one-float sweep of {len(row['sweep'])} modules in {row['seconds']:.1f} s"
+        )
+        print(row["sweep"].sort_values("real gain (dB)", ascending=False).round(3).to_string())
+        print(f"per-layer SQNR as a ranking: Spearman {row['spearman']:+.2f}, top-3 overlap {row['top3']}/3")
+        print()
+
+
+def _quiet(done: int, total: int | None) -> None:
+    pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Small models trained on scikit-learn's bundled digits data set (8 x 8 images, no download).
+
+Trained weights behave differently under quantization from random ones (real ranges, real
+outliers, layers that matter more than others), so tests, benchmarks and tutorials judge the tool
+on these. Training takes a few seconds on a CPU with fixed seeds; pass ``cache_dir`` to keep the
+weights between calls.
+
+    model, data = trained_digits_model("cnn")
+    report = analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MODELS = ("cnn", "mixer")
+_TRAIN = 1280  # the first images train, the rest calibrate (half) and evaluate (half)
+
+
+class DigitsCNN(nn.Module):
+    """Conv-BN-ReLU stem, a strided conv, a plain conv, two Linear layers: (B, 1, 8, 8) -> (B, 10)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1, self.relu1 = nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU()
+        self.conv2, self.bn2, self.relu2 = nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU()
+        self.conv3, self.relu3 = nn.Conv2d(32, 32, 3, padding=1), nn.ReLU()
+        self.fc1, self.relu4 = nn.Linear(32 * 4 * 4, 64), nn.ReLU()
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu1(self.bn1(self.conv1(x)))
+        x = self.relu2(self.bn2(self.conv2(x)))
+        x = self.relu3(self.conv3(x))
+        return self.fc2(self.relu4(self.fc1(x.flatten(1))))
+
+
+class MixerBlock(nn.Module):
+    """Pre-norm token mixing (a Linear across the 8 rows) and a GELU MLP across channels, both residual."""
+
+    def __init__(self, tokens: int, dim: int) -> None:
+        super().__init__()
+        self.norm1, self.token_mix = nn.LayerNorm(dim), nn.Linear(tokens, tokens)
+        self.norm2, self.fc1, self.act, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.token_mix(self.norm1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.fc2(self.act(self.fc1(self.norm2(x))))
+
+
+class DigitsMixer(nn.Module):
+    """Rows as tokens (B, 8 tokens, 8 pixels) -> embedding -> two mixer blocks -> mean over tokens -> (B, 10)."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.block1, self.block2 = MixerBlock(8, dim), MixerBlock(8, dim)
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.block2(self.block1(self.embed(x.reshape(x.shape[0], 8, 8))))
+        return self.head(self.norm(x).mean(dim=1))
+
+
+@dataclass(frozen=True)
+class DigitsData:
+    """Batches of ``(images,)`` for calibration and evaluation, and the labels of the evaluation images."""
+
+    calibration: list[tuple[torch.Tensor]]
+    evaluation: list[tuple[torch.Tensor]]
+    evaluation_labels: torch.Tensor
+
+    def accuracy(self, model: nn.Module) -> float:
+        """Top-1 accuracy of ``model`` on the evaluation images (an ``eval_fn`` for the session)."""
+        with torch.no_grad():
+            predicted = torch.cat([model(*batch).argmax(dim=1) for batch in self.evaluation])
+        return float((predicted == self.evaluation_labels).float().mean())
+
+
+def digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1,797 images as (N, 1, 8, 8) float32, standardised, and their labels."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as error:  # pragma: no cover - scikit-learn is a dev dependency
+        raise ImportError("the digits models need scikit-learn: pip install scikit-learn") from error
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return (images - 0.3) / 0.4, torch.tensor(digits.target, dtype=torch.int64)
+
+
+def digits_data(batch_size: int = 64) -> DigitsData:
+    """The images no model was trained on, split into calibration and evaluation batches."""
+    images, labels = digits_tensors()
+    rest, rest_labels = images[_TRAIN:], labels[_TRAIN:]
+    half = (len(rest) // 2 // batch_size) * batch_size
+    calibration = [(rest[i : i + batch_size],) for i in range(0, half, batch_size)]
+    evaluation = [(rest[i : i + batch_size],) for i in range(half, len(rest), batch_size)]
+    return DigitsData(calibration, evaluation, rest_labels[half:])
+
+
+def build_digits_model(name: str) -> nn.Module:
+    if name not in MODELS:
+        raise ValueError(f"unknown digits model {name!r}; pick one of {', '.join(MODELS)}")
+    return DigitsCNN() if name == "cnn" else DigitsMixer()
+
+
+def trained_digits_model(name: str = "cnn", cache_dir: str | Path | None = None, epochs: int = 30) -> tuple[nn.Module, DigitsData]:
+    """A model trained on the first 1,280 digits (fixed seed) in eval mode, and the held-out data."""
+    model = build_digits_model(name)
+    cached = Path(cache_dir) / f"digits_{name}_{epochs}.pt" if cache_dir is not None else None
+    if cached is not None and cached.exists():
+        model.load_state_dict(torch.load(cached, weights_only=True))
+        return model.eval(), digits_data()
+    images, labels = digits_tensors()
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = build_digits_model(name)  # seeded initialisation
+    optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(epochs):
+        order = torch.randperm(_TRAIN, generator=generator)
+        for start in range(0, _TRAIN, 64):
+            index = order[start : start + 64]
+            optimiser.zero_grad()
+            nn.functional.cross_entropy(model(images[index]), labels[index]).backward()
+            optimiser.step()
+    model.eval()
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), cached)
+    return model, digits_data()
