@@ -67,7 +67,9 @@ def main() -> None:
         row = sensitivity.measure(name)
         print(
             f"Digits {name}: real keep-one-float sweep {row['seconds']:.1f} s for {len(row['sweep'])} modules; "
-            f"per-layer SQNR as a ranking of it: Spearman {row['spearman']:+.2f}, top-3 overlap {row['top3']}/3"
+            f"as a ranking of it, per-layer SQNR: Spearman {row['spearman']:+.2f}, top-3 {row['top3']}/3; "
+            f"session.sensitivity(): Spearman {row['ours_spearman']:+.2f}, top-3 {row['ours_top3']}/3 in "
+            f"{row['sensitivity_s']:.2f} s; simulated vs real gains within {row['agreement']:.3f} dB"
         )
     row = analysis_and_files.measure_files(repeats)
     print(

@@ -1,10 +1,11 @@
-"""Which layer hurts: the real keep-one-float sweep (ground truth) against the per-layer SQNR ranking.
+"""Which layer hurts: session.sensitivity() and the per-layer SQNR against the real keep-one-float sweep.
 
 For each model: a baseline FX run from the x86 default mapping, then one real prepare_fx ->
 calibrate -> convert_fx run per tunable module with only that module kept float. A module's real
-effect is the output SQNR gained that way. The per-layer SQNR of the baseline (Numeric Suite FX,
-error accumulated from the input) is scored as a ranking of that effect: Spearman rank
-correlation and the overlap of the top three.
+effect is the output SQNR gained that way. Scored as rankings of that effect (Spearman rank
+correlation, overlap of the top three): ``session.sensitivity()`` (calibrated once, simulated) and
+the baseline's per-layer SQNR (Numeric Suite FX, error accumulated from the input). Also: how far
+the simulated output SQNR of each variant is from the real run's, and both costs, side by side.
 
 python benchmarks/sensitivity.py [--models cnn mixer]
 """
@@ -50,11 +51,21 @@ def measure(name: str, cache_dir: str | None = None) -> dict[str, object]:
     model, data = trained_digits_model(name, cache_dir)
     session = QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy)
     start = time.perf_counter()
+    sensitivity = session.sensitivity(progress=_quiet)
+    sensitivity_s = time.perf_counter() - start
+    start = time.perf_counter()
     sweep = keep_one_float_sweep(session)
     seconds = time.perf_counter() - start
+    sweep = sweep.join(sensitivity[["output_sqnr_gain_db", "local_sqnr_db"]])
+    truth = sweep["real gain (dB)"]
     # low per-layer SQNR would mean "harmful": score it negated
-    spearman, top3 = ranking_quality(sweep["real gain (dB)"], -sweep["per-layer SQNR (dB)"])
-    return {"sweep": sweep, "baseline": session.baseline(), "seconds": seconds, "spearman": spearman, "top3": top3}
+    spearman, top3 = ranking_quality(truth, -sweep["per-layer SQNR (dB)"])
+    ours_spearman, ours_top3 = ranking_quality(truth, sweep["output_sqnr_gain_db"])
+    return {
+        "sweep": sweep, "baseline": session.baseline(), "seconds": seconds, "spearman": spearman, "top3": top3,
+        "sensitivity_s": sensitivity_s, "ours_spearman": ours_spearman, "ours_top3": ours_top3,
+        "agreement": float((sweep["output_sqnr_gain_db"] - truth).abs().max()),
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -72,6 +83,11 @@ def main() -> None:
         )
         print(row["sweep"].sort_values("real gain (dB)", ascending=False).round(3).to_string())
         print(f"per-layer SQNR as a ranking: Spearman {row['spearman']:+.2f}, top-3 overlap {row['top3']}/3")
+        print(
+            f"session.sensitivity(): Spearman {row['ours_spearman']:+.2f}, top-3 overlap {row['ours_top3']}/3, "
+            f"{row['sensitivity_s']:.2f} s ({row['sensitivity_s'] / row['seconds']:.0%} of the sweep); "
+            f"simulated vs real gain within {row['agreement']:.3f} dB"
+        )
         print()
 
 

@@ -108,7 +108,9 @@ def build_digits_model(name: str) -> nn.Module:
     return DigitsCNN() if name == "cnn" else DigitsMixer()
 
 
-def trained_digits_model(name: str = "cnn", cache_dir: str | Path | None = None, epochs: int = 30) -> tuple[nn.Module, DigitsData]:
+def trained_digits_model(
+    name: str = "cnn", cache_dir: str | Path | None = None, epochs: int = 30
+) -> tuple[nn.Module, DigitsData]:
     """A model trained on the first 1,280 digits (fixed seed) in eval mode, and the held-out data."""
     model = build_digits_model(name)
     cached = Path(cache_dir) / f"digits_{name}_{epochs}.pt" if cache_dir is not None else None

@@ -7,7 +7,7 @@ with the same methods.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -48,3 +48,17 @@ class Engine(Protocol):
 
     def config_as_code(self, config: Any) -> str:
         """Python that rebuilds ``config``, to paste into a pipeline."""
+
+    def simulator(self, prepared: torch.nn.Module, modules: Sequence[str]) -> Simulation:
+        """From a model prepared with the starting configuration and calibrated: a simulation in which
+        any set of ``modules`` can be kept float without calibrating again."""
+
+
+class Simulation(Protocol):
+    model: torch.nn.Module  # the simulated model as last configured
+
+    def configure(self, float_modules: Iterable[str] = ()) -> None: ...
+
+    def outputs(self, batches: Sequence[Any], float_modules: Iterable[str] = ()) -> list[Any]: ...
+
+    def local_sqnr(self, batch: Any) -> dict[str, float]: ...

@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from .calibration import CalibrationData, calibrate, call_with
-from .engine import Engine
+from .engine import Engine, Simulation
 from .errors import CalibrationError
 from .metrics import output_tensor, sqnr_db
 from .records import Suggestion
@@ -122,6 +123,7 @@ class QuantizationSession:
         self._modules: list[TunableModule] | None = None if modules is None else list(modules)
         self._baseline: RunResult | None = None
         self._float_outputs: list[torch.Tensor] | None = None
+        self._simulation: Simulation | None = None
 
     @property
     def float_model(self) -> torch.nn.Module:
@@ -185,6 +187,64 @@ class QuantizationSession:
                 f"run(qconfig_mapping) is for the FX engine; this session uses {self.engine.name}: use apply(settings)"
             )
         return self._run(FxConfig(qconfig_mapping, equalization_mapping), label, progress)
+
+    def simulation(self, progress: Progress | None = None) -> Simulation:
+        """The starting configuration calibrated once, as a simulation in which modules can be kept
+        float without calibrating again (built on first use, then kept)."""
+        if self._simulation is None:
+            prepared = self.engine.prepare(self._float, self.engine.base_config(), self.example_inputs)
+            calibrate(prepared, self.calibration_data, desc="sensitivity: calibrating", progress=progress is None,
+                      on_batch=progress)  # fmt: skip
+            self._simulation = self.engine.simulator(prepared, [m.fqn for m in self.modules])
+        return self._simulation
+
+    def simulate(self, float_modules: Iterable[str] = ()) -> tuple[float, float | None]:
+        """Simulated output SQNR (dB) and ``eval_fn`` metric with ``float_modules`` kept float."""
+        simulation = self.simulation()
+        outputs = [output_tensor(o) for o in simulation.outputs(self.eval_data, float_modules)]
+        reference = self._reference_outputs()
+        sqnr = sqnr_db(torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs]))
+        metric = None
+        if self.eval_fn is not None:
+            with torch.no_grad():
+                metric = float(self.eval_fn(simulation.model))
+        return sqnr, metric
+
+    def sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
+        """Which module hurts: for each tunable module, the output SQNR gained when only it stays
+        float, estimated by simulation (calibrated once, forward passes only), most harmful first.
+
+        Columns: ``output_sqnr_gain_db``; ``metric_gain`` (with ``eval_fn``); ``local_sqnr_db``, the
+        module's own error on the inputs the float model gives it (not accumulated from earlier
+        layers); ``simulated_output_sqnr_db``. ``progress(done, total)`` is called after each module.
+        """
+        simulation = self.simulation(progress)
+        names = list(simulation.tunable)
+        base_sqnr, base_metric = self.simulate(())
+        local = simulation.local_sqnr(self.eval_data[0])
+        rows = []
+        bar = tqdm(total=len(names), desc="sensitivity", unit="module", disable=progress is not None, leave=False)
+        try:
+            for done, name in enumerate(names, 1):
+                sqnr, metric = self.simulate([name])
+                rows.append(
+                    {
+                        "module": name,
+                        "output_sqnr_gain_db": sqnr - base_sqnr,
+                        **({"metric_gain": metric - base_metric} if metric is not None and base_metric is not None else {}),
+                        "local_sqnr_db": local.get(name, math.nan),
+                        "simulated_output_sqnr_db": sqnr,
+                    }
+                )
+                bar.update()
+                if progress is not None:
+                    progress(done, len(names))
+        finally:
+            bar.close()
+            simulation.configure(())
+        table = pd.DataFrame(rows, columns=["module", "output_sqnr_gain_db", "local_sqnr_db", "simulated_output_sqnr_db"]
+                             if not rows else None)  # fmt: skip
+        return table.set_index("module").sort_values("output_sqnr_gain_db", ascending=False, kind="stable")
 
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         """One row per run (metrics as columns), and per-layer SQNR with one column per run."""

@@ -18,6 +18,7 @@ from ..settings import ModuleSettings, TunableModule
 from .numeric_suite import per_layer_sqnr, quantization_summary
 from .prepare import prepare, torch_observers_paused
 from .qconfig import build_equalization_mapping, build_qconfig_mapping, mapping_as_code, tunable_modules
+from .simulate import Simulator
 
 __all__ = ["FxConfig", "FxEngine"]
 
@@ -86,3 +87,6 @@ class FxEngine:
 
     def config_as_code(self, config: FxConfig) -> str:
         return mapping_as_code(config.qconfig_mapping, config.equalization_mapping)
+
+    def simulator(self, prepared: torch.nn.Module, modules: Sequence[str]) -> Simulator:
+        return Simulator(prepared, modules)

@@ -1,0 +1,207 @@
+"""Calibrate once, then evaluate many per-module variations by forward passes only.
+
+torch's reference conversion (``convert_to_reference_fx``) turns a calibrated prepare_fx model into
+float ops between quantize -> dequantize pairs, with weights quantized and dequantized in the
+reference modules; on the CPU its outputs equal the converted model's. Here every such pair becomes
+a switchable fake-quantize point and every reference module's weight a switchable fake-quantized
+copy. Keeping a set of modules float then means: their weights stay float, and a quantize point
+stays only where FX would still put one, that is where its producer or one of its consumers is
+still a quantized op. Observers always see float activations while calibrating, so the
+qparams of every point that stays are the ones a real run with those modules float would compute.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.ao.nn.intrinsic import _FusedModule
+from torch.ao.nn.quantized.reference.modules.utils import ReferenceQuantizedModule
+from torch.ao.quantization.quantize_fx import convert_to_reference_fx
+
+from ..calibration import call_with
+
+SIMULATED = "qreport_quant_points"
+
+
+class QuantPoint(nn.Module):
+    """quantize -> dequantize of an activation with fixed qparams, which can be switched off."""
+
+    def __init__(self, scale: torch.Tensor, zero_point: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        info = torch.iinfo(dtype)
+        self.register_buffer("scale", scale.detach().clone().float().reshape(()))
+        self.register_buffer("zero_point", zero_point.detach().clone().reshape(()).to(torch.int32))
+        self.quant_min, self.quant_max = int(info.min), int(info.max)
+        self.enabled = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return x
+        return torch.fake_quantize_per_tensor_affine(x, self.scale, self.zero_point, self.quant_min, self.quant_max)
+
+
+class _Point:
+    """One quantize point: its module, the node that produces its input and the nodes that read it."""
+
+    def __init__(self, module: QuantPoint, producer: torch.fx.Node, consumers: list[torch.fx.Node]) -> None:
+        self.module, self.producer, self.consumers = module, producer, consumers
+
+
+class Simulator:
+    """A calibrated model whose modules can be kept float, one set at a time, without recalibrating.
+
+    Args:
+        prepared: a calibrated ``prepare_fx`` model (it is copied, not changed).
+        tunable: the names of the modules that may be kept float.
+    """
+
+    def __init__(self, prepared: torch.fx.GraphModule, tunable: Iterable[str]) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reference = convert_to_reference_fx(copy.deepcopy(prepared))
+        self.model = reference
+        self._points = _insert_points(reference)
+        self._weights = _cache_weights(reference)
+        self._node_of = {str(n.target): n for n in reference.graph.nodes if n.op == "call_module"}
+        self.tunable = [name for name in tunable if name in self._weights]
+        self._float: frozenset[str] = frozenset()
+
+    def configure(self, float_modules: Iterable[str] = ()) -> None:
+        """Keep ``float_modules`` float and everything else as the starting configuration quantizes it."""
+        float_modules = frozenset(float_modules)
+        unknown = float_modules - set(self._weights)
+        if unknown:
+            raise KeyError(f"no quantized module named {', '.join(sorted(unknown))} in the simulation")
+        for name, (module, quantized) in self._weights.items():
+            module.get_weight = (lambda w=module.weight: w) if name in float_modules else (lambda w=quantized: w)
+        float_nodes = {self._node_of[name] for name in float_modules}
+        for point in self._points:
+            point.module.enabled = _is_quantized(point.producer, float_nodes) or any(
+                _is_quantized(consumer, float_nodes) for consumer in point.consumers
+            )
+        self._float = float_modules
+
+    def outputs(self, batches: Sequence[Any], float_modules: Iterable[str] = ()) -> list[Any]:
+        """The simulated model's outputs on ``batches`` with ``float_modules`` kept float."""
+        self.configure(float_modules)
+        with torch.no_grad():
+            return [call_with(self.model, batch) for batch in batches]
+
+    def local_sqnr(self, batch: Any) -> dict[str, float]:
+        """Each tunable module's own error: its quantized output (input quantized, weight quantized,
+        output quantized where the starting configuration does so) against its float output, both
+        computed from the inputs the float model gives it on ``batch``."""
+        from ..metrics import sqnr_db
+
+        self.configure(self.tunable)
+        for point in self._points:
+            point.module.enabled = False
+        seen: dict[str, torch.Tensor] = {}
+        hooks = [
+            self.model.get_submodule(name).register_forward_pre_hook(
+                lambda module, args, name=name: seen.__setitem__(name, args[0].detach().clone())
+            )
+            for name in self.tunable
+        ]
+        try:
+            with torch.no_grad():
+                call_with(self.model, batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        before = {p.consumers[0]: p for p in self._points if len(p.consumers) == 1}
+        before.update({c: p for p in self._points for c in p.consumers if c not in before})
+        after = {p.producer: p for p in self._points}
+        result = {}
+        with torch.no_grad():
+            for name, x in seen.items():
+                node, module = self._node_of[name], self.model.get_submodule(name)
+                weighted, quantized = self._weights[name]
+                expected = module(x)
+                point_in, point_out = before.get(node), after.get(node)
+                weighted.get_weight = lambda w=quantized: w
+                try:
+                    y = module(_through(point_in, x))
+                    y = _through(point_out, y)
+                finally:
+                    weighted.get_weight = lambda w=weighted.weight: w
+                result[name] = sqnr_db(expected, y)
+        self.configure(self._float)
+        return result
+
+
+def _through(point: _Point | None, x: torch.Tensor) -> torch.Tensor:
+    if point is None:
+        return x
+    enabled, point.module.enabled = point.module.enabled, True
+    try:
+        return point.module(x)
+    finally:
+        point.module.enabled = enabled
+
+
+def _is_quantized(node: torch.fx.Node, float_nodes: set[torch.fx.Node]) -> bool:
+    """Whether ``node`` runs quantized: an op that is not kept float (inputs and outputs are not ops)."""
+    return node.op in ("call_module", "call_function", "call_method") and node not in float_nodes
+
+
+def _insert_points(model: torch.fx.GraphModule) -> list[_Point]:
+    """Replace each ``quantize_per_tensor`` whose users all dequantize by one QuantPoint call."""
+    graph, points = model.graph, []
+    container = nn.Module()
+    model.add_module(SIMULATED, container)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.quantize_per_tensor:
+            continue
+        users = list(node.users)
+        if not users or not all(u.op == "call_method" and u.target == "dequantize" for u in users):
+            continue
+        source, scale, zero_point, dtype = (*node.args, *([None] * 4))[:4]
+        scale, zero_point = _constant(model, scale), _constant(model, zero_point)
+        if not isinstance(source, torch.fx.Node) or scale is None or zero_point is None or dtype is None:
+            continue
+        name = f"p{len(points)}"
+        module = QuantPoint(torch.as_tensor(scale), torch.as_tensor(zero_point), dtype)
+        container.add_module(name, module)
+        with graph.inserting_before(node):
+            call = graph.call_module(f"{SIMULATED}.{name}", (source,))
+        for user in users:
+            user.replace_all_uses_with(call)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        points.append(_Point(module, source, list(call.users)))
+    graph.eliminate_dead_code()
+    model.recompile()
+    return points
+
+
+def _constant(model: torch.fx.GraphModule, value: Any) -> Any:
+    if isinstance(value, torch.fx.Node) and value.op == "get_attr":
+        return _attribute(model, str(value.target))
+    return value
+
+
+def _attribute(model: nn.Module, target: str) -> Any:
+    owner, _, name = target.rpartition(".")
+    return getattr(model.get_submodule(owner) if owner else model, name)
+
+
+def _cache_weights(model: torch.fx.GraphModule) -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    """Each called reference module (a fused module's weighted first child) with its weight quantized once."""
+    found = {}
+    for node in model.graph.nodes:
+        if node.op != "call_module" or str(node.target).startswith(SIMULATED):
+            continue
+        module = model.get_submodule(str(node.target))
+        if isinstance(module, _FusedModule):
+            module = module[0]
+        if isinstance(module, ReferenceQuantizedModule):
+            with torch.no_grad():
+                found[str(node.target)] = (module, module.get_weight().detach())
+    return found

@@ -1,0 +1,99 @@
+"""The simulator against real convert_fx runs, and session.sensitivity() against the real keep-one-float sweep.
+
+Models: the two digits models (trained in the fixture, weights cached in pytest's tmp dir) and the
+MobileNetV3 layout of tests/zoo.py, each from the x86 default mapping.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+import zoo
+from conftest import assert_unchanged, fingerprint
+
+from qreport_widgets import ModuleSettings, QuantizationSession
+from qreport_widgets.digits import trained_digits_model
+
+MODELS = ("digits cnn", "digits mixer", "mobilenet_v3")
+
+
+def build(name: str, cache) -> tuple[torch.nn.Module, QuantizationSession]:
+    if name.startswith("digits"):
+        model, data = trained_digits_model(name.split()[1], cache)
+        return model, QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation,
+                                          eval_fn=data.accuracy)  # fmt: skip
+    torch.manual_seed(0)
+    model = zoo.MobileNetV3().eval()
+    batches = zoo.image_batches(6)
+    return model, QuantizationSession(model, batches[0], batches[:4], eval_data=batches[4:])
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("digits")
+    found = {}
+    for name in MODELS:
+        model, session = build(name, cache)
+        before = fingerprint(model)
+        quiet = lambda done, total: None  # noqa: E731
+        sensitivity = session.sensitivity(progress=quiet)
+        baseline = session.baseline(progress=quiet)
+        real = {}
+        for module in session.modules:
+            result = session.apply({module.fqn: ModuleSettings(keep_float=True)}, progress=quiet)
+            assert result.ok, result.error
+            real[module.fqn] = result.output_sqnr_db - baseline.output_sqnr_db
+        found[name] = (model, before, session, sensitivity, baseline, pd.Series(real))
+    return found
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_simulated_runs_agree_with_real_convert_fx_runs(measured, name):
+    _, _, session, sensitivity, baseline, real = measured[name]
+    simulated_baseline, _ = session.simulate(())
+    assert abs(simulated_baseline - baseline.output_sqnr_db) <= 0.5
+    simulated = sensitivity["simulated_output_sqnr_db"]
+    real_sqnr = real + baseline.output_sqnr_db
+    assert set(simulated.index) == set(real_sqnr.index)
+    worst = (simulated - real_sqnr.reindex(simulated.index)).abs().max()
+    assert worst <= 0.5, f"{name}: simulated and real output SQNR differ by up to {worst:.3f} dB"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_sensitivity_ranks_modules_as_the_real_sweep_does(measured, name):
+    _, _, _, sensitivity, _, real = measured[name]
+    estimate = sensitivity["output_sqnr_gain_db"]
+    truth = real.reindex(estimate.index)
+    assert estimate.corr(truth, method="spearman") >= 0.8
+    assert len(set(estimate.nlargest(3).index) & set(truth.nlargest(3).index)) >= 2
+
+
+def test_the_table_is_sorted_most_harmful_first_with_every_column(measured):
+    model, before, session, sensitivity, _, _ = measured["digits cnn"]
+    assert list(sensitivity.columns) == ["output_sqnr_gain_db", "metric_gain", "local_sqnr_db", "simulated_output_sqnr_db"]
+    assert sensitivity.index.name == "module" and list(sensitivity.index) != []
+    assert sensitivity["output_sqnr_gain_db"].is_monotonic_decreasing
+    assert set(sensitivity.index) == {m.fqn for m in session.modules}  # names the Tune rows use
+    assert sensitivity["local_sqnr_db"].map(math.isfinite).all()
+    assert_unchanged(model, before)
+
+
+def test_local_error_of_the_first_layer_is_its_accumulated_error(measured):
+    """The first layer's input is the model input, so its own error and the accumulated one coincide;
+    deeper layers' local error leaves out what earlier layers added."""
+    _, _, session, sensitivity, baseline, _ = measured["digits cnn"]
+    first = session.modules[0].fqn
+    assert sensitivity.at[first, "local_sqnr_db"] == pytest.approx(baseline.per_layer_sqnr_db[first], abs=0.01)
+
+
+def test_progress_is_reported_per_module():
+    model, data = trained_digits_model("mixer")
+    session = QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation)
+    calls = []
+    table = session.sensitivity(progress=lambda done, total: calls.append((done, total)))
+    modules = len(session.modules)
+    assert calls[-modules:] == [(i, modules) for i in range(1, modules + 1)] and len(table) == modules
+    assert "metric_gain" not in table.columns  # no eval_fn
