@@ -12,7 +12,7 @@ import io
 import math
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +124,7 @@ class QuantizationSession:
         self._baseline: RunResult | None = None
         self._float_outputs: list[torch.Tensor] | None = None
         self._simulation: Simulation | None = None
+        self._sensitivity: pd.DataFrame | None = None
 
     @property
     def float_model(self) -> torch.nn.Module:
@@ -218,6 +219,8 @@ class QuantizationSession:
         module's own error on the inputs the float model gives it (not accumulated from earlier
         layers); ``simulated_output_sqnr_db``. ``progress(done, total)`` is called after each module.
         """
+        if self._sensitivity is not None:
+            return self._sensitivity.copy()
         simulation = self.simulation(progress)
         names = list(simulation.tunable)
         base_sqnr, base_metric = self.simulate(())
@@ -244,7 +247,87 @@ class QuantizationSession:
             simulation.configure(())
         table = pd.DataFrame(rows, columns=["module", "output_sqnr_gain_db", "local_sqnr_db", "simulated_output_sqnr_db"]
                              if not rows else None)  # fmt: skip
-        return table.set_index("module").sort_values("output_sqnr_gain_db", ascending=False, kind="stable")
+        self._sensitivity = table.set_index("module").sort_values("output_sqnr_gain_db", ascending=False, kind="stable")
+        return self._sensitivity.copy()
+
+    def tradeoff(self, progress: Progress | None = None) -> pd.DataFrame:
+        """The trade-off curve: keeping the most harmful modules float one after the other (the
+        sensitivity ranking), the simulated output SQNR (and metric) after each step.
+
+        One row per number of float modules, from 0: ``added`` (the module made float at that step),
+        ``simulated_output_sqnr_db`` and, with ``eval_fn``, ``simulated_metric``.
+        """
+        order = list(self.sensitivity(progress).index)
+        rows = []
+        for count in range(len(order) + 1):
+            sqnr, metric = self.simulate(order[:count])
+            rows.append(
+                {
+                    "float_modules": count,
+                    "added": order[count - 1] if count else "",
+                    "simulated_output_sqnr_db": sqnr,
+                    **({"simulated_metric": metric} if metric is not None else {}),
+                }
+            )
+        self.simulation().configure(())
+        return pd.DataFrame(rows).set_index("float_modules")
+
+    def reach(
+        self,
+        target_sqnr_db: float | None = None,
+        target_metric: float | None = None,
+        *,
+        progress: Progress | None = None,
+    ) -> RunResult:
+        """The fewest modules kept float (most harmful first) that meet the target, confirmed by a real run.
+
+        The simulation picks the count; a real prepare -> calibrate -> convert run confirms it, and
+        if the real run falls short the next modules are added (up to three more real runs). When
+        no count meets the target even in simulation, the run of the best simulated point is
+        returned. Either way ``notes`` say whether the target was met, and the run's ``settings``
+        name the float modules.
+        """
+        if target_sqnr_db is None and target_metric is None:
+            raise ValueError("reach() needs target_sqnr_db, target_metric or both")
+        if target_metric is not None and self.eval_fn is None:
+            raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
+        curve = self.tradeoff(progress)
+        order = [name for name in curve["added"] if name]
+
+        def meets(sqnr: float, metric: float | None) -> bool:
+            return (target_sqnr_db is None or sqnr >= target_sqnr_db) and (
+                target_metric is None or (metric or -math.inf) >= target_metric
+            )
+
+        metrics = curve["simulated_metric"] if "simulated_metric" in curve else pd.Series(None, index=curve.index)
+        reached = [int(count) for count in curve.index if meets(curve.at[count, "simulated_output_sqnr_db"], metrics[count])]
+        target = " and ".join(
+            ([f"output SQNR >= {target_sqnr_db:g} dB"] if target_sqnr_db is not None else [])
+            + ([f"metric >= {target_metric:g}"] if target_metric is not None else [])
+        )
+        label = f"reach {target}"
+        if not reached:
+            best = int(curve["simulated_output_sqnr_db"].idxmax())
+            result = self._float_run(order[:best], label, progress)
+            result.notes.append(
+                f"{target} is out of reach: even in simulation the best is {curve.at[best, 'simulated_output_sqnr_db']:.2f} dB "
+                f"with {best} module(s) float; this run keeps those float"
+            )
+            return result
+        count = reached[0]
+        for _ in range(4):  # the real run may fall short of the simulated one: add the next module
+            result = self._float_run(order[:count], label, progress)
+            if not result.ok or meets(result.output_sqnr_db, result.eval_metric) or count >= len(order):
+                break
+            count += 1
+        verdict = "met" if result.ok and meets(result.output_sqnr_db, result.eval_metric) else "not met by the real run"
+        result.notes.append(
+            f"{target}: {verdict} with {count} of {len(order)} modules float ({', '.join(order[:count]) or 'none'})"
+        )
+        return result
+
+    def _float_run(self, float_modules: Sequence[str], label: str, progress: Progress | None) -> RunResult:
+        return self.apply({name: ModuleSettings(keep_float=True) for name in float_modules}, label=label, progress=progress)
 
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         """One row per run (metrics as columns), and per-layer SQNR with one column per run."""

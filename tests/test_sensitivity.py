@@ -97,3 +97,45 @@ def test_progress_is_reported_per_module():
     modules = len(session.modules)
     assert calls[-modules:] == [(i, modules) for i in range(1, modules + 1)] and len(table) == modules
     assert "metric_gain" not in table.columns  # no eval_fn
+
+
+def greedy_real(session: QuantizationSession, real_gains: pd.Series, target_sqnr_db: float) -> tuple[int, float]:
+    """The search reach() stands in for: modules made float in the order of their real gain, a real run each."""
+    order = list(real_gains.sort_values(ascending=False).index)
+    quiet = lambda done, total: None  # noqa: E731
+    for count in range(len(order) + 1):
+        run = session.apply({name: ModuleSettings(keep_float=True) for name in order[:count]}, progress=quiet)
+        if run.output_sqnr_db >= target_sqnr_db:
+            return count, run.output_sqnr_db
+    return len(order), run.output_sqnr_db
+
+
+@pytest.mark.parametrize("target", [40.0, 45.0])
+def test_reach_meets_a_target_with_fewer_float_modules_than_all(measured, target):
+    _, _, session, _, baseline, real = measured["digits cnn"]
+    assert baseline.output_sqnr_db < target
+    result = session.reach(target, progress=lambda done, total: None)
+    floats = [name for name, choice in result.settings.items() if choice.keep_float]
+    assert result.ok and result.output_sqnr_db >= target
+    assert 0 < len(floats) < len(session.modules) and "met with" in result.notes[-1]
+    count, sqnr = greedy_real(session, real, target)
+    assert len(floats) == count and result.output_sqnr_db == pytest.approx(sqnr, abs=0.3)
+
+
+def test_the_tradeoff_curve_and_an_unreachable_target(measured):
+    _, _, session, sensitivity, _, _ = measured["digits cnn"]
+    curve = session.tradeoff()
+    assert list(curve.index) == list(range(len(session.modules) + 1))
+    assert list(curve["added"][1:]) == list(sensitivity.index)  # most harmful first
+    assert curve.at[0, "simulated_output_sqnr_db"] == pytest.approx(session.simulate(())[0])
+    assert "simulated_metric" in curve.columns
+    result = session.reach(99.0, progress=lambda done, total: None)
+    assert result.ok and "out of reach" in result.notes[-1]
+    with pytest.raises(ValueError, match="needs target_sqnr_db"):
+        session.reach()
+
+
+def test_reach_by_metric_needs_an_eval_fn(measured):
+    _, _, session, _, _, _ = measured["mobilenet_v3"]
+    with pytest.raises(ValueError, match="needs the session's eval_fn"):
+        session.reach(target_metric=0.9)
