@@ -16,9 +16,11 @@ import argparse
 import time
 
 import pandas as pd
+import torch
 from common import setup
 
 from qreport_widgets import ModuleSettings, QuantizationSession
+from qreport_widgets.architectures import mobilenet_v3_small
 from qreport_widgets.digits import trained_digits_model
 
 
@@ -47,9 +49,28 @@ def ranking_quality(truth: pd.Series, score: pd.Series) -> tuple[float, int]:
     return spearman, len(top)
 
 
+def build(name: str, cache_dir: str | None = None) -> QuantizationSession:
+    if name in ("cnn", "mixer"):
+        model, data = trained_digits_model(name, cache_dir)
+        return QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy)
+    model = mobilenet_v3_small()
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 3, 96, 96, generator=generator),) for _ in range(6)]
+    return QuantizationSession(model, batches[0], batches[:4], eval_data=batches[4:])
+
+
+def greedy_real(session: QuantizationSession, gains: pd.Series, target: float) -> tuple[int, float, int]:
+    """Modules made float in the order of their real gain, one real run per step: (count, SQNR, runs)."""
+    order = list(gains.sort_values(ascending=False).index)
+    for count in range(len(order) + 1):
+        run = session.apply({m: ModuleSettings(keep_float=True) for m in order[:count]}, label="greedy", progress=_quiet)
+        if run.output_sqnr_db >= target:
+            break
+    return count, run.output_sqnr_db, count + 1
+
+
 def measure(name: str, cache_dir: str | None = None) -> dict[str, object]:
-    model, data = trained_digits_model(name, cache_dir)
-    session = QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy)
+    session = build(name, cache_dir)
     start = time.perf_counter()
     sensitivity = session.sensitivity(progress=_quiet)
     sensitivity_s = time.perf_counter() - start
@@ -61,28 +82,47 @@ def measure(name: str, cache_dir: str | None = None) -> dict[str, object]:
     # low per-layer SQNR would mean "harmful": score it negated
     spearman, top3 = ranking_quality(truth, -sweep["per-layer SQNR (dB)"])
     ours_spearman, ours_top3 = ranking_quality(truth, sweep["output_sqnr_gain_db"])
+    # reach: a target halfway between the baseline and the best point of the simulated curve
+    baseline = session.baseline()
+    start = time.perf_counter()
+    curve = session.tradeoff(progress=_quiet)
+    target = baseline.output_sqnr_db + (curve["simulated_output_sqnr_db"].max() - baseline.output_sqnr_db) / 2
+    reached = session.reach(target, progress=_quiet)
+    reach_s = time.perf_counter() - start + sensitivity_s
+    start = time.perf_counter()
+    greedy_count, greedy_sqnr, greedy_runs = greedy_real(session, truth, target)
+    greedy_s = time.perf_counter() - start + seconds
     return {
-        "sweep": sweep, "baseline": session.baseline(), "seconds": seconds, "spearman": spearman, "top3": top3,
+        "sweep": sweep, "baseline": baseline, "seconds": seconds, "spearman": spearman, "top3": top3,
         "sensitivity_s": sensitivity_s, "ours_spearman": ours_spearman, "ours_top3": ours_top3,
         "agreement": float((sweep["output_sqnr_gain_db"] - truth).abs().max()),
+        "target": target, "reach_sqnr": reached.output_sqnr_db,
+        "reach_count": sum(s.keep_float for s in reached.settings.values()), "reach_s": reach_s,
+        "greedy_count": greedy_count, "greedy_sqnr": greedy_sqnr, "greedy_s": greedy_s, "greedy_runs": greedy_runs,
     }  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["cnn", "mixer"])
+    parser.add_argument("--models", nargs="+", default=["cnn", "mixer", "mobilenet_v3_small"])
     parser.add_argument("--cache-dir", default=None)
     args = parser.parse_args()
     setup()
     for name in args.models:
         row = measure(name, args.cache_dir)
         baseline = row["baseline"]
+        accuracy = f", accuracy {baseline.eval_metric:.3f}" if baseline.eval_metric is not None else ""
         print(
-            f"digits {name}: baseline output SQNR {baseline.output_sqnr_db:.2f} dB, accuracy {baseline.eval_metric:.3f}; "
+            f"{name}: baseline output SQNR {baseline.output_sqnr_db:.2f} dB{accuracy}; "
             f"real keep-one-float sweep of {len(row['sweep'])} modules in {row['seconds']:.1f} s"
         )
         print(row["sweep"].sort_values("real gain (dB)", ascending=False).round(3).to_string())
         print(f"per-layer SQNR as a ranking: Spearman {row['spearman']:+.2f}, top-3 overlap {row['top3']}/3")
+        print(
+            f"reach({row['target']:.2f} dB): {row['reach_count']} float, {row['reach_sqnr']:.2f} dB in {row['reach_s']:.1f} s; "
+            f"greedy of real runs: {row['greedy_count']} float, {row['greedy_sqnr']:.2f} dB in {row['greedy_s']:.1f} s "
+            f"(sweep + {row['greedy_runs']} runs)"
+        )
         print(
             f"session.sensitivity(): Spearman {row['ours_spearman']:+.2f}, top-3 overlap {row['ours_top3']}/3, "
             f"{row['sensitivity_s']:.2f} s ({row['sensitivity_s'] / row['seconds']:.0%} of the sweep); "

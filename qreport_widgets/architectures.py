@@ -127,3 +127,86 @@ class TinyConvNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.flatten(self.pool(self.features(x)), 1))
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self, channels: int, squeezed: int) -> None:
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc1, self.relu, self.fc2, self.gate = (
+            nn.Conv2d(channels, squeezed, 1),
+            nn.ReLU(),
+            nn.Conv2d(squeezed, channels, 1),
+            nn.Hardsigmoid(),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gate(self.fc2(self.relu(self.fc1(self.pool(x)))))
+
+
+class InvertedResidual(nn.Module):
+    """Expand 1x1 (when the width changes), depthwise k x k, optional squeeze-excitation, project 1x1."""
+
+    def __init__(self, cin: int, kernel: int, expanded: int, cout: int, se: bool, hardswish: bool, stride: int) -> None:
+        super().__init__()
+        act = nn.Hardswish if hardswish else nn.ReLU
+        layers: list[nn.Module] = []
+        if expanded != cin:
+            layers += [*conv_bn(cin, expanded, 1), act()]
+        layers += [*conv_bn(expanded, expanded, kernel, stride, groups=expanded), act()]
+        if se:
+            layers.append(SqueezeExcite(expanded, _divisible(expanded // 4)))
+        layers += conv_bn(expanded, cout, 1)
+        self.block = nn.Sequential(*layers)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        return x + y if self.residual else y
+
+
+# kernel, expanded width, output width, squeeze-excitation, hardswish, stride (MobileNetV3-Small)
+_MOBILENET_V3_SMALL = [
+    (3, 16, 16, True, False, 2), (3, 72, 24, False, False, 2), (3, 88, 24, False, False, 1),
+    (5, 96, 40, True, True, 2), (5, 240, 40, True, True, 1), (5, 240, 40, True, True, 1),
+    (5, 120, 48, True, True, 1), (5, 144, 48, True, True, 1), (5, 288, 96, True, True, 2),
+    (5, 576, 96, True, True, 1), (5, 576, 96, True, True, 1),
+]  # fmt: skip
+
+
+class MobileNetV3Small(nn.Module):
+    """MobileNetV3-Small's layout: 54 Conv / Linear layers, depthwise convs, Hardswish, squeeze-excitation."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(*conv_bn(3, 16, 3, 2), nn.Hardswish())
+        blocks, cin = [], 16
+        for kernel, expanded, cout, se, hardswish, stride in _MOBILENET_V3_SMALL:
+            blocks.append(InvertedResidual(cin, kernel, expanded, cout, se, hardswish, stride))
+            cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Sequential(*conv_bn(cin, 576, 1), nn.Hardswish())
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(nn.Linear(576, 1024), nn.Hardswish(), nn.Linear(1024, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.pool(self.head(self.blocks(self.stem(x)))), 1))
+
+
+def mobilenet_v3_small(classes: int = 1000, size: int = 96) -> MobileNetV3Small:
+    """Random weights, with BatchNorm statistics measured on random images of ``size`` pixels, so
+    activations keep their scale through all 54 layers (default statistics let them vanish)."""
+    torch.manual_seed(0)
+    model = MobileNetV3Small(classes)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.momentum = None  # a plain average over the batches below
+    model.train()
+    with torch.no_grad():
+        for _ in range(4):
+            model(torch.randn(16, 3, size, size))
+    return model.eval()
+
+
+def _divisible(value: int, divisor: int = 8) -> int:
+    return max(divisor, (value + divisor // 2) // divisor * divisor)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from .frame import ReportFrame
     from .records import Suggestion
-    from .session import RunResult
+    from .session import ReachPlan, RunResult
     from .settings import ModuleSettings, TunableModule
 
 
@@ -86,3 +86,15 @@ class TuningSession(Protocol):
     ) -> RunResult: ...
 
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]: ...
+
+    def sensitivity(self, progress: Callable[[int, int | None], None] | None = None) -> pd.DataFrame: ...
+
+    def tradeoff(self, progress: Callable[[int, int | None], None] | None = None) -> pd.DataFrame: ...
+
+    def plan_reach(
+        self,
+        target_sqnr_db: float | None = None,
+        target_metric: float | None = None,
+        *,
+        progress: Callable[[int, int | None], None] | None = None,
+    ) -> ReachPlan: ...

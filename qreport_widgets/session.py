@@ -287,34 +287,16 @@ class QuantizationSession:
         returned. Either way ``notes`` say whether the target was met, and the run's ``settings``
         name the float modules.
         """
-        if target_sqnr_db is None and target_metric is None:
-            raise ValueError("reach() needs target_sqnr_db, target_metric or both")
-        if target_metric is not None and self.eval_fn is None:
-            raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
-        curve = self.tradeoff(progress)
-        order = [name for name in curve["added"] if name]
-
-        def meets(sqnr: float, metric: float | None) -> bool:
-            return (target_sqnr_db is None or sqnr >= target_sqnr_db) and (
-                target_metric is None or (metric or -math.inf) >= target_metric
-            )
-
-        metrics = curve["simulated_metric"] if "simulated_metric" in curve else pd.Series(None, index=curve.index)
-        reached = [int(count) for count in curve.index if meets(curve.at[count, "simulated_output_sqnr_db"], metrics[count])]
-        target = " and ".join(
-            ([f"output SQNR >= {target_sqnr_db:g} dB"] if target_sqnr_db is not None else [])
-            + ([f"metric >= {target_metric:g}"] if target_metric is not None else [])
-        )
+        plan = self.plan_reach(target_sqnr_db, target_metric, progress=progress)
+        order, count, target, meets = plan.order, plan.float_count, plan.target, plan.meets
         label = f"reach {target}"
-        if not reached:
-            best = int(curve["simulated_output_sqnr_db"].idxmax())
-            result = self._float_run(order[:best], label, progress)
+        if not plan.met:
+            result = self._float_run(order[:count], label, progress)
             result.notes.append(
-                f"{target} is out of reach: even in simulation the best is {curve.at[best, 'simulated_output_sqnr_db']:.2f} dB "
-                f"with {best} module(s) float; this run keeps those float"
+                f"{target} is out of reach: even in simulation the best is {plan.simulated_sqnr_db:.2f} dB "
+                f"with {count} module(s) float; this run keeps those float"
             )
             return result
-        count = reached[0]
         for _ in range(4):  # the real run may fall short of the simulated one: add the next module
             result = self._float_run(order[:count], label, progress)
             if not result.ok or meets(result.output_sqnr_db, result.eval_metric) or count >= len(order):
@@ -325,6 +307,27 @@ class QuantizationSession:
             f"{target}: {verdict} with {count} of {len(order)} modules float ({', '.join(order[:count]) or 'none'})"
         )
         return result
+
+    def plan_reach(
+        self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
+    ) -> ReachPlan:
+        """What reach() would try, from the simulation alone: the fewest most-harmful modules to keep
+        float for the target, or the best point of the trade-off curve when none meets it."""
+        if target_sqnr_db is None and target_metric is None:
+            raise ValueError("reach() needs target_sqnr_db, target_metric or both")
+        if target_metric is not None and self.eval_fn is None:
+            raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
+        curve = self.tradeoff(progress)
+        plan = ReachPlan(target_sqnr_db, target_metric, [name for name in curve["added"] if name], 0, math.nan, False)
+        metrics = curve["simulated_metric"] if "simulated_metric" in curve else pd.Series(math.nan, index=curve.index)
+        for count in curve.index:
+            if plan.meets(curve.at[count, "simulated_output_sqnr_db"], metrics[count]):
+                plan.float_count, plan.met = int(count), True
+                break
+        else:
+            plan.float_count = int(curve["simulated_output_sqnr_db"].idxmax())
+        plan.simulated_sqnr_db = float(curve.at[plan.float_count, "simulated_output_sqnr_db"])
+        return plan
 
     def _float_run(self, float_modules: Sequence[str], label: str, progress: Progress | None) -> RunResult:
         return self.apply({name: ModuleSettings(keep_float=True) for name in float_modules}, label=label, progress=progress)
@@ -417,6 +420,32 @@ class QuantizationSession:
             notes=notes,
             config=config,
         )
+
+
+@dataclass
+class ReachPlan:
+    """The float modules reach() would try for a target, decided in simulation."""
+
+    target_sqnr_db: float | None
+    target_metric: float | None
+    order: list[str]  # most harmful first
+    float_count: int
+    simulated_sqnr_db: float
+    met: bool  # whether the simulation meets the target with ``float_modules``
+
+    @property
+    def float_modules(self) -> list[str]:
+        return self.order[: self.float_count]
+
+    @property
+    def target(self) -> str:
+        parts = [f"output SQNR >= {self.target_sqnr_db:g} dB"] if self.target_sqnr_db is not None else []
+        return " and ".join(parts + ([f"metric >= {self.target_metric:g}"] if self.target_metric is not None else []))
+
+    def meets(self, sqnr: float, metric: float | None) -> bool:
+        sqnr_ok = self.target_sqnr_db is None or sqnr >= self.target_sqnr_db
+        metric_ok = self.target_metric is None or (metric is not None and metric >= self.target_metric)
+        return sqnr_ok and metric_ok
 
 
 def _mapping_of(config: Any) -> Any:

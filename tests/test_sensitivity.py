@@ -139,3 +139,46 @@ def test_reach_by_metric_needs_an_eval_fn(measured):
     _, _, session, _, _, _ = measured["mobilenet_v3"]
     with pytest.raises(ValueError, match="needs the session's eval_fn"):
         session.reach(target_metric=0.9)
+
+
+def test_the_tune_tab_ranks_modules_proposes_a_float_set_and_apply_confirms_it(tmp_path):
+    import qreport_widgets as qw
+
+    model, data = trained_digits_model("cnn", tmp_path)
+    report = qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy,
+                        progress=False)  # fmt: skip
+    tuning = report.widget().tuning
+    pane = tuning.sensitivity
+    pane.compute.click()
+    assert list(pane.bars.x)[0] == "fc2" and "Most harmful: <b>fc2</b>" in pane.status.value
+    assert pane.bars.y.max() > 1 and pane.bars.scales["y"].max > pane.bars.y.max()  # bars drawn to scale
+    assert pane.curve.x.size == len(report.session.modules) + 1 and pane.bars_figure in pane.children[-1].children
+    pane.order.value = "most harmful first"
+    assert [row.fqn for row in tuning.rows_box.children] == list(report.session.sensitivity().index)
+    pane.order.value = "forward order"
+    assert [row.fqn for row in tuning.rows_box.children] == list(tuning.rows)
+    pane.target.value = 40.0
+    pane.reach.click()
+    assert [fqn for fqn, row in tuning.rows.items() if row.keep_float.value] == ["fc2"]
+    assert "Apply to confirm" in pane.status.value and "set_module_name('fc2', None)" in tuning.code.value
+    tuning.apply.click()
+    assert report.session.history[-1].output_sqnr_db >= 40.0
+    pane.target.value = 99.0
+    pane.reach.click()
+    assert "out of reach" in pane.status.value and not pane.compute.disabled
+
+
+def test_a_failing_sensitivity_is_shown_in_the_pane(monkeypatch, tmp_path):
+    import qreport_widgets as qw
+
+    model, data = trained_digits_model("mixer", tmp_path)
+    report = qw.analyze(model, data.calibration[0], data.calibration, progress=False)
+
+    def broken(progress=None):
+        raise RuntimeError("simulation failed")
+
+    monkeypatch.setattr(report.session, "sensitivity", broken)
+    pane = report.widget().tuning.sensitivity
+    pane.compute.click()
+    assert "RuntimeError: simulation failed" in pane.status.value
+    assert not pane.compute.disabled and pane.progress.layout.visibility == "hidden"

@@ -15,6 +15,7 @@ import pandas as pd
 from ..errors import InvalidSettingsError
 from ..protocols import ReportSource, TuningSession
 from ..settings import ModuleSettings, TunableModule, validate_all
+from .sensitivity import SensitivityPane
 
 if TYPE_CHECKING:
     from ..session import RunResult
@@ -100,7 +101,7 @@ class TuningPanel(w.VBox):
         self.apply.on_click(self._on_apply_click)
         header = w.HTML("<span style='color:#666'>module · activation · weights · equalization · keep float · why</span>")
         buttons = w.HBox([self.accept, self.reset, self.apply, self.progress, self.status], layout={"align_items": "center"})
-        rows = w.VBox(list(self.rows.values()), layout={"max_height": "300px", "overflow_y": "auto"})
+        self.rows_box = rows = w.VBox(list(self.rows.values()), layout={"max_height": "300px", "overflow_y": "auto"})
         results = w.Accordion(
             children=[self.summary, self.code],
             titles=("Quantization summary of the last run", "These settings as Python, to paste into a pipeline"),
@@ -113,7 +114,8 @@ class TuningPanel(w.VBox):
                 self.error.value = f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(error)}</pre>"
             super().__init__([self.status, self.error])
             return
-        super().__init__([header, rows, buttons, self.error, self.history, results])
+        self.sensitivity = SensitivityPane(session, self._keep_float, self._order_rows)
+        super().__init__([self.sensitivity, header, rows, buttons, self.error, self.history, results])
         self._set_all(session.current_settings())
         self._show_code()
 
@@ -184,6 +186,20 @@ class TuningPanel(w.VBox):
         if sent is None or previous is None:
             return False
         return (sent - previous).total_seconds() < seconds
+
+    def _keep_float(self, names: list[str]) -> None:
+        """Keep exactly ``names`` float (the other rows keep their other choices)."""
+        chosen = set(names)
+        with self.hold_sync():
+            for fqn, row in self.rows.items():
+                row.keep_float.value = fqn in chosen
+        self._show_code()
+
+    def _order_rows(self, order: list[str]) -> None:
+        """Rows in ``order`` (names not in it follow in forward order); an empty order is forward order."""
+        ranked = [self.rows[name] for name in order if name in self.rows]
+        rest = [row for name, row in self.rows.items() if name not in set(order)]
+        self.rows_box.children = tuple(ranked + rest)
 
     def settings(self) -> dict[str, ModuleSettings]:
         return {fqn: row.settings for fqn, row in self.rows.items()}

@@ -1,0 +1,197 @@
+"""The Tune tab's "which module hurts" pane: simulated sensitivity, the trade-off curve, a target to reach."""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Callable
+
+import bqplot as bq
+import ipywidgets as w
+import numpy as np
+import pandas as pd
+
+from ..protocols import TuningSession
+
+TOP = 20  # bars shown, most harmful first
+
+
+class SensitivityPane(w.VBox):
+    """Buttons to rank modules (simulated, calibrated once) and to propose the float set for a target.
+
+    Args:
+        session: computes sensitivity, the trade-off curve and reach plans.
+        propose: called with the module names to keep float (the Tune rows take them).
+        reorder: called with the module names in the order the rows should take.
+    """
+
+    def __init__(
+        self, session: TuningSession, propose: Callable[[list[str]], None], reorder: Callable[[list[str]], None]
+    ) -> None:
+        self.session, self._propose, self._reorder = session, propose, reorder
+        self.compute = w.Button(
+            description="Sensitivity",
+            icon="search",
+            layout={"width": "130px", "flex": "0 0 auto"},
+            tooltip="Rank modules by the output SQNR gained when each alone stays float (simulated)",
+        )
+        self.order = w.ToggleButtons(
+            options=["forward order", "most harmful first"],
+            value="forward order",
+            disabled=True,
+            style={"button_width": "130px"},
+            layout={"flex": "0 0 auto"},
+        )
+        self.target = w.FloatText(value=0.0, description="target dB", layout={"width": "170px", "flex": "0 0 auto"})
+        self.reach = w.Button(
+            description="Propose float set",
+            icon="bullseye",
+            layout={"width": "170px", "flex": "0 0 auto"},
+            tooltip="The fewest most-harmful modules kept float that reach the target in simulation",
+        )
+        self.progress = w.IntProgress(
+            value=0, min=0, max=1, layout={"width": "160px", "visibility": "hidden", "flex": "0 0 auto"}
+        )
+        self.status = w.HTML()
+        self.table: pd.DataFrame | None = None
+        self.bars, self.bars_figure = _bars()
+        self.curve, self.target_line, self.curve_figure = _curve()
+        self.compute.on_click(self._on_compute_click)
+        self.reach.on_click(self._on_reach_click)
+        self.order.observe(self._on_order_change, names="value")
+        controls = w.HBox([self.compute, self.order, self.target, self.reach, self.progress], layout={"flex_flow": "row wrap"})
+        super().__init__([controls, self.status])
+
+    # ---- handlers ------------------------------------------------------------------------------
+    def _on_compute_click(self, _button: w.Button) -> None:
+        self._busy(True, "simulating: calibrating once, then one forward pass per module")
+        try:
+            self.table = self.session.sensitivity(progress=self._on_progress)
+            curve = self.session.tradeoff()
+        except Exception as error:  # user models and data: show, keep the tab usable
+            self.status.value = f"<span style='color:#b00'>{html.escape(f'{type(error).__name__}: {error}')}</span>"
+            return
+        finally:
+            self._busy(False)
+        base = float(curve["simulated_output_sqnr_db"].iloc[0])
+        if self.target.value == 0.0:
+            self.target.value = round(base + 3.0, 1)
+        self._draw(self.table, curve)
+        worst = self.table.index[0] if len(self.table) else ""
+        gain = self.table["output_sqnr_gain_db"].iloc[0] if len(self.table) else math.nan
+        self.status.value = (
+            f"Simulated baseline {base:.2f} dB. Most harmful: <b>{html.escape(worst)}</b> "
+            f"(+{gain:.2f} dB when it alone stays float). Estimates; Apply measures."
+        )
+        self.order.disabled = False
+
+    def _on_reach_click(self, _button: w.Button) -> None:
+        self._busy(True, f"planning for {self.target.value:g} dB")
+        try:
+            plan = self.session.plan_reach(self.target.value, progress=self._on_progress)
+        except Exception as error:
+            self.status.value = f"<span style='color:#b00'>{html.escape(f'{type(error).__name__}: {error}')}</span>"
+            return
+        finally:
+            self._busy(False)
+        self._propose(plan.float_modules)
+        names = ", ".join(plan.float_modules) or "none"
+        if plan.met:
+            self.status.value = (
+                f"{len(plan.float_modules)} module(s) float reach {plan.simulated_sqnr_db:.2f} dB in simulation "
+                f"({html.escape(names)}); the Tune rows are set: Apply to confirm with a real run."
+            )
+        else:
+            self.status.value = (
+                f"<span style='color:#b00'>{self.target.value:g} dB is out of reach</span>: the best simulated point is "
+                f"{plan.simulated_sqnr_db:.2f} dB with {len(plan.float_modules)} module(s) float ({html.escape(names)}); "
+                "the Tune rows are set to that."
+            )
+        if self.table is None:
+            self.table = self.session.sensitivity()
+            self._draw(self.table, self.session.tradeoff())
+            self.order.disabled = False
+
+    def _on_order_change(self, change: dict) -> None:
+        if self.table is not None:
+            self._reorder(list(self.table.index) if change["new"] == "most harmful first" else [])
+
+    def _on_progress(self, done: int, total: int | None) -> None:
+        self.progress.max = total or max(done, 1)
+        self.progress.value = done
+
+    # ---- drawing -------------------------------------------------------------------------------
+    def _draw(self, table: pd.DataFrame, curve: pd.DataFrame) -> None:
+        top = table.head(TOP)
+        gains = top["output_sqnr_gain_db"].to_numpy(dtype=np.float64)
+        low, high = min(0.0, float(np.nanmin(gains, initial=0.0))), max(0.0, float(np.nanmax(gains, initial=0.0)))
+        span = (high - low) or 1.0
+        counts = curve.index.to_numpy(dtype=np.float64)
+        sqnr = curve["simulated_output_sqnr_db"].to_numpy(dtype=np.float64)
+        with self.hold_sync():
+            with self.bars.hold_sync():
+                self.bars.scales["y"].min, self.bars.scales["y"].max = low - 0.05 * span, high + 0.1 * span
+                self.bars.x, self.bars.y = list(top.index), gains.astype(np.float32)
+            with self.curve.hold_sync():
+                self.curve.x, self.curve.y = counts.astype(np.float32), sqnr.astype(np.float32)
+            self.target_line.x = np.array([counts.min(), counts.max()], dtype=np.float32)
+            self.target_line.y = np.array([self.target.value] * 2, dtype=np.float32)
+            self.bars_figure.title = f"Output SQNR gained when one module stays float (simulated), top {len(top)} of {len(table)}"
+            if self.bars_figure not in self.children:
+                self.children = (*self.children, w.HBox([self.bars_figure, self.curve_figure], layout={"width": "100%"}))
+
+    def _busy(self, busy: bool, message: str = "") -> None:
+        for control in (self.compute, self.reach):
+            control.disabled = busy
+        self.progress.layout.visibility = "visible" if busy else "hidden"
+        if message:
+            self.status.value = f"<i>{html.escape(message)}…</i>"
+
+
+def _bars() -> tuple[bq.Bars, bq.Figure]:
+    x_scale, y_scale = bq.OrdinalScale(), bq.LinearScale(min=0.0, max=1.0)
+    tooltip = bq.Tooltip(fields=["x", "y"], labels=["module", "gain (dB)"], formats=["", ".3f"])
+    bars = bq.Bars(
+        x=[], y=np.zeros(0, np.float32), scales={"x": x_scale, "y": y_scale}, colors=["#d62728"], padding=0.2, tooltip=tooltip
+    )
+    axes = [
+        bq.Axis(scale=x_scale, label="", tick_rotate=-35, tick_style={"font-size": "9px"}),
+        bq.Axis(scale=y_scale, orientation="vertical", label="gain (dB)", tick_format=".2f", label_offset="50px"),
+    ]
+    figure = bq.Figure(
+        marks=[bars],
+        axes=axes,
+        title="",
+        fig_margin={"top": 40, "bottom": 90, "left": 70, "right": 10},
+        layout={"width": "60%", "height": "340px"},
+    )
+    return bars, figure
+
+
+def _curve() -> tuple[bq.Lines, bq.Lines, bq.Figure]:
+    x_scale, y_scale = bq.LinearScale(), bq.LinearScale()
+    scales = {"x": x_scale, "y": y_scale}
+    curve = bq.Lines(
+        x=np.zeros(0, np.float32),
+        y=np.zeros(0, np.float32),
+        scales=scales,
+        marker="circle",
+        marker_size=16,
+        colors=["#1f77b4"],
+        tooltip=bq.Tooltip(fields=["x", "y"], labels=["float modules", "SQNR (dB)"], formats=["", ".2f"]),
+    )
+    target = bq.Lines(
+        x=np.zeros(0, np.float32), y=np.zeros(0, np.float32), scales=scales, colors=["#d62728"], line_style="dashed"
+    )
+    axes = [
+        bq.Axis(scale=x_scale, label="modules kept float (most harmful first)", tick_format="d"),
+        bq.Axis(scale=y_scale, orientation="vertical", label="output SQNR (dB)", tick_format=".1f", label_offset="45px"),
+    ]
+    figure = bq.Figure(
+        marks=[curve, target],
+        axes=axes,
+        title="Trade-off (simulated; dashed: target)",
+        fig_margin={"top": 40, "bottom": 50, "left": 65, "right": 10},
+        layout={"width": "40%", "height": "340px"},
+    )
+    return curve, target, figure
