@@ -49,9 +49,11 @@ class Engine(Protocol):
     def config_as_code(self, config: Any) -> str:
         """Python that rebuilds ``config``, to paste into a pipeline."""
 
-    def simulator(self, prepared: torch.nn.Module, modules: Sequence[str]) -> Simulation:
-        """From a model prepared with the starting configuration and calibrated: a simulation in which
-        any set of ``modules`` can be kept float without calibrating again."""
+    def simulator(
+        self, prepared: torch.nn.Module, modules: Sequence[str], float_model: torch.nn.Module, example_inputs: tuple[Any, ...]
+    ) -> Simulation:
+        """From ``prepared`` (``float_model`` prepared with the starting configuration, calibrated): a
+        simulation in which any set of ``modules`` can be kept float without calibrating again."""
 
 
 class Simulation(Protocol):

@@ -196,7 +196,7 @@ class QuantizationSession:
             prepared = self.engine.prepare(self._float, self.engine.base_config(), self.example_inputs)
             calibrate(prepared, self.calibration_data, desc="sensitivity: calibrating", progress=progress is None,
                       on_batch=progress)  # fmt: skip
-            self._simulation = self.engine.simulator(prepared, [m.fqn for m in self.modules])
+            self._simulation = self.engine.simulator(prepared, [m.fqn for m in self.modules], self._float, self.example_inputs)
         return self._simulation
 
     def simulate(self, float_modules: Iterable[str] = ()) -> tuple[float, float | None]:

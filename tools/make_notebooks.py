@@ -318,6 +318,70 @@ CUSTOM = [
 ]
 
 
+WHICH_LAYER = [
+    (
+        "md",
+        "# Which layer hurts?\n\n"
+        "A small CNN trained on scikit-learn's digits (8 x 8 images, bundled with the library: no download) in a few "
+        "seconds, quantized with the x86 default mapping. Which of its layers costs the most, and what is the cheapest "
+        "fix that reaches a target?",
+    ),
+    (
+        "code",
+        "import warnings\nwarnings.simplefilter('ignore')\n\n"
+        "from qreport_widgets import analyze\n"
+        "from qreport_widgets.digits import trained_digits_model\n\n"
+        "model, data = trained_digits_model('cnn')  # fixed seed\n"
+        "report = analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy,\n"
+        "                 progress=False)\n"
+        "session = report.session\n"
+        "baseline = session.baseline()\n"
+        "print(f'float accuracy {data.accuracy(model):.3f}; quantized: output SQNR {baseline.output_sqnr_db:.2f} dB, '\n"
+        "      f'accuracy {baseline.eval_metric:.3f}')",
+    ),
+    (
+        "md",
+        "## The per-layer SQNR is not a ranking of culprits\n\n"
+        "Numeric Suite compares each layer's output in the quantized model with the float model's. That error is "
+        "*accumulated* from the input, so it says little about which layer to fix:",
+    ),
+    ("code", "baseline.per_layer_sqnr_db.round(2)"),
+    (
+        "md",
+        "## Sensitivity: what keeping each layer float gains\n\n"
+        "`session.sensitivity()` calibrates once and then simulates keeping each module float by forward passes only "
+        "(torch's reference quantized model with switchable quantize points; it matches real `convert_fx` runs, see "
+        "`benchmarks/README.md`). `local_sqnr_db` is each module's own error on float inputs.",
+    ),
+    ("code", "sensitivity = session.sensitivity()\nsensitivity.round(3)"),
+    (
+        "md",
+        "The trade-off curve: the most harmful modules kept float one after the other, and what the output SQNR "
+        "becomes (simulated).",
+    ),
+    ("code", "session.tradeoff().round(3)"),
+    (
+        "md",
+        "## Reach a target\n\n"
+        "`session.reach(target)` picks the fewest float modules in simulation and confirms them with one real "
+        "prepare_fx -> calibrate -> convert_fx run.",
+    ),
+    (
+        "code",
+        "result = session.reach(target_sqnr_db=40)\n"
+        "print(result.notes[-1])\n"
+        "session.compare()[0]  # NBVAL_IGNORE_OUTPUT",
+    ),
+    (
+        "md",
+        "## The same in the widget\n\n"
+        "In the **Tune** tab, *Sensitivity* draws the ranking and the trade-off curve, *most harmful first* sorts the "
+        "rows, and *Propose float set* ticks *keep float* on the rows that reach the target; **Apply** measures it.",
+    ),
+    ("code", "report.widget()"),
+]
+
+
 def main() -> None:
     HERE.mkdir(exist_ok=True)
     notebooks = {
@@ -325,6 +389,7 @@ def main() -> None:
         "02_fx_workflow.ipynb": FX_WORKFLOW,
         "03_transformer_block.ipynb": TRANSFORMER,
         "04_custom_detector.ipynb": CUSTOM,
+        "05_which_layer_hurts.ipynb": WHICH_LAYER,
     }
     for name, cells in notebooks.items():
         nbformat.write(notebook(cells), HERE / name)

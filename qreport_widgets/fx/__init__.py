@@ -18,7 +18,7 @@ from ..settings import ModuleSettings, TunableModule
 from .numeric_suite import per_layer_sqnr, quantization_summary
 from .prepare import prepare, torch_observers_paused
 from .qconfig import build_equalization_mapping, build_qconfig_mapping, mapping_as_code, tunable_modules
-from .simulate import Simulator
+from .simulate import Simulator, fixed_qparams_after_float
 
 __all__ = ["FxConfig", "FxEngine"]
 
@@ -88,5 +88,12 @@ class FxEngine:
     def config_as_code(self, config: FxConfig) -> str:
         return mapping_as_code(config.qconfig_mapping, config.equalization_mapping)
 
-    def simulator(self, prepared: torch.nn.Module, modules: Sequence[str]) -> Simulator:
-        return Simulator(prepared, modules)
+    def simulator(
+        self, prepared: torch.nn.Module, modules: Sequence[str], float_model: torch.nn.Module, example_inputs: tuple[Any, ...]
+    ) -> Simulator:
+        # where FX places other qparams after a float module, read from one prepare with them all float
+        all_float = self.config_for({name: ModuleSettings(keep_float=True) for name in modules}, self.tunable_modules(prepared))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            float_prepared = self.prepare(float_model, all_float, example_inputs)
+        return Simulator(prepared, modules, fixed_qparams_after_float(float_prepared))

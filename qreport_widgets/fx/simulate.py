@@ -22,6 +22,8 @@ import torch.fx
 from torch import nn
 from torch.ao.nn.intrinsic import _FusedModule
 from torch.ao.nn.quantized.reference.modules.utils import ReferenceQuantizedModule
+from torch.ao.quantization.fake_quantize import FixedQParamsFakeQuantize
+from torch.ao.quantization.observer import FixedQParamsObserver
 from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
 from ..calibration import call_with
@@ -30,7 +32,12 @@ SIMULATED = "qreport_quant_points"
 
 
 class QuantPoint(nn.Module):
-    """quantize -> dequantize of an activation with fixed qparams, which can be switched off."""
+    """quantize -> dequantize of an activation with fixed qparams, which can be switched off.
+
+    ``alternate`` holds the qparams FX uses here instead when the producer runs float (the fixed
+    qparams of a consumer such as Hardsigmoid, which FX then puts on its input); ``use_alternate``
+    selects them.
+    """
 
     def __init__(self, scale: torch.Tensor, zero_point: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
@@ -39,10 +46,14 @@ class QuantPoint(nn.Module):
         self.register_buffer("zero_point", zero_point.detach().clone().reshape(()).to(torch.int32))
         self.quant_min, self.quant_max = int(info.min), int(info.max)
         self.enabled = True
+        self.alternate: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+        self.use_alternate = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return x
+        if self.use_alternate and self.alternate is not None:
+            return torch.fake_quantize_per_tensor_affine(x, *self.alternate)
         return torch.fake_quantize_per_tensor_affine(x, self.scale, self.zero_point, self.quant_min, self.quant_max)
 
 
@@ -59,14 +70,24 @@ class Simulator:
     Args:
         prepared: a calibrated ``prepare_fx`` model (it is copied, not changed).
         tunable: the names of the modules that may be kept float.
+        float_producer_qparams: producer node name -> (scale, zero point, quant min, quant max)
+            that FX puts after it when it runs float, where that differs from the calibrated ones
+            (see ``fixed_qparams_after_float``).
     """
 
-    def __init__(self, prepared: torch.fx.GraphModule, tunable: Iterable[str]) -> None:
+    def __init__(
+        self,
+        prepared: torch.fx.GraphModule,
+        tunable: Iterable[str],
+        float_producer_qparams: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] | None = None,
+    ) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             reference = convert_to_reference_fx(copy.deepcopy(prepared))
         self.model = reference
         self._points = _insert_points(reference)
+        for point in self._points:
+            point.module.alternate = (float_producer_qparams or {}).get(point.producer.name)
         self._weights = _cache_weights(reference)
         self._node_of = {str(n.target): n for n in reference.graph.nodes if n.op == "call_module"}
         self.tunable = [name for name in tunable if name in self._weights]
@@ -85,6 +106,7 @@ class Simulator:
             point.module.enabled = _is_quantized(point.producer, float_nodes) or any(
                 _is_quantized(consumer, float_nodes) for consumer in point.consumers
             )
+            point.module.use_alternate = point.producer in float_nodes
         self._float = float_modules
 
     def outputs(self, batches: Sequence[Any], float_modules: Iterable[str] = ()) -> list[Any]:
@@ -204,4 +226,27 @@ def _cache_weights(model: torch.fx.GraphModule) -> dict[str, tuple[nn.Module, to
         if isinstance(module, ReferenceQuantizedModule):
             with torch.no_grad():
                 found[str(node.target)] = (module, module.get_weight().detach())
+    return found
+
+
+def fixed_qparams_after_float(prepared_all_float: torch.fx.GraphModule) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """From a model prepared with the tunable modules float: the fixed qparams FX then puts after a
+    float module's output, keyed by the producing node's name.
+
+    FX gives the input of a fixed-qparams op (Hardsigmoid, Sigmoid, Tanh, ...) that op's fixed output
+    qparams when the producer is float: a squeeze-excitation gate whose conv stays float is then
+    quantized to [0, 1) in steps of 1/256, which costs accuracy. Keeping such a module float in the
+    simulation does the same.
+    """
+    found = {}
+    for node in prepared_all_float.graph.nodes:
+        if node.op != "call_module" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        observer = prepared_all_float.get_submodule(str(node.target))
+        if isinstance(observer, (FixedQParamsObserver, FixedQParamsFakeQuantize)):
+            scale, zero_point = observer.calculate_qparams()
+            found[node.args[0].name] = (
+                torch.as_tensor(scale).float().reshape(()), torch.as_tensor(zero_point).reshape(()).to(torch.int32),
+                int(observer.quant_min), int(observer.quant_max),
+            )  # fmt: skip
     return found
