@@ -39,7 +39,7 @@ class SensitivityPane(w.VBox):
             options=["forward order", "most harmful first"],
             value="forward order",
             disabled=True,
-            style={"button_width": "130px"},
+            style={"button_width": "150px"},
             layout={"flex": "0 0 auto"},
         )
         self.target = w.FloatText(value=0.0, description="target dB", layout={"width": "170px", "flex": "0 0 auto"})
@@ -56,6 +56,7 @@ class SensitivityPane(w.VBox):
         self.table: pd.DataFrame | None = None
         self.bars, self.bars_figure = _bars()
         self.curve, self.target_line, self.curve_figure = _curve()
+        self.curve_axis = self.curve_figure.axes[0]
         self.compute.on_click(self._on_compute_click)
         self.reach.on_click(self._on_reach_click)
         self.order.observe(self._on_order_change, names="value")
@@ -130,15 +131,20 @@ class SensitivityPane(w.VBox):
         sqnr = curve["simulated_output_sqnr_db"].to_numpy(dtype=np.float64)
         with self.hold_sync():
             with self.bars.hold_sync():
-                self.bars.scales["y"].min, self.bars.scales["y"].max = low - 0.05 * span, high + 0.1 * span
+                # bars rise from the bottom of the axis, so a gain near zero still shows as a short bar
+                floor = low - 0.05 * span
+                self.bars.scales["y"].min, self.bars.scales["y"].max = floor, high + 0.1 * span
+                self.bars.base = floor
                 self.bars.x, self.bars.y = list(top.index), gains.astype(np.float32)
             with self.curve.hold_sync():
                 self.curve.x, self.curve.y = counts.astype(np.float32), sqnr.astype(np.float32)
             self.target_line.x = np.array([counts.min(), counts.max()], dtype=np.float32)
             self.target_line.y = np.array([self.target.value] * 2, dtype=np.float32)
-            self.bars_figure.title = f"Output SQNR gained when one module stays float (simulated), top {len(top)} of {len(table)}"
+            self.curve_axis.tick_values = np.unique(np.linspace(0, counts.max(initial=0), min(len(counts), 11)).round())
+            self.bars_figure.title = f"Gain if kept float, top {len(top)} of {len(table)} (simulated)"
             if self.bars_figure not in self.children:
-                self.children = (*self.children, w.HBox([self.bars_figure, self.curve_figure], layout={"width": "100%"}))
+                figures = w.HBox([self.bars_figure, self.curve_figure], layout={"width": "100%", "flex_flow": "row wrap"})
+                self.children = (*self.children, figures)
 
     def _busy(self, busy: bool, message: str = "") -> None:
         for control in (self.compute, self.reach):
@@ -163,7 +169,7 @@ def _bars() -> tuple[bq.Bars, bq.Figure]:
         axes=axes,
         title="",
         fig_margin={"top": 40, "bottom": 90, "left": 70, "right": 10},
-        layout={"width": "60%", "height": "340px"},
+        layout={"flex": "3 1 460px", "height": "340px"},
     )
     return bars, figure
 
@@ -184,14 +190,14 @@ def _curve() -> tuple[bq.Lines, bq.Lines, bq.Figure]:
         x=np.zeros(0, np.float32), y=np.zeros(0, np.float32), scales=scales, colors=["#d62728"], line_style="dashed"
     )
     axes = [
-        bq.Axis(scale=x_scale, label="modules kept float (most harmful first)", tick_format="d"),
+        bq.Axis(scale=x_scale, label="modules kept float", tick_format="d"),
         bq.Axis(scale=y_scale, orientation="vertical", label="output SQNR (dB)", tick_format=".1f", label_offset="45px"),
     ]
     figure = bq.Figure(
         marks=[curve, target],
         axes=axes,
-        title="Trade-off (simulated; dashed: target)",
+        title="Trade-off (simulated)",
         fig_margin={"top": 40, "bottom": 50, "left": 65, "right": 10},
-        layout={"width": "40%", "height": "340px"},
+        layout={"flex": "2 1 320px", "height": "340px"},
     )
     return curve, target, figure
