@@ -182,3 +182,23 @@ def test_a_failing_sensitivity_is_shown_in_the_pane(monkeypatch, tmp_path):
     pane.compute.click()
     assert "RuntimeError: simulation failed" in pane.status.value
     assert not pane.compute.disabled and pane.progress.layout.visibility == "hidden"
+
+
+def test_cancel_stops_a_running_sensitivity_and_a_later_one_completes(tmp_path):
+    import qreport_widgets as qw
+
+    model, data = trained_digits_model("mixer", tmp_path)
+    report = qw.analyze(model, data.calibration[0], data.calibration, progress=False)
+    pane = report.widget().tuning.sensitivity
+    report_progress = pane._on_progress
+
+    def clicked_during_the_run(done, total):
+        pane.cancel.click()  # as JupyterLab delivers it: on another thread, while the run goes on
+        report_progress(done, total)
+
+    pane._on_progress = clicked_during_the_run
+    pane.compute.click()
+    assert "cancelled" in pane.status.value and pane.table is None and pane.cancel.layout.display == "none"
+    pane._on_progress = report_progress
+    pane.compute.click()
+    assert pane.table is not None and len(pane.table) == len(report.session.modules)

@@ -16,6 +16,10 @@ from ..protocols import TuningSession
 TOP = 20  # bars shown, most harmful first
 
 
+class Cancelled(Exception):
+    """Raised from the progress callback when the user clicked Cancel during a computation."""
+
+
 class SensitivityPane(w.VBox):
     """Buttons to rank modules (simulated, calibrated once) and to propose the float set for a target.
 
@@ -49,6 +53,10 @@ class SensitivityPane(w.VBox):
             layout={"width": "170px", "flex": "0 0 auto"},
             tooltip="The fewest most-harmful modules kept float that reach the target in simulation",
         )
+        self.cancel = w.Button(
+            description="Cancel", icon="stop", layout={"width": "100px", "flex": "0 0 auto", "display": "none"}
+        )
+        self._cancelled = False
         self.progress = w.IntProgress(
             value=0, min=0, max=1, layout={"width": "160px", "visibility": "hidden", "flex": "0 0 auto"}
         )
@@ -59,8 +67,11 @@ class SensitivityPane(w.VBox):
         self.curve_axis = self.curve_figure.axes[0]
         self.compute.on_click(self._on_compute_click)
         self.reach.on_click(self._on_reach_click)
+        self.cancel.on_click(self._on_cancel_click)
         self.order.observe(self._on_order_change, names="value")
-        controls = w.HBox([self.compute, self.order, self.target, self.reach, self.progress], layout={"flex_flow": "row wrap"})
+        controls = w.HBox(
+            [self.compute, self.order, self.target, self.reach, self.progress, self.cancel], layout={"flex_flow": "row wrap"}
+        )
         super().__init__([controls, self.status])
 
     # ---- handlers ------------------------------------------------------------------------------
@@ -69,6 +80,9 @@ class SensitivityPane(w.VBox):
         try:
             self.table = self.session.sensitivity(progress=self._on_progress)
             curve = self.session.tradeoff()
+        except Cancelled:
+            self.status.value = "<i>Sensitivity cancelled; nothing was changed.</i>"
+            return
         except Exception as error:  # user models and data: show, keep the tab usable
             self.status.value = f"<span style='color:#b00'>{html.escape(f'{type(error).__name__}: {error}')}</span>"
             return
@@ -90,6 +104,9 @@ class SensitivityPane(w.VBox):
         self._busy(True, f"planning for {self.target.value:g} dB")
         try:
             plan = self.session.plan_reach(self.target.value, progress=self._on_progress)
+        except Cancelled:
+            self.status.value = "<i>Cancelled; the Tune rows are unchanged.</i>"
+            return
         except Exception as error:
             self.status.value = f"<span style='color:#b00'>{html.escape(f'{type(error).__name__}: {error}')}</span>"
             return
@@ -117,7 +134,14 @@ class SensitivityPane(w.VBox):
         if self.table is not None:
             self._reorder(list(self.table.index) if change["new"] == "most harmful first" else [])
 
+    def _on_cancel_click(self, _button: w.Button) -> None:
+        # JupyterLab handles widget messages on another kernel thread while a computation runs, so
+        # this arrives during it; the next progress report stops the computation
+        self._cancelled = True
+
     def _on_progress(self, done: int, total: int | None) -> None:
+        if self._cancelled:
+            raise Cancelled
         self.progress.max = total or max(done, 1)
         self.progress.value = done
 
@@ -149,7 +173,9 @@ class SensitivityPane(w.VBox):
     def _busy(self, busy: bool, message: str = "") -> None:
         for control in (self.compute, self.reach):
             control.disabled = busy
+        self._cancelled = False
         self.progress.layout.visibility = "visible" if busy else "hidden"
+        self.cancel.layout.display = "" if busy else "none"
         if message:
             self.status.value = f"<i>{html.escape(message)}…</i>"
 
