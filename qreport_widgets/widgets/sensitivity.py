@@ -33,12 +33,7 @@ class SensitivityPane(w.VBox):
         self, session: TuningSession, propose: Callable[[list[str]], None], reorder: Callable[[list[str]], None]
     ) -> None:
         self.session, self._propose, self._reorder = session, propose, reorder
-        self.compute = w.Button(
-            description="Sensitivity",
-            icon="search",
-            layout={"width": "130px", "flex": "0 0 auto"},
-            tooltip="Rank modules by the output SQNR gained when each alone stays float (simulated)",
-        )
+        self.compute = _button("Sensitivity", "search", 130, "Rank modules by the output SQNR gained when each alone stays float")
         self.order = w.ToggleButtons(
             options=["forward order", "most harmful first"],
             value="forward order",
@@ -47,15 +42,9 @@ class SensitivityPane(w.VBox):
             layout={"flex": "0 0 auto"},
         )
         self.target = w.FloatText(value=0.0, description="target dB", layout={"width": "170px", "flex": "0 0 auto"})
-        self.reach = w.Button(
-            description="Propose float set",
-            icon="bullseye",
-            layout={"width": "170px", "flex": "0 0 auto"},
-            tooltip="The fewest most-harmful modules kept float that reach the target in simulation",
-        )
-        self.cancel = w.Button(
-            description="Cancel", icon="stop", layout={"width": "100px", "flex": "0 0 auto", "display": "none"}
-        )
+        self.reach = _button("Propose float set", "bullseye", 170, "The fewest most-harmful modules kept float for the target")
+        self.cancel = _button("Cancel", "stop", 100, "Stop the computation at the next module")
+        self.cancel.layout.display = "none"
         self._cancelled = False
         self.progress = w.IntProgress(
             value=0, min=0, max=1, layout={"width": "160px", "visibility": "hidden", "flex": "0 0 auto"}
@@ -178,6 +167,10 @@ class SensitivityPane(w.VBox):
         self.cancel.layout.display = "" if busy else "none"
         if message:
             self.status.value = f"<i>{html.escape(message)}…</i>"
+
+
+def _button(description: str, icon: str, width: int, tooltip: str) -> w.Button:
+    return w.Button(description=description, icon=icon, tooltip=tooltip, layout={"width": f"{width}px", "flex": "0 0 auto"})
 
 
 def _bars() -> tuple[bq.Bars, bq.Figure]:
