@@ -97,6 +97,8 @@ def test_tuning_panel_apply_accept_reset_and_errors(analyzed):
     assert "output SQNR" in tuning.status.value and not tuning.error.value
     runs = len(report.session.history)
     assert "baseline" in tuning.history.value and tuning.bars.y.shape[0] == runs
+    y_scale = tuning.bars.scales["y"]  # both ends set, or the browser draws grouped bars flat
+    assert y_scale.min <= 0 and y_scale.max > np.nanmax(tuning.bars.y) > 0
     assert not tuning.apply.disabled
     tuning.rows["head"].activation.value = "dynamic"  # with equalize: refused before running
     tuning.apply.click()

@@ -368,9 +368,7 @@ WHICH_LAYER = [
     ),
     (
         "code",
-        "result = session.reach(target_sqnr_db=40)\n"
-        "print(result.notes[-1])\n"
-        "session.compare()[0]  # NBVAL_IGNORE_OUTPUT",
+        "result = session.reach(target_sqnr_db=40)\nprint(result.notes[-1])\nsession.compare()[0]  # NBVAL_IGNORE_OUTPUT",
     ),
     (
         "md",

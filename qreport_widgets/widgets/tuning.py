@@ -33,20 +33,23 @@ class SettingsRow(w.HBox):
         type_name = html.escape(module.type_name)
         tip = "; ".join(reasons) or "no suggestion"
         self.activation = w.ToggleButtons(options=[STATIC, DYNAMIC], tooltips=["static activations", "dynamic (Linear only)"],
-                                          style={"button_width": "72px"}, disabled=not module.allows("dynamic"),
-                                          layout={"width": "170px", "flex": "0 0 auto"})  # fmt: skip
+                                          style={"button_width": "80px"}, disabled=not module.allows("dynamic"),
+                                          layout={"width": "172px", "flex": "0 0 auto"})  # fmt: skip
         self.weight = w.ToggleButtons(
-            options=[PER_TENSOR, PER_CHANNEL], style={"button_width": "96px"}, disabled=not module.allows("per_channel"),
-            layout={"width": "225px", "flex": "0 0 auto"},
+            options=[PER_TENSOR, PER_CHANNEL], style={"button_width": "104px"}, disabled=not module.allows("per_channel"),
+            layout={"width": "222px", "flex": "0 0 auto"},
         )  # fmt: skip
-        self.equalize = w.Checkbox(description="equalize", indent=False, layout={"width": "90px"})
-        self.keep_float = w.Checkbox(description="keep float", indent=False, layout={"width": "95px"})
-        label = w.HTML(f"<b>{html.escape(fqn)}</b><br><span style='color:#666'>{type_name}</span>",
-                       layout={"width": "150px"}, tooltip=tip)  # fmt: skip
-        why = w.HTML(f"<span style='font-size:11px;color:#444' title='{html.escape(tip)}'>{html.escape(tip)}</span>",
-                     layout={"width": "360px"})  # fmt: skip
+        self.equalize = w.Checkbox(description="equalize", indent=False, layout={"width": "90px", "flex": "0 0 auto"})
+        self.keep_float = w.Checkbox(description="keep float", indent=False, layout={"width": "100px", "flex": "0 0 auto"})
+        name = f"<b>{html.escape(fqn)}</b><br><span style='color:#666'>{type_name}</span>"
+        label = w.HTML(f"<div style='line-height:1.3'>{name}</div>", layout={"width": "170px", "flex": "0 0 auto"}, tooltip=tip)
+        reason = f"<div style='font-size:11px;line-height:1.3;color:#444' title='{html.escape(tip)}'>{html.escape(tip)}</div>"
+        why = w.HTML(reason, layout={"flex": "1 1 240px", "min_width": "240px"})
+        # rows keep their height inside the scrolling box (a flex column would squeeze them together);
+        # on a narrow screen the reason moves under the controls instead of shrinking to a word a line
         super().__init__([label, self.activation, self.weight, self.equalize, self.keep_float, why],
-                         layout={"align_items": "center", "border_bottom": "1px solid #eee"})  # fmt: skip
+                         layout={"align_items": "center", "border_bottom": "1px solid #eee", "flex": "0 0 auto",
+                                 "min_height": "48px", "flex_flow": "row wrap"})  # fmt: skip
 
     @property
     def settings(self) -> ModuleSettings:
@@ -248,8 +251,13 @@ class TuningPanel(w.VBox):
 
     def _draw_layers(self, layers: pd.DataFrame) -> None:
         layers = layers.replace([np.inf, -np.inf], np.nan)
+        values = layers.to_numpy(dtype=np.float64).ravel()
+        values = values[np.isfinite(values)]
+        # grouped Bars need both ends of the value scale, or the browser draws every bar flat
+        low, high = min(0.0, float(values.min(initial=0.0))), max(0.0, float(values.max(initial=0.0)))
         with self.figure.hold_sync():
             self.x_scale.domain = list(layers.index)
+            self.bars.scales["y"].min, self.bars.scales["y"].max = low, high + 0.1 * ((high - low) or 1.0)
             with self.bars.hold_sync():
                 self.bars.x = list(layers.index)
                 self.bars.y = layers.T.to_numpy(dtype=np.float32, na_value=0.0)
