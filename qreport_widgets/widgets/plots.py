@@ -61,10 +61,10 @@ class LineView:
             line_style="dashed", display_legend=True, labels=[],
         )  # fmt: skip
         self.x_axis = bq.Axis(scale=self.x_scale, label=x_label)
-        self.y_axis = bq.Axis(scale=self.y_scale, orientation="vertical", label=y_label, tick_format=".3g")
+        self.y_axis = bq.Axis(scale=self.y_scale, orientation="vertical", label=y_label, tick_format=".3g", label_offset="55px")
         self.figure = bq.Figure(
             marks=[self.band, self.line, self.thresholds], axes=[self.x_axis, self.y_axis], title=title,
-            fig_margin={"top": 40, "bottom": 45, "left": 65, "right": 20}, layout={"width": "100%", "height": "340px"},
+            fig_margin={"top": 40, "bottom": 45, "left": 75, "right": 20}, layout={"width": "100%", "height": "340px"},
             legend_location="top-right",
         )  # fmt: skip
 
@@ -125,10 +125,10 @@ class HistogramView:
             colors=["#1f77b4"], padding=0.05, tooltip=self.tooltip,
         )  # fmt: skip
         self.x_axis = bq.Axis(scale=self.x_scale, label=x_label, tick_format=".3g")
-        self.y_axis = bq.Axis(scale=self.y_scale, orientation="vertical", label="count", tick_format=".3s")
+        self.y_axis = bq.Axis(scale=self.y_scale, orientation="vertical", label="count", tick_format=".3s", label_offset="55px")
         self.figure = bq.Figure(
             marks=[self.bars], axes=[self.x_axis, self.y_axis], title=title,
-            fig_margin={"top": 40, "bottom": 45, "left": 65, "right": 20}, layout={"width": "100%", "height": "340px"},
+            fig_margin={"top": 40, "bottom": 45, "left": 75, "right": 20}, layout={"width": "100%", "height": "340px"},
         )  # fmt: skip
 
     def update(self, counts: np.ndarray, edges: np.ndarray, *, title: str | None = None, x_label: str | None = None) -> None:
