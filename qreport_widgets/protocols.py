@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import pandas as pd
 
+    from .diagnosis import ReachPlan
     from .frame import ReportFrame
     from .records import Suggestion
-    from .session import ReachPlan, RunResult
+    from .run import RunResult
     from .settings import ModuleSettings, TunableModule
 
 

@@ -1,0 +1,208 @@
+"""Which module hurts, and the fewest float modules that meet a target: the session's diagnosis.
+
+A mixin of ``QuantizationSession``: everything here is estimated in the engine's simulation
+(calibrated once, forward passes only) except ``reach()``, which confirms with a real run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from .calibration import calibrate
+from .metrics import output_tensor, sqnr_db
+from .settings import ModuleSettings
+
+if TYPE_CHECKING:
+    from .engine import Engine, Simulation
+    from .run import RunResult
+
+Progress = Callable[[int, "int | None"], None]
+
+
+@dataclass
+class ReachPlan:
+    """The float modules reach() would try for a target, decided in simulation."""
+
+    target_sqnr_db: float | None
+    target_metric: float | None
+    order: list[str]  # most harmful first
+    float_count: int
+    simulated_sqnr_db: float
+    met: bool  # whether the simulation meets the target with ``float_modules``
+
+    @property
+    def float_modules(self) -> list[str]:
+        return self.order[: self.float_count]
+
+    @property
+    def target(self) -> str:
+        parts = [f"output SQNR >= {self.target_sqnr_db:g} dB"] if self.target_sqnr_db is not None else []
+        return " and ".join(parts + ([f"metric >= {self.target_metric:g}"] if self.target_metric is not None else []))
+
+    def meets(self, sqnr: float, metric: float | None) -> bool:
+        sqnr_ok = self.target_sqnr_db is None or sqnr >= self.target_sqnr_db
+        metric_ok = self.target_metric is None or (metric is not None and metric >= self.target_metric)
+        return sqnr_ok and metric_ok
+
+
+class Diagnosis:
+    """Sensitivity, trade-off and reach for a session (which provides the attributes below)."""
+
+    engine: Engine
+    eval_fn: Callable[[torch.nn.Module], float] | None
+    eval_data: list[Any]
+    calibration_data: Any
+    example_inputs: tuple[Any, ...]
+    _float: torch.nn.Module
+    _simulation: Simulation | None
+    _sensitivity: pd.DataFrame | None
+
+    def simulation(self, progress: Progress | None = None) -> Simulation:
+        """The starting configuration calibrated once, as a simulation in which modules can be kept
+        float without calibrating again (built on first use, then kept)."""
+        if self._simulation is None:
+            prepared = self.engine.prepare(self._float, self.engine.base_config(), self.example_inputs)
+            calibrate(prepared, self.calibration_data, desc="sensitivity: calibrating", progress=progress is None,
+                      on_batch=progress)  # fmt: skip
+            self._simulation = self.engine.simulator(prepared, [m.fqn for m in self.modules], self._float, self.example_inputs)
+        return self._simulation
+
+    def simulate(self, float_modules: Iterable[str] = ()) -> tuple[float, float | None]:
+        """Simulated output SQNR (dB) and ``eval_fn`` metric with ``float_modules`` kept float."""
+        simulation = self.simulation()
+        outputs = [output_tensor(o) for o in simulation.outputs(self.eval_data, float_modules)]
+        reference = self._reference_outputs()
+        sqnr = sqnr_db(torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs]))
+        metric = None
+        if self.eval_fn is not None:
+            with torch.no_grad():
+                metric = float(self.eval_fn(simulation.model))
+        return sqnr, metric
+
+    def sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
+        """Which module hurts: for each tunable module, the output SQNR gained when only it stays
+        float, estimated by simulation (calibrated once, forward passes only), most harmful first.
+
+        Columns: ``output_sqnr_gain_db``; ``metric_gain`` (with ``eval_fn``); ``local_sqnr_db``, the
+        module's own error on the inputs the float model gives it (not accumulated from earlier
+        layers); ``simulated_output_sqnr_db``. ``progress(done, total)`` is called after each module.
+        """
+        if self._sensitivity is not None:
+            return self._sensitivity.copy()
+        simulation = self.simulation(progress)
+        names = list(simulation.tunable)
+        base_sqnr, base_metric = self.simulate(())
+        local = simulation.local_sqnr(self.eval_data[0])
+        rows = []
+        bar = tqdm(total=len(names), desc="sensitivity", unit="module", disable=progress is not None, leave=False)
+        try:
+            for done, name in enumerate(names, 1):
+                sqnr, metric = self.simulate([name])
+                rows.append(
+                    {
+                        "module": name,
+                        "output_sqnr_gain_db": sqnr - base_sqnr,
+                        **({"metric_gain": metric - base_metric} if metric is not None and base_metric is not None else {}),
+                        "local_sqnr_db": local.get(name, math.nan),
+                        "simulated_output_sqnr_db": sqnr,
+                    }
+                )
+                bar.update()
+                if progress is not None:
+                    progress(done, len(names))
+        finally:
+            bar.close()
+            simulation.configure(())
+        table = pd.DataFrame(rows, columns=["module", "output_sqnr_gain_db", "local_sqnr_db", "simulated_output_sqnr_db"]
+                             if not rows else None)  # fmt: skip
+        self._sensitivity = table.set_index("module").sort_values("output_sqnr_gain_db", ascending=False, kind="stable")
+        return self._sensitivity.copy()
+
+    def tradeoff(self, progress: Progress | None = None) -> pd.DataFrame:
+        """The trade-off curve: keeping the most harmful modules float one after the other (the
+        sensitivity ranking), the simulated output SQNR (and metric) after each step.
+
+        One row per number of float modules, from 0: ``added`` (the module made float at that step),
+        ``simulated_output_sqnr_db`` and, with ``eval_fn``, ``simulated_metric``.
+        """
+        order = list(self.sensitivity(progress).index)
+        rows = []
+        for count in range(len(order) + 1):
+            sqnr, metric = self.simulate(order[:count])
+            rows.append(
+                {
+                    "float_modules": count,
+                    "added": order[count - 1] if count else "",
+                    "simulated_output_sqnr_db": sqnr,
+                    **({"simulated_metric": metric} if metric is not None else {}),
+                }
+            )
+        self.simulation().configure(())
+        return pd.DataFrame(rows).set_index("float_modules")
+
+    def reach(
+        self,
+        target_sqnr_db: float | None = None,
+        target_metric: float | None = None,
+        *,
+        progress: Progress | None = None,
+    ) -> RunResult:
+        """The fewest modules kept float (most harmful first) that meet the target, confirmed by a real run.
+
+        The simulation picks the count; a real prepare -> calibrate -> convert run confirms it, and
+        if the real run falls short the next modules are added (up to three more real runs). When
+        no count meets the target even in simulation, the run of the best simulated point is
+        returned. Either way ``notes`` say whether the target was met, and the run's ``settings``
+        name the float modules.
+        """
+        plan = self.plan_reach(target_sqnr_db, target_metric, progress=progress)
+        order, count, target, meets = plan.order, plan.float_count, plan.target, plan.meets
+        label = f"reach {target}"
+        if not plan.met:
+            result = self._float_run(order[:count], label, progress)
+            result.notes.append(
+                f"{target} is out of reach: even in simulation the best is {plan.simulated_sqnr_db:.2f} dB "
+                f"with {count} module(s) float; this run keeps those float"
+            )
+            return result
+        for _ in range(4):  # the real run may fall short of the simulated one: add the next module
+            result = self._float_run(order[:count], label, progress)
+            if not result.ok or meets(result.output_sqnr_db, result.eval_metric) or count >= len(order):
+                break
+            count += 1
+        verdict = "met" if result.ok and meets(result.output_sqnr_db, result.eval_metric) else "not met by the real run"
+        result.notes.append(
+            f"{target}: {verdict} with {count} of {len(order)} modules float ({', '.join(order[:count]) or 'none'})"
+        )
+        return result
+
+    def plan_reach(
+        self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
+    ) -> ReachPlan:
+        """What reach() would try, from the simulation alone: the fewest most-harmful modules to keep
+        float for the target, or the best point of the trade-off curve when none meets it."""
+        if target_sqnr_db is None and target_metric is None:
+            raise ValueError("reach() needs target_sqnr_db, target_metric or both")
+        if target_metric is not None and self.eval_fn is None:
+            raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
+        curve = self.tradeoff(progress)
+        plan = ReachPlan(target_sqnr_db, target_metric, [name for name in curve["added"] if name], 0, math.nan, False)
+        metrics = curve["simulated_metric"] if "simulated_metric" in curve else pd.Series(math.nan, index=curve.index)
+        for count in curve.index:
+            if plan.meets(curve.at[count, "simulated_output_sqnr_db"], metrics[count]):
+                plan.float_count, plan.met = int(count), True
+                break
+        else:
+            plan.float_count = int(curve["simulated_output_sqnr_db"].idxmax())
+        plan.simulated_sqnr_db = float(curve.at[plan.float_count, "simulated_output_sqnr_db"])
+        return plan
+
+    def _float_run(self, float_modules: Sequence[str], label: str, progress: Progress | None) -> RunResult:
+        return self.apply({name: ModuleSettings(keep_float=True) for name in float_modules}, label=label, progress=progress)

@@ -1,0 +1,42 @@
+"""RunResult: one prepare -> calibrate -> convert run and what it measured."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+
+from .settings import ModuleSettings
+
+
+@dataclass
+class RunResult:
+    """One prepare -> calibrate -> convert run and what it measured (field names are public API)."""
+
+    qconfig_mapping: Any  # the FX engine's QConfigMapping (None for another engine)
+    quantized_model: torch.nn.Module | None
+    output_sqnr_db: float
+    per_layer_sqnr_db: pd.Series
+    size_bytes: int
+    latency_ms: float  # median seconds per evaluation batch, in ms
+    duration_s: float
+    error: str | None = None
+    label: str = ""
+    mean_batch_sqnr_db: float = math.nan
+    quantized_layers: int = 0
+    eval_metric: float | None = None
+    eval_batches: str = ""
+    summary: pd.DataFrame = field(default_factory=pd.DataFrame)
+    conversions: pd.DataFrame = field(default_factory=pd.DataFrame)
+    equalization_mapping: Any = None
+    notes: list[str] = field(default_factory=list)  # what could not be measured, and why
+    settings: Mapping[str, ModuleSettings] | None = None  # what apply() was given (None for run())
+    config: Any = None  # the engine's configuration of this run
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
