@@ -62,7 +62,8 @@ class Diagnosis:
     example_inputs: tuple[Any, ...]
     _float: torch.nn.Module
     _simulation: Simulation | None
-    _sensitivity: pd.DataFrame | None
+    _sensitivity: pd.DataFrame | None  # both computed once: the simulation never changes
+    _tradeoff: pd.DataFrame | None
 
     def simulation(self, progress: Progress | None = None) -> Simulation:
         """The starting configuration calibrated once, as a simulation in which modules can be kept
@@ -71,7 +72,7 @@ class Diagnosis:
             prepared = self.engine.prepare(self._float, self.engine.base_config(), self.example_inputs)
             calibrate(prepared, self.calibration_data, desc="sensitivity: calibrating", progress=progress is None,
                       on_batch=progress)  # fmt: skip
-            self._simulation = self.engine.simulator(prepared, [m.fqn for m in self.modules], self._float, self.example_inputs)
+            self._simulation = self.engine.simulator(prepared, self.modules, self._float, self.example_inputs)
         return self._simulation
 
     def simulate(self, float_modules: Iterable[str] = ()) -> tuple[float, float | None]:
@@ -120,8 +121,8 @@ class Diagnosis:
         finally:
             bar.close()
             simulation.configure(())
-        table = pd.DataFrame(rows, columns=["module", "output_sqnr_gain_db", "local_sqnr_db", "simulated_output_sqnr_db"]
-                             if not rows else None)  # fmt: skip
+        empty = ["module", "output_sqnr_gain_db", "local_sqnr_db", "simulated_output_sqnr_db"]
+        table = pd.DataFrame(rows, columns=None if rows else empty)
         self._sensitivity = table.set_index("module").sort_values("output_sqnr_gain_db", ascending=False, kind="stable")
         return self._sensitivity.copy()
 
@@ -132,6 +133,8 @@ class Diagnosis:
         One row per number of float modules, from 0: ``added`` (the module made float at that step),
         ``simulated_output_sqnr_db`` and, with ``eval_fn``, ``simulated_metric``.
         """
+        if self._tradeoff is not None:
+            return self._tradeoff.copy()
         order = list(self.sensitivity(progress).index)
         rows = []
         for count in range(len(order) + 1):
@@ -145,7 +148,8 @@ class Diagnosis:
                 }
             )
         self.simulation().configure(())
-        return pd.DataFrame(rows).set_index("float_modules")
+        self._tradeoff = pd.DataFrame(rows).set_index("float_modules")
+        return self._tradeoff.copy()
 
     def reach(
         self,

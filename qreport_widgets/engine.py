@@ -50,7 +50,11 @@ class Engine(Protocol):
         """Python that rebuilds ``config``, to paste into a pipeline."""
 
     def simulator(
-        self, prepared: torch.nn.Module, modules: Sequence[str], float_model: torch.nn.Module, example_inputs: tuple[Any, ...]
+        self,
+        prepared: torch.nn.Module,
+        modules: Sequence[TunableModule],
+        float_model: torch.nn.Module,
+        example_inputs: tuple[Any, ...],
     ) -> Simulation:
         """From ``prepared`` (``float_model`` prepared with the starting configuration, calibrated): a
         simulation in which any set of ``modules`` can be kept float without calibrating again."""

@@ -96,6 +96,7 @@ class QuantizationSession(Diagnosis):
         self._float_outputs: list[torch.Tensor] | None = None
         self._simulation: Simulation | None = None
         self._sensitivity: pd.DataFrame | None = None
+        self._tradeoff: pd.DataFrame | None = None
 
     @property
     def float_model(self) -> torch.nn.Module:

@@ -89,11 +89,15 @@ class FxEngine:
         return mapping_as_code(config.qconfig_mapping, config.equalization_mapping)
 
     def simulator(
-        self, prepared: torch.nn.Module, modules: Sequence[str], float_model: torch.nn.Module, example_inputs: tuple[Any, ...]
+        self,
+        prepared: torch.nn.Module,
+        modules: Sequence[TunableModule],
+        float_model: torch.nn.Module,
+        example_inputs: tuple[Any, ...],
     ) -> Simulator:
         # where FX places other qparams after a float module, read from one prepare with them all float
-        all_float = self.config_for({name: ModuleSettings(keep_float=True) for name in modules}, self.tunable_modules(prepared))
+        all_float = self.config_for({m.fqn: ModuleSettings(keep_float=True) for m in modules}, modules)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             float_prepared = self.prepare(float_model, all_float, example_inputs)
-        return Simulator(prepared, modules, fixed_qparams_after_float(float_prepared))
+        return Simulator(prepared, [m.fqn for m in modules], fixed_qparams_after_float(float_prepared))

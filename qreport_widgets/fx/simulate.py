@@ -27,6 +27,7 @@ from torch.ao.quantization.observer import FixedQParamsObserver
 from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
 from ..calibration import call_with
+from ..metrics import sqnr_db
 
 SIMULATED = "qreport_quant_points"
 
@@ -119,8 +120,6 @@ class Simulator:
         """Each tunable module's own error: its quantized output (input quantized, weight quantized,
         output quantized where the starting configuration does so) against its float output, both
         computed from the inputs the float model gives it on ``batch``."""
-        from ..metrics import sqnr_db
-
         self.configure(self.tunable)
         for point in self._points:
             point.module.enabled = False
@@ -137,8 +136,7 @@ class Simulator:
         finally:
             for hook in hooks:
                 hook.remove()
-        before = {p.consumers[0]: p for p in self._points if len(p.consumers) == 1}
-        before.update({c: p for p in self._points for c in p.consumers if c not in before})
+        before = {consumer: p for p in self._points for consumer in p.consumers}  # a module reads one point
         after = {p.producer: p for p in self._points}
         result = {}
         with torch.no_grad():

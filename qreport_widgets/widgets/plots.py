@@ -145,6 +145,15 @@ class HistogramView:
                 self.x_axis.label = x_label
 
 
+def bar_range(values: np.ndarray) -> tuple[float, float, float]:
+    """(low, high, span) of bar values, zero always included: bqplot draws grouped or based Bars
+    flat unless their value scale has both ends set."""
+    values = np.asarray(values, dtype=np.float64)
+    values = values[np.isfinite(values)]
+    low, high = min(0.0, float(values.min(initial=0.0))), max(0.0, float(values.max(initial=0.0)))
+    return low, high, (high - low) or 1.0
+
+
 def histogram_of(values: np.ndarray, bins: int = 30) -> tuple[np.ndarray, np.ndarray]:
     """Counts and edges of the finite ``values`` (an empty histogram when there are none)."""
     values = np.asarray(values, dtype=np.float64)

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from ..protocols import TuningSession
+from .plots import bar_range
 
 TOP = 20  # bars shown, most harmful first
 
@@ -73,7 +74,7 @@ class SensitivityPane(w.VBox):
             self.status.value = "<i>Sensitivity cancelled; nothing was changed.</i>"
             return
         except Exception as error:  # user models and data: show, keep the tab usable
-            self.status.value = f"<span style='color:#b00'>{html.escape(f'{type(error).__name__}: {error}')}</span>"
+            self.status.value = _error_html(error)
             return
         finally:
             self._busy(False)
@@ -97,7 +98,7 @@ class SensitivityPane(w.VBox):
             self.status.value = "<i>Cancelled; the Tune rows are unchanged.</i>"
             return
         except Exception as error:
-            self.status.value = f"<span style='color:#b00'>{html.escape(f'{type(error).__name__}: {error}')}</span>"
+            self.status.value = _error_html(error)
             return
         finally:
             self._busy(False)
@@ -138,8 +139,7 @@ class SensitivityPane(w.VBox):
     def _draw(self, table: pd.DataFrame, curve: pd.DataFrame) -> None:
         top = table.head(TOP)
         gains = top["output_sqnr_gain_db"].to_numpy(dtype=np.float64)
-        low, high = min(0.0, float(np.nanmin(gains, initial=0.0))), max(0.0, float(np.nanmax(gains, initial=0.0)))
-        span = (high - low) or 1.0
+        low, high, span = bar_range(gains)
         counts = curve.index.to_numpy(dtype=np.float64)
         sqnr = curve["simulated_output_sqnr_db"].to_numpy(dtype=np.float64)
         with self.hold_sync():
@@ -167,6 +167,10 @@ class SensitivityPane(w.VBox):
         self.cancel.layout.display = "" if busy else "none"
         if message:
             self.status.value = f"<i>{html.escape(message)}…</i>"
+
+
+def _error_html(error: Exception) -> str:
+    return f"<span style='color:#b00'>{html.escape(f'{type(error).__name__}: {error}')}</span>"
 
 
 def _button(description: str, icon: str, width: int, tooltip: str) -> w.Button:

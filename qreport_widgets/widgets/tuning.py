@@ -15,6 +15,7 @@ import pandas as pd
 from ..errors import InvalidSettingsError
 from ..protocols import ReportSource, TuningSession
 from ..settings import ModuleSettings, TunableModule, validate_all
+from .plots import bar_range
 from .sensitivity import SensitivityPane
 
 if TYPE_CHECKING:
@@ -251,13 +252,10 @@ class TuningPanel(w.VBox):
 
     def _draw_layers(self, layers: pd.DataFrame) -> None:
         layers = layers.replace([np.inf, -np.inf], np.nan)
-        values = layers.to_numpy(dtype=np.float64).ravel()
-        values = values[np.isfinite(values)]
-        # grouped Bars need both ends of the value scale, or the browser draws every bar flat
-        low, high = min(0.0, float(values.min(initial=0.0))), max(0.0, float(values.max(initial=0.0)))
+        low, high, span = bar_range(layers.to_numpy(dtype=np.float64).ravel())
         with self.figure.hold_sync():
             self.x_scale.domain = list(layers.index)
-            self.bars.scales["y"].min, self.bars.scales["y"].max = low, high + 0.1 * ((high - low) or 1.0)
+            self.bars.scales["y"].min, self.bars.scales["y"].max = low, high + 0.1 * span
             with self.bars.hold_sync():
                 self.bars.x = list(layers.index)
                 self.bars.y = layers.T.to_numpy(dtype=np.float32, na_value=0.0)
