@@ -177,9 +177,9 @@ _MOBILENET_V3_SMALL = [
 class MobileNetV3Small(nn.Module):
     """MobileNetV3-Small's layout: 54 Conv / Linear layers, depthwise convs, Hardswish, squeeze-excitation."""
 
-    def __init__(self, classes: int = 1000) -> None:
+    def __init__(self, classes: int = 1000, in_channels: int = 3) -> None:
         super().__init__()
-        self.stem = nn.Sequential(*conv_bn(3, 16, 3, 2), nn.Hardswish())
+        self.stem = nn.Sequential(*conv_bn(in_channels, 16, 3, 2), nn.Hardswish())
         blocks, cin = [], 16
         for kernel, expanded, cout, se, hardswish, stride in _MOBILENET_V3_SMALL:
             blocks.append(InvertedResidual(cin, kernel, expanded, cout, se, hardswish, stride))

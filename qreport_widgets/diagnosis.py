@@ -78,9 +78,7 @@ class Diagnosis:
     def simulate(self, float_modules: Iterable[str] = ()) -> tuple[float, float | None]:
         """Simulated output SQNR (dB) and ``eval_fn`` metric with ``float_modules`` kept float."""
         simulation = self.simulation()
-        outputs = [output_tensor(o) for o in simulation.outputs(self.eval_data, float_modules)]
-        reference = self._reference_outputs()
-        sqnr = sqnr_db(torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs]))
+        sqnr = self._output_sqnr(simulation.outputs(self.eval_data, float_modules))
         metric = None
         if self.eval_fn is not None:
             with torch.no_grad():
@@ -93,34 +91,25 @@ class Diagnosis:
 
         Columns: ``output_sqnr_gain_db``; ``metric_gain`` (with ``eval_fn``); ``local_sqnr_db``, the
         module's own error on the inputs the float model gives it (not accumulated from earlier
-        layers); ``simulated_output_sqnr_db``. ``progress(done, total)`` is called after each module.
+        layers); ``simulated_output_sqnr_db``. ``progress(done, total)`` is called as the work
+        advances (calibration batches, then simulated steps).
         """
         if self._sensitivity is not None:
             return self._sensitivity.copy()
         simulation = self.simulation(progress)
         names = list(simulation.tunable)
-        base_sqnr, base_metric = self.simulate(())
         local = simulation.local_sqnr(self.eval_data[0])
-        rows = []
-        bar = tqdm(total=len(names), desc="sensitivity", unit="module", disable=progress is not None, leave=False)
-        try:
-            for done, name in enumerate(names, 1):
-                sqnr, metric = self.simulate([name])
-                rows.append(
-                    {
-                        "module": name,
-                        "output_sqnr_gain_db": sqnr - base_sqnr,
-                        **({"metric_gain": metric - base_metric} if metric is not None and base_metric is not None else {}),
-                        "local_sqnr_db": local.get(name, math.nan),
-                        "simulated_output_sqnr_db": sqnr,
-                    }
-                )
-                bar.update()
-                if progress is not None:
-                    progress(done, len(names))
-        finally:
-            bar.close()
-            simulation.configure(())
+        (base_sqnr, base_metric), *each = self._simulate_each([[]] + [[name] for name in names], progress, "sensitivity")
+        rows = [
+            {
+                "module": name,
+                "output_sqnr_gain_db": sqnr - base_sqnr,
+                **({"metric_gain": metric - base_metric} if metric is not None and base_metric is not None else {}),
+                "local_sqnr_db": local.get(name, math.nan),
+                "simulated_output_sqnr_db": sqnr,
+            }
+            for name, (sqnr, metric) in zip(names, each)
+        ]
         empty = ["module", "output_sqnr_gain_db", "local_sqnr_db", "simulated_output_sqnr_db"]
         table = pd.DataFrame(rows, columns=None if rows else empty)
         self._sensitivity = table.set_index("module").sort_values("output_sqnr_gain_db", ascending=False, kind="stable")
@@ -136,20 +125,53 @@ class Diagnosis:
         if self._tradeoff is not None:
             return self._tradeoff.copy()
         order = list(self.sensitivity(progress).index)
-        rows = []
-        for count in range(len(order) + 1):
-            sqnr, metric = self.simulate(order[:count])
-            rows.append(
-                {
-                    "float_modules": count,
-                    "added": order[count - 1] if count else "",
-                    "simulated_output_sqnr_db": sqnr,
-                    **({"simulated_metric": metric} if metric is not None else {}),
-                }
-            )
-        self.simulation().configure(())
+        points = self._simulate_each([order[:count] for count in range(len(order) + 1)], progress, "trade-off")
+        rows = [
+            {
+                "float_modules": count,
+                "added": order[count - 1] if count else "",
+                "simulated_output_sqnr_db": sqnr,
+                **({"simulated_metric": metric} if metric is not None else {}),
+            }
+            for count, (sqnr, metric) in enumerate(points)
+        ]
         self._tradeoff = pd.DataFrame(rows).set_index("float_modules")
         return self._tradeoff.copy()
+
+    def _simulate_each(
+        self, variants: list[list[str]], progress: Progress | None, desc: str
+    ) -> list[tuple[float, float | None]]:
+        """``simulate(v)`` for each ``v`` in ``variants``. Without ``eval_fn`` each variant recomputes
+        only what its float modules change (one step per variant and batch); ``eval_fn`` needs the
+        whole model, so then each variant is a whole pass (one step per variant)."""
+        simulation = self.simulation()
+        total = len(variants) * (1 if self.eval_fn is not None else len(self.eval_data))
+        bar = tqdm(total=total, desc=desc, unit="step", disable=progress is not None, leave=False)
+        done = 0
+
+        def step() -> None:
+            nonlocal done
+            done += 1
+            bar.update()
+            if progress is not None:
+                progress(done, total)
+
+        try:
+            if self.eval_fn is not None:
+                found = []
+                for variant in variants:
+                    found.append(self.simulate(variant))
+                    step()
+                return found
+            outputs = simulation.outputs_each(self.eval_data, variants, step)
+            return [(self._output_sqnr(each), None) for each in outputs]
+        finally:
+            bar.close()
+            simulation.configure(())
+
+    def _output_sqnr(self, outputs: Sequence[Any]) -> float:
+        reference = self._reference_outputs()
+        return sqnr_db(torch.cat([r.flatten() for r in reference]), torch.cat([output_tensor(o).flatten() for o in outputs]))
 
     def reach(
         self,

@@ -7,7 +7,7 @@ with the same methods.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -66,5 +66,9 @@ class Simulation(Protocol):
     def configure(self, float_modules: Iterable[str] = ()) -> None: ...
 
     def outputs(self, batches: Sequence[Any], float_modules: Iterable[str] = ()) -> list[Any]: ...
+
+    def outputs_each(
+        self, batches: Sequence[Any], variants: Sequence[Iterable[str]], step: Callable[[], None] | None = None
+    ) -> list[list[Any]]: ...
 
     def local_sqnr(self, batch: Any) -> dict[str, float]: ...

@@ -89,14 +89,19 @@ def test_local_error_of_the_first_layer_is_its_accumulated_error(measured):
     assert sensitivity.at[first, "local_sqnr_db"] == pytest.approx(baseline.per_layer_sqnr_db[first], abs=0.01)
 
 
-def test_progress_is_reported_per_module():
+def test_progress_counts_every_simulated_step_and_the_table_is_what_whole_passes_give():
     model, data = trained_digits_model("mixer")
     session = QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation)
     calls = []
+    starting = session.simulate(())
     table = session.sensitivity(progress=lambda done, total: calls.append((done, total)))
-    modules = len(session.modules)
-    assert calls[-modules:] == [(i, modules) for i in range(1, modules + 1)] and len(table) == modules
+    assert session.simulate(()) == starting  # the simulation is left in the starting configuration
+    modules, batches = len(session.modules), len(data.evaluation)
+    steps = (modules + 1) * batches  # the starting configuration and each module float, on each batch
+    assert calls[-steps:] == [(i, steps) for i in range(1, steps + 1)] and len(table) == modules
     assert "metric_gain" not in table.columns  # no eval_fn
+    for name in table.index:  # replayed from one run per batch: the same numbers as whole passes
+        assert table.at[name, "simulated_output_sqnr_db"] == pytest.approx(session.simulate([name])[0], abs=1e-9)
 
 
 def greedy_real(session: QuantizationSession, real_gains: pd.Series, target_sqnr_db: float) -> tuple[int, float]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
 from ..calibration import call_with
 from ..metrics import sqnr_db
+from .replay import Replay
 
 SIMULATED = "qreport_quant_points"
 
@@ -35,34 +36,44 @@ SIMULATED = "qreport_quant_points"
 class QuantPoint(nn.Module):
     """quantize -> dequantize of an activation with fixed qparams, which can be switched off.
 
-    ``alternate`` holds the qparams FX uses here instead when the producer runs float (the fixed
-    qparams of a consumer such as Hardsigmoid, which FX then puts on its input); ``use_alternate``
-    selects them.
+    Rounds as torch's fake-quantize op does (``x / scale`` to the nearest even integer, then the
+    zero point), which is what the quantized kernels' outputs agree with at ties, but in plain
+    tensor ops: that op is some 10x slower on the CPU. ``alternate`` holds the scale and zero point
+    FX uses here instead when the producer runs float (the fixed qparams of a consumer such as
+    Hardsigmoid, which FX then puts on its input); ``use_alternate`` selects them.
     """
 
     def __init__(self, scale: torch.Tensor, zero_point: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
         info = torch.iinfo(dtype)
-        self.register_buffer("scale", scale.detach().clone().float().reshape(()))
-        self.register_buffer("zero_point", zero_point.detach().clone().reshape(()).to(torch.int32))
         self.quant_min, self.quant_max = int(info.min), int(info.max)
+        self.qparams = _qparams(scale, zero_point)
         self.enabled = True
-        self.alternate: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+        self.alternate: tuple[torch.Tensor, torch.Tensor, int] | None = None  # from _qparams
         self.use_alternate = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return x
-        if self.use_alternate and self.alternate is not None:
-            return torch.fake_quantize_per_tensor_affine(x, *self.alternate)
-        return torch.fake_quantize_per_tensor_affine(x, self.scale, self.zero_point, self.quant_min, self.quant_max)
+        scale, inverse, zero_point = self.alternate if self.use_alternate and self.alternate else self.qparams
+        q = torch.round(x * inverse).add_(zero_point).clamp_(self.quant_min, self.quant_max)
+        return q.sub_(zero_point).mul_(scale)
+
+
+def _qparams(scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Scale, its float32 reciprocal (as fake-quantize computes it) and the zero point as an int."""
+    scale = torch.as_tensor(scale).detach().float().reshape(())
+    return scale, 1.0 / scale, int(torch.as_tensor(zero_point))
 
 
 class _Point:
-    """One quantize point: its module, the node that produces its input and the nodes that read it."""
+    """One quantize point: its module, its node, the node that produces its input and the nodes that read it."""
 
-    def __init__(self, module: QuantPoint, producer: torch.fx.Node, consumers: list[torch.fx.Node]) -> None:
-        self.module, self.producer, self.consumers = module, producer, consumers
+    def __init__(self, module: QuantPoint, node: torch.fx.Node, producer: torch.fx.Node, consumers: list[torch.fx.Node]) -> None:
+        self.module, self.node, self.producer, self.consumers = module, node, producer, consumers
+
+    def state(self) -> tuple[bool, bool]:
+        return self.module.enabled, self.module.use_alternate
 
 
 class Simulator:
@@ -71,16 +82,16 @@ class Simulator:
     Args:
         prepared: a calibrated ``prepare_fx`` model (it is copied, not changed).
         tunable: the names of the modules that may be kept float.
-        float_producer_qparams: producer node name -> (scale, zero point, quant min, quant max)
-            that FX puts after it when it runs float, where that differs from the calibrated ones
-            (see ``fixed_qparams_after_float``).
+        float_producer_qparams: producer node name -> (scale, zero point) that FX puts after it
+            when it runs float, where that differs from the calibrated ones (see
+            ``fixed_qparams_after_float``).
     """
 
     def __init__(
         self,
         prepared: torch.fx.GraphModule,
         tunable: Iterable[str],
-        float_producer_qparams: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] | None = None,
+        float_producer_qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -88,11 +99,18 @@ class Simulator:
         self.model = reference
         self._points = _insert_points(reference)
         for point in self._points:
-            point.module.alternate = (float_producer_qparams or {}).get(point.producer.name)
+            alternate = (float_producer_qparams or {}).get(point.producer.name)
+            point.module.alternate = _qparams(*alternate) if alternate is not None else None
         self._weights = _cache_weights(reference)
         self._node_of = {str(n.target): n for n in reference.graph.nodes if n.op == "call_module"}
         self.tunable = [name for name in tunable if name in self._weights]
-        self._float: frozenset[str] = frozenset()
+        self._points_at: dict[torch.fx.Node, list[_Point]] = {}  # the points beside each node
+        for point in self._points:
+            for node in (point.producer, *point.consumers):
+                self._points_at.setdefault(node, []).append(point)
+        self._float = frozenset(self._weights)
+        self._set_float(frozenset(), changed=set(self._weights), points=self._points)
+        self._replay = Replay(reference)
 
     def configure(self, float_modules: Iterable[str] = ()) -> None:
         """Keep ``float_modules`` float and everything else as the starting configuration quantizes it."""
@@ -100,14 +118,24 @@ class Simulator:
         unknown = float_modules - set(self._weights)
         if unknown:
             raise KeyError(f"no quantized module named {', '.join(sorted(unknown))} in the simulation")
-        for name, (module, quantized) in self._weights.items():
+        changed = float_modules ^ self._float
+        points = {id(p): p for name in changed for p in self._points_at.get(self._node_of[name], ())}
+        self._set_float(float_modules, changed, points.values())
+
+    def _set_float(self, float_modules: frozenset[str], changed: Iterable[str], points: Iterable[_Point]) -> None:
+        """Switch the weights of the ``changed`` modules and the quantize ``points`` beside them (only
+        those can differ from the last configuration)."""
+        for name in changed:
+            module, quantized = self._weights[name]
             module.get_weight = (lambda w=module.weight: w) if name in float_modules else (lambda w=quantized: w)
         float_nodes = {self._node_of[name] for name in float_modules}
-        for point in self._points:
-            point.module.enabled = _is_quantized(point.producer, float_nodes) or any(
+        for point in points:
+            enabled = _is_quantized(point.producer, float_nodes) or any(
                 _is_quantized(consumer, float_nodes) for consumer in point.consumers
             )
-            point.module.use_alternate = point.producer in float_nodes
+            alternate = point.producer in float_nodes
+            if point.state() != (enabled, alternate):
+                point.module.enabled, point.module.use_alternate = enabled, alternate
         self._float = float_modules
 
     def outputs(self, batches: Sequence[Any], float_modules: Iterable[str] = ()) -> list[Any]:
@@ -116,10 +144,57 @@ class Simulator:
         with torch.no_grad():
             return [call_with(self.model, batch) for batch in batches]
 
+    def outputs_each(
+        self, batches: Sequence[Any], variants: Sequence[Iterable[str]], step: Callable[[], None] | None = None
+    ) -> list[list[Any]]:
+        """``outputs(batches, v)`` for each set of float modules ``v`` in ``variants``, computed per
+        batch from one run of the starting configuration: a variant recomputes only the modules and
+        quantize points it changes and what depends on them. ``step()`` is called after each
+        variant on each batch (a progress bar; raising stops the work)."""
+        previous, variants = self._float, [frozenset(v) for v in variants]
+        changed = [self._replay.affected(self._changed_by(v)) for v in variants]
+        keep = set().union(*(self._replay.inputs_of(nodes) for nodes in changed))
+        found: list[list[Any]] = [[] for _ in variants]
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    self.configure(())
+                    kept = self._replay.run(batch, keep)
+                    if not self._replay.exact:
+                        break
+                    for i, (variant, nodes) in enumerate(zip(variants, changed)):
+                        self.configure(variant)
+                        found[i].append(self._replay.rerun(kept, nodes))
+                        if step is not None:
+                            step()
+        finally:
+            self.configure(previous)
+        if self._replay.exact:
+            return found
+        found = []  # an in-place op the replay cannot follow: whole forward passes instead
+        for variant in variants:
+            found.append(self.outputs(batches, variant))
+            for _ in batches if step is not None else ():
+                step()
+        self.configure(previous)
+        return found
+
+    def _changed_by(self, float_modules: frozenset[str]) -> set[torch.fx.Node]:
+        """The nodes that compute differently with ``float_modules`` float than in the starting configuration."""
+        previous = self._float
+        self.configure(())
+        before = [point.state() for point in self._points]
+        self.configure(float_modules)
+        seeds = {self._node_of[name] for name in float_modules}
+        seeds |= {point.node for point, state in zip(self._points, before) if point.state() != state}
+        self.configure(previous)
+        return seeds
+
     def local_sqnr(self, batch: Any) -> dict[str, float]:
         """Each tunable module's own error: its quantized output (input quantized, weight quantized,
         output quantized where the starting configuration does so) against its float output, both
         computed from the inputs the float model gives it on ``batch``."""
+        previous = self._float
         self.configure(self.tunable)
         for point in self._points:
             point.module.enabled = False
@@ -152,7 +227,7 @@ class Simulator:
                 finally:
                     weighted.get_weight = lambda w=weighted.weight: w
                 result[name] = sqnr_db(expected, y)
-        self.configure(self._float)
+        self._set_float(previous, changed=set(self._weights), points=self._points)  # every point was switched off
         return result
 
 
@@ -195,7 +270,7 @@ def _insert_points(model: torch.fx.GraphModule) -> list[_Point]:
             user.replace_all_uses_with(call)
             graph.erase_node(user)
         graph.erase_node(node)
-        points.append(_Point(module, source, list(call.users)))
+        points.append(_Point(module, call, source, list(call.users)))
     graph.eliminate_dead_code()
     model.recompile()
     return points
@@ -227,7 +302,7 @@ def _cache_weights(model: torch.fx.GraphModule) -> dict[str, tuple[nn.Module, to
     return found
 
 
-def fixed_qparams_after_float(prepared_all_float: torch.fx.GraphModule) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, int]]:
+def fixed_qparams_after_float(prepared_all_float: torch.fx.GraphModule) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """From a model prepared with the tunable modules float: the fixed qparams FX then puts after a
     float module's output, keyed by the producing node's name.
 
@@ -243,8 +318,5 @@ def fixed_qparams_after_float(prepared_all_float: torch.fx.GraphModule) -> dict[
         observer = prepared_all_float.get_submodule(str(node.target))
         if isinstance(observer, (FixedQParamsObserver, FixedQParamsFakeQuantize)):
             scale, zero_point = observer.calculate_qparams()
-            found[node.args[0].name] = (
-                torch.as_tensor(scale).float().reshape(()), torch.as_tensor(zero_point).reshape(()).to(torch.int32),
-                int(observer.quant_min), int(observer.quant_max),
-            )  # fmt: skip
+            found[node.args[0].name] = (torch.as_tensor(scale).float().reshape(()), torch.as_tensor(zero_point).reshape(()).to(torch.int32))
     return found
