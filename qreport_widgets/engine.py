@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import pandas as pd
@@ -60,15 +61,30 @@ class Engine(Protocol):
         simulation in which any set of ``modules`` can be kept float without calibrating again."""
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One configuration to simulate, relative to the starting one: modules kept float, and modules
+    whose weights are quantized with the other scheme (per channel where they start per tensor, or
+    the reverse)."""
+
+    float_modules: frozenset[str] = frozenset()
+    other_weights: frozenset[str] = frozenset()
+
+    @staticmethod
+    def of(variant: Variant | Iterable[str]) -> Variant:
+        """A Variant as is; any other iterable as the names of the modules kept float."""
+        return variant if isinstance(variant, Variant) else Variant(frozenset(variant))
+
+
 class Simulation(Protocol):
     model: torch.nn.Module  # the simulated model as last configured
 
-    def configure(self, float_modules: Iterable[str] = ()) -> None: ...
+    def configure(self, variant: Variant | Iterable[str] = ()) -> None: ...
 
-    def outputs(self, batches: Sequence[Any], float_modules: Iterable[str] = ()) -> list[Any]: ...
+    def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]: ...
 
     def outputs_each(
-        self, batches: Sequence[Any], variants: Sequence[Iterable[str]], step: Callable[[], None] | None = None
+        self, batches: Sequence[Any], variants: Sequence[Variant | Iterable[str]], step: Callable[[], None] | None = None
     ) -> list[list[Any]]: ...
 
     def local_sqnr(self, batch: Any) -> dict[str, float]: ...

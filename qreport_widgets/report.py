@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 import torch.fx
 from torch.ao.quantization import QConfigMapping
@@ -32,6 +33,7 @@ from .fx.qconfig import build_equalization_mapping, build_qconfig_mapping, tunab
 from .graph import OBSERVER_CONTAINER, ModelGraph
 from .records import DetectorResult, Suggestion
 from .settings import ModuleSettings, TunableModule, with_suggestions
+from .verify import VerifiedSuggestions
 
 if TYPE_CHECKING:
     from .session import QuantizationSession
@@ -206,8 +208,18 @@ class ModelReport:
         return {m.fqn: m.current for m in self.tunable_modules()}
 
     def suggested_settings(self) -> dict[str, ModuleSettings]:
-        """Every tunable module's settings with all suggestions accepted."""
+        """Every tunable module's settings with all suggestions accepted, unmeasured (as upstream)."""
         return with_suggestions(self.tunable_modules(), self.suggestions())
+
+    def verified_suggestions(self, progress: Callable[[int, int | None], None] | None = None) -> VerifiedSuggestions:
+        """The suggestions, and what the simulation finds by itself, each measured before it is
+        offered; Accept all measured as a whole (needs the session of ``analyze()``)."""
+        if self._session is None:
+            raise RuntimeError("verifying suggestions runs the model: build the report with analyze(model, ...)")
+        equalization = self.analysis().results.get(DetectorName.EQUALIZATION.value)
+        records = equalization.records if equalization is not None else ()
+        nan_metric = [r.module_fqn for r in records if np.isnan(np.asarray(r.comparison, dtype=float)).any()]
+        return self._session.verified_suggestions(self.suggestions(), nan_metric=nan_metric, progress=progress)
 
     def suggested_qconfig_mapping(
         self, settings: Mapping[str, ModuleSettings] | None = None, base: QConfigMapping | None = None

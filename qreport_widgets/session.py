@@ -27,6 +27,7 @@ from .metrics import output_tensor, sqnr_db
 from .records import Suggestion
 from .run import RunResult
 from .settings import ModuleSettings, TunableModule, validate_all, with_suggestions
+from .verify import VerifiedSuggestions, Verifier, refusals
 
 Progress = Callable[[int, "int | None"], None]
 
@@ -95,7 +96,8 @@ class QuantizationSession(Diagnosis):
         self._baseline: RunResult | None = None
         self._float_outputs: list[torch.Tensor] | None = None
         self._simulation: Simulation | None = None
-        self._sensitivity: pd.DataFrame | None = None
+        self._verified: VerifiedSuggestions | None = None
+        self._sensitivity: dict[bool, pd.DataFrame] = {}  # with and without the metric
         self._tradeoff: pd.DataFrame | None = None
 
     @property
@@ -116,8 +118,19 @@ class QuantizationSession(Diagnosis):
         return {m.fqn: m.current for m in self.modules}
 
     def suggested_settings(self, suggestions: Iterable[Suggestion]) -> dict[str, ModuleSettings]:
-        """The current settings with ``suggestions`` (e.g. ``report.suggestions()``) accepted."""
+        """The current settings with ``suggestions`` (e.g. ``report.suggestions()``) accepted, unmeasured."""
         return with_suggestions(self.modules, suggestions)
+
+    def verified_suggestions(
+        self, suggestions: Iterable[Suggestion], *, nan_metric: Iterable[str] = (), progress: Progress | None = None
+    ) -> VerifiedSuggestions:
+        """``suggestions`` (e.g. ``report.suggestions()``) and what the simulation finds by itself,
+        each measured before it is offered (see ``verify.py``); ``nan_metric`` names the modules
+        whose equalization metric is NaN. Computed once per session."""
+        if self._verified is None:
+            verifier = Verifier(self, refusals(dict(self._float.named_modules()), nan_metric))
+            self._verified = verifier.verify(verifier.candidates(suggestions), progress)
+        return self._verified
 
     def settings_as_code(self, settings: Mapping[str, ModuleSettings]) -> str:
         """Python that builds the engine's configuration for ``settings``, to paste into a pipeline."""
@@ -130,16 +143,23 @@ class QuantizationSession(Diagnosis):
         return self._baseline
 
     def apply(
-        self, settings: Mapping[str, ModuleSettings], *, label: str | None = None, progress: Progress | None = None
+        self,
+        settings: Mapping[str, ModuleSettings],
+        *,
+        label: str | None = None,
+        progress: Progress | None = None,
+        record: bool = True,
     ) -> RunResult:
         """Quantize with ``settings`` (module name -> ModuleSettings; modules left out keep their
         current settings) and measure.
 
         Settings the engine cannot apply raise InvalidSettingsError before anything runs; a failure
         during the run is returned as a RunResult with ``error`` set and leaves the history alone.
+        With ``record=False`` the run is a trial: not added to the history, and measured at the
+        output only (no per-layer SQNR).
         """
         config = self._config_for(settings)
-        result = self._run(config, label, progress)
+        result = self._run(config, label, progress, record)
         result.settings = dict(settings)
         return result
 
@@ -186,7 +206,7 @@ class QuantizationSession(Diagnosis):
         validate_all(modules, settings)
         return self.engine.config_for(settings, modules)
 
-    def _run(self, config: Any, label: str | None, progress: Progress | None) -> RunResult:
+    def _run(self, config: Any, label: str | None, progress: Progress | None, record: bool = True) -> RunResult:
         label = label or f"run {len(self.history) + 1}"
         engine = self.engine
         start = time.perf_counter()
@@ -195,13 +215,13 @@ class QuantizationSession(Diagnosis):
             prepared = engine.prepare(self._float, config, self.example_inputs)
             calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None, on_batch=progress)
             quantized = engine.convert(prepared)
-            result = self._measure(quantized, prepared, config, label)
+            result = self._measure(quantized, prepared, config, label, per_layer=record)
         except Exception as error:  # user models and data: report, keep the session usable
             detail = "".join(traceback.format_exception_only(type(error), error)).strip()
             result = RunResult(_mapping_of(config), None, math.nan, pd.Series(dtype=float), 0, math.nan, 0.0, detail, label)
             result.config = config
         result.duration_s = time.perf_counter() - start
-        if result.ok:
+        if result.ok and record:
             self.history.append(result)
         return result
 
@@ -211,7 +231,9 @@ class QuantizationSession(Diagnosis):
                 self._float_outputs = [output_tensor(call_with(self._float, b)) for b in self.eval_data]
         return self._float_outputs
 
-    def _measure(self, quantized: torch.nn.Module, prepared: torch.nn.Module, config: Any, label: str) -> RunResult:
+    def _measure(
+        self, quantized: torch.nn.Module, prepared: torch.nn.Module, config: Any, label: str, per_layer: bool = True
+    ) -> RunResult:
         reference = self._reference_outputs()
         outputs, seconds = [], []
         with torch.no_grad():
@@ -223,11 +245,11 @@ class QuantizationSession(Diagnosis):
             except Exception as error:
                 raise CalibrationError(f"{label}: the quantized model failed on the evaluation data: {error}") from error
         batch_sqnr = [sqnr_db(r, o) for r, o in zip(reference, outputs, strict=True)]
-        notes = []
+        notes, layers = [], pd.Series(dtype=float, name="SQNR (dB)")
         try:
-            layers = self.engine.per_layer_sqnr(self._float, quantized, self.eval_data[0])
+            if per_layer:
+                layers = self.engine.per_layer_sqnr(self._float, quantized, self.eval_data[0])
         except Exception as error:  # Numeric Suite cannot pair every graph; the run itself is fine
-            layers = pd.Series(dtype=float, name="SQNR (dB)")
             notes.append(f"per-layer SQNR unavailable: Numeric Suite could not match the two graphs ({type(error).__name__})")
         summary, conversions = self.engine.conversions(prepared, quantized)
         return RunResult(

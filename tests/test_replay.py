@@ -64,12 +64,12 @@ def test_a_changed_module_recomputes_its_descendants_and_matches_a_whole_pass(ch
         weight = model.get_submodule(changed).weight
         original = weight.clone()
         weight.mul_(1.5)
-        for batch, values, old in zip(batches, kept, before):
+        for batch, values, old in zip(batches, kept, before, strict=True):
             assert torch.equal(replay.rerun(values, nodes), model(batch))
             assert not torch.equal(model(batch), old)
             assert torch.equal(replay.rerun(values, []), old)  # nothing changed: the kept output
         weight.copy_(original)
-        for batch, values, old in zip(batches, kept, before):  # the kept values were not mutated
+        for values, old in zip(kept, before, strict=True):  # the kept values were not mutated
             assert torch.equal(replay.rerun(values, nodes), old)
 
 

@@ -207,3 +207,12 @@ def test_cancel_stops_a_running_sensitivity_and_a_later_one_completes(tmp_path):
     pane._on_progress = report_progress
     pane.compute.click()
     assert pane.table is not None and len(pane.table) == len(report.session.modules)
+
+
+def test_reach_tries_fewer_modules_only_where_the_simulation_is_within_its_error():
+    from qreport_widgets.diagnosis import SIMULATION_ERROR_DB, ReachPlan
+
+    plan = ReachPlan(20.0, None, ["a", "b", "c"], 2, 20.3, True, [18.0, 20.0 - SIMULATION_ERROR_DB / 2, 20.3, 20.1])
+    assert plan.near(1) and not plan.near(0)  # 0.3 dB short may still meet it for real; 2 dB short will not
+    assert not plan.near(4)  # beyond the simulated curve
+    assert not ReachPlan(20.0, 0.9, ["a"], 1, 20.3, True, [19.9, 20.3]).near(0)  # a metric has no known error

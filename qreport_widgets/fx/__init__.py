@@ -17,7 +17,7 @@ from ..graph import ModelGraph
 from ..settings import ModuleSettings, TunableModule
 from .numeric_suite import per_layer_sqnr, quantization_summary
 from .prepare import prepare, torch_observers_paused
-from .qconfig import build_equalization_mapping, build_qconfig_mapping, mapping_as_code, tunable_modules
+from .qconfig import build_equalization_mapping, build_qconfig_mapping, mapping_as_code, qconfig_for, tunable_modules
 from .simulate import Simulator, fixed_qparams_after_float
 
 __all__ = ["FxConfig", "FxEngine"]
@@ -100,4 +100,10 @@ class FxEngine:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             float_prepared = self.prepare(float_model, all_float, example_inputs)
-        return Simulator(prepared, [m.fqn for m in modules], fixed_qparams_after_float(float_prepared))
+        # the weight observer a real run uses with a module's weight scheme switched
+        other_weights = {
+            m.fqn: qconfig_for(ModuleSettings(per_channel=not m.current.per_channel), m.native).weight
+            for m in modules
+            if m.native is not None and not m.current.dynamic and m.allows("per_channel")
+        }
+        return Simulator(prepared, [m.fqn for m in modules], fixed_qparams_after_float(float_prepared), other_weights)

@@ -85,7 +85,7 @@ class Replay:
         return values[nodes[-1]]
 
     def _run(self, batch: Any, keep: set[torch.fx.Node]) -> dict[torch.fx.Node, Any]:
-        live: dict[torch.fx.Node, Any] = dict(zip(self._placeholders, self._bind(batch)))
+        live: dict[torch.fx.Node, Any] = dict(zip(self._placeholders, self._bind(batch), strict=True))
         kept: dict[torch.fx.Node, Any] = {}
         versions: dict[torch.fx.Node, list[int]] = {}
         output = self.nodes[-1]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from torch.ao.quantization.observer import FixedQParamsObserver
 from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
 from ..calibration import call_with
+from ..engine import Variant
 from ..metrics import sqnr_db
 from .replay import Replay
 
@@ -85,6 +86,8 @@ class Simulator:
         float_producer_qparams: producer node name -> (scale, zero point) that FX puts after it
             when it runs float, where that differs from the calibrated ones (see
             ``fixed_qparams_after_float``).
+        other_weight_observers: module name -> the weight observer a real run uses when that
+            module's weight scheme is switched (``Variant.other_weights``).
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class Simulator:
         prepared: torch.fx.GraphModule,
         tunable: Iterable[str],
         float_producer_qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        other_weight_observers: Mapping[str, Callable[[], nn.Module]] | None = None,
     ) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -108,27 +112,44 @@ class Simulator:
         for point in self._points:
             for node in (point.producer, *point.consumers):
                 self._points_at.setdefault(node, []).append(point)
-        self._float = frozenset(self._weights)
-        self._set_float(frozenset(), changed=set(self._weights), points=self._points)
+        self._other_observers = dict(other_weight_observers or {})
+        self._other_weights: dict[str, torch.Tensor] = {}  # computed on first use
+        self._state = Variant(frozenset(self._weights))
+        self._set(Variant(), changed=set(self._weights), points=self._points)
         self._replay = Replay(reference)
 
-    def configure(self, float_modules: Iterable[str] = ()) -> None:
-        """Keep ``float_modules`` float and everything else as the starting configuration quantizes it."""
-        float_modules = frozenset(float_modules)
-        unknown = float_modules - set(self._weights)
+    @property
+    def state(self) -> Variant:
+        """The configuration last set."""
+        return self._state
+
+    def configure(self, variant: Variant | Iterable[str] = ()) -> None:
+        """Set ``variant`` (or keep the modules named float), everything else as the starting configuration."""
+        variant = Variant.of(variant)
+        unknown = (variant.float_modules | variant.other_weights) - set(self._weights)
         if unknown:
             raise KeyError(f"no quantized module named {', '.join(sorted(unknown))} in the simulation")
-        changed = float_modules ^ self._float
-        points = {id(p): p for name in changed for p in self._points_at.get(self._node_of[name], ())}
-        self._set_float(float_modules, changed, points.values())
+        no_scheme = variant.other_weights - set(self._other_observers)
+        if no_scheme:
+            raise KeyError(f"no other weight scheme for {', '.join(sorted(no_scheme))}")
+        changed = (variant.float_modules ^ self._state.float_modules) | (variant.other_weights ^ self._state.other_weights)
+        float_changed = variant.float_modules ^ self._state.float_modules
+        points = {id(p): p for name in float_changed for p in self._points_at.get(self._node_of[name], ())}
+        self._set(variant, changed, points.values())
 
-    def _set_float(self, float_modules: frozenset[str], changed: Iterable[str], points: Iterable[_Point]) -> None:
+    def _set(self, variant: Variant, changed: Iterable[str], points: Iterable[_Point]) -> None:
         """Switch the weights of the ``changed`` modules and the quantize ``points`` beside them (only
         those can differ from the last configuration)."""
         for name in changed:
             module, quantized = self._weights[name]
-            module.get_weight = (lambda w=module.weight: w) if name in float_modules else (lambda w=quantized: w)
-        float_nodes = {self._node_of[name] for name in float_modules}
+            if name in variant.float_modules:
+                weight = module.weight
+            elif name in variant.other_weights:
+                weight = self._other_weight(name)
+            else:
+                weight = quantized
+            module.get_weight = lambda w=weight: w
+        float_nodes = {self._node_of[name] for name in variant.float_modules}
         for point in points:
             enabled = _is_quantized(point.producer, float_nodes) or any(
                 _is_quantized(consumer, float_nodes) for consumer in point.consumers
@@ -136,22 +157,32 @@ class Simulator:
             alternate = point.producer in float_nodes
             if point.state() != (enabled, alternate):
                 point.module.enabled, point.module.use_alternate = enabled, alternate
-        self._float = float_modules
+        self._state = variant
 
-    def outputs(self, batches: Sequence[Any], float_modules: Iterable[str] = ()) -> list[Any]:
-        """The simulated model's outputs on ``batches`` with ``float_modules`` kept float."""
-        self.configure(float_modules)
+    def _other_weight(self, name: str) -> torch.Tensor:
+        """The module's float weight quantized and dequantized as a real run with its scheme switched would."""
+        if name not in self._other_weights:
+            module = self._weights[name][0]
+            observer = self._other_observers[name]()
+            with torch.no_grad():
+                observer(module.weight.detach())
+                self._other_weights[name] = _dequantized(module.weight.detach(), observer)
+        return self._other_weights[name]
+
+    def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]:
+        """The simulated model's outputs on ``batches`` in ``variant`` (or with those modules float)."""
+        self.configure(variant)
         with torch.no_grad():
             return [call_with(self.model, batch) for batch in batches]
 
     def outputs_each(
-        self, batches: Sequence[Any], variants: Sequence[Iterable[str]], step: Callable[[], None] | None = None
+        self, batches: Sequence[Any], variants: Sequence[Variant | Iterable[str]], step: Callable[[], None] | None = None
     ) -> list[list[Any]]:
-        """``outputs(batches, v)`` for each set of float modules ``v`` in ``variants``, computed per
+        """``outputs(batches, v)`` for each ``v`` in ``variants``, computed per
         batch from one run of the starting configuration: a variant recomputes only the modules and
         quantize points it changes and what depends on them. ``step()`` is called after each
         variant on each batch (a progress bar; raising stops the work)."""
-        previous, variants = self._float, [frozenset(v) for v in variants]
+        previous, variants = self._state, [Variant.of(v) for v in variants]
         changed = [self._replay.affected(self._changed_by(v)) for v in variants]
         keep = set().union(*(self._replay.inputs_of(nodes) for nodes in changed))
         found: list[list[Any]] = [[] for _ in variants]
@@ -162,7 +193,7 @@ class Simulator:
                     kept = self._replay.run(batch, keep)
                     if not self._replay.exact:
                         break
-                    for i, (variant, nodes) in enumerate(zip(variants, changed)):
+                    for i, (variant, nodes) in enumerate(zip(variants, changed, strict=True)):
                         self.configure(variant)
                         found[i].append(self._replay.rerun(kept, nodes))
                         if step is not None:
@@ -179,14 +210,14 @@ class Simulator:
         self.configure(previous)
         return found
 
-    def _changed_by(self, float_modules: frozenset[str]) -> set[torch.fx.Node]:
-        """The nodes that compute differently with ``float_modules`` float than in the starting configuration."""
-        previous = self._float
+    def _changed_by(self, variant: Variant) -> set[torch.fx.Node]:
+        """The nodes that compute differently in ``variant`` than in the starting configuration."""
+        previous = self._state
         self.configure(())
         before = [point.state() for point in self._points]
-        self.configure(float_modules)
-        seeds = {self._node_of[name] for name in float_modules}
-        seeds |= {point.node for point, state in zip(self._points, before) if point.state() != state}
+        self.configure(variant)
+        seeds = {self._node_of[name] for name in variant.float_modules | variant.other_weights}
+        seeds |= {point.node for point, state in zip(self._points, before, strict=True) if point.state() != state}
         self.configure(previous)
         return seeds
 
@@ -194,7 +225,7 @@ class Simulator:
         """Each tunable module's own error: its quantized output (input quantized, weight quantized,
         output quantized where the starting configuration does so) against its float output, both
         computed from the inputs the float model gives it on ``batch``."""
-        previous = self._float
+        previous = self._state
         self.configure(self.tunable)
         for point in self._points:
             point.module.enabled = False
@@ -227,8 +258,20 @@ class Simulator:
                 finally:
                     weighted.get_weight = lambda w=weighted.weight: w
                 result[name] = sqnr_db(expected, y)
-        self._set_float(previous, changed=set(self._weights), points=self._points)  # every point was switched off
+        self._set(previous, changed=set(self._weights), points=self._points)  # every point was switched off
         return result
+
+
+def _dequantized(weight: torch.Tensor, observer: nn.Module) -> torch.Tensor:
+    """``weight`` quantized with the qparams ``observer`` computed from it, and dequantized."""
+    scale, zero_point = observer.calculate_qparams()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if observer.qscheme in (torch.per_channel_symmetric, torch.per_channel_affine):
+            quantized = torch.quantize_per_channel(weight, scale.double(), zero_point.long(), observer.ch_axis, observer.dtype)
+        else:
+            quantized = torch.quantize_per_tensor(weight, float(scale), int(zero_point), observer.dtype)
+    return quantized.dequantize()
 
 
 def _through(point: _Point | None, x: torch.Tensor) -> torch.Tensor:
@@ -318,5 +361,8 @@ def fixed_qparams_after_float(prepared_all_float: torch.fx.GraphModule) -> dict[
         observer = prepared_all_float.get_submodule(str(node.target))
         if isinstance(observer, (FixedQParamsObserver, FixedQParamsFakeQuantize)):
             scale, zero_point = observer.calculate_qparams()
-            found[node.args[0].name] = (torch.as_tensor(scale).float().reshape(()), torch.as_tensor(zero_point).reshape(()).to(torch.int32))
+            found[node.args[0].name] = (
+                torch.as_tensor(scale).float().reshape(()),
+                torch.as_tensor(zero_point).reshape(()).to(torch.int32),
+            )
     return found

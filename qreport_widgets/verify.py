@@ -1,0 +1,287 @@
+"""Suggestions as claims, measured: every candidate setting is tried before it is offered.
+
+A candidate is one module's setting changed from the starting configuration: what a detector
+proposed (per-channel weights, dynamic activations, input-weight equalization) or what the
+simulation found by itself (per-channel weights, keeping a module float). The simulation tries
+what it can (per-channel weights, keep float: forward passes only); a real run measures the rest
+(dynamic activations, equalization, which change calibration). A detector's candidate is offered
+when it gains at least ``MIN_GAIN_DB`` of output SQNR, one the simulation found by itself from
+``FOUND_GAIN_DB``; every other candidate stays in the table as considered and rejected, with what
+it measured or why it was not tried. "Accept all" is one real run of the offered settings
+together (settings interact); when that falls short of the best single setting, the best single
+setting alone is what Accept all applies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+from .engine import Variant
+from .features import SuggestionKind
+from .records import Suggestion
+from .settings import ModuleSettings, TunableModule
+
+if TYPE_CHECKING:
+    from .run import RunResult
+
+MIN_GAIN_DB = 0.1  # a detector's candidate must gain this much to be offered
+FOUND_GAIN_DB = 0.5  # a setting the simulation found without a detector must gain this much
+
+SIMULATED, REAL_RUN, NOT_TRIED = "simulated", "real run", "not tried"
+
+_SETTING_OF = {
+    SuggestionKind.PER_CHANNEL: "per_channel",
+    SuggestionKind.DYNAMIC: "dynamic",
+    SuggestionKind.EQUALIZATION: "equalize",
+}
+_WORDS = {
+    "per_channel": "per-channel weights",
+    "dynamic": "dynamic activations",
+    "equalize": "input-weight equalization",
+    "keep_float": "keep float",
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One module's setting switched on, and where the idea came from."""
+
+    module_fqn: str
+    setting: str  # a ModuleSettings field
+    origin: str  # the detector's name, or "simulation"
+    reason: str = ""
+
+    @property
+    def found_by_simulation(self) -> bool:
+        return self.origin == "simulation"
+
+    def applied_to(self, current: ModuleSettings) -> ModuleSettings:
+        changed = replace(current, **{self.setting: True})
+        return replace(changed, dynamic=False) if self.setting == "equalize" else changed
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A candidate with what it measured: the change of output SQNR against the starting configuration."""
+
+    candidate: Candidate
+    gain_db: float  # NaN when it was not tried or its run failed
+    measured: str  # SIMULATED, REAL_RUN or NOT_TRIED
+    offered: bool
+    note: str = ""  # why it was not tried or not offered
+
+    @property
+    def text(self) -> str:
+        """In words, for a Tune row: "per-channel weights: +1.30 dB (simulated)"."""
+        words = _WORDS[self.candidate.setting]
+        if self.measured == NOT_TRIED or math.isnan(self.gain_db):
+            return f"{words}: not suggested, {self.note}"
+        effect = f"{words}: {self.gain_db:+.2f} dB ({self.measured})"
+        return effect if self.offered else f"{effect}, not suggested: {self.note}"
+
+
+@dataclass
+class VerifiedSuggestions:
+    """Every candidate with its verdict, and Accept all as measured by a real run."""
+
+    baseline_db: float
+    verdicts: list[Verdict]
+    settings: dict[str, ModuleSettings]  # what Accept all applies (every module's settings)
+    accept_all: RunResult | None  # the real run of ``settings`` (None when nothing is offered)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def offered(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.offered]
+
+    @property
+    def rejected(self) -> list[Verdict]:
+        return [v for v in self.verdicts if not v.offered]
+
+    @property
+    def accept_all_gain_db(self) -> float:
+        """Output SQNR gained by Accept all in a real run (0 when nothing is offered)."""
+        if self.accept_all is None:
+            return 0.0
+        return self.accept_all.output_sqnr_db - self.baseline_db if self.accept_all.ok else math.nan
+
+    def reasons(self) -> dict[str, list[str]]:
+        """Module -> its verdicts in words, offered first (what a Tune row shows)."""
+        found: dict[str, list[str]] = {}
+        for verdict in sorted(self.verdicts, key=lambda v: not v.offered):
+            found.setdefault(verdict.candidate.module_fqn, []).append(verdict.text)
+        return found
+
+    def frame(self) -> pd.DataFrame:
+        """One row per candidate: module, setting, origin, gain_db, measured, offered, note."""
+        rows = [
+            {
+                "module": v.candidate.module_fqn, "setting": v.candidate.setting, "origin": v.candidate.origin,
+                "gain_db": v.gain_db, "measured": v.measured, "offered": v.offered, "note": v.note,
+            }
+            for v in self.verdicts
+        ]  # fmt: skip
+        columns = ["module", "setting", "origin", "gain_db", "measured", "offered", "note"]
+        return pd.DataFrame(rows, columns=columns).sort_values(["offered", "gain_db"], ascending=[False, False])
+
+
+class Verifier:
+    """Measures candidates for one session: simulated where the simulation can, real runs otherwise.
+
+    Args:
+        session: the QuantizationSession (its baseline, simulation, sensitivity and apply()).
+        refused: (module, setting) -> why that candidate is not tried at all.
+    """
+
+    def __init__(self, session: Any, refused: Mapping[tuple[str, str], str] | None = None) -> None:
+        self.session = session
+        self.refused = dict(refused or {})
+        self.modules: dict[str, TunableModule] = {m.fqn: m for m in session.modules}
+
+    def candidates(self, suggestions: Iterable[Suggestion]) -> list[Candidate]:
+        """The detectors' suggestions as candidates (one per module and setting), then what the
+        simulation can try by itself: per-channel weights where a module is per tensor, and keep
+        float for the modules the sensitivity ranking puts at or above ``FOUND_GAIN_DB``."""
+        found: dict[tuple[str, str], Candidate] = {}
+        for suggestion in suggestions:
+            setting = _SETTING_OF.get(suggestion.kind)
+            if setting is not None and (suggestion.module_fqn, setting) not in found:
+                found[suggestion.module_fqn, setting] = Candidate(
+                    suggestion.module_fqn, setting, suggestion.detector, suggestion.reason
+                )
+        for module in self.modules.values():
+            if not module.current.per_channel and not module.current.keep_float and module.allows("per_channel"):
+                found.setdefault((module.fqn, "per_channel"), Candidate(module.fqn, "per_channel", "simulation"))
+        table = self.session.sensitivity(progress=_quiet, metric=False)
+        for fqn in table.index[table["output_sqnr_gain_db"] >= FOUND_GAIN_DB]:
+            found.setdefault((fqn, "keep_float"), Candidate(fqn, "keep_float", "simulation"))
+        return list(found.values())
+
+    def verify(
+        self, candidates: Sequence[Candidate], progress: Callable[[int, int | None], None] | None = None
+    ) -> VerifiedSuggestions:
+        baseline = self.session.baseline(progress=_quiet)
+        verdicts: dict[Candidate, Verdict] = {}
+        simulated, real = [], []
+        for candidate in candidates:
+            why = self._not_tried(candidate)
+            if why:
+                verdicts[candidate] = Verdict(candidate, math.nan, NOT_TRIED, False, why)
+            elif candidate.setting in ("per_channel", "keep_float"):
+                simulated.append(candidate)
+            else:
+                real.append(candidate)
+        bar = tqdm(total=len(real) + 2, desc="verifying suggestions", unit="run", disable=progress is not None, leave=False)
+        done = 0
+
+        def step() -> None:
+            nonlocal done
+            done += 1
+            bar.update()
+            if progress is not None:
+                progress(done, len(real) + 2)
+
+        try:
+            for candidate, gain in zip(simulated, self._simulated_gains(simulated), strict=True):
+                verdicts[candidate] = self._judge(candidate, gain, SIMULATED)
+            step()
+            current = self.session.current_settings()
+            for candidate in real:
+                fqn = candidate.module_fqn
+                run = self.session.apply({fqn: candidate.applied_to(current[fqn])}, label=f"try {fqn}", progress=_quiet,
+                                         record=False)  # fmt: skip
+                if run.ok:
+                    verdicts[candidate] = self._judge(candidate, run.output_sqnr_db - baseline.output_sqnr_db, REAL_RUN)
+                else:
+                    verdicts[candidate] = Verdict(candidate, math.nan, REAL_RUN, False, f"the run failed: {run.error}")
+                step()
+            ordered = [verdicts[c] for c in candidates]
+            settings, accept_all, notes = self._accept_all(ordered, baseline)
+            step()
+        finally:
+            bar.close()
+        return VerifiedSuggestions(baseline.output_sqnr_db, ordered, settings, accept_all, notes)
+
+    def _not_tried(self, candidate: Candidate) -> str:
+        module = self.modules.get(candidate.module_fqn)
+        if module is None:
+            return "not a module the engine can tune"
+        if (candidate.module_fqn, candidate.setting) in self.refused:
+            return self.refused[candidate.module_fqn, candidate.setting]
+        if not module.allows(candidate.setting):
+            return module.unavailable[candidate.setting]
+        if getattr(module.current, candidate.setting):
+            return "already set"
+        if module.current.keep_float:
+            return "the module is kept float"
+        return ""
+
+    def _simulated_gains(self, candidates: Sequence[Candidate]) -> list[float]:
+        variants = [Variant()] + [
+            Variant(float_modules=frozenset([c.module_fqn]))
+            if c.setting == "keep_float"
+            else Variant(other_weights=frozenset([c.module_fqn]))
+            for c in candidates
+        ]
+        base, *each = self.session._simulate_each(variants, _quiet, "verifying suggestions", metric=False)
+        return [sqnr - base[0] for sqnr, _ in each]
+
+    def _judge(self, candidate: Candidate, gain: float, measured: str) -> Verdict:
+        needed = FOUND_GAIN_DB if candidate.found_by_simulation else MIN_GAIN_DB
+        if gain >= needed:
+            return Verdict(candidate, gain, measured, True)
+        note = f"it loses {-gain:.2f} dB" if gain < 0 else f"it gains less than {needed:g} dB"
+        return Verdict(candidate, gain, measured, False, note)
+
+    def _accept_all(
+        self, verdicts: list[Verdict], baseline: RunResult
+    ) -> tuple[dict[str, ModuleSettings], RunResult | None, list[str]]:
+        current = self.session.current_settings()
+        offered = sorted((v for v in verdicts if v.offered), key=lambda v: -v.gain_db)
+        if not offered:
+            return current, None, []
+        combined = dict(current)
+        for verdict in offered:  # the larger gain wins where two settings of one module exclude each other
+            fqn, setting = verdict.candidate.module_fqn, verdict.candidate.setting
+            now = combined[fqn]
+            if now.keep_float or (setting == "equalize" and now.dynamic) or (setting == "dynamic" and now.equalize):
+                continue
+            combined[fqn] = verdict.candidate.applied_to(now)
+        changed = {fqn: s for fqn, s in combined.items() if s != current[fqn]}
+        run = self.session.apply(changed, label="accept all (verified)", progress=_quiet, record=False)
+        best = offered[0]
+        if run.ok and run.output_sqnr_db - baseline.output_sqnr_db >= best.gain_db - MIN_GAIN_DB or len(offered) == 1:
+            return combined, run, []
+        fqn = best.candidate.module_fqn  # together they do worse than the best one alone: that one
+        single = {**current, fqn: best.candidate.applied_to(current[fqn])}
+        alone = self.session.apply({fqn: single[fqn]}, label="accept all (verified)", progress=_quiet, record=False)
+        gained = run.output_sqnr_db - baseline.output_sqnr_db if run.ok else math.nan
+        note = (
+            f"all {len(offered)} offered settings together measured {gained:+.2f} dB, less than "
+            f"{_WORDS[best.candidate.setting]} on {fqn} alone ({best.gain_db:+.2f} dB): Accept all applies that one"
+        )
+        return single, alone, [note]
+
+
+def refusals(graph_modules: Mapping[str, Any], nan_metric: Iterable[str]) -> dict[tuple[str, str], str]:
+    """The rules no measurement is needed for: input-weight equalization is never tried on a
+    grouped or depthwise conv (torch's equalization assumes one input channel per weight column and
+    fails or corrupts there) nor where its metric is NaN (nothing was measured to balance)."""
+    refused = {}
+    for fqn, module in graph_modules.items():
+        groups = getattr(module, "groups", 1)
+        if isinstance(groups, int) and groups > 1:
+            refused[fqn, "equalize"] = f"equalization does not apply to a grouped conv (groups={groups})"
+    for fqn in nan_metric:
+        refused.setdefault((fqn, "equalize"), "its equalization metric is NaN (nothing measured to balance)")
+    return refused
+
+
+def _quiet(done: int, total: int | None) -> None:
+    pass
