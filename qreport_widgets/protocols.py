@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .records import Suggestion
     from .run import RunResult
     from .settings import ModuleSettings, TunableModule
+    from .verify import VerifiedSuggestions
 
 
 @runtime_checkable
@@ -73,6 +74,14 @@ class TuningSession(Protocol):
     def current_settings(self) -> dict[str, ModuleSettings]: ...
 
     def suggested_settings(self, suggestions: Iterable[Suggestion]) -> dict[str, ModuleSettings]: ...
+
+    def verified_suggestions(
+        self,
+        suggestions: Iterable[Suggestion],
+        *,
+        nan_metric: Iterable[str] = (),
+        progress: Callable[[int, int | None], None] | None = None,
+    ) -> VerifiedSuggestions: ...
 
     def settings_as_code(self, settings: Mapping[str, ModuleSettings]) -> str: ...
 

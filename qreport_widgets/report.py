@@ -10,7 +10,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pandas as pd
 import torch.fx
 from torch.ao.quantization import QConfigMapping
@@ -33,7 +32,7 @@ from .fx.qconfig import build_equalization_mapping, build_qconfig_mapping, tunab
 from .graph import OBSERVER_CONTAINER, ModelGraph
 from .records import DetectorResult, Suggestion
 from .settings import ModuleSettings, TunableModule, with_suggestions
-from .verify import VerifiedSuggestions
+from .verify import VerifiedSuggestions, nan_equalization_metric
 
 if TYPE_CHECKING:
     from .session import QuantizationSession
@@ -216,9 +215,7 @@ class ModelReport:
         offered; Accept all measured as a whole (needs the session of ``analyze()``)."""
         if self._session is None:
             raise RuntimeError("verifying suggestions runs the model: build the report with analyze(model, ...)")
-        equalization = self.analysis().results.get(DetectorName.EQUALIZATION.value)
-        records = equalization.records if equalization is not None else ()
-        nan_metric = [r.module_fqn for r in records if np.isnan(np.asarray(r.comparison, dtype=float)).any()]
+        nan_metric = nan_equalization_metric(self.analysis().frame())
         return self._session.verified_suggestions(self.suggestions(), nan_metric=nan_metric, progress=progress)
 
     def suggested_qconfig_mapping(

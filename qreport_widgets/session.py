@@ -132,6 +132,19 @@ class QuantizationSession(Diagnosis):
             self._verified = verifier.verify(verifier.candidates(suggestions), progress)
         return self._verified
 
+    def equalization_float_error(self, fqn: str) -> float:
+        """Relative change of the float model's output when the engine equalizes ``fqn`` (0: exact)."""
+        check = getattr(self.engine, "equalization_float_error", None)
+        if check is None:
+            return math.nan
+        config = self._config_for({fqn: ModuleSettings(equalize=True)})
+        data = self.calibration_data
+
+        def calibrate_fn(prepared: torch.nn.Module) -> None:
+            calibrate(prepared, data, progress=False)
+
+        return check(self._float, config, self.example_inputs, calibrate_fn, self.eval_data[0])
+
     def settings_as_code(self, settings: Mapping[str, ModuleSettings]) -> str:
         """Python that builds the engine's configuration for ``settings``, to paste into a pipeline."""
         return self.engine.config_as_code(self._config_for(settings))

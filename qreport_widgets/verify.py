@@ -1,14 +1,18 @@
 """Suggestions as claims, measured: every candidate setting is tried before it is offered.
 
 A candidate is one module's setting changed from the starting configuration: what a detector
-proposed (per-channel weights, dynamic activations, input-weight equalization) or what the
-simulation found by itself (per-channel weights, keeping a module float). The simulation tries
+proposed (per-channel weights, dynamic activations, input-weight equalization) or what a search
+tries where no detector proposed it (per-channel weights, dynamic activations on a Linear, keeping
+a module float). The simulation tries
 what it can (per-channel weights, keep float: forward passes only); a real run measures the rest
-(dynamic activations, equalization, which change calibration). A detector's candidate is offered
-when it gains at least ``MIN_GAIN_DB`` of output SQNR, one the simulation found by itself from
-``FOUND_GAIN_DB``; every other candidate stays in the table as considered and rejected, with what
-it measured or why it was not tried. "Accept all" is one real run of the offered settings
-together (settings interact); when that falls short of the best single setting, the best single
+(dynamic activations, equalization, which change calibration). Equalization is tried only where
+torch's equalization leaves the float model's output as it was (checked with the scales applied
+and nothing quantized): on the trained digits CNN it changes it by 100-700% on three of five
+layers. A detector's candidate is offered when it gains at least ``MIN_GAIN_DB`` of output SQNR,
+one of the search's from ``FOUND_GAIN_DB``; every other candidate stays in the table as considered
+and rejected, with what it measured or why it was not tried. "Accept all" combines the offered
+settings (the simulated ones added most helpful first while the simulated whole still gains) and
+is measured by one real run; when that falls short of the best single setting, the best single
 setting alone is what Accept all applies.
 """
 
@@ -19,11 +23,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
 from .engine import Variant
-from .features import SuggestionKind
+from .features import EQUALIZATION_COMP_METRICS, SuggestionKind
+from .frame import ReportFrame
 from .records import Suggestion
 from .settings import ModuleSettings, TunableModule
 
@@ -32,8 +38,10 @@ if TYPE_CHECKING:
 
 MIN_GAIN_DB = 0.1  # a detector's candidate must gain this much to be offered
 FOUND_GAIN_DB = 0.5  # a setting the simulation found without a detector must gain this much
+EXACT_FLOAT = 1e-4  # relative output error an equalized float model may show (float rounding)
 
 SIMULATED, REAL_RUN, NOT_TRIED = "simulated", "real run", "not tried"
+SEARCH = "search"
 
 _SETTING_OF = {
     SuggestionKind.PER_CHANNEL: "per_channel",
@@ -54,12 +62,12 @@ class Candidate:
 
     module_fqn: str
     setting: str  # a ModuleSettings field
-    origin: str  # the detector's name, or "simulation"
+    origin: str  # the detector's name, or SEARCH (tried on every module where it applies)
     reason: str = ""
 
     @property
-    def found_by_simulation(self) -> bool:
-        return self.origin == "simulation"
+    def searched(self) -> bool:
+        return self.origin == SEARCH
 
     def applied_to(self, current: ModuleSettings) -> ModuleSettings:
         changed = replace(current, **{self.setting: True})
@@ -145,9 +153,10 @@ class Verifier:
         self.modules: dict[str, TunableModule] = {m.fqn: m for m in session.modules}
 
     def candidates(self, suggestions: Iterable[Suggestion]) -> list[Candidate]:
-        """The detectors' suggestions as candidates (one per module and setting), then what the
-        simulation can try by itself: per-channel weights where a module is per tensor, and keep
-        float for the modules the sensitivity ranking puts at or above ``FOUND_GAIN_DB``."""
+        """The detectors' suggestions as candidates (one per module and setting), then a search of
+        what no detector proposed: per-channel weights where a module is per tensor, dynamic
+        activations on every static Linear, keep float for the modules the sensitivity ranking
+        puts at or above ``FOUND_GAIN_DB``."""
         found: dict[tuple[str, str], Candidate] = {}
         for suggestion in suggestions:
             setting = _SETTING_OF.get(suggestion.kind)
@@ -155,12 +164,15 @@ class Verifier:
                 found[suggestion.module_fqn, setting] = Candidate(
                     suggestion.module_fqn, setting, suggestion.detector, suggestion.reason
                 )
-        for module in self.modules.values():
-            if not module.current.per_channel and not module.current.keep_float and module.allows("per_channel"):
-                found.setdefault((module.fqn, "per_channel"), Candidate(module.fqn, "per_channel", "simulation"))
+        for module in self.modules.values():  # what no detector proposed, tried everywhere it applies
+            if module.current.keep_float:
+                continue
+            for setting in ("per_channel", "dynamic"):
+                if not getattr(module.current, setting) and module.allows(setting):
+                    found.setdefault((module.fqn, setting), Candidate(module.fqn, setting, SEARCH))
         table = self.session.sensitivity(progress=_quiet, metric=False)
         for fqn in table.index[table["output_sqnr_gain_db"] >= FOUND_GAIN_DB]:
-            found.setdefault((fqn, "keep_float"), Candidate(fqn, "keep_float", "simulation"))
+            found.setdefault((fqn, "keep_float"), Candidate(fqn, "keep_float", SEARCH))
         return list(found.values())
 
     def verify(
@@ -194,6 +206,13 @@ class Verifier:
             current = self.session.current_settings()
             for candidate in real:
                 fqn = candidate.module_fqn
+                if candidate.setting == "equalize":
+                    error = self.session.equalization_float_error(fqn)
+                    if not error <= EXACT_FLOAT:  # torch's equalization must leave the float model's output as it was
+                        why = f"torch's equalization here changes the float model's output ({error:.1%} relative error)"
+                        verdicts[candidate] = Verdict(candidate, math.nan, NOT_TRIED, False, why)
+                        step()
+                        continue
                 run = self.session.apply({fqn: candidate.applied_to(current[fqn])}, label=f"try {fqn}", progress=_quiet,
                                          record=False)  # fmt: skip
                 if run.ok:
@@ -222,18 +241,14 @@ class Verifier:
             return "the module is kept float"
         return ""
 
-    def _simulated_gains(self, candidates: Sequence[Candidate]) -> list[float]:
-        variants = [Variant()] + [
-            Variant(float_modules=frozenset([c.module_fqn]))
-            if c.setting == "keep_float"
-            else Variant(other_weights=frozenset([c.module_fqn]))
-            for c in candidates
-        ]
+    def _simulated_gains(self, candidates: Sequence[Candidate | Sequence[Verdict]]) -> list[float]:
+        """Simulated output SQNR gain of each candidate alone, or of each group of verdicts together."""
+        variants = [Variant()] + [_variant([c] if isinstance(c, Candidate) else [v.candidate for v in c]) for c in candidates]
         base, *each = self.session._simulate_each(variants, _quiet, "verifying suggestions", metric=False)
         return [sqnr - base[0] for sqnr, _ in each]
 
     def _judge(self, candidate: Candidate, gain: float, measured: str) -> Verdict:
-        needed = FOUND_GAIN_DB if candidate.found_by_simulation else MIN_GAIN_DB
+        needed = FOUND_GAIN_DB if candidate.searched else MIN_GAIN_DB
         if gain >= needed:
             return Verdict(candidate, gain, measured, True)
         note = f"it loses {-gain:.2f} dB" if gain < 0 else f"it gains less than {needed:g} dB"
@@ -246,18 +261,20 @@ class Verifier:
         offered = sorted((v for v in verdicts if v.offered), key=lambda v: -v.gain_db)
         if not offered:
             return current, None, []
+        chosen, notes = self._combine_simulated([v for v in offered if v.measured == SIMULATED])
+        chosen += [v for v in offered if v.measured != SIMULATED]  # each measured alone by a real run
         combined = dict(current)
-        for verdict in offered:  # the larger gain wins where two settings of one module exclude each other
+        for verdict in sorted(chosen, key=lambda v: -v.gain_db):  # the larger gain wins between exclusive settings
             fqn, setting = verdict.candidate.module_fqn, verdict.candidate.setting
             now = combined[fqn]
-            if now.keep_float or (setting == "equalize" and now.dynamic) or (setting == "dynamic" and now.equalize):
+            if not _compatible(now, current[fqn], setting):
                 continue
             combined[fqn] = verdict.candidate.applied_to(now)
         changed = {fqn: s for fqn, s in combined.items() if s != current[fqn]}
         run = self.session.apply(changed, label="accept all (verified)", progress=_quiet, record=False)
         best = offered[0]
         if run.ok and run.output_sqnr_db - baseline.output_sqnr_db >= best.gain_db - MIN_GAIN_DB or len(offered) == 1:
-            return combined, run, []
+            return combined, run, notes
         fqn = best.candidate.module_fqn  # together they do worse than the best one alone: that one
         single = {**current, fqn: best.candidate.applied_to(current[fqn])}
         alone = self.session.apply({fqn: single[fqn]}, label="accept all (verified)", progress=_quiet, record=False)
@@ -266,7 +283,45 @@ class Verifier:
             f"all {len(offered)} offered settings together measured {gained:+.2f} dB, less than "
             f"{_WORDS[best.candidate.setting]} on {fqn} alone ({best.gain_db:+.2f} dB): Accept all applies that one"
         )
-        return single, alone, [note]
+        return single, alone, [*notes, note]
+
+    def _combine_simulated(self, offered: list[Verdict]) -> tuple[list[Verdict], list[str]]:
+        """Settings interact: add the simulated ones most helpful first, each kept only when the
+        simulated combination gains at least ``MIN_GAIN_DB`` more with it."""
+        if len(offered) < 2:
+            return offered, []
+        chosen: list[Verdict] = []
+        best = 0.0
+        for verdict in offered:
+            gain = self._simulated_gains([[*chosen, verdict]])[0]
+            if not chosen or gain >= best + MIN_GAIN_DB:
+                chosen, best = [*chosen, verdict], gain
+        dropped = ", ".join(f"{v.candidate.setting} on {v.candidate.module_fqn}" for v in offered if v not in chosen)
+        notes = []
+        if dropped:
+            notes.append(
+                f"left out of Accept all, as they add less than {MIN_GAIN_DB:g} dB to the others in simulation: {dropped}"
+            )
+        return chosen, notes
+
+
+def _compatible(now: ModuleSettings, start: ModuleSettings, setting: str) -> bool:
+    """Whether ``setting`` can join what a module already has from a larger gain."""
+    if now.keep_float:
+        return False
+    if setting == "keep_float":  # it replaces every other choice: only on a module not changed yet
+        return now == start
+    if setting == "equalize":
+        return not now.dynamic
+    if setting == "dynamic":
+        return not now.equalize
+    return True
+
+
+def _variant(candidates: Iterable[Candidate]) -> Variant:
+    float_modules = frozenset(c.module_fqn for c in candidates if c.setting == "keep_float")
+    other = frozenset(c.module_fqn for c in candidates if c.setting == "per_channel") - float_modules
+    return Variant(float_modules=float_modules, other_weights=other)
 
 
 def refusals(graph_modules: Mapping[str, Any], nan_metric: Iterable[str]) -> dict[tuple[str, str], str]:
@@ -281,6 +336,15 @@ def refusals(graph_modules: Mapping[str, Any], nan_metric: Iterable[str]) -> dic
     for fqn in nan_metric:
         refused.setdefault((fqn, "equalize"), "its equalization metric is NaN (nothing measured to balance)")
     return refused
+
+
+def nan_equalization_metric(frame: ReportFrame) -> list[str]:
+    """The modules whose input-weight equalization metric has a NaN channel (for ``refusals``)."""
+    feature = EQUALIZATION_COMP_METRICS
+    if feature not in frame.channel_features:
+        return []
+    reported = [m for m in frame.module_names if feature in frame.present.get(m, frozenset())]
+    return [m for m in reported if np.isnan(frame.channel_values(m, feature)).any()]
 
 
 def _quiet(done: int, total: int | None) -> None:

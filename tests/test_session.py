@@ -90,8 +90,9 @@ def test_tuning_panel_apply_accept_reset_and_errors(analyzed):
     model, before, report = analyzed
     widget = report.widget()
     tuning = widget.tuning
-    tuning.accept.click()
-    assert tuning.rows["meta_fc"].settings.dynamic and tuning.rows["head"].settings.equalize
+    tuning.accept.click()  # each suggestion measured first: equalizing head gains under 0.1 dB
+    assert tuning.rows["meta_fc"].settings.dynamic and not tuning.rows["head"].settings.equalize
+    assert "input-weight equalization: +0.0" in tuning.rows["head"].why.value and "Accept all (measured)" in tuning.status.value
     assert tuning.rows["stem.conv"].activation.disabled  # dynamic is Linear-only
     tuning.apply.click()
     assert "output SQNR" in tuning.status.value and not tuning.error.value
@@ -100,6 +101,7 @@ def test_tuning_panel_apply_accept_reset_and_errors(analyzed):
     y_scale = tuning.bars.scales["y"]  # both ends set, or the browser draws grouped bars flat
     assert y_scale.min <= 0 and y_scale.max > np.nanmax(tuning.bars.y) > 0
     assert not tuning.apply.disabled
+    tuning.rows["head"].equalize.value = True
     tuning.rows["head"].activation.value = "dynamic"  # with equalize: refused before running
     tuning.apply.click()
     assert "static" in tuning.error.value and len(report.session.history) == runs

@@ -13,7 +13,9 @@ import torch
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx
 
+from ..calibration import call_with
 from ..graph import ModelGraph
+from ..metrics import output_tensor
 from ..settings import ModuleSettings, TunableModule
 from .numeric_suite import per_layer_sqnr, quantization_summary
 from .prepare import prepare, torch_observers_paused
@@ -87,6 +89,23 @@ class FxEngine:
 
     def config_as_code(self, config: FxConfig) -> str:
         return mapping_as_code(config.qconfig_mapping, config.equalization_mapping)
+
+    def equalization_float_error(
+        self, float_model: torch.nn.Module, config: FxConfig, example_inputs: tuple[Any, ...], calibrate_fn: Any, batch: Any
+    ) -> float:
+        """How far torch's input-weight equalization moves the float model's output (relative
+        error on ``batch``, 0 when exact): prepared with ``config``, calibrated by ``calibrate_fn``,
+        with the equalization scales applied and nothing quantized."""
+        from torch.ao.quantization.fx._equalize import _convert_equalization_ref
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prepared = self.prepare(float_model, config, example_inputs)
+            calibrate_fn(prepared)
+            equalized = _convert_equalization_ref(prepared)
+            with torch.no_grad(), torch_observers_paused(equalized):
+                expected, found = output_tensor(call_with(float_model, batch)), output_tensor(call_with(equalized, batch))
+        return float((found - expected).norm() / expected.norm().clamp_min(1e-12))
 
     def simulator(
         self,

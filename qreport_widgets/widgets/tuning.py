@@ -15,6 +15,7 @@ import pandas as pd
 from ..errors import InvalidSettingsError
 from ..protocols import ReportSource, TuningSession
 from ..settings import ModuleSettings, TunableModule, validate_all
+from ..verify import VerifiedSuggestions, nan_equalization_metric
 from .plots import bar_range
 from .sensitivity import SensitivityPane
 
@@ -45,12 +46,17 @@ class SettingsRow(w.HBox):
         name = f"<b>{html.escape(fqn)}</b><br><span style='color:#666'>{type_name}</span>"
         label = w.HTML(f"<div style='line-height:1.3'>{name}</div>", layout={"width": "170px", "flex": "0 0 auto"}, tooltip=tip)
         reason = f"<div style='font-size:11px;line-height:1.3;color:#444' title='{html.escape(tip)}'>{html.escape(tip)}</div>"
-        why = w.HTML(reason, layout={"flex": "1 1 240px", "min_width": "240px"})
+        self.why = why = w.HTML(reason, layout={"flex": "1 1 240px", "min_width": "240px"})
         # rows keep their height inside the scrolling box (a flex column would squeeze them together);
         # on a narrow screen the reason moves under the controls instead of shrinking to a word a line
         super().__init__([label, self.activation, self.weight, self.equalize, self.keep_float, why],
                          layout={"align_items": "center", "border_bottom": "1px solid #eee", "flex": "0 0 auto",
                                  "min_height": "48px", "flex_flow": "row wrap"})  # fmt: skip
+
+    def set_reasons(self, reasons: list[str]) -> None:
+        """Show measured verdicts in place of the detectors' reasons."""
+        tip = html.escape("; ".join(reasons) or "no suggestion")
+        self.why.value = f"<div style='font-size:11px;line-height:1.3;color:#444' title='{tip}'>{tip}</div>"
 
     @property
     def settings(self) -> ModuleSettings:
@@ -85,7 +91,9 @@ class TuningPanel(w.VBox):
         modules = session.modules if session is not None else []
         self.rows = {m.fqn: SettingsRow(m, reasons.get(m.fqn, [])) for m in modules}
         fixed = {"flex": "0 0 auto"}  # the status line beside them must not squeeze the buttons
-        self.accept = w.Button(description="Accept all suggestions", icon="check", layout={"width": "190px", **fixed})
+        measured = "Measure every suggestion first (simulated or a trial run); only those that help are set"
+        self.accept = w.Button(description="Accept all suggestions", icon="check", tooltip=measured,
+                               layout={"width": "190px", **fixed})  # fmt: skip
         self.reset = w.Button(description="Reset to default", icon="undo", layout={"width": "150px", **fixed})
         self.apply = w.Button(description="Apply", icon="play", button_style="primary", layout={"width": "110px", **fixed})
         self.progress = w.IntProgress(value=0, min=0, max=1, layout={"width": "220px", "visibility": "hidden", **fixed})
@@ -125,7 +133,37 @@ class TuningPanel(w.VBox):
 
     # ---- handlers ------------------------------------------------------------------------------
     def _on_accept_click(self, _button: w.Button) -> None:
-        self._set_all(self.session.suggested_settings(self.source.suggestions()))
+        if not self._running.acquire(blocking=False):  # a run or a verification is going
+            self._ignored += 1
+            return
+        try:
+            self._accept()
+        finally:
+            self._running.release()
+
+    def _accept(self) -> None:
+        """Measure every suggestion (and what a search finds) before putting it in the rows."""
+        self._enable(False)
+        self.error.value = ""
+        try:
+            nan_metric = nan_equalization_metric(self.source.frame())
+            verified = self._run_with_progress(
+                "verifying suggestions",
+                lambda cb: self.session.verified_suggestions(self.source.suggestions(), nan_metric=nan_metric, progress=cb),
+                doing="measuring",
+            )
+        except Exception as error:  # the rows stay as they were
+            self.status.value = "<i>Verifying the suggestions failed; the rows are unchanged.</i>"
+            self.error.value = f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(repr(error))}</pre>"
+            return
+        finally:
+            self._enable(True)
+            self.progress.layout.visibility = "hidden"
+        self._set_all(verified.settings)
+        for fqn, texts in verified.reasons().items():
+            if fqn in self.rows:
+                self.rows[fqn].set_reasons(texts)
+        self.status.value = verified_status(verified)
         self._show_code()
 
     def _on_reset_click(self, _button: w.Button) -> None:
@@ -217,15 +255,15 @@ class TuningPanel(w.VBox):
         for control in (self.accept, self.reset, self.apply):
             control.disabled = not enabled
 
-    def _run_with_progress(self, label: str, run) -> RunResult:
+    def _run_with_progress(self, label: str, run, doing: str = "calibrating"):
         self.progress.value, self.progress.max = 0, 1
         self.progress.layout.visibility = "visible"
-        self.status.value = f"{html.escape(label)}: calibrating"
+        self.status.value = f"{html.escape(label)}: {doing}"
 
         def on_batch(done: int, total: int | None) -> None:
             self.progress.max = total or max(done, 1)
             self.progress.value = done
-            self.status.value = f"{html.escape(label)}: calibrating {done}/{total or '?'}"
+            self.status.value = f"{html.escape(label)}: {doing} {done}/{total or '?'}"
 
         return run(on_batch)
 
@@ -261,6 +299,25 @@ class TuningPanel(w.VBox):
                 self.bars.y = layers.T.to_numpy(dtype=np.float32, na_value=0.0)
                 self.bars.labels = list(layers.columns)
                 self.bars.colors = _SERIES_COLORS[: len(layers.columns)]
+
+
+def verified_status(verified: VerifiedSuggestions) -> str:
+    """One line on what Accept all put in the rows, and what it measured."""
+    rejected = len(verified.rejected)
+    considered = f"{rejected} more considered and not suggested (each row says why)" if rejected else ""
+    if verified.accept_all is None:
+        return f"<i>No suggestion helps: {len(verified.verdicts)} candidate(s) measured, none gains enough; {considered}.</i>"
+    run = verified.accept_all
+    if not run.ok:
+        return f"<span style='color:#b00'>Accept all: the trial run failed; {considered}.</span>"
+    gain = run.output_sqnr_db - verified.baseline_db
+    color = "#b00" if gain < 0 else "#070"
+    notes = "".join(f"<br><i>{html.escape(note)}</i>" for note in verified.notes)
+    return (
+        f"Accept all (measured): <b style='color:{color}'>{gain:+.2f} dB</b> output SQNR in a trial run "
+        f"({verified.baseline_db:.2f} -> {run.output_sqnr_db:.2f} dB) with {len(verified.offered)} setting(s) offered; "
+        f"{considered}. Apply to keep it.{notes}"
+    )
 
 
 def _ignored_note(count: int) -> str:

@@ -1,0 +1,120 @@
+"""Verified suggestions: every candidate measured before it is offered, Accept all never worse.
+
+Real prepare_fx -> calibrate -> convert_fx runs on the trained digits models (weights cached in
+pytest's tmp dir) and the architectures of tests/zoo.py, from the x86 default and a per-tensor start.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import zoo
+from torch import nn
+from torch.ao.quantization import QConfig, get_default_qconfig_mapping
+from torch.ao.quantization.observer import default_weight_observer
+
+import qreport_widgets as qw
+from qreport_widgets.digits import trained_digits_model
+from qreport_widgets.verify import MIN_GAIN_DB, NOT_TRIED, Candidate, Verifier, refusals
+
+
+def start(name: str):
+    mapping = get_default_qconfig_mapping("x86")
+    if name == "per-tensor":
+        mapping.set_global(QConfig(activation=mapping.global_qconfig.activation, weight=default_weight_observer))
+    return mapping
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("digits")
+
+
+def digits_report(name: str, start_name: str, cache) -> qw.ModelReport:
+    model, data = trained_digits_model(name, cache)
+    return qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation,
+                      qconfig_mapping=start(start_name), progress=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("start_name", ["x86", "per-tensor"])
+@pytest.mark.parametrize("name", ["cnn", "mixer"])
+def test_accept_all_is_measured_and_never_worse_than_the_baseline(name, start_name, cache):
+    report = digits_report(name, start_name, cache)
+    session = report.session
+    verified = report.verified_suggestions(progress=lambda done, total: None)
+    baseline = session.baseline()
+    current = session.current_settings()
+    changed = {fqn: s for fqn, s in verified.settings.items() if s != current[fqn]}
+    run = session.apply(changed) if changed else baseline
+    assert run.ok, run.error
+    assert run.output_sqnr_db >= baseline.output_sqnr_db - MIN_GAIN_DB
+    for verdict in verified.offered:  # each offered setting was measured to help
+        assert verdict.gain_db >= MIN_GAIN_DB and verdict.measured in ("simulated", "real run")
+        assert f"{verdict.gain_db:+.2f} dB" in verdict.text
+    for verdict in verified.rejected:  # and every other one says why
+        assert verdict.note and "not suggested" in verdict.text
+    assert len(verified.frame()) == len(verified.verdicts)
+    if verified.accept_all is not None:  # the trial run is what Apply then gives
+        assert run.output_sqnr_db == pytest.approx(verified.accept_all.output_sqnr_db, abs=1e-6)
+        assert verified.accept_all not in session.history[:-1]  # trials stay out of the history
+
+
+def test_a_candidate_that_loses_is_not_offered(cache):
+    report = digits_report("cnn", "per-tensor", cache)
+    verified = report.verified_suggestions(progress=lambda done, total: None)
+    losing = [v for v in verified.verdicts if not math.isnan(v.gain_db) and v.gain_db < -MIN_GAIN_DB]
+    assert losing, verified.frame()
+    assert all(not v.offered and "loses" in v.text for v in losing)
+    # the search found what no detector proposed: fc2 kept float gains more than 7 dB
+    found = {(v.candidate.module_fqn, v.candidate.setting): v for v in verified.offered}
+    assert found["fc2", "keep_float"].candidate.origin == "search" and found["fc2", "keep_float"].gain_db > 7
+
+
+def test_equalization_that_changes_the_float_model_is_not_tried(cache):
+    """torch's FX equalization of the digits CNN's last Linear scales the logits (a real run loses
+    2.4 dB); its float output is checked before anything is run."""
+    report = digits_report("cnn", "x86", cache)
+    session = report.session
+    assert session.equalization_float_error("fc1") < 1e-4
+    assert session.equalization_float_error("fc2") > 0.5
+    verifier = Verifier(session)
+    verified = verifier.verify([Candidate("fc2", "equalize", "test")], progress=lambda done, total: None)
+    (verdict,) = verified.verdicts
+    assert verdict.measured == NOT_TRIED and not verdict.offered and "float model's output" in verdict.note
+
+
+def test_equalization_is_refused_on_grouped_convs_and_nan_metrics():
+    torch.manual_seed(0)
+    model = zoo.MobileNetV2().eval()
+    refused = refusals(dict(model.named_modules()), nan_metric=["classifier"])
+    depthwise = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Conv2d) and m.groups > 1]
+    assert depthwise and all("grouped conv" in refused[fqn, "equalize"] for fqn in depthwise)
+    assert "NaN" in refused["classifier", "equalize"]
+    plain = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Conv2d) and m.groups == 1]
+    assert not any((fqn, "equalize") in refused for fqn in plain)
+
+
+def test_zoo_mobilenet_v3_accept_all_is_not_worse_and_nan_metric_is_refused():
+    """MobileNetV3 from the x86 start: the unmeasured Accept all loses 0.7 dB; the verified one does not."""
+    torch.manual_seed(0)
+    model = zoo.MobileNetV3().eval()
+    batches = zoo.image_batches(6)
+    report = qw.analyze(model, batches[0], batches[:4], eval_data=batches[4:], progress=False)
+    verified = report.verified_suggestions(progress=lambda done, total: None)
+    gain = verified.accept_all_gain_db
+    assert gain >= -MIN_GAIN_DB
+    nan = [v for v in verified.verdicts if "NaN" in v.note]
+    assert nan and all(v.measured == NOT_TRIED for v in nan)
+
+
+def test_the_tune_tab_accept_all_shows_what_each_suggestion_measured(cache):
+    report = digits_report("cnn", "per-tensor", cache)
+    tuning = report.widget().tuning
+    tuning.accept.click()
+    assert "Accept all (measured)" in tuning.status.value and not tuning.error.value
+    assert tuning.rows["fc2"].settings.keep_float
+    assert "dB (simulated)" in tuning.rows["fc2"].why.value
+    assert "not suggested" in tuning.rows["conv2"].why.value  # per-channel measured to lose there
+    assert not tuning.accept.disabled and not tuning.apply.disabled
