@@ -210,3 +210,30 @@ def mobilenet_v3_small(classes: int = 1000, size: int = 96) -> MobileNetV3Small:
 
 def _divisible(value: int, divisor: int = 8) -> int:
     return max(divisor, (value + divisor // 2) // divisor * divisor)
+
+
+class OutlierMlpBlock(nn.Module):
+    """A pre-norm transformer MLP block on (batch, tokens, hidden) with planted outlier channels.
+
+    The LayerNorm's gain is ``factor`` times larger on the first ``outliers`` hidden channels and
+    the next Linear's weights are ``factor`` times smaller on them: the float function is that of
+    an ordinary block, but the LayerNorm's output has a few channels ``factor`` times wider than
+    the rest (as LLM activations do), which per-tensor activation quantization handles badly.
+    """
+
+    def __init__(self, hidden: int = 64, outliers: int = 4, factor: float = 20.0, classes: int = 10) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc1, self.act, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)
+        self.head = nn.Linear(hidden, classes)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.2, 0.2)
+            self.norm.weight[:outliers] *= factor
+            self.norm.bias[:outliers] *= factor
+            self.fc1.weight[:, :outliers] /= factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.fc2(self.act(self.fc1(self.norm(x))))
+        return self.head(x)

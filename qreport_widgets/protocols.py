@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from .diagnosis import ReachPlan
     from .frame import ReportFrame
+    from .migration import Migration
     from .records import Suggestion
     from .run import RunResult
     from .settings import ModuleSettings, TunableModule
@@ -82,6 +83,8 @@ class TuningSession(Protocol):
         nan_metric: Iterable[str] = (),
         progress: Callable[[int, int | None], None] | None = None,
     ) -> VerifiedSuggestions: ...
+
+    def migrations(self) -> dict[str, Migration]: ...
 
     def settings_as_code(self, settings: Mapping[str, ModuleSettings]) -> str: ...
 

@@ -22,8 +22,9 @@ import torch
 from .calibration import CalibrationData, calibrate, call_with
 from .diagnosis import Diagnosis
 from .engine import Engine, Simulation
-from .errors import CalibrationError
+from .errors import CalibrationError, InvalidSettingsError
 from .metrics import output_tensor, sqnr_db
+from .migration import Migration, find_migrations, migrated
 from .records import Suggestion
 from .run import RunResult
 from .settings import ModuleSettings, TunableModule, validate_all, with_suggestions
@@ -97,6 +98,7 @@ class QuantizationSession(Diagnosis):
         self._float_outputs: list[torch.Tensor] | None = None
         self._simulation: Simulation | None = None
         self._verified: VerifiedSuggestions | None = None
+        self._migrations: dict[str, Migration] | None = None
         self._sensitivity: dict[bool, pd.DataFrame] = {}  # with and without the metric
         self._tradeoff: pd.DataFrame | None = None
 
@@ -145,9 +147,24 @@ class QuantizationSession(Diagnosis):
 
         return check(self._float, config, self.example_inputs, calibrate_fn, self.eval_data[0])
 
+    def migrations(self) -> dict[str, Migration]:
+        """Module -> the outlier-channel scale migration its input allows (``ModuleSettings.migrate``),
+        found once on the calibration data; each is exact in float (checked)."""
+        if self._migrations is None:
+            data = self.calibration_data  # a calibration callable gives no batches: the held-out ones then
+            batches = list(self.eval_data) if callable(data) else list(data)
+            self._migrations = find_migrations(self._float, batches, [m.fqn for m in self.modules]) if batches else {}
+        return dict(self._migrations)
+
     def settings_as_code(self, settings: Mapping[str, ModuleSettings]) -> str:
-        """Python that builds the engine's configuration for ``settings``, to paste into a pipeline."""
-        return self.engine.config_as_code(self._config_for(settings))
+        """Python that builds the engine's configuration for ``settings``, to paste into a pipeline
+        (after the code of any outlier-channel migration, which changes the float model first)."""
+        code = self.engine.config_as_code(self._config_for(settings))
+        moves = self._migrations_for(settings)
+        if not moves:
+            return code
+        moved = "".join(m.as_code() for m in moves)
+        return f"import torch\n\n# on the float model, before prepare:\n{moved}\n{code}"
 
     def baseline(self, progress: Progress | None = None) -> RunResult:
         """The starting configuration's run, computed once."""
@@ -172,7 +189,8 @@ class QuantizationSession(Diagnosis):
         output only (no per-layer SQNR).
         """
         config = self._config_for(settings)
-        result = self._run(config, label, progress, record)
+        moves = self._migrations_for(settings)
+        result = self._run(config, label, progress, record, float_model=migrated(self._float, moves) if moves else None)
         result.settings = dict(settings)
         return result
 
@@ -217,15 +235,31 @@ class QuantizationSession(Diagnosis):
     def _config_for(self, settings: Mapping[str, ModuleSettings]) -> Any:
         modules = self.modules
         validate_all(modules, settings)
+        self._migrations_for(settings)  # refuses a migration where none was found
         return self.engine.config_for(settings, modules)
 
-    def _run(self, config: Any, label: str | None, progress: Progress | None, record: bool = True) -> RunResult:
+    def _migrations_for(self, settings: Mapping[str, ModuleSettings]) -> list[Migration]:
+        wanted = [fqn for fqn, choice in settings.items() if choice.migrate and not choice.keep_float]
+        if not wanted:
+            return []
+        found = self.migrations()
+        missing = [fqn for fqn in wanted if fqn not in found]
+        if missing:
+            raise InvalidSettingsError(
+                f"{', '.join(missing)}: no outlier input channels to migrate (or no exact migration: its input "
+                "must come from one LayerNorm / BatchNorm / Linear / Conv that nothing else reads)"
+            )
+        return [found[fqn] for fqn in wanted]
+
+    def _run(
+        self, config: Any, label: str | None, progress: Progress | None, record: bool = True, float_model: Any = None
+    ) -> RunResult:
         label = label or f"run {len(self.history) + 1}"
         engine = self.engine
         start = time.perf_counter()
         try:
             _require_float32(self._float)
-            prepared = engine.prepare(self._float, config, self.example_inputs)
+            prepared = engine.prepare(self._float if float_model is None else float_model, config, self.example_inputs)
             calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None, on_batch=progress)
             quantized = engine.convert(prepared)
             result = self._measure(quantized, prepared, config, label, per_layer=record)

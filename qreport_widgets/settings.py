@@ -23,6 +23,7 @@ class ModuleSettings:
     per_channel: bool = False
     equalize: bool = False
     keep_float: bool = False
+    migrate: bool = False  # move the scale of outlier input channels into the weights (migration.py)
 
 
 SETTING_NAMES = tuple(f.name for f in fields(ModuleSettings))
@@ -86,5 +87,6 @@ def with_suggestions(modules: Iterable[TunableModule], suggestions: Iterable[Sug
             per_channel=now.per_channel or SuggestionKind.PER_CHANNEL in chosen,
             equalize=SuggestionKind.EQUALIZATION in chosen and SuggestionKind.DYNAMIC not in chosen,
             keep_float=now.keep_float,
+            migrate=now.migrate,
         )
     return settings

@@ -53,6 +53,7 @@ _WORDS = {
     "dynamic": "dynamic activations",
     "equalize": "input-weight equalization",
     "keep_float": "keep float",
+    "migrate": "outlier-channel migration",
 }
 
 
@@ -153,10 +154,10 @@ class Verifier:
         self.modules: dict[str, TunableModule] = {m.fqn: m for m in session.modules}
 
     def candidates(self, suggestions: Iterable[Suggestion]) -> list[Candidate]:
-        """The detectors' suggestions as candidates (one per module and setting), then a search of
-        what no detector proposed: per-channel weights where a module is per tensor, dynamic
-        activations on every static Linear, keep float for the modules the sensitivity ranking
-        puts at or above ``FOUND_GAIN_DB``."""
+        """The detectors' suggestions as candidates (one per module and setting), the
+        outlier-channel migrations the session found, then a search of what no detector proposed:
+        per-channel weights where a module is per tensor, dynamic activations on every static
+        Linear, keep float for the modules the sensitivity ranking puts at or above ``FOUND_GAIN_DB``."""
         found: dict[tuple[str, str], Candidate] = {}
         for suggestion in suggestions:
             setting = _SETTING_OF.get(suggestion.kind)
@@ -170,6 +171,8 @@ class Verifier:
             for setting in ("per_channel", "dynamic"):
                 if not getattr(module.current, setting) and module.allows(setting):
                     found.setdefault((module.fqn, setting), Candidate(module.fqn, setting, SEARCH))
+        for fqn, migration in self.session.migrations().items():  # outlier input channels found
+            found.setdefault((fqn, "migrate"), Candidate(fqn, "migrate", "outlier channels", migration.summary))
         table = self.session.sensitivity(progress=_quiet, metric=False)
         for fqn in table.index[table["output_sqnr_gain_db"] >= FOUND_GAIN_DB]:
             found.setdefault((fqn, "keep_float"), Candidate(fqn, "keep_float", SEARCH))

@@ -118,3 +118,41 @@ def test_the_tune_tab_accept_all_shows_what_each_suggestion_measured(cache):
     assert "dB (simulated)" in tuning.rows["fc2"].why.value
     assert "not suggested" in tuning.rows["conv2"].why.value  # per-channel measured to lose there
     assert not tuning.accept.disabled and not tuning.apply.disabled
+
+
+def planted_outlier_report() -> qw.ModelReport:
+    from qreport_widgets.architectures import OutlierMlpBlock
+
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 16, 64, generator=generator),) for _ in range(8)]
+    return qw.analyze(OutlierMlpBlock().eval(), batches[0], batches[:6], eval_data=batches[6:], progress=False)
+
+
+def test_outlier_channels_are_found_and_migrated_exactly_in_float():
+    from qreport_widgets.migration import float_error, migrated
+
+    report = planted_outlier_report()
+    session = report.session
+    (migration,) = session.migrations().values()
+    assert (migration.producer, migration.consumer, migration.channels) == ("norm", "fc1", (0, 1, 2, 3))
+    batch = session.eval_data[0]
+    assert float_error(session._float, [migration], batch) < 1e-5
+    moved = migrated(session._float, [migration])
+    assert float(moved.norm.weight[:4].abs().max()) < 2 * float(moved.norm.weight[4:].abs().max())
+    namespace = {"torch": torch, "model": __import__("copy").deepcopy(session._float)}  # the code to paste does the same
+    exec(migration.as_code(), namespace)
+    assert torch.equal(namespace["model"].fc1.weight, moved.fc1.weight)
+    assert torch.equal(namespace["model"].norm.bias, moved.norm.bias)
+    code = session.settings_as_code({"fc1": qw.ModuleSettings(migrate=True)})
+    assert "model.get_submodule('norm')" in code and "prepare" in code
+    with pytest.raises(qw.InvalidSettingsError, match="no outlier input channels"):
+        session.apply({"fc2": qw.ModuleSettings(migrate=True)})
+
+
+def test_accept_all_gains_on_a_block_with_planted_outlier_channels():
+    report = planted_outlier_report()
+    verified = report.verified_suggestions(progress=lambda done, total: None)
+    assert verified.settings["fc1"].migrate
+    assert verified.accept_all_gain_db >= 2.0
+    run = report.session.apply({k: v for k, v in verified.settings.items() if v != report.session.current_settings()[k]})
+    assert run.output_sqnr_db - report.session.baseline().output_sqnr_db >= 2.0

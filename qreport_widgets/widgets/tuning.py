@@ -30,7 +30,7 @@ _SERIES_COLORS = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467b
 class SettingsRow(w.HBox):
     """One module's editable settings; the reason for each suggestion is on hover and in the row."""
 
-    def __init__(self, module: TunableModule, reasons: list[str]) -> None:
+    def __init__(self, module: TunableModule, reasons: list[str], migration: str = "") -> None:
         self.fqn = fqn = module.fqn
         type_name = html.escape(module.type_name)
         tip = "; ".join(reasons) or "no suggestion"
@@ -43,13 +43,16 @@ class SettingsRow(w.HBox):
         )  # fmt: skip
         self.equalize = w.Checkbox(description="equalize", indent=False, layout={"width": "90px", "flex": "0 0 auto"})
         self.keep_float = w.Checkbox(description="keep float", indent=False, layout={"width": "100px", "flex": "0 0 auto"})
+        self.migrate = w.Checkbox(description="migrate", indent=False, disabled=not migration,
+                                  tooltip=migration or "no outlier input channels found to move into the weights",
+                                  layout={"width": "84px", "flex": "0 0 auto"})  # fmt: skip
         name = f"<b>{html.escape(fqn)}</b><br><span style='color:#666'>{type_name}</span>"
         label = w.HTML(f"<div style='line-height:1.3'>{name}</div>", layout={"width": "170px", "flex": "0 0 auto"}, tooltip=tip)
         reason = f"<div style='font-size:11px;line-height:1.3;color:#444' title='{html.escape(tip)}'>{html.escape(tip)}</div>"
         self.why = why = w.HTML(reason, layout={"flex": "1 1 240px", "min_width": "240px"})
         # rows keep their height inside the scrolling box (a flex column would squeeze them together);
         # on a narrow screen the reason moves under the controls instead of shrinking to a word a line
-        super().__init__([label, self.activation, self.weight, self.equalize, self.keep_float, why],
+        super().__init__([label, self.activation, self.weight, self.equalize, self.keep_float, self.migrate, why],
                          layout={"align_items": "center", "border_bottom": "1px solid #eee", "flex": "0 0 auto",
                                  "min_height": "48px", "flex_flow": "row wrap"})  # fmt: skip
 
@@ -65,6 +68,7 @@ class SettingsRow(w.HBox):
             per_channel=self.weight.value == PER_CHANNEL,
             equalize=self.equalize.value,
             keep_float=self.keep_float.value,
+            migrate=self.migrate.value,
         )
 
     @settings.setter
@@ -74,6 +78,7 @@ class SettingsRow(w.HBox):
             self.weight.value = PER_CHANNEL if value.per_channel else PER_TENSOR
             self.equalize.value = value.equalize
             self.keep_float.value = value.keep_float
+            self.migrate.value = value.migrate
 
 
 class TuningPanel(w.VBox):
@@ -89,7 +94,8 @@ class TuningPanel(w.VBox):
         for suggestion in source.suggestions():
             reasons.setdefault(suggestion.module_fqn, []).append(f"{suggestion.kind.value}: {suggestion.reason}")
         modules = session.modules if session is not None else []
-        self.rows = {m.fqn: SettingsRow(m, reasons.get(m.fqn, [])) for m in modules}
+        migrations = _migrations(session)
+        self.rows = {m.fqn: SettingsRow(m, reasons.get(m.fqn, []), migrations.get(m.fqn, "")) for m in modules}
         fixed = {"flex": "0 0 auto"}  # the status line beside them must not squeeze the buttons
         measured = "Measure every suggestion first (simulated or a trial run); only those that help are set"
         self.accept = w.Button(description="Accept all suggestions", icon="check", tooltip=measured,
@@ -111,7 +117,8 @@ class TuningPanel(w.VBox):
         self.accept.on_click(self._on_accept_click)
         self.reset.on_click(self._on_reset_click)
         self.apply.on_click(self._on_apply_click)
-        header = w.HTML("<span style='color:#666'>module · activation · weights · equalization · keep float · why</span>")
+        header = w.HTML("<span style='color:#666'>module · activation · weights · equalization · keep float · "
+                        "outlier-channel migration · why</span>")  # fmt: skip
         buttons = w.HBox([self.accept, self.reset, self.apply, self.progress, self.status], layout={"align_items": "center"})
         self.rows_box = rows = w.VBox(list(self.rows.values()), layout={"max_height": "300px", "overflow_y": "auto"})
         results = w.Accordion(
@@ -299,6 +306,11 @@ class TuningPanel(w.VBox):
                 self.bars.y = layers.T.to_numpy(dtype=np.float32, na_value=0.0)
                 self.bars.labels = list(layers.columns)
                 self.bars.colors = _SERIES_COLORS[: len(layers.columns)]
+
+
+def _migrations(session: TuningSession | None) -> dict[str, str]:
+    """Module -> what its outlier-channel migration does, where the session found one."""
+    return {fqn: m.summary for fqn, m in session.migrations().items()} if session is not None else {}
 
 
 def verified_status(verified: VerifiedSuggestions) -> str:
