@@ -1,6 +1,7 @@
 """Do the suggestions help? Accept all as the detectors propose it, against the verified suggestions.
 
-For each model of tests/zoo.py (random weights) and the two digits models (trained), from the x86
+For each model of tests/zoo.py (random weights), the two digits models (trained) and a transformer
+MLP block with planted outlier channels (``architectures.OutlierMlpBlock``), from the x86
 default mapping and from a per-tensor start: the baseline, Accept all of the detectors' suggestions
 unmeasured (what upstream's generate_qconfig_mapping() amounts to), Accept all of the verified
 suggestions, each kind of verified setting alone, and the candidates rejected with what they
@@ -26,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import zoo  # noqa: E402
 
 from qreport_widgets import analyze  # noqa: E402
+from qreport_widgets.architectures import OutlierMlpBlock  # noqa: E402
 from qreport_widgets.digits import trained_digits_model  # noqa: E402
 
-MODELS = [*zoo.ARCHITECTURES, "digits-cnn", "digits-mixer"]
+MODELS = [*zoo.ARCHITECTURES, "digits-cnn", "digits-mixer", "outlier-block"]
 STARTS = ("x86", "per-tensor")
 
 
@@ -40,6 +42,10 @@ def start_mapping(name: str):
 
 
 def build(name: str, cache_dir: str | None):
+    if name == "outlier-block":  # LayerNorm gain 20x on 4 of 64 hidden channels, fc1 weights 20x smaller there
+        generator = torch.Generator().manual_seed(0)
+        batches = [(torch.randn(8, 16, 64, generator=generator),) for _ in range(8)]
+        return OutlierMlpBlock().eval(), batches[:6], batches[6:]
     if name.startswith("digits-"):
         model, data = trained_digits_model(name.removeprefix("digits-"), cache_dir)
         return model, data.calibration, data.evaluation

@@ -24,9 +24,11 @@ class ModuleSettings:
     equalize: bool = False
     keep_float: bool = False
     migrate: bool = False  # move the scale of outlier input channels into the weights (migration.py)
+    observer: str = ""  # the output's activation observer: "" keeps the starting one, else "minmax", "histogram", "percentile"
 
 
 SETTING_NAMES = tuple(f.name for f in fields(ModuleSettings))
+OBSERVER_NAMES = ("", "minmax", "histogram", "percentile")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,11 @@ def validate(module: TunableModule, settings: ModuleSettings) -> None:
             raise InvalidSettingsError(f"{module.fqn}: {module.unavailable[name]}")
     if settings.equalize and settings.dynamic:
         raise InvalidSettingsError(f"{module.fqn}: input-weight equalization needs static activation quantization")
+    if settings.observer and settings.dynamic:
+        raise InvalidSettingsError(f"{module.fqn}: an activation observer is for static activations; dynamic ones have none")
+    if settings.observer not in OBSERVER_NAMES:
+        known = ", ".join(OBSERVER_NAMES[1:])
+        raise InvalidSettingsError(f"{module.fqn}: unknown activation observer {settings.observer!r} (known: {known})")
 
 
 def validate_all(modules: Iterable[TunableModule], settings: Mapping[str, ModuleSettings]) -> None:
@@ -88,5 +95,6 @@ def with_suggestions(modules: Iterable[TunableModule], suggestions: Iterable[Sug
             equalize=SuggestionKind.EQUALIZATION in chosen and SuggestionKind.DYNAMIC not in chosen,
             keep_float=now.keep_float,
             migrate=now.migrate,
+            observer=now.observer,
         )
     return settings

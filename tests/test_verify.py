@@ -156,3 +156,27 @@ def test_accept_all_gains_on_a_block_with_planted_outlier_channels():
     assert verified.accept_all_gain_db >= 2.0
     run = report.session.apply({k: v for k, v in verified.settings.items() if v != report.session.current_settings()[k]})
     assert run.output_sqnr_db - report.session.baseline().output_sqnr_db >= 2.0
+
+
+@pytest.mark.parametrize("observer", ["minmax", "percentile"])
+def test_an_activation_observer_choice_reaches_the_converted_model(observer, cache):
+    from qreport_widgets.fx.observers import PercentileObserver
+    from qreport_widgets.fx.qconfig import ACTIVATION_OBSERVERS
+
+    report = digits_report("cnn", "x86", cache)
+    session = report.session
+    settings = {"fc1": qw.ModuleSettings(observer=observer)}
+    prepared = session.engine.prepare(session._float, session._config_for(settings), session.example_inputs)
+    (fc1,) = [n for n in prepared.graph.nodes if n.op == "call_module" and n.target == "fc1"]
+    (after,) = fc1.users
+    assert type(prepared.get_submodule(str(after.target))) is ACTIVATION_OBSERVERS[observer]
+    baseline, run = session.baseline(), session.apply(settings)
+    assert run.ok and run.quantized_model.fc1.scale != baseline.quantized_model.fc1.scale
+    namespace: dict = {}
+    exec(session.settings_as_code(settings), namespace)  # the code to paste builds the same mapping
+    activation = namespace["qconfig_mapping"].module_name_qconfigs["fc1"].activation()
+    assert type(activation) is ACTIVATION_OBSERVERS[observer] and activation.reduce_range
+    if observer == "percentile":
+        assert isinstance(activation, PercentileObserver) and activation.percentile == 99.99
+    with pytest.raises(qw.InvalidSettingsError, match="static"):
+        session.apply({"fc1": qw.ModuleSettings(dynamic=True, observer=observer)})

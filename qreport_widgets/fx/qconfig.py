@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 from torch.ao.quantization import QConfig, QConfigMapping
 from torch.ao.quantization.fx._equalize import default_equalization_qconfig
 from torch.ao.quantization.observer import (
+    HistogramObserver,
+    MinMaxObserver,
     default_dynamic_quant_observer,
     default_observer,
     default_per_channel_weight_observer,
@@ -19,6 +22,7 @@ from torch.ao.quantization.observer import (
 from ..detectors.per_channel import _uses_per_channel
 from ..graph import ModelGraph, Unit
 from ..settings import ModuleSettings, TunableModule
+from .observers import PercentileObserver
 
 _NO_PER_CHANNEL = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
@@ -54,17 +58,33 @@ def qconfig_for(settings: ModuleSettings, current: QConfig | None = None) -> QCo
         return None
     if current is None:
         activation = default_dynamic_quant_observer if settings.dynamic else default_observer
+        if settings.observer and not settings.dynamic:
+            activation = activation_observer(settings.observer, like=activation)
         weight = default_per_channel_weight_observer if settings.per_channel else default_weight_observer
         return QConfig(activation=activation, weight=weight)
     if settings.dynamic:
         activation = current.activation if _is_dynamic(current) else default_dynamic_quant_observer
     else:
         activation = default_observer if _is_dynamic(current) else current.activation
+    if settings.observer and not settings.dynamic:
+        activation = activation_observer(settings.observer, like=activation)
     if settings.per_channel:
         weight = current.weight if _uses_per_channel(current) else default_per_channel_weight_observer
     else:
         weight = default_weight_observer if _uses_per_channel(current) else current.weight
     return QConfig(activation=activation, weight=weight)
+
+
+ACTIVATION_OBSERVERS = {"minmax": MinMaxObserver, "histogram": HistogramObserver, "percentile": PercentileObserver}
+
+
+def activation_observer(name: str, like: Any) -> Any:
+    """Observer ``name`` (a key of ACTIVATION_OBSERVERS) with the dtype and range of the factory ``like``."""
+    if name not in ACTIVATION_OBSERVERS:
+        raise ValueError(f"unknown activation observer {name!r}; pick one of {', '.join(ACTIVATION_OBSERVERS)}")
+    keywords = getattr(getattr(like, "p", like), "keywords", {}) or {}
+    kept = {k: v for k, v in keywords.items() if k in ("dtype", "qscheme", "reduce_range", "quant_min", "quant_max")}
+    return ACTIVATION_OBSERVERS[name].with_args(**kept)
 
 
 def build_qconfig_mapping(
@@ -99,6 +119,8 @@ def mapping_as_code(mapping: QConfigMapping, equalization: QConfigMapping | None
         "",
         "qconfig_mapping = get_default_qconfig_mapping('x86')  # or your starting mapping",
     ]
+    outside = sorted({_outside_torch(getattr(q, "activation", None)) for q in mapping.module_name_qconfigs.values()} - {""})
+    lines[3:3] = outside  # after torch's imports
     for fqn, qconfig in mapping.module_name_qconfigs.items():
         if qconfig is None:
             lines.append(f"qconfig_mapping.set_module_name({fqn!r}, None)")
@@ -124,6 +146,14 @@ def _observer_code(factory) -> str:
     keywords = {k: v for k, v in getattr(partial, "keywords", {}).items() if k != "factory_kwargs"}
     args = ", ".join(f"{k}={_value_code(v)}" for k, v in keywords.items())
     return f"{func.__name__}.with_args({args})" if args else func.__name__
+
+
+def _outside_torch(factory) -> str:
+    """The import line of an observer class that torch.ao.quantization.observer does not define."""
+    func = getattr(getattr(factory, "p", factory), "func", None)
+    if func is None or func.__module__ == "torch.ao.quantization.observer":
+        return ""
+    return f"from {func.__module__} import {func.__name__}"
 
 
 def _value_code(value) -> str:

@@ -46,13 +46,17 @@ class SettingsRow(w.HBox):
         self.migrate = w.Checkbox(description="migrate", indent=False, disabled=not migration,
                                   tooltip=migration or "no outlier input channels found to move into the weights",
                                   layout={"width": "84px", "flex": "0 0 auto"})  # fmt: skip
+        self.observer = w.Dropdown(options=[("starting observer", ""), ("MinMax", "minmax"), ("Histogram", "histogram"),
+                                            ("percentile 99.99", "percentile")],
+                                   tooltip="the activation observer of this module's output (static activations)",
+                                   layout={"width": "150px", "flex": "0 0 auto"})  # fmt: skip
         name = f"<b>{html.escape(fqn)}</b><br><span style='color:#666'>{type_name}</span>"
         label = w.HTML(f"<div style='line-height:1.3'>{name}</div>", layout={"width": "170px", "flex": "0 0 auto"}, tooltip=tip)
         reason = f"<div style='font-size:11px;line-height:1.3;color:#444' title='{html.escape(tip)}'>{html.escape(tip)}</div>"
         self.why = why = w.HTML(reason, layout={"flex": "1 1 240px", "min_width": "240px"})
         # rows keep their height inside the scrolling box (a flex column would squeeze them together);
         # on a narrow screen the reason moves under the controls instead of shrinking to a word a line
-        super().__init__([label, self.activation, self.weight, self.equalize, self.keep_float, self.migrate, why],
+        super().__init__([label, self.activation, self.weight, self.equalize, self.keep_float, self.migrate, self.observer, why],
                          layout={"align_items": "center", "border_bottom": "1px solid #eee", "flex": "0 0 auto",
                                  "min_height": "48px", "flex_flow": "row wrap"})  # fmt: skip
 
@@ -69,6 +73,7 @@ class SettingsRow(w.HBox):
             equalize=self.equalize.value,
             keep_float=self.keep_float.value,
             migrate=self.migrate.value,
+            observer=self.observer.value,
         )
 
     @settings.setter
@@ -79,6 +84,7 @@ class SettingsRow(w.HBox):
             self.equalize.value = value.equalize
             self.keep_float.value = value.keep_float
             self.migrate.value = value.migrate
+            self.observer.value = value.observer
 
 
 class TuningPanel(w.VBox):
@@ -118,7 +124,7 @@ class TuningPanel(w.VBox):
         self.reset.on_click(self._on_reset_click)
         self.apply.on_click(self._on_apply_click)
         header = w.HTML("<span style='color:#666'>module · activation · weights · equalization · keep float · "
-                        "outlier-channel migration · why</span>")  # fmt: skip
+                        "outlier-channel migration · activation observer · why</span>")  # fmt: skip
         buttons = w.HBox([self.accept, self.reset, self.apply, self.progress, self.status], layout={"align_items": "center"})
         self.rows_box = rows = w.VBox(list(self.rows.values()), layout={"max_height": "300px", "overflow_y": "auto"})
         results = w.Accordion(
