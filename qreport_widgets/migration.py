@@ -125,22 +125,29 @@ def float_error(model: nn.Module, migrations: Iterable[Migration], batch: Any) -
 
 def _direct_producers(model: nn.Module, consumers: Iterable[str]) -> dict[str, str]:
     """Consumer -> the module whose output is its first input and nothing else's (in the traced graph)."""
+    found = {}
+    for consumer, producer in input_producers(model, consumers, alone=True).items():
+        module, source = model.get_submodule(consumer), model.get_submodule(producer)
+        if not isinstance(module, _CONSUMERS) or getattr(module, "groups", 1) != 1:
+            continue
+        if isinstance(source, _PRODUCERS) and (not isinstance(source, nn.LayerNorm) or source.weight is not None):
+            found[consumer] = producer
+    return found
+
+
+def input_producers(model: nn.Module, consumers: Iterable[str], alone: bool = False) -> dict[str, str]:
+    """Module -> the module that produces its first input (in the graph ``torch.fx`` traces), where
+    that is a module call; with ``alone``, only where nothing else reads that output."""
     try:
         graph = torch.fx.symbolic_trace(model).graph
-    except Exception:  # an untraceable model: no migration (FX would not quantize it either)
+    except Exception:  # an untraceable model: nothing found (FX would not quantize it either)
         return {}
     wanted, found = set(consumers), {}
     for node in graph.nodes:
         if node.op != "call_module" or node.target not in wanted or not node.args:
             continue
-        consumer = model.get_submodule(str(node.target))
         source = node.args[0]
-        if not isinstance(consumer, _CONSUMERS) or getattr(consumer, "groups", 1) != 1:
-            continue
-        if not isinstance(source, torch.fx.Node) or source.op != "call_module" or len(source.users) != 1:
-            continue
-        producer = model.get_submodule(str(source.target))
-        if isinstance(producer, _PRODUCERS) and (not isinstance(producer, nn.LayerNorm) or producer.weight is not None):
+        if isinstance(source, torch.fx.Node) and source.op == "call_module" and (not alone or len(source.users) == 1):
             found[str(node.target)] = str(source.target)
     return found
 

@@ -24,7 +24,7 @@ from .diagnosis import Diagnosis
 from .engine import Engine, Simulation
 from .errors import CalibrationError, InvalidSettingsError
 from .metrics import output_tensor, sqnr_db
-from .migration import Migration, find_migrations, migrated
+from .migration import Migration, find_migrations, input_producers, migrated
 from .records import Suggestion
 from .run import RunResult
 from .settings import ModuleSettings, TunableModule, validate_all, with_suggestions
@@ -155,6 +155,10 @@ class QuantizationSession(Diagnosis):
             batches = list(self.eval_data) if callable(data) else list(data)
             self._migrations = find_migrations(self._float, batches, [m.fqn for m in self.modules]) if batches else {}
         return dict(self._migrations)
+
+    def input_producers(self, names: Iterable[str]) -> dict[str, str]:
+        """Module -> the module whose output is its input (where one module produces it)."""
+        return input_producers(self._float, names)
 
     def settings_as_code(self, settings: Mapping[str, ModuleSettings]) -> str:
         """Python that builds the engine's configuration for ``settings``, to paste into a pipeline

@@ -54,6 +54,7 @@ _WORDS = {
     "equalize": "input-weight equalization",
     "keep_float": "keep float",
     "migrate": "outlier-channel migration",
+    "observer": "activation observer",
 }
 
 
@@ -65,14 +66,15 @@ class Candidate:
     setting: str  # a ModuleSettings field
     origin: str  # the detector's name, or SEARCH (tried on every module where it applies)
     reason: str = ""
+    value: Any = True  # what the setting is set to (an observer's name for ``observer``)
 
     @property
     def searched(self) -> bool:
         return self.origin == SEARCH
 
     def applied_to(self, current: ModuleSettings) -> ModuleSettings:
-        changed = replace(current, **{self.setting: True})
-        return replace(changed, dynamic=False) if self.setting == "equalize" else changed
+        changed = replace(current, **{self.setting: self.value})
+        return replace(changed, dynamic=False) if self.setting in ("equalize", "observer") else changed
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class Verdict:
     def text(self) -> str:
         """In words, for a Tune row: "per-channel weights: +1.30 dB (simulated)"."""
         words = _WORDS[self.candidate.setting]
+        if self.candidate.setting == "observer":
+            words = f"{words} {self.candidate.value}"
         if self.measured == NOT_TRIED or math.isnan(self.gain_db):
             return f"{words}: not suggested, {self.note}"
         effect = f"{words}: {self.gain_db:+.2f} dB ({self.measured})"
@@ -158,6 +162,7 @@ class Verifier:
         outlier-channel migrations the session found, then a search of what no detector proposed:
         per-channel weights where a module is per tensor, dynamic activations on every static
         Linear, keep float for the modules the sensitivity ranking puts at or above ``FOUND_GAIN_DB``."""
+        suggestions = list(suggestions)
         found: dict[tuple[str, str], Candidate] = {}
         for suggestion in suggestions:
             setting = _SETTING_OF.get(suggestion.kind)
@@ -171,6 +176,11 @@ class Verifier:
             for setting in ("per_channel", "dynamic"):
                 if not getattr(module.current, setting) and module.allows(setting):
                     found.setdefault((module.fqn, setting), Candidate(module.fqn, setting, SEARCH))
+        outliers = {s.module_fqn: s.detector for s in suggestions if s.kind == SuggestionKind.OUTLIERS}
+        for fqn, producer in self.session.input_producers(outliers).items():  # clip the producer's range
+            if producer in self.modules:
+                candidate = Candidate(producer, "observer", outliers[fqn], f"outliers in the input of {fqn}", "percentile")
+                found.setdefault((producer, "observer"), candidate)
         for fqn, migration in self.session.migrations().items():  # outlier input channels found
             found.setdefault((fqn, "migrate"), Candidate(fqn, "migrate", "outlier channels", migration.summary))
         table = self.session.sensitivity(progress=_quiet, metric=False)
@@ -317,7 +327,9 @@ def _compatible(now: ModuleSettings, start: ModuleSettings, setting: str) -> boo
     if setting == "equalize":
         return not now.dynamic
     if setting == "dynamic":
-        return not now.equalize
+        return not now.equalize and not now.observer
+    if setting == "observer":
+        return not now.dynamic and not now.observer
     return True
 
 
