@@ -125,7 +125,8 @@ class TuningPanel(w.VBox):
         self.apply.on_click(self._on_apply_click)
         header = w.HTML("<span style='color:#666'>module · activation · weights · equalization · keep float · "
                         "outlier-channel migration · activation observer · why</span>")  # fmt: skip
-        buttons = w.HBox([self.accept, self.reset, self.apply, self.progress, self.status], layout={"align_items": "center"})
+        # the status line gets the full width under the buttons: measured results take a few lines
+        buttons = w.HBox([self.accept, self.reset, self.apply, self.progress], layout={"align_items": "center"})
         self.rows_box = rows = w.VBox(list(self.rows.values()), layout={"max_height": "300px", "overflow_y": "auto"})
         results = w.Accordion(
             children=[self.summary, self.code],
@@ -140,7 +141,7 @@ class TuningPanel(w.VBox):
             super().__init__([self.status, self.error])
             return
         self.sensitivity = SensitivityPane(session, self._keep_float, self._order_rows)
-        super().__init__([self.sensitivity, header, rows, buttons, self.error, self.history, results])
+        super().__init__([self.sensitivity, header, rows, buttons, self.status, self.error, self.history, results])
         self._set_all(session.current_settings())
         self._show_code()
 
