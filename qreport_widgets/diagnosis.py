@@ -13,17 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from .calibration import calibrate
 from .metrics import output_tensor, sqnr_db
+from .progress import Progress, steps
 from .settings import ModuleSettings
 
 if TYPE_CHECKING:
     from .engine import Engine, Simulation
     from .run import RunResult
 
-Progress = Callable[[int, "int | None"], None]
 
 # How far a simulated output SQNR may be from a real run's: measured within 0.32 dB on the
 # 54-layer MobileNetV3-Small layout (benchmarks/README.md), up to 0.57 dB on its trained version.
@@ -167,27 +166,17 @@ class Diagnosis:
         simulation = self.simulation()
         whole = metric and self.eval_fn is not None
         total = len(variants) * (1 if whole else len(self.eval_data))
-        bar = tqdm(total=total, desc=desc, unit="step", disable=progress is not None, leave=False)
-        done = 0
-
-        def step() -> None:
-            nonlocal done
-            done += 1
-            bar.update()
-            if progress is not None:
-                progress(done, total)
-
         try:
-            if whole:
-                found = []
-                for variant in variants:
-                    found.append(self.simulate(variant))
-                    step()
-                return found
-            outputs = simulation.outputs_each(self.eval_data, variants, step)
-            return [(self._output_sqnr(each), None) for each in outputs]
+            with steps(total, desc, "step", progress) as step:
+                if whole:
+                    found = []
+                    for variant in variants:
+                        found.append(self.simulate(variant))
+                        step()
+                    return found
+                outputs = simulation.outputs_each(self.eval_data, variants, step)
+                return [(self._output_sqnr(each), None) for each in outputs]
         finally:
-            bar.close()
             simulation.configure(())
 
     def _output_sqnr(self, outputs: Sequence[Any]) -> float:

@@ -25,12 +25,11 @@ from .engine import Engine, Simulation
 from .errors import CalibrationError, InvalidSettingsError
 from .metrics import output_tensor, sqnr_db
 from .migration import Migration, find_migrations, input_producers, migrated
+from .progress import Progress
 from .records import Suggestion
 from .run import RunResult
 from .settings import ModuleSettings, TunableModule, validate_all, with_suggestions
 from .verify import VerifiedSuggestions, Verifier, refusals
-
-Progress = Callable[[int, "int | None"], None]
 
 
 class QuantizationSession(Diagnosis):

@@ -19,17 +19,17 @@ setting alone is what Accept all applies.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
 
 from .engine import Variant
 from .features import EQUALIZATION_COMP_METRICS, SuggestionKind
 from .frame import ReportFrame
+from .progress import Progress, steps
 from .records import Suggestion
 from .settings import ModuleSettings, TunableModule
 
@@ -188,9 +188,7 @@ class Verifier:
             found.setdefault((fqn, "keep_float"), Candidate(fqn, "keep_float", SEARCH))
         return list(found.values())
 
-    def verify(
-        self, candidates: Sequence[Candidate], progress: Callable[[int, int | None], None] | None = None
-    ) -> VerifiedSuggestions:
+    def verify(self, candidates: Sequence[Candidate], progress: Progress | None = None) -> VerifiedSuggestions:
         baseline = self.session.baseline(progress=_quiet)
         verdicts: dict[Candidate, Verdict] = {}
         simulated, real = [], []
@@ -202,43 +200,31 @@ class Verifier:
                 simulated.append(candidate)
             else:
                 real.append(candidate)
-        bar = tqdm(total=len(real) + 2, desc="verifying suggestions", unit="run", disable=progress is not None, leave=False)
-        done = 0
-
-        def step() -> None:
-            nonlocal done
-            done += 1
-            bar.update()
-            if progress is not None:
-                progress(done, len(real) + 2)
-
-        try:
+        with steps(len(real) + 2, "verifying suggestions", "run", progress) as step:
             for candidate, gain in zip(simulated, self._simulated_gains(simulated), strict=True):
                 verdicts[candidate] = self._judge(candidate, gain, SIMULATED)
             step()
             current = self.session.current_settings()
             for candidate in real:
-                fqn = candidate.module_fqn
-                if candidate.setting == "equalize":
-                    error = self.session.equalization_float_error(fqn)
-                    if not error <= EXACT_FLOAT:  # torch's equalization must leave the float model's output as it was
-                        why = f"torch's equalization here changes the float model's output ({error:.1%} relative error)"
-                        verdicts[candidate] = Verdict(candidate, math.nan, NOT_TRIED, False, why)
-                        step()
-                        continue
-                run = self.session.apply({fqn: candidate.applied_to(current[fqn])}, label=f"try {fqn}", progress=_quiet,
-                                         record=False)  # fmt: skip
-                if run.ok:
-                    verdicts[candidate] = self._judge(candidate, run.output_sqnr_db - baseline.output_sqnr_db, REAL_RUN)
-                else:
-                    verdicts[candidate] = Verdict(candidate, math.nan, REAL_RUN, False, f"the run failed: {run.error}")
+                verdicts[candidate] = self._trial(candidate, current, baseline)
                 step()
             ordered = [verdicts[c] for c in candidates]
             settings, accept_all, notes = self._accept_all(ordered, baseline)
             step()
-        finally:
-            bar.close()
         return VerifiedSuggestions(baseline.output_sqnr_db, ordered, settings, accept_all, notes)
+
+    def _trial(self, candidate: Candidate, current: Mapping[str, ModuleSettings], baseline: RunResult) -> Verdict:
+        """A candidate measured by a real run (kept out of the history)."""
+        fqn = candidate.module_fqn
+        if candidate.setting == "equalize":
+            error = self.session.equalization_float_error(fqn)
+            if not error <= EXACT_FLOAT:  # torch's equalization must leave the float model's output as it was
+                why = f"torch's equalization here changes the float model's output ({error:.1%} relative error)"
+                return Verdict(candidate, math.nan, NOT_TRIED, False, why)
+        run = self.session.apply({fqn: candidate.applied_to(current[fqn])}, label=f"try {fqn}", progress=_quiet, record=False)
+        if not run.ok:
+            return Verdict(candidate, math.nan, REAL_RUN, False, f"the run failed: {run.error}")
+        return self._judge(candidate, run.output_sqnr_db - baseline.output_sqnr_db, REAL_RUN)
 
     def _not_tried(self, candidate: Candidate) -> str:
         module = self.modules.get(candidate.module_fqn)

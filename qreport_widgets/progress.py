@@ -1,0 +1,30 @@
+"""Counting steps of long work: a tqdm bar in a notebook or terminal, or a caller's callback (a widget)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from tqdm.auto import tqdm
+
+Progress = Callable[[int, "int | None"], None]
+
+
+@contextmanager
+def steps(total: int, desc: str, unit: str, progress: Progress | None) -> Iterator[Callable[[], None]]:
+    """A ``step()`` to call after each of ``total`` steps: it advances a tqdm bar when ``progress``
+    is None, else calls ``progress(done, total)`` (which may raise to stop the work)."""
+    bar = tqdm(total=total, desc=desc, unit=unit, disable=progress is not None, leave=False)
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        bar.update()
+        if progress is not None:
+            progress(done, total)
+
+    try:
+        yield step
+    finally:
+        bar.close()
