@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Union
 
 import torch
@@ -12,6 +13,15 @@ from tqdm.auto import tqdm
 from .errors import CalibrationError, NotCalibratedError
 
 CalibrationData = Union[Iterable[Any], Callable[[torch.nn.Module], Any]]
+
+
+@contextmanager
+def torch_warnings_hidden() -> Iterator[None]:
+    """torch's own warnings hidden for the duration (its observers warn "Please use quant_min and
+    quant_max" hundreds of times per run); the package's own warnings still show."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"torch(\.|$)")
+        yield
 
 
 def call_with(model: torch.nn.Module, batch: Any) -> Any:

@@ -22,7 +22,7 @@ class RunResult:
     output_sqnr_db: float
     per_layer_sqnr_db: pd.Series
     size_bytes: int
-    latency_ms: float  # median seconds per evaluation batch, in ms
+    latency_ms: float  # median time per evaluation batch after one warm-up batch, in ms
     duration_s: float
     error: str | None = None
     label: str = ""
@@ -36,6 +36,22 @@ class RunResult:
     notes: list[str] = field(default_factory=list)  # what could not be measured, and why
     settings: Mapping[str, ModuleSettings] | None = None  # what apply() was given (None for run())
     config: Any = None  # the engine's configuration of this run
+    latency_spread_ms: float = math.nan  # slowest minus fastest evaluation batch, in ms
+
+    def changes(self, start: Mapping[str, ModuleSettings]) -> str:
+        """What this run's settings change from ``start`` (each module's starting settings), in words."""
+        if self.settings is None:
+            return "a hand-written mapping"
+        changed = []
+        for fqn, choice in self.settings.items():
+            before = start.get(fqn)
+            if before is None or choice == before:
+                continue
+            words = [name if value is True else f"{name}={value}" for name, value in vars(choice).items()
+                     if value != getattr(before, name) and value not in (False, "")]  # fmt: skip
+            undone = [f"no {name}" for name, value in vars(choice).items() if value in (False, "") and getattr(before, name)]
+            changed.append(f"{fqn}: {', '.join(words + undone)}")
+        return "; ".join(changed) or "the starting settings"
 
     @property
     def ok(self) -> bool:

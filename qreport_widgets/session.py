@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .calibration import CalibrationData, calibrate, call_with
+from .calibration import CalibrationData, calibrate, call_with, torch_warnings_hidden
 from .diagnosis import Diagnosis
 from .engine import Engine, Simulation
 from .errors import CalibrationError, InvalidSettingsError
@@ -173,6 +173,7 @@ class QuantizationSession(Diagnosis):
         """The starting configuration's run, computed once."""
         if self._baseline is None or not self._baseline.ok:
             self._baseline = self._run(self.engine.base_config(), "baseline", progress)
+            self._baseline.settings = self.current_settings()
         return self._baseline
 
     def apply(
@@ -217,14 +218,17 @@ class QuantizationSession(Diagnosis):
 
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         """One row per run (metrics as columns), and per-layer SQNR with one column per run."""
+        start = self.current_settings()
         rows = [
             {
                 "run": r.label,
+                "changes": r.changes(start),
                 "output SQNR (dB)": r.output_sqnr_db,
                 "mean batch SQNR (dB)": r.mean_batch_sqnr_db,
                 "quantized layers": r.quantized_layers,
                 "size (KB)": r.size_bytes / 1024,
                 "latency (ms)": r.latency_ms,
+                "latency spread (ms)": r.latency_spread_ms,
                 **({"your metric": r.eval_metric} if self.eval_fn is not None else {}),
                 "duration (s)": r.duration_s,
             }
@@ -262,10 +266,13 @@ class QuantizationSession(Diagnosis):
         start = time.perf_counter()
         try:
             _require_float32(self._float)
-            prepared = engine.prepare(self._float if float_model is None else float_model, config, self.example_inputs)
-            calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None, on_batch=progress)
-            quantized = engine.convert(prepared)
-            result = self._measure(quantized, prepared, config, label, per_layer=record)
+            with torch_warnings_hidden():
+                source = self._float if float_model is None else float_model
+                prepared = engine.prepare(source, config, self.example_inputs)
+                calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None,
+                          on_batch=progress)  # fmt: skip
+                quantized = engine.convert(prepared)
+                result = self._measure(quantized, prepared, config, label, per_layer=record)
         except Exception as error:  # user models and data: report, keep the session usable
             detail = "".join(traceback.format_exception_only(type(error), error)).strip()
             result = RunResult(_mapping_of(config), None, math.nan, pd.Series(dtype=float), 0, math.nan, 0.0, detail, label)
@@ -288,6 +295,7 @@ class QuantizationSession(Diagnosis):
         outputs, seconds = [], []
         with torch.no_grad():
             try:
+                call_with(quantized, self.eval_data[0])  # warm-up: first calls pay for allocations and packing
                 for batch in self.eval_data:
                     start = time.perf_counter()
                     outputs.append(output_tensor(call_with(quantized, batch)))
@@ -309,6 +317,7 @@ class QuantizationSession(Diagnosis):
             per_layer_sqnr_db=layers,
             size_bytes=_serialized_size(quantized),
             latency_ms=float(np.median(seconds) * 1000),
+            latency_spread_ms=float((max(seconds) - min(seconds)) * 1000),
             duration_s=0.0,
             label=label,
             mean_batch_sqnr_db=float(np.mean(batch_sqnr)),

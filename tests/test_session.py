@@ -40,7 +40,7 @@ def test_baseline_and_suggestions_are_measured(analyzed):
     runs, layers = session.compare()
     assert list(runs["run"])[:2] == ["baseline", "suggested"] and "suggested" in layers.columns
     conversions = suggested.conversions.set_index("module")
-    assert conversions.loc["meta_fc", "converted type"] == "Linear" and conversions.loc["meta_fc", "quantized"]
+    assert conversions.loc["meta_fc", "converted type"] == "dynamic quantized Linear" and conversions.loc["meta_fc", "quantized"]
     # equalizing head keeps the LayerNorm before it in float: torch puts the float scale there
     assert not conversions.loc["neck", "quantized"] and suggested.quantized_layers == baseline.quantized_layers - 1
 
@@ -267,3 +267,31 @@ def test_the_widget_gets_an_analysis_and_a_session_through_their_protocols(analy
     widget = report.widget()
     assert widget.source is analysis and widget.tuning.session is report.session
     assert analysis is report.analysis()  # one value per generated report
+
+
+def test_runs_state_their_change_honest_types_and_no_torch_warnings(analyzed, recwarn):
+    import warnings as _warnings
+
+    _, _, report = analyzed
+    session = report.session
+    tuning = report.widget().tuning
+    with _warnings.catch_warnings(record=True) as seen:
+        _warnings.simplefilter("always")
+        tuning.rows["meta_fc"].keep_float.value = False
+        tuning.rows["stem.conv"].weight.value = "per-tensor"
+        tuning.apply.click()
+    assert not [w for w in seen if "torch" in w.filename], [str(w.message) for w in seen][:3]
+    assert "vs the baseline" in tuning.status.value and "best so far" in tuning.status.value
+    result = session.history[-1]
+    delta = result.output_sqnr_db - session.baseline().output_sqnr_db
+    if delta < -0.05:
+        assert "worse than the baseline" in tuning.status.value and "#b00" in tuning.status.value
+    runs, _ = session.compare()
+    assert runs.iloc[0]["changes"] == "the starting settings" and "latency spread (ms)" in runs.columns
+    assert all(runs["latency (ms)"] > 0)
+    conversions = session.baseline().conversions.set_index("module")
+    assert conversions.loc["stem.conv", "converted type"].startswith("quantized ")  # not the float class's name
+    from qreport_widgets.run import RunResult  # a run's changes in words
+
+    assert "stem.conv: per_channel" in RunResult(None, None, 0.0, None, 0, 0.0, 0.0, settings={
+        "stem.conv": ModuleSettings(per_channel=True)}).changes({"stem.conv": ModuleSettings()})  # fmt: skip

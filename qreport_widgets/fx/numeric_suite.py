@@ -75,6 +75,19 @@ def _cached_reversed_fusions():
         graph_matcher.get_reversed_fusions = original
 
 
+def _converted_name(module: Any) -> str:
+    """A converted module's class with what makes it differ from the float class of the same name
+    (torch's quantized ConvReLU2d is also called ConvReLU2d)."""
+    if module is None:
+        return "(folded away)"
+    path, name = type(module).__module__, type(module).__name__
+    if ".dynamic" in path:
+        return f"dynamic quantized {name}"
+    if ".reference" in path:
+        return f"reference {name}"
+    return f"quantized {name}" if ".quantized" in path else name
+
+
 def quantization_summary(prepared: torch.fx.GraphModule, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per original layer type: total / quantized / float; and per module: float type -> converted type.
 
@@ -95,7 +108,7 @@ def quantization_summary(prepared: torch.fx.GraphModule, quantized: torch.nn.Mod
             {
                 "module": fqn,
                 "float type": unit.type_name,
-                "converted type": type(converted).__name__ if converted is not None else "(folded away)",
+                "converted type": _converted_name(converted),
                 "quantized": kind.startswith(_QUANTIZED_NAMESPACES),
             }
         )

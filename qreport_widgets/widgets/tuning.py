@@ -217,7 +217,7 @@ class TuningPanel(w.VBox):
             result = self._run_with_progress(label, lambda cb: self.session.apply(settings, label=label, progress=cb))
             if result.ok:
                 notes = "".join(f"<br><i>{html.escape(note)}</i>" for note in result.notes)
-                self._final_status = f"{html.escape(result.label)}: output SQNR {result.output_sqnr_db:.2f} dB{notes}"
+                self._final_status = run_status(result, self.session.history, self.sensitivity.table) + notes
             else:
                 self._final_status = "<i>Run failed; the previous results are kept.</i>"
                 self.error.value = f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(result.error)}</pre>"
@@ -318,6 +318,27 @@ class TuningPanel(w.VBox):
 def _migrations(session: TuningSession | None) -> dict[str, str]:
     """Module -> what its outlier-channel migration does, where the session found one."""
     return {fqn: m.summary for fqn, m in session.migrations().items()} if session is not None else {}
+
+
+def run_status(result: RunResult, history: list[RunResult], sensitivity: pd.DataFrame | None) -> str:
+    """The run's output SQNR against the baseline (red when worse) and the best run so far, and
+    which module hurts most where the sensitivity ranking has been computed."""
+    line = f"{html.escape(result.label)}: output SQNR {result.output_sqnr_db:.2f} dB"
+    baseline = next((r for r in history if r.label == "baseline"), None)
+    if baseline is not None and baseline is not result:
+        delta = result.output_sqnr_db - baseline.output_sqnr_db
+        color = "#b00" if delta < -0.05 else "#070" if delta > 0.05 else "#444"
+        verdict = " (worse than the baseline)" if delta < -0.05 else ""
+        line += f", <b style='color:{color}'>{delta:+.2f} dB</b> vs the baseline ({baseline.output_sqnr_db:.2f} dB){verdict}"
+    best = max(history, key=lambda r: r.output_sqnr_db, default=None)
+    if best is not None and best is not result:
+        line += f"; best so far: {html.escape(best.label)} ({best.output_sqnr_db:.2f} dB)"
+    if sensitivity is not None and len(sensitivity):
+        worst, gain = sensitivity.index[0], float(sensitivity["output_sqnr_gain_db"].iloc[0])
+        line += f"<br>Most harmful module (sensitivity): <b>{html.escape(str(worst))}</b>, {gain:+.2f} dB if kept float"
+    else:
+        line += "<br><i>Sensitivity (above) ranks the modules by what keeping each float would gain.</i>"
+    return line
 
 
 def verified_status(verified: VerifiedSuggestions) -> str:
