@@ -295,3 +295,33 @@ def test_runs_state_their_change_honest_types_and_no_torch_warnings(analyzed, re
 
     assert "stem.conv: per_channel" in RunResult(None, None, 0.0, None, 0, 0.0, 0.0, settings={
         "stem.conv": ModuleSettings(per_channel=True)}).changes({"stem.conv": ModuleSettings()})  # fmt: skip
+
+
+def test_tune_rows_at_scale_filter_bulk_and_refuse_on_the_row():
+    from qreport_widgets.architectures import mobilenet_v3_small
+
+    model = mobilenet_v3_small(size=64)
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 3, 64, 64, generator=generator),) for _ in range(3)]
+    report = qw.analyze(model, batches[0], batches[:2], eval_data=batches[2:], progress=False)
+    tuning = report.widget().tuning
+    assert len(tuning.rows) == 54 and len(tuning.rows_box.children) == 54 and "54 of 54 shown" in tuning.shown.value
+    tuning.filter.value = "FC2"  # name or type, case ignored: the squeeze-excitation expand convs
+    shown = list(tuning.rows_box.children)
+    assert shown and all("fc2" in row.fqn for row in shown) and f"{len(shown)} of 54 shown" in tuning.shown.value
+    tuning.bulk["keep float"].click()
+    tuning.filter.value = ""
+    assert {row.fqn for row in tuning.rows.values() if row.keep_float.value} == {row.fqn for row in shown}
+    tuning.filter.value = "Linear"
+    assert [row.fqn for row in tuning.rows_box.children] == ["classifier.0", "classifier.2"]
+    tuning.bulk["reset"].click()
+    tuning.filter.value = ""
+    assert sum(row.keep_float.value for row in tuning.rows.values()) == len(shown)
+    tuning.only_suggested.value = True
+    assert all(row.suggested for row in tuning.rows_box.children)
+    tuning.only_suggested.value = False
+    row = tuning.rows["classifier.0"]  # an invalid combination is refused on its row, before Apply
+    row.equalize.value, row.activation.value = True, "dynamic"
+    assert "color:#b00" in row.why.value and "static activation" in row.why.value
+    row.activation.value = "static"
+    assert "color:#b00" not in row.why.value

@@ -14,7 +14,7 @@ import pandas as pd
 
 from ..errors import InvalidSettingsError
 from ..protocols import ReportSource, TuningSession
-from ..settings import ModuleSettings, TunableModule, validate_all
+from ..settings import ModuleSettings, TunableModule, validate, validate_all
 from ..verify import VerifiedSuggestions, nan_equalization_metric
 from .plots import bar_range
 from .sensitivity import SensitivityPane
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 STATIC, DYNAMIC = "static", "dynamic"
 PER_TENSOR, PER_CHANNEL = "per-tensor", "per-channel"
+TOP_LAYERS = 20  # bars per run in the per-layer chart; the full table is session.compare()
 _SERIES_COLORS = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
 
 
@@ -32,6 +33,9 @@ class SettingsRow(w.HBox):
 
     def __init__(self, module: TunableModule, reasons: list[str], migration: str = "") -> None:
         self.fqn = fqn = module.fqn
+        self.module = module
+        self.suggested = bool(reasons)
+        self._search = f"{fqn} {module.type_name}".lower()
         type_name = html.escape(module.type_name)
         tip = "; ".join(reasons) or "no suggestion"
         self.activation = w.ToggleButtons(options=[STATIC, DYNAMIC], tooltips=["static activations", "dynamic (Linear only)"],
@@ -52,18 +56,39 @@ class SettingsRow(w.HBox):
                                    layout={"width": "150px", "flex": "0 0 auto"})  # fmt: skip
         name = f"<b>{html.escape(fqn)}</b><br><span style='color:#666'>{type_name}</span>"
         label = w.HTML(f"<div style='line-height:1.3'>{name}</div>", layout={"width": "170px", "flex": "0 0 auto"}, tooltip=tip)
-        reason = f"<div style='font-size:11px;line-height:1.3;color:#444' title='{html.escape(tip)}'>{html.escape(tip)}</div>"
-        self.why = why = w.HTML(reason, layout={"flex": "1 1 240px", "min_width": "240px"})
+        self.why = why = w.HTML(layout={"flex": "1 1 240px", "min_width": "240px"})
+        self._reasons = reasons
+        self._render_why()
         # rows keep their height inside the scrolling box (a flex column would squeeze them together);
         # on a narrow screen the reason moves under the controls instead of shrinking to a word a line
         super().__init__([label, self.activation, self.weight, self.equalize, self.keep_float, self.migrate, self.observer, why],
                          layout={"align_items": "center", "border_bottom": "1px solid #eee", "flex": "0 0 auto",
                                  "min_height": "48px", "flex_flow": "row wrap"})  # fmt: skip
 
-    def set_reasons(self, reasons: list[str]) -> None:
-        """Show measured verdicts in place of the detectors' reasons."""
-        tip = html.escape("; ".join(reasons) or "no suggestion")
-        self.why.value = f"<div style='font-size:11px;line-height:1.3;color:#444' title='{tip}'>{tip}</div>"
+        for control in (self.activation, self.weight, self.equalize, self.keep_float, self.migrate, self.observer):
+            control.observe(self._on_change, "value")
+
+    def set_reasons(self, reasons: list[str], suggested: bool) -> None:
+        """Show measured verdicts in place of the detectors' reasons (``suggested``: one is offered)."""
+        self._reasons, self.suggested = reasons, suggested
+        self._render_why()
+
+    def matches(self, text: str) -> bool:
+        """Whether ``text`` is part of the module's name or type (case ignored)."""
+        return text.lower() in self._search
+
+    def _on_change(self, _change: dict) -> None:
+        self._render_why()
+
+    def _render_why(self) -> None:
+        """The reasons, and in red why these settings cannot be applied to this module, if so."""
+        tip = html.escape("; ".join(self._reasons) or "no suggestion")
+        problem = ""
+        try:
+            validate(self.module, self.settings)
+        except InvalidSettingsError as error:
+            problem = f"<div style='color:#b00'>{html.escape(str(error).removeprefix(self.fqn + ': '))}</div>"
+        self.why.value = f"<div style='font-size:11px;line-height:1.3;color:#444' title='{tip}'>{problem}{tip}</div>"
 
     @property
     def settings(self) -> ModuleSettings:
@@ -128,6 +153,23 @@ class TuningPanel(w.VBox):
         # the status line gets the full width under the buttons: measured results take a few lines
         buttons = w.HBox([self.accept, self.reset, self.apply, self.progress], layout={"align_items": "center"})
         self.rows_box = rows = w.VBox(list(self.rows.values()), layout={"max_height": "300px", "overflow_y": "auto"})
+        self._order: list[str] = []  # forward order
+        self.filter = w.Text(placeholder="filter: name or type", layout={"width": "200px", "flex": "0 0 auto"})
+        self.only_suggested = w.Checkbox(description="with a suggestion", indent=False, layout={"width": "150px", **fixed})
+        self.shown = w.HTML(layout={"flex": "0 0 auto"})
+        self.bulk = {
+            name: w.Button(description=name, tooltip=f"{name} on every row shown", layout={"width": "110px", **fixed})
+            for name in ("keep float", "per-channel", "reset")
+        }
+        for name, button in self.bulk.items():
+            button.on_click(lambda _b, name=name: self._bulk(name))
+        self.filter.observe(lambda _c: self._refresh_rows(), "value")
+        self.only_suggested.observe(lambda _c: self._refresh_rows(), "value")
+        bulk_label = w.HTML(
+            "<span style='color:#666'>on the rows shown:</span>", layout={"flex": "0 0 auto", "margin": "0 4px 0 12px"}
+        )
+        toolbar = w.HBox([self.filter, self.only_suggested, self.shown, bulk_label, *self.bulk.values()],
+                         layout={"align_items": "center", "flex_flow": "row wrap"})  # fmt: skip
         results = w.Accordion(
             children=[self.summary, self.code],
             titles=("Quantization summary of the last run", "These settings as Python, to paste into a pipeline"),
@@ -141,7 +183,8 @@ class TuningPanel(w.VBox):
             super().__init__([self.status, self.error])
             return
         self.sensitivity = SensitivityPane(session, self._keep_float, self._order_rows)
-        super().__init__([self.sensitivity, header, rows, buttons, self.status, self.error, self.history, results])
+        super().__init__([self.sensitivity, toolbar, header, rows, buttons, self.status, self.error, self.history, results])
+        self._refresh_rows()
         self._set_all(session.current_settings())
         self._show_code()
 
@@ -174,9 +217,11 @@ class TuningPanel(w.VBox):
             self._enable(True)
             self.progress.layout.visibility = "hidden"
         self._set_all(verified.settings)
+        offered = {v.candidate.module_fqn for v in verified.offered}
         for fqn, texts in verified.reasons().items():
             if fqn in self.rows:
-                self.rows[fqn].set_reasons(texts)
+                self.rows[fqn].set_reasons(texts, fqn in offered)
+        self._refresh_rows()
         self.status.value = verified_status(verified)
         self._show_code()
 
@@ -253,9 +298,32 @@ class TuningPanel(w.VBox):
 
     def _order_rows(self, order: list[str]) -> None:
         """Rows in ``order`` (names not in it follow in forward order); an empty order is forward order."""
-        ranked = [self.rows[name] for name in order if name in self.rows]
-        rest = [row for name, row in self.rows.items() if name not in set(order)]
-        self.rows_box.children = tuple(ranked + rest)
+        self._order = list(order)
+        self._refresh_rows()
+
+    def _visible_rows(self) -> list[SettingsRow]:
+        ranked = [self.rows[name] for name in self._order if name in self.rows]
+        ordered = ranked + [row for name, row in self.rows.items() if name not in set(self._order)]
+        text, only = self.filter.value.strip(), self.only_suggested.value
+        return [row for row in ordered if (not text or row.matches(text)) and (not only or row.suggested)]
+
+    def _refresh_rows(self) -> None:
+        """The rows that pass the filter, in the chosen order (one message to the browser)."""
+        visible = self._visible_rows()
+        self.rows_box.children = tuple(visible)
+        self.shown.value = f"<span style='color:#666'>{len(visible)} of {len(self.rows)} shown</span>"
+
+    def _bulk(self, action: str) -> None:
+        start = self.session.current_settings()
+        with self.hold_sync():
+            for row in self._visible_rows():
+                if action == "keep float":
+                    row.keep_float.value = True
+                elif action == "per-channel" and not row.weight.disabled:
+                    row.weight.value = PER_CHANNEL
+                elif action == "reset":
+                    row.settings = start[row.fqn]
+        self._show_code()
 
     def settings(self) -> dict[str, ModuleSettings]:
         return {fqn: row.settings for fqn, row in self.rows.items()}
@@ -290,29 +358,38 @@ class TuningPanel(w.VBox):
     def _show_results(self, latest: RunResult | None) -> None:
         runs, layers = self.session.compare()
         with self.hold_sync():
-            self.history.value = "<h4 style='margin:6px 0'>Runs</h4>" + runs.to_html(
-                index=False, float_format=lambda v: f"{v:.3g}", border=0
-            )
+            self.history.value = "<h4 style='margin:6px 0'>Runs</h4>" + runs.to_html(index=False, float_format=_number, border=0)
             self._draw_layers(layers)
             if self.figure not in self.children:
                 self.children = (*self.children[:5], self.figure, *self.children[5:])
             if latest is not None:
-                self.summary.value = latest.summary.to_html(index=False, border=0) + latest.conversions.to_html(
-                    index=False, border=0
-                )
+                tables = latest.summary.to_html(index=False, border=0) + latest.conversions.to_html(index=False, border=0)
+                self.summary.value = f"<div style='overflow-x:auto'>{tables}</div>"
                 self._show_code()
 
     def _draw_layers(self, layers: pd.DataFrame) -> None:
         layers = layers.replace([np.inf, -np.inf], np.nan)
+        total = len(layers)
+        if total > TOP_LAYERS:  # the layers with the lowest SQNR in the last run, in forward order
+            lowest = set(layers.iloc[:, -1].nsmallest(TOP_LAYERS).index)
+            layers = layers[layers.index.isin(lowest)]
+            self.figure.title = f"Per-layer SQNR, {TOP_LAYERS} lowest of {total} layers"
+        else:
+            self.figure.title = "Per-layer SQNR"
         low, high, span = bar_range(layers.to_numpy(dtype=np.float64).ravel())
         with self.figure.hold_sync():
             self.x_scale.domain = list(layers.index)
-            self.bars.scales["y"].min, self.bars.scales["y"].max = low, high + 0.1 * span
+            self.bars.scales["y"].min, self.bars.scales["y"].max = low, high + 0.35 * span  # room for the legend above the bars
             with self.bars.hold_sync():
                 self.bars.x = list(layers.index)
                 self.bars.y = layers.T.to_numpy(dtype=np.float32, na_value=0.0)
                 self.bars.labels = list(layers.columns)
                 self.bars.colors = _SERIES_COLORS[: len(layers.columns)]
+
+
+def _number(value: float) -> str:
+    """Three significant digits, thousands written out: 2,806 rather than 2.81e+03."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
 def _migrations(session: TuningSession | None) -> dict[str, str]:
@@ -388,10 +465,11 @@ def _sqnr_figure():
     bars = bq.Bars(x=[], y=np.zeros((0, 0), np.float32), scales={"x": x_scale, "y": y_scale}, type="grouped",
                    display_legend=True, labels=[], colors=_SERIES_COLORS[:1], padding=0.15,
                    tooltip=bq.Tooltip(fields=["x", "y"], labels=["layer", "SQNR (dB)"], formats=["", ".1f"]))  # fmt: skip
-    axes = [bq.Axis(scale=x_scale, label="layer", tick_rotate=-30, tick_style={"font-size": "9px"}),
-            bq.Axis(scale=y_scale, orientation="vertical", label="SQNR (dB)")]  # fmt: skip
+    # module names are long: rotated ticks with room under them, and no axis title to collide with
+    axes = [bq.Axis(scale=x_scale, tick_rotate=-35, tick_style={"font-size": "9px", "text-anchor": "end"}),
+            bq.Axis(scale=y_scale, orientation="vertical", label="SQNR (dB)", label_offset="40px")]  # fmt: skip
     figure = bq.Figure(
-        marks=[bars], axes=axes, title="Per-layer SQNR, runs side by side", legend_location="top-right",
-        fig_margin={"top": 40, "bottom": 70, "left": 60, "right": 20}, layout={"width": "100%", "height": "320px"},
+        marks=[bars], axes=axes, title="Per-layer SQNR", legend_location="top-right",
+        fig_margin={"top": 40, "bottom": 110, "left": 60, "right": 20}, layout={"width": "100%", "height": "380px"},
     )  # fmt: skip
     return figure, bars, x_scale
