@@ -19,13 +19,13 @@ test: setup
 	$(BIN)/python -m pytest
 
 # the report in the terminal, then JupyterLab on the quickstart (127.0.0.1, no browser launched:
-# open the printed URL; works on a machine without a display). Ctrl-C stops the server.
+# the printed URL opens the quickstart notebook; works on a machine without a display). Ctrl-C stops the server.
 DEMO_PORT ?= 8888
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 demo: setup
 	$(BIN)/python -m qreport_widgets.demo
 	cd notebooks && $(abspath $(BIN))/python -m jupyterlab --no-browser --ip=127.0.0.1 --port=$(DEMO_PORT) \
-		$(ROOT_FLAG) 01_quickstart.ipynb
+		$(ROOT_FLAG) --LabApp.default_url=/lab/tree/01_quickstart.ipynb
 
 bench: setup
 	$(BIN)/python benchmarks/run_all.py

@@ -77,7 +77,7 @@ def calibrate(
                 try:
                     call_with(model, batch)
                 except Exception as error:
-                    hints = _non_finite_hint(batch, count) + _device_hint(model, batch, count)
+                    hints = _labels_hint(batch, count) + _non_finite_hint(batch, count) + _device_hint(model, batch, count)
                     raise CalibrationError(
                         f"{desc}: batch {count} failed in the model's forward ({type(error).__name__}: {error}). "
                         f"{hints}Check that batch {count} has the shape and dtype the model expects; a tuple is "
@@ -94,6 +94,21 @@ def calibrate(
     if count == 0:
         raise NotCalibratedError(f"{desc}: the calibration data produced no batch; pass a non-empty iterable")
     return count
+
+
+def _labels_hint(batch: Any, count: int) -> str:
+    """A DataLoader of a labelled data set yields [inputs, labels]: say so, and how to drop the labels."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2 or not all(isinstance(b, torch.Tensor) for b in batch):
+        return ""
+    inputs, labels = batch
+    if labels.is_floating_point() or labels.dim() > 1 or (labels.dim() == 1 and len(labels) != len(inputs)):
+        return ""
+    kind = "list" if isinstance(batch, list) else "tuple"
+    return (
+        f"Batch {count} looks like (inputs, labels): a {kind} of a {tuple(inputs.shape)} tensor and "
+        f"{tuple(labels.shape)} integer labels, and the whole {kind} reaches the model. Pass the inputs only, "
+        "e.g. `[(images,) for images, _labels in loader]`. "
+    )
 
 
 def is_one_shot(data: Any) -> bool:

@@ -200,3 +200,14 @@ def test_any_detector_argument_is_accepted_in_range_or_refused_by_name(name, val
     else:
         with pytest.raises(ValueError, match=name.split()[-1]):
             build(value)
+
+
+def test_a_dataloader_of_images_and_labels_gets_a_hint_about_the_labels():
+    images = torch.randn(16, 3, 32, 32)
+    labels = torch.randint(0, 10, (16,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=8)
+    model = ConvNet().eval()
+    with pytest.raises(qw.CalibrationError, match=r"looks like \(inputs, labels\).*images,\) for images, _labels in loader"):
+        qw.analyze(model, (images[:8],), loader, progress=False)
+    report = qw.analyze(model, (images[:8],), [(x,) for x, _labels in loader], progress=False)  # the fix works
+    assert report.session is not None
