@@ -325,3 +325,21 @@ def test_tune_rows_at_scale_filter_bulk_and_refuse_on_the_row():
     assert "color:#b00" in row.why.value and "static activation" in row.why.value
     row.activation.value = "static"
     assert "color:#b00" not in row.why.value
+
+
+def test_a_run_can_be_restored_into_the_rows(analyzed):
+    _, _, report = analyzed
+    tuning = report.widget().tuning
+    tuning.reset.click()
+    tuning.rows["meta_fc"].activation.value = "dynamic"
+    tuning.apply.click()
+    label = report.session.history[-1].label
+    assert label.startswith("apply ") and label in tuning.restore_from.options and not tuning.restore.disabled
+    tuning.reset.click()
+    assert not tuning.rows["meta_fc"].settings.dynamic
+    tuning.restore_from.value = label
+    tuning.restore.click()
+    assert tuning.rows["meta_fc"].settings.dynamic and label in tuning.status.value
+    tuning.restore_from.value = "baseline"
+    tuning.restore.click()
+    assert not tuning.rows["meta_fc"].settings.dynamic

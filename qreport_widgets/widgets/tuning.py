@@ -134,6 +134,11 @@ class TuningPanel(w.VBox):
         self.reset = w.Button(description="Reset to default", icon="undo", layout={"width": "150px", **fixed})
         self.apply = w.Button(description="Apply", icon="play", button_style="primary", layout={"width": "110px", **fixed})
         self.progress = w.IntProgress(value=0, min=0, max=1, layout={"width": "220px", "visibility": "hidden", **fixed})
+        self.restore_from = w.Dropdown(options=[], description="run", layout={"width": "200px", **fixed},
+                                       style={"description_width": "30px"})  # fmt: skip
+        self.restore = w.Button(description="Restore its settings", icon="history", disabled=True,
+                                layout={"width": "170px", **fixed})  # fmt: skip
+        self.restore.on_click(self._on_restore_click)
         self.status = w.HTML()
         self.error = w.HTML()
         self.history = w.HTML()
@@ -151,7 +156,8 @@ class TuningPanel(w.VBox):
         header = w.HTML("<span style='color:#666'>module · activation · weights · equalization · keep float · "
                         "outlier-channel migration · activation observer · why</span>")  # fmt: skip
         # the status line gets the full width under the buttons: measured results take a few lines
-        buttons = w.HBox([self.accept, self.reset, self.apply, self.progress], layout={"align_items": "center"})
+        buttons = w.HBox([self.accept, self.reset, self.apply, self.progress, self.restore_from, self.restore],
+                         layout={"align_items": "center", "flex_flow": "row wrap"})  # fmt: skip
         self.rows_box = rows = w.VBox(list(self.rows.values()), layout={"max_height": "300px", "overflow_y": "auto"})
         self._order: list[str] = []  # forward order
         self.filter = w.Text(placeholder="filter: name or type", layout={"width": "200px", "flex": "0 0 auto"})
@@ -223,6 +229,15 @@ class TuningPanel(w.VBox):
                 self.rows[fqn].set_reasons(texts, fqn in offered)
         self._refresh_rows()
         self.status.value = verified_status(verified)
+        self._show_code()
+
+    def _on_restore_click(self, _button: w.Button) -> None:
+        """Put an earlier run's settings back in the rows (Apply runs them again)."""
+        run = next((r for r in self.session.history if r.label == self.restore_from.value), None)
+        if run is None or run.settings is None:
+            return
+        self._set_all({**self.session.current_settings(), **run.settings})
+        self.status.value = f"<i>The rows hold the settings of {html.escape(run.label)}; Apply to run them again.</i>"
         self._show_code()
 
     def _on_reset_click(self, _button: w.Button) -> None:
@@ -360,6 +375,10 @@ class TuningPanel(w.VBox):
         with self.hold_sync():
             self.history.value = "<h4 style='margin:6px 0'>Runs</h4>" + runs.to_html(index=False, float_format=_number, border=0)
             self._draw_layers(layers)
+            restorable = [r.label for r in self.session.history if r.settings is not None]
+            self.restore_from.options = restorable
+            self.restore_from.value = restorable[-1] if restorable else None
+            self.restore.disabled = not restorable
             if self.figure not in self.children:
                 self.children = (*self.children[:5], self.figure, *self.children[5:])
             if latest is not None:
