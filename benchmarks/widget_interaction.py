@@ -1,4 +1,6 @@
-"""Cost of one dropdown change in the kernel: time and bytes sent, for a 4096-channel module.
+"""Cost of one interaction in the kernel: time and bytes sent. A module dropdown change to a
+4096-channel module; and on a model of 250 modules (50 transformer MLP blocks, 100 Tune rows) the
+Explore module dropdown, the Tune filter (typed, then cleared) and the "with a suggestion" toggle.
 
 Messages are counted by a comm that records what ipywidgets would send to the browser
 (JSON state plus binary buffers), so no browser is needed.
@@ -61,6 +63,40 @@ def measure(repeats: int = 5) -> dict[str, float]:
     return {"channels": channels, "first_state_s": first_state, "change_ms": median(times) * 1000, "sent_kb": max(sizes) / 1024}
 
 
+def measure_large(repeats: int = 5) -> dict[str, object]:
+    """Median kernel time (ms) and largest message total (KB) per interaction on a 250-module model."""
+    from qreport_widgets.architectures import TransformerMlp
+
+    comm.create_comm = RecordingComm
+    torch.manual_seed(0)
+    model = TransformerMlp(hidden=64, blocks=50, ratio=2).eval()
+    batches = [(torch.randn(4, 16, 64),) for _ in range(3)]
+    report = analyze(model, batches[0], batches[:2], eval_data=batches[2:], progress=False)
+    start = time.perf_counter()
+    widget = report.widget()
+    first_state = time.perf_counter() - start
+    tuning, controls = widget.tuning, widget.controls
+    modules = [name for name in report.frame().module_names if name.endswith("fc1")][:2]
+    actions = {
+        "Explore module dropdown": [lambda m=m: setattr(controls.module, "value", m) for m in modules],
+        "Tune filter typed / cleared": [lambda: setattr(tuning.filter, "value", "fc1"), lambda: setattr(tuning.filter, "value", "")],
+        "Tune 'with a suggestion' toggle": [lambda: setattr(tuning.only_suggested, "value", True),
+                                            lambda: setattr(tuning.only_suggested, "value", False)],
+    }  # fmt: skip
+    found: dict[str, object] = {"modules": sum(1 for _ in model.modules()), "rows": len(tuning.rows), "first_state_s": first_state}
+    for name, steps in actions.items():
+        times, sizes = [], []
+        for _ in range(repeats):
+            for step in steps:
+                RecordingComm.sent.clear()
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+                sizes.append(sum(RecordingComm.sent))
+        found[name] = (median(times) * 1000, max(sizes) / 1024)
+    return found
+
+
 def main() -> None:
     setup()
     row = measure()
@@ -68,6 +104,11 @@ def main() -> None:
         f"widget: first state {row['first_state_s']:.3f} s; module change to a {row['channels']}-channel module "
         f"{row['change_ms']:.1f} ms in the kernel, {row['sent_kb']:.1f} KB sent (largest of the changes)"
     )
+    large = measure_large()
+    print(f"{large['modules']} modules, {large['rows']} Tune rows: widget built in {large['first_state_s']:.2f} s")
+    for name, value in large.items():
+        if isinstance(value, tuple):
+            print(f"  {name}: {value[0]:.1f} ms in the kernel (median), {value[1]:.1f} KB sent (largest)")
 
 
 if __name__ == "__main__":
