@@ -46,7 +46,10 @@ def test_feature_dropdown_offers_only_what_the_module_reports(report):
     features = [v for _, v in controls.feature.options]
     assert F.EQUALIZATION_COMP_METRICS in features and F.INPUT_COMP_STAT in features
     labels = dict((v, label) for label, v in controls.feature.options)
-    assert labels[F.EQUALIZATION_COMP_METRICS].endswith("per-channel") and labels[F.INPUT_COMP_STAT].endswith("per-tensor")
+    assert labels[F.EQUALIZATION_COMP_METRICS].endswith("per channel") and labels[F.INPUT_COMP_STAT].endswith("per module")
+    assert "_" not in labels[F.INPUT_COMP_STAT]  # readable words; the raw key stays in the tables
+    # a detector's settings (the same number for every module) are not offered for plotting
+    assert F.TOLERANCE not in features and F.EQUALIZATION_CHANNEL_AXIS not in features
 
 
 def test_line_view_shows_channels_and_the_threshold(report):
@@ -92,9 +95,13 @@ def test_table_view_and_prefix_filter(report):
     controls.view.value = "Table"
     table = widget.views.table.value
     assert "Suggestions" in table and "meta_fc" in table and "stem.conv" in table
-    controls.prefix.value = "mlp"
+    controls.prefix.value = "mlp"  # the Find box narrows the tables and the module list alike
     table = widget.views.table.value
     assert "mlp.fc1" in table and "meta_fc" not in table
+    assert all("mlp" in label for label, value in controls.module.options[1:])
+    controls.prefix.value = "gelu"  # a type matches too
+    assert [value for _, value in controls.module.options[1:]] == ["mlp.act"]
+    controls.prefix.value = ""
     controls.module.value = "head"
     assert "Per-channel features" in widget.views.table.value
 

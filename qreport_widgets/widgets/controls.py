@@ -8,12 +8,65 @@ from .. import features as F
 from ..frame import ReportFrame
 from .views import ACTIVATION_VALUES, ALL_MODULES, View
 
+# what each of torch's report keys measures, in words (the raw key stays in the tables and tooltips)
+READABLE = {
+    F.OUTLIER_RATIOS: "outlier ratio: channel max / reference percentile",
+    F.INPUT_PER_CHANNEL_MAX: "input max per channel",
+    F.INPUT_PER_CHANNEL_MIN: "input min per channel",
+    F.WEIGHT_PER_CHANNEL_MAX: "weight max per channel",
+    F.WEIGHT_PER_CHANNEL_MIN: "weight min per channel",
+    F.EQUALIZATION_COMP_METRICS: "equalization balance per channel (weight vs input range)",
+    F.EQUALIZATION_RECOMMENDED: "equalization recommended per channel",
+    F.OUTLIERS_DETECTED: "outliers detected per channel",
+    F.CONSTANT_BATCH_COUNTS: "batches with a constant channel",
+    F.OUTLIER_BATCHES_USED: "batches used for the outlier ratio",
+    F.INPUT_COMP_STAT: "input: batch range / whole-data range (dynamic vs static)",
+    F.OUTPUT_COMP_STAT: "output: batch range / whole-data range (dynamic vs static)",
+    F.INPUT_GLOBAL_MAX: "input max",
+    F.INPUT_GLOBAL_MIN: "input min",
+    F.WEIGHT_GLOBAL_MAX: "weight max",
+    F.WEIGHT_GLOBAL_MIN: "weight min",
+}
 
-def module_options(frame: ReportFrame) -> list[tuple[str, str]]:
+
+def readable(feature: str) -> str:
+    return READABLE.get(feature, feature.replace("_", " "))
+
+
+def measured_modules(frame: ReportFrame) -> list[str]:
+    """The modules some detector reports a value for (an Identity or a Dropout has none)."""
+    return [name for name in frame.module_names if frame.present.get(name)]
+
+
+def module_options(frame: ReportFrame, search: str = "") -> list[tuple[str, str]]:
+    """All modules, then each measured module whose name or type contains ``search`` (case ignored)."""
     options = [("All modules", ALL_MODULES)]
-    for name, row in frame.modules.iterrows():
-        options.append((f"{name} ({row['module_type']}, {row['channels']} ch)", name))
+    text = search.strip().lower()
+    for name in measured_modules(frame):
+        row = frame.modules.loc[name]
+        label = f"{name} ({row['module_type']}, {row['channels']} ch)"
+        if not text or text in label.lower():
+            options.append((label, name))
     return options
+
+
+# the built-in detectors' settings, reported per module by torch's report keys
+SETTINGS = {
+    F.TOLERANCE, F.EQUALIZATION_THRESHOLD, F.EQUALIZATION_CHANNEL_AXIS, F.OUTLIER_RATIO_THRESHOLD,
+    F.OUTLIER_REFERENCE_PERCENTILE, F.OUTLIER_CHANNEL_AXIS, F.BACKEND,
+}  # fmt: skip
+
+
+def settings_features(frame: ReportFrame) -> set[str]:
+    """A detector's settings (a threshold, a channel axis), not measurements: not offered for
+    plotting. The built-in ones, and any per-module number that is the same for every module."""
+    found = set(SETTINGS)
+    for feature in frame.tensor_features:
+        if frame.is_numeric(feature):
+            values = frame.modules[feature].dropna()
+            if len(values) > 1 and values.nunique() == 1:
+                found.add(feature)
+    return found
 
 
 def feature_options(frame: ReportFrame, module: str) -> list[tuple[str, str]]:
@@ -24,11 +77,12 @@ def feature_options(frame: ReportFrame, module: str) -> list[tuple[str, str]]:
     else:
         per_channel, per_tensor = frame.features_of(module)
         has_histogram = module in frame.histograms
-    numeric = [f for f in per_tensor if frame.is_numeric(f)]
-    options = [(f"{f} · per-channel", f) for f in per_channel]
+    constant = settings_features(frame)
+    numeric = [f for f in per_tensor if frame.is_numeric(f) and f not in constant]
+    options = [(f"{readable(f)} · per channel", f) for f in per_channel]
     if has_histogram:
-        options.append((f"{ACTIVATION_VALUES} · recorded histogram", ACTIVATION_VALUES))
-    options += [(f"{f} · per-tensor", f) for f in numeric]
+        options.append(("activation values · recorded histogram", ACTIVATION_VALUES))
+    options += [(f"{readable(f)} · per module", f) for f in numeric]
     return options
 
 
@@ -42,10 +96,19 @@ class ExploreControls(w.HBox):
         self.feature = w.Dropdown(description="Feature", layout={"width": "480px"})
         self.view = w.ToggleButtons(options=[v.value for v in View], value=View.LINE.value,
                                     style={"button_width": "90px"})  # fmt: skip
-        self.prefix = w.Text(placeholder="module prefix", description="Filter", layout={"width": "220px"})
+        self.prefix = w.Text(placeholder="name or type", description="Find", layout={"width": "220px"},
+                             tooltip="narrows the module list and the tables")  # fmt: skip
         self.changing = False
         self.refresh_features()
+        self.prefix.observe(self._on_search, "value")
         super().__init__([self.module, self.feature, self.view, self.prefix], layout={"flex_flow": "row wrap"})
+
+    def _on_search(self, _change: dict) -> None:
+        """Narrow the module list to the modules whose name or type holds the text (the choice stays if it matches)."""
+        options = module_options(self.frame, self.prefix.value)
+        current = self.module.value
+        self.module.options = options
+        self.module.value = current if current in [v for _, v in options] else ALL_MODULES
 
     def refresh_features(self) -> None:
         """Offer the chosen module's features, keeping the current one when it still applies."""

@@ -122,7 +122,13 @@ class ExploreViews(w.VBox):
     # ---- table ---------------------------------------------------------------------------------
     def _table_html(self, module: str, prefix: str) -> str:
         frame = self.frame
-        names = [m for m in frame.module_names if m.startswith(prefix)] if module == ALL_MODULES else [module]
+        text = prefix.strip().lower()  # the Find box: part of a name or type, as for the module list
+        types = frame.modules["module_type"].astype(str)
+        names = (
+            [m for m in frame.module_names if frame.present.get(m) and (not text or text in f"{m} {types[m]}".lower())]
+            if module == ALL_MODULES
+            else [module]
+        )
         suggestions = frame.suggestions[frame.suggestions[MODULE].isin(names)]
         parts = [_titled("Suggestions", suggestions.drop(columns=["evidence"]), "No suggestions for these modules.")]
         tensor = frame.modules.loc[names].drop(columns=["order"])
@@ -163,4 +169,5 @@ class ModuleCard(w.HTML):
 
 def _titled(title: str, table: pd.DataFrame, empty: str) -> str:
     body = table.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="", border=0) if len(table) else f"<i>{empty}</i>"
-    return f"<h4 style='margin:8px 0 4px'>{html.escape(title)}</h4>{body}"
+    # wide tables scroll sideways inside the tab instead of being cut at its edge
+    return f"<h4 style='margin:8px 0 4px'>{html.escape(title)}</h4><div style='overflow-x:auto'>{body}</div>"
