@@ -125,7 +125,7 @@ class HistogramView:
             colors=["#1f77b4"], padding=0.05, tooltip=self.tooltip,
         )  # fmt: skip
         self.x_axis = bq.Axis(scale=self.x_scale, label=x_label, tick_format=".3g")
-        self.y_axis = bq.Axis(scale=self.y_scale, orientation="vertical", label="count", tick_format=".3s", label_offset="55px")
+        self.y_axis = bq.Axis(scale=self.y_scale, orientation="vertical", label="count", tick_format=",.0f", label_offset="55px")
         self.figure = bq.Figure(
             marks=[self.bars], axes=[self.x_axis, self.y_axis], title=title,
             fig_margin={"top": 40, "bottom": 45, "left": 75, "right": 20}, layout={"width": "100%", "height": "340px"},
