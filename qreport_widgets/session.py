@@ -272,7 +272,7 @@ class QuantizationSession(Diagnosis):
                 calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None,
                           on_batch=progress)  # fmt: skip
                 quantized = engine.convert(prepared)
-                result = self._measure(quantized, prepared, config, label, per_layer=record)
+                result = self._measure(quantized, prepared, config, label, per_layer=record, float_model=source)
         except Exception as error:  # user models and data: report, keep the session usable
             detail = "".join(traceback.format_exception_only(type(error), error)).strip()
             result = RunResult(_mapping_of(config), None, math.nan, pd.Series(dtype=float), 0, math.nan, 0.0, detail, label)
@@ -289,8 +289,16 @@ class QuantizationSession(Diagnosis):
         return self._float_outputs
 
     def _measure(
-        self, quantized: torch.nn.Module, prepared: torch.nn.Module, config: Any, label: str, per_layer: bool = True
+        self,
+        quantized: torch.nn.Module,
+        prepared: torch.nn.Module,
+        config: Any,
+        label: str,
+        per_layer: bool = True,
+        float_model: torch.nn.Module | None = None,
     ) -> RunResult:
+        """Output SQNR against the float model's outputs; per-layer SQNR against ``float_model``, the
+        float model the run was prepared from (a migration rescales some layers' outputs, exactly)."""
         reference = self._reference_outputs()
         outputs, seconds = [], []
         with torch.no_grad():
@@ -306,7 +314,8 @@ class QuantizationSession(Diagnosis):
         notes, layers = [], pd.Series(dtype=float, name="SQNR (dB)")
         try:
             if per_layer:
-                layers = self.engine.per_layer_sqnr(self._float, quantized, self.eval_data[0])
+                float_layers = self._float if float_model is None else float_model
+                layers = self.engine.per_layer_sqnr(float_layers, quantized, self.eval_data[0])
         except Exception as error:  # Numeric Suite cannot pair every graph; the run itself is fine
             notes.append(f"per-layer SQNR unavailable: Numeric Suite could not match the two graphs ({type(error).__name__})")
         summary, conversions = self.engine.conversions(prepared, quantized)

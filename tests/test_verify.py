@@ -180,3 +180,17 @@ def test_an_activation_observer_choice_reaches_the_converted_model(observer, cac
         assert isinstance(activation, PercentileObserver) and activation.percentile == 99.99
     with pytest.raises(qw.InvalidSettingsError, match="static"):
         session.apply({"fc1": qw.ModuleSettings(dynamic=True, observer=observer)})
+
+
+def test_per_layer_sqnr_of_a_migrated_run_reads_the_rescaled_layers_right():
+    from qreport_widgets import demo
+
+    model, batches = demo.build_demo_model(), demo.demo_batches(6)
+    report = qw.analyze(model, batches[0], batches, progress=False)  # as the quickstart
+    session = report.session
+    assert session.migrations()["mlp.fc1"].producer == "mlp.norm"
+    baseline = session.baseline()
+    moved = session.apply({"mlp.fc1": qw.ModuleSettings(migrate=True)})
+    # mlp.norm's output is rescaled on purpose: compared with the migrated float model, not the original
+    assert moved.per_layer_sqnr_db["mlp.norm"] >= baseline.per_layer_sqnr_db["mlp.norm"] - 1.0
+    assert moved.per_layer_sqnr_db["mlp.norm"] > 10
