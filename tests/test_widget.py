@@ -129,3 +129,13 @@ def test_widget_from_a_bare_prepared_model():
     assert "GraphModule" in widget.header.value
     widget.controls.module.value = "conv2"
     assert widget.controls.feature.value == F.OUTLIER_RATIOS
+
+
+def test_reports_are_collapsed_per_detector_with_a_summary_in_each_title(report):
+    accordion = report.widget()._reports_accordion()
+    assert accordion.selected_index is None and len(accordion.titles) == len(report.text_reports())
+    counts = {}
+    for suggestion in report.suggestions():
+        counts[suggestion.detector] = counts.get(suggestion.detector, 0) + 1
+    for title, name in zip(accordion.titles, report.text_reports(), strict=True):
+        assert title.startswith(f"{name} · {counts.get(name, 0)} suggestion") and "line" in title

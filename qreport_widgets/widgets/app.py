@@ -94,9 +94,13 @@ class ReportWidget(w.VBox):
     def _reports_accordion(self) -> w.Accordion:
         texts = self.source.text_reports()
         children = [w.HTML(f"<pre style='white-space:pre-wrap'>{html.escape(text)}</pre>") for text in texts.values()]
-        accordion = w.Accordion(children=children)
-        for i, name in enumerate(texts):
-            accordion.set_title(i, name)
+        accordion = w.Accordion(children=children, selected_index=None)  # collapsed: the titles are the summary
+        counts: dict[str, int] = {}
+        for suggestion in self.source.suggestions():
+            counts[suggestion.detector] = counts.get(suggestion.detector, 0) + 1
+        for i, (name, text) in enumerate(texts.items()):
+            lines = len(text.splitlines())
+            accordion.set_title(i, f"{name} · {_count(counts.get(name, 0), 'suggestion')} · {_count(lines, 'line')}")
         return accordion
 
 
