@@ -74,6 +74,61 @@ def lab(tmp_path_factory):
         server.wait(timeout=30)
 
 
+def _assert_bars_drawn(widget) -> None:
+    """The per-layer chart's bars have heights (grouped bqplot bars without a y range draw flat)."""
+    chart = widget.locator(".bqplot", has_text="Per-layer SQNR").first
+    chart.wait_for(timeout=60_000)
+    heights = chart.locator("rect.bar").evaluate_all("els => els.map(e => e.getBBox().height)")
+    assert heights and sum(h > 1 for h in heights) >= len(heights) // 2, heights
+
+
+def _assert_nothing_spills(widget) -> None:
+    """No widget in the tab is wider than the tab (what scrolls must scroll, nothing is cut at the edge)."""
+    controls = ".widget-button, .widget-toggle-buttons, .widget-dropdown, .widget-checkbox, .bqplot"
+    spilled = widget.evaluate(
+        """(root, controls) => {
+            const edge = root.getBoundingClientRect().right + 1;
+            return [...root.querySelectorAll(controls)]
+                .filter(e => e.offsetParent !== null && e.getBoundingClientRect().right > edge)
+                .map(e => (e.innerText || e.className).slice(0, 40));
+        }""",
+        controls,
+    )
+    assert not spilled, spilled
+
+
+def test_large_model_tune_accept_apply_at_1024(lab):
+    """A 54-layer model on a narrow screen: filter the rows, Accept all, Apply; bars drawn, nothing spills."""
+    from playwright.sync_api import sync_playwright
+
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROME_ARGS)
+        page = browser.new_page(viewport={"width": 1024, "height": 1100})
+        page.goto(f"{lab}/lab/tree/06_a_54_layer_model.ipynb", timeout=120_000)
+        page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=120_000)
+        page.wait_for_timeout(2000)
+        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        widget = page.locator(".jp-OutputArea-output .widget-tab").first
+        widget.wait_for(timeout=180_000)
+        widget.locator(".lm-TabBar-tab", has_text="Tune").first.click()
+        widget.get_by_text("54 of 54 shown").first.wait_for(timeout=60_000)
+        widget.locator("input[placeholder='filter: name or type']").first.fill("fc2")
+        widget.get_by_text("of 54 shown").first.wait_for(timeout=60_000)
+        widget.locator("input[placeholder='filter: name or type']").first.fill("")
+        widget.locator("button", has_text="Accept all suggestions").first.click()
+        widget.get_by_text("Accept all (measured)").first.wait_for(timeout=180_000)
+        widget.locator("button", has_text="Apply").first.click()
+        try:
+            widget.get_by_text("apply 1: output SQNR").first.wait_for(timeout=180_000)
+        finally:
+            page.screenshot(path=str(SCREENSHOTS / "large_model_after_apply.png"), full_page=False)
+        _assert_bars_drawn(widget)
+        _assert_nothing_spills(widget)
+        assert page.locator(".jupyter-widgets-error-widget").count() == 0
+        browser.close()
+
+
 def test_quickstart_apply_adds_one_run(lab):
     from playwright.sync_api import sync_playwright
 
@@ -103,6 +158,9 @@ def test_quickstart_apply_adds_one_run(lab):
         finally:
             page.screenshot(path=str(SCREENSHOTS / "quickstart_after_apply.png"), full_page=False)
         assert "1 click made while the run was in progress ignored" in status.inner_text()
+        assert "vs the baseline" in status.inner_text()
+        _assert_bars_drawn(widget)
+        _assert_nothing_spills(widget)
         history = widget.locator(".widget-html", has_text="Runs").first.inner_text()
         assert "baseline" in history and "apply 1" in history and "apply 2" not in history
         assert page.locator(".jupyter-widgets-error-widget").count() == 0
