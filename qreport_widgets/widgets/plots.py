@@ -134,7 +134,7 @@ class HistogramView:
     def update(self, counts: np.ndarray, edges: np.ndarray, *, title: str | None = None, x_label: str | None = None) -> None:
         counts, edges = np.asarray(counts, dtype=np.float64), np.asarray(edges, dtype=np.float64)
         centres = (edges[:-1] + edges[1:]) / 2 if edges.size > 1 else np.zeros(0)
-        keep = np.isfinite(centres) & np.isfinite(counts)
+        keep = np.isfinite(centres) & np.isfinite(counts) & (counts > 0)  # an empty bin is a gap, not a flat bar
         centres, counts = centres[keep], counts[keep]
         with self.figure.hold_sync():
             with self.bars.hold_sync():
