@@ -165,17 +165,21 @@ FX_WORKFLOW = [
 TRANSFORMER = [
     (
         "md",
-        "# Linear layers on batch x tokens x hidden\n\n"
+        "# Linear layers on batch x tokens x hidden\n"
+        "\n"
         "A transformer MLP block sees `(batch, tokens, hidden)` inputs. Its channels are the **hidden** "
         "features (the last dimension), not the tokens: that is the axis qreport observes for Linear layers "
         "(PyTorch's ModelReport takes dim 1, i.e. tokens).",
     ),
     (
         "code",
-        "import warnings\nwarnings.simplefilter('ignore')\n\n"
+        "import warnings\n"
+        "warnings.simplefilter('ignore')\n"
+        "\n"
         "import torch\n"
         "from qreport_widgets import analyze\n"
-        "from qreport_widgets.architectures import TransformerMlp\n\n"
+        "from qreport_widgets.architectures import TransformerMlp\n"
+        "\n"
         "torch.manual_seed(0)\n"
         "model = TransformerMlp(hidden=64, blocks=2, ratio=4).eval()\n"
         "scales = torch.ones(64)\n"
@@ -183,40 +187,102 @@ TRANSFORMER = [
         "batches = [(torch.randn(8, 32, 64) * scales,) for _ in range(8)]\n"
         "report = analyze(model, batches[0], batches, progress=False)",
     ),
-    ("md", "## Per-hidden-channel statistics\n\nEvery Linear reports one row per hidden channel:"),
-    ("code", "frame = report.frame()\nframe.modules[['module_type', 'channels']]"),
     (
-        "code",
-        "frame.channel_block('blocks.0.fc1')[['channel', 'input_activation_per_channel_max', 'outlier_detection_percentile_ratios']].head(8)",
+        "md",
+        "## Per-hidden-channel statistics\n\nEvery Linear reports one row per hidden channel:",
     ),
-    ("md", "## What each detector suggests, and why"),
-    ("code", "for name, text in report.text_reports().items():\n    print(text)"),
-    ("md", "## What Apply does to the metrics\n\nThe widget's Tune tab runs exactly this:"),
     (
         "code",
-        "session = report.session\n"
-        "session.baseline()\n"
-        "session.apply(report.suggested_settings(), label='suggested')\n"
-        "runs, per_layer = session.compare()\n"
-        "runs  # NBVAL_IGNORE_OUTPUT",
+        "frame = report.frame()\nframe.modules[['module_type', 'channels']]",
+    ),
+    (
+        "code",
+        "frame.channel_block('blocks.0.fc1')[['channel', 'input_activation_per_channel_max', "
+        "'outlier_detection_percentile_ratios']].head(8)",
     ),
     (
         "md",
-        "Here the suggestions change nothing: the x86 default mapping already quantizes weights per channel, "
-        "the activations are stationary, and torch's input-weight equalization cannot handle 3-D Linear inputs "
-        "(the report says so in a note). The outlier channels remain. One option to try by hand, as in the Tune "
-        "tab: dynamic activations for every Linear, so each batch gets its own range. It does not help here: the "
-        "large channels are in every batch, so each batch's range is as wide as the static one. Keeping the "
-        "affected layers in float (the *keep float* column) is what remains within FX's options.",
+        "## What each detector suggests, and why",
     ),
     (
         "code",
-        "import dataclasses\n\n"
-        "dynamic = {fqn: dataclasses.replace(s, dynamic=True) for fqn, s in report.suggested_settings().items()}\n"
-        "session.apply(dynamic, label='dynamic Linear')\n"
-        "session.compare()[0]  # NBVAL_IGNORE_OUTPUT",
+        "for name, text in report.text_reports().items():\n    print(text)",
     ),
-    ("code", "report.widget()"),
+    (
+        "md",
+        "## The suggestions, measured\n"
+        "\n"
+        "`verified_suggestions()` (what the Tune tab's *Accept all* runs) tries every detector suggestion, "
+        "and a search of settings no detector proposed, before offering any: simulated where the simulation "
+        "can (per-channel weights, keep float), a trial run otherwise (dynamic activations, equalization, "
+        "outlier-channel migration). Only what gains output SQNR is offered; the rest is listed with what it "
+        "measured.",
+    ),
+    (
+        "code",
+        "session = report.session\n"
+        "verified = report.verified_suggestions()\n"
+        "print(f'baseline {verified.baseline_db:.2f} dB; Accept all {verified.accept_all_gain_db:+.2f} dB')\n"
+        "verified.frame()  # NBVAL_IGNORE_OUTPUT",
+    ),
+    (
+        "md",
+        "Here the outliers are in the model's input, and each block's LayerNorm normalizes them away: there "
+        "is little to gain. Real transformers grow outlier channels *inside* the block, in the LayerNorm's "
+        "output.\n"
+        "\n"
+        "## Outlier channels inside the block\n"
+        "\n"
+        "`OutlierMlpBlock` plants them: the LayerNorm's gain is 20x larger on 4 of the 64 hidden channels "
+        "and the next Linear's weights are 20x smaller on them. In float it is an ordinary block; quantized, "
+        "the LayerNorm's output is one per-tensor range that 4 channels stretch 20x, leaving the other 60 a "
+        "few levels each.",
+    ),
+    (
+        "code",
+        "from qreport_widgets.architectures import OutlierMlpBlock\n"
+        "\n"
+        "block = OutlierMlpBlock().eval()\n"
+        "generator = torch.Generator().manual_seed(0)\n"
+        "inputs = [(torch.randn(8, 16, 64, generator=generator),) for _ in range(8)]\n"
+        "block_report = analyze(block, inputs[0], inputs[:6], eval_data=inputs[6:], progress=False)\n"
+        "block_session = block_report.session\n"
+        "for migration in block_session.migrations().values():\n"
+        "    print(migration.summary)",
+    ),
+    (
+        "md",
+        "The fix divides those channels in the LayerNorm and multiplies the matching weight columns of "
+        "`fc1`: exact in float (checked), applied to the session's copy of the model before `prepare_fx`. It "
+        "is a setting like the others (`ModuleSettings(migrate=True)`, the *migrate* column of the Tune "
+        "tab), and *Accept all* measures it:",
+    ),
+    (
+        "code",
+        "block_verified = block_report.verified_suggestions()\n"
+        "print(f'Accept all: {block_verified.accept_all_gain_db:+.2f} dB output SQNR')\n"
+        "block_verified.frame()  # NBVAL_IGNORE_OUTPUT",
+    ),
+    (
+        "code",
+        "current = block_session.current_settings()\n"
+        "accepted = {k: v for k, v in block_verified.settings.items() if v != current[k]}\n"
+        "block_session.baseline()\n"
+        "block_session.apply(accepted, label='accept all')\n"
+        "block_session.compare()[0]  # NBVAL_IGNORE_OUTPUT",
+    ),
+    (
+        "md",
+        "The same as code to paste into a pipeline: the migration on the float model first, then the mapping.",
+    ),
+    (
+        "code",
+        "print(block_session.settings_as_code(accepted))",
+    ),
+    (
+        "code",
+        "block_report.widget()",
+    ),
 ]
 
 
@@ -380,6 +446,42 @@ WHICH_LAYER = [
 ]
 
 
+LARGE_MODEL = [
+    (
+        "md",
+        "# A 54-layer model in the widget\n"
+        "\n"
+        "MobileNetV3-Small's layout (`qreport_widgets.architectures.mobilenet_v3_small`: depthwise convs, "
+        "Hardswish, squeeze-excitation; random weights, BatchNorm statistics from random images), as a real "
+        "architecture looks in the widget: 54 Tune rows to filter and sort, Accept all measuring every "
+        "suggestion, and the per-layer chart showing the 20 layers with the lowest SQNR.",
+    ),
+    (
+        "code",
+        "import torch\n"
+        "from qreport_widgets import analyze\n"
+        "from qreport_widgets.architectures import mobilenet_v3_small\n"
+        "\n"
+        "model = mobilenet_v3_small(size=64)\n"
+        "generator = torch.Generator().manual_seed(0)\n"
+        "batches = [(torch.randn(4, 3, 64, 64, generator=generator),) for _ in range(6)]\n"
+        "report = analyze(model, batches[0], batches[:4], eval_data=batches[4:], progress=False)\n"
+        "print(f'{len(report.session.modules)} tunable modules')",
+    ),
+    (
+        "md",
+        "In the Tune tab: **Sensitivity** ranks the modules by what keeping each float gains (simulated, "
+        "calibrated once); the filter box narrows the rows by name or type (try `fc2`, the "
+        "squeeze-excitation expand convs); **Accept all suggestions** measures every candidate before "
+        "setting it; **Apply** re-quantizes and compares with the baseline.",
+    ),
+    (
+        "code",
+        "report.widget()",
+    ),
+]
+
+
 def main() -> None:
     HERE.mkdir(exist_ok=True)
     notebooks = {
@@ -388,6 +490,7 @@ def main() -> None:
         "03_transformer_block.ipynb": TRANSFORMER,
         "04_custom_detector.ipynb": CUSTOM,
         "05_which_layer_hurts.ipynb": WHICH_LAYER,
+        "06_a_54_layer_model.ipynb": LARGE_MODEL,
     }
     for name, cells in notebooks.items():
         nbformat.write(notebook(cells), HERE / name)

@@ -1,0 +1,31 @@
+"""The README's Python snippets run as written: the first, then the session and saving ones after
+it (they continue its ``report``), and the upstream-workflow one on its own."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def snippets() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def test_the_readme_has_the_four_snippets_this_test_runs():
+    assert len(snippets()) == 4
+
+
+@pytest.mark.parametrize("order", [(0, 2, 3), (1,)])
+def test_readme_snippets_run_as_written(order, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the saving snippet writes demo.qreport here
+    namespace: dict = {}
+    blocks = snippets()
+    for index in order:
+        exec(compile(blocks[index], f"README snippet {index}", "exec"), namespace)
+    assert "report" in namespace
+    if 3 in order:
+        assert (tmp_path / "demo.qreport").exists()
