@@ -4,6 +4,8 @@ The x86 default (HistogramObserver) searches for the range with the least quanti
 MinMaxObserver keeps every value. ``PercentileObserver`` takes, per batch, the ``percentile``-th
 largest and smallest values and keeps the widest of those: a few extreme values no longer stretch
 the range for all the others. A per-module choice in the Tune tab (``ModuleSettings.observer``).
+The percentiles are exact and have no size limit: found by selection (``selection.py``), as the
+report's own observer finds its percentiles.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch.ao.quantization.observer import MinMaxObserver
 
-_MAX_SAMPLE = 1 << 22  # torch.quantile's input limit is 2**24 elements; a strided sample above this
+from ..observer import percentile_rank
+from ..selection import kth_largest_per_channel
 
 
 class PercentileObserver(MinMaxObserver):
@@ -22,17 +25,18 @@ class PercentileObserver(MinMaxObserver):
         if not 50.0 < percentile <= 100.0:
             raise ValueError(f"percentile must be in (50, 100], got {percentile}")
         self.percentile = percentile
+        self._hints: dict[str, torch.Tensor | None] = {"high": None, "low": None}  # speed up the next batch
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if x_orig.numel() == 0:
             return x_orig
-        x = x_orig.detach().flatten().to(self.min_val.dtype)
-        if x.numel() > _MAX_SAMPLE:
-            x = x[:: x.numel() // _MAX_SAMPLE + 1]
-        q = torch.tensor([1.0 - self.percentile / 100.0, self.percentile / 100.0], dtype=x.dtype)
-        low, high = torch.quantile(x, q)
-        self.min_val.copy_(torch.minimum(low, self.min_val))
-        self.max_val.copy_(torch.maximum(high, self.max_val))
+        x = x_orig.detach().to(self.min_val.dtype)
+        n = x.numel()
+        m = n - percentile_rank(self.percentile / 100.0, n) + 1  # the percentile as the m-th largest
+        high, self._hints["high"] = kth_largest_per_channel(x, None, m, self._hints["high"])
+        low, self._hints["low"] = kth_largest_per_channel(x.neg(), None, m, self._hints["low"])
+        self.min_val.copy_(torch.minimum(-low.reshape(()), self.min_val))
+        self.max_val.copy_(torch.maximum(high.reshape(()), self.max_val))
         return x_orig
 
     def extra_repr(self) -> str:
