@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.ao.quantization import QConfigMapping
 
-from .calibration import CalibrationData, calibrate, is_one_shot, torch_warnings_hidden
+from .calibration import CalibrationData, calibrate, is_one_shot
 from .detectors import DetectorBase, DynamicStaticDetector, InputWeightEqualizationDetector, OutlierDetector, PerChannelDetector
 from .fx import FxEngine
 from .report import ModelReport
@@ -58,26 +58,25 @@ def analyze(
     while it calibrates, since no detector reads them. To quantize, use ``report.session`` (or
     the Tune tab), which prepares and calibrates a fresh copy for every run.
     """
-    with torch_warnings_hidden():
-        example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        engine = FxEngine(backend, qconfig_mapping, prepare_custom_config)
-        # the session's own copy, made before anything runs: later edits to the caller's model do not
-        # leak into tuning, and the analysis prepares from the same copy
-        float_copy = copy.deepcopy(float_model).eval()
-        prepared = engine.prepare(float_copy, engine.base_config(), example_inputs)
-        modules = engine.tunable_modules(prepared)
-        report = ModelReport(prepared, default_detectors(backend) if detectors is None else detectors,
-                             model_name=type(float_model).__name__)  # fmt: skip
-        instrumented = report.prepare_detailed_calibration()
-        kept = [] if is_one_shot(calibration_data) else None  # a generator is kept for later tuning runs
-        with engine.observers_paused(instrumented):  # the detectors read only the report's observers
-            calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
-        report.generate_model_report(remove_inserted_observers=False)
-        data = kept if kept is not None else calibration_data
-        try:
-            session = QuantizationSession._adopt(float_copy, engine, example_inputs, data, eval_data, eval_fn, modules)
-        except ValueError as error:  # e.g. a calibration callable without eval_data: the analysis still stands
-            report._attach_session(None, f"{type(error).__name__}: {error}")
-        else:
-            report._attach_session(session)
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    engine = FxEngine(backend, qconfig_mapping, prepare_custom_config)
+    # the session's own copy, made before anything runs: later edits to the caller's model do not
+    # leak into tuning, and the analysis prepares from the same copy
+    float_copy = copy.deepcopy(float_model).eval()
+    prepared = engine.prepare(float_copy, engine.base_config(), example_inputs)
+    modules = engine.tunable_modules(prepared)
+    report = ModelReport(prepared, default_detectors(backend) if detectors is None else detectors,
+                         model_name=type(float_model).__name__)  # fmt: skip
+    instrumented = report.prepare_detailed_calibration()
+    kept = [] if is_one_shot(calibration_data) else None  # a generator is kept for later tuning runs
+    with engine.observers_paused(instrumented):  # the detectors read only the report's observers
+        calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
+    report.generate_model_report(remove_inserted_observers=False)
+    data = kept if kept is not None else calibration_data
+    try:
+        session = QuantizationSession._adopt(float_copy, engine, example_inputs, data, eval_data, eval_fn, modules)
+    except ValueError as error:  # e.g. a calibration callable without eval_data: the analysis still stands
+        report._attach_session(None, f"{type(error).__name__}: {error}")
+    else:
+        report._attach_session(session)
     return report

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
-from .calibration import calibrate, torch_warnings_hidden
+from .calibration import calibrate
 from .metrics import output_tensor, sqnr_db
 from .progress import Progress, steps
 from .settings import ModuleSettings
@@ -83,11 +83,10 @@ class Diagnosis:
         """The starting configuration calibrated once, as a simulation in which modules can be kept
         float without calibrating again (built on first use, then kept)."""
         if self._simulation is None:
-            with torch_warnings_hidden():
-                prepared = self.engine.prepare(self._float, self.engine.base_config(), self.example_inputs)
-                calibrate(prepared, self.calibration_data, desc="sensitivity: calibrating", progress=progress is None,
-                          on_batch=progress)  # fmt: skip
-                self._simulation = self.engine.simulator(prepared, self.modules, self._float, self.example_inputs)
+            prepared = self.engine.prepare(self._float, self.engine.base_config(), self.example_inputs)
+            calibrate(prepared, self.calibration_data, desc="sensitivity: calibrating", progress=progress is None,
+                      on_batch=progress)  # fmt: skip
+            self._simulation = self.engine.simulator(prepared, self.modules, self._float, self.example_inputs)
         return self._simulation
 
     def simulate(self, float_modules: Iterable[str] = ()) -> tuple[float, float | None]:

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .calibration import CalibrationData, calibrate, call_with, torch_warnings_hidden
+from .calibration import CalibrationData, calibrate, call_with
 from .diagnosis import Diagnosis
 from .engine import Engine, Simulation
 from .errors import CalibrationError, InvalidSettingsError
@@ -266,13 +266,12 @@ class QuantizationSession(Diagnosis):
         start = time.perf_counter()
         try:
             _require_float32(self._float)
-            with torch_warnings_hidden():
-                source = self._float if float_model is None else float_model
-                prepared = engine.prepare(source, config, self.example_inputs)
-                calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None,
-                          on_batch=progress)  # fmt: skip
-                quantized = engine.convert(prepared)
-                result = self._measure(quantized, prepared, config, label, per_layer=record, float_model=source)
+            source = self._float if float_model is None else float_model
+            prepared = engine.prepare(source, config, self.example_inputs)
+            calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None,
+                      on_batch=progress)  # fmt: skip
+            quantized = engine.convert(prepared)
+            result = self._measure(quantized, prepared, config, label, per_layer=record, float_model=source)
         except Exception as error:  # user models and data: report, keep the session usable
             detail = "".join(traceback.format_exception_only(type(error), error)).strip()
             result = RunResult(_mapping_of(config), None, math.nan, pd.Series(dtype=float), 0, math.nan, 0.0, detail, label)

@@ -12,6 +12,7 @@ import torch
 from torch.ao.quantization import QConfigMapping
 from torch.ao.quantization.quantize_fx import prepare_fx
 
+from ..calibration import torch_warnings_hidden
 from ..errors import QReportWarning, UntraceableModelError
 from ..graph import OBSERVER_CONTAINER, is_quantization_observer
 
@@ -27,7 +28,7 @@ def prepare(
     """
     model = copy.deepcopy(float_model).eval()
     try:
-        with warnings.catch_warnings():
+        with torch_warnings_hidden():  # its observers warn hundreds of times ("Please use quant_min ...")
             warnings.simplefilter("ignore", DeprecationWarning)
             prepared = prepare_fx(model, qconfig_mapping, example_inputs, **kwargs)
     except (torch.fx.proxy.TraceError, TypeError, NotImplementedError, RuntimeError, AttributeError) as error:

@@ -19,6 +19,7 @@ from torch.ao.quantization.observer import (
     default_weight_observer,
 )
 
+from ..calibration import torch_warnings_hidden
 from ..detectors.per_channel import _uses_per_channel
 from ..graph import ModelGraph, Unit
 from ..settings import ModuleSettings, TunableModule
@@ -163,4 +164,5 @@ def _value_code(value) -> str:
 
 
 def _is_dynamic(qconfig: QConfig) -> bool:
-    return bool(getattr(qconfig.activation(), "is_dynamic", False))
+    with torch_warnings_hidden():  # building an observer to ask makes torch warn about its arguments
+        return bool(getattr(qconfig.activation(), "is_dynamic", False))
