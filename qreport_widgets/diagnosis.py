@@ -20,7 +20,7 @@ from .progress import Progress, steps
 from .settings import ModuleSettings
 
 if TYPE_CHECKING:
-    from .engine import Engine, Simulation
+    from .engine import Engine, Simulation, Variant
     from .run import RunResult
 
 
@@ -89,8 +89,8 @@ class Diagnosis:
             self._simulation = self.engine.simulator(prepared, self.modules, self._float, self.example_inputs)
         return self._simulation
 
-    def simulate(self, float_modules: Iterable[str] = ()) -> tuple[float, float | None]:
-        """Simulated output SQNR (dB) and ``eval_fn`` metric with ``float_modules`` kept float."""
+    def simulate(self, float_modules: Variant | Iterable[str] = ()) -> tuple[float, float | None]:
+        """Simulated output SQNR (dB) and ``eval_fn`` metric with ``float_modules`` kept float (or in a Variant)."""
         simulation = self.simulation()
         sqnr = self._output_sqnr(simulation.outputs(self.eval_data, float_modules))
         metric = None
@@ -116,7 +116,7 @@ class Diagnosis:
         names = list(simulation.tunable)
         local = simulation.local_sqnr(self.eval_data[0])
         variants = [[]] + [[name] for name in names]
-        (base_sqnr, base_metric), *each = self._simulate_each(variants, progress, "sensitivity", metric=metric)
+        (base_sqnr, base_metric), *each = self.simulate_each(variants, progress, "sensitivity", metric=metric)
         rows = [
             {
                 "module": name,
@@ -143,7 +143,7 @@ class Diagnosis:
         if self._tradeoff is not None:
             return self._tradeoff.copy()
         order = list(self.sensitivity(progress).index)
-        points = self._simulate_each([order[:count] for count in range(len(order) + 1)], progress, "trade-off")
+        points = self.simulate_each([order[:count] for count in range(len(order) + 1)], progress, "trade-off")
         rows = [
             {
                 "float_modules": count,
@@ -156,10 +156,15 @@ class Diagnosis:
         self._tradeoff = pd.DataFrame(rows).set_index("float_modules")
         return self._tradeoff.copy()
 
-    def _simulate_each(
-        self, variants: list[list[str]], progress: Progress | None, desc: str, metric: bool = True
+    def simulate_each(
+        self,
+        variants: Sequence[Variant | Iterable[str]],
+        progress: Progress | None = None,
+        desc: str = "simulating",
+        metric: bool = True,
     ) -> list[tuple[float, float | None]]:
-        """``simulate(v)`` for each ``v`` in ``variants`` (without the metric unless ``metric``). For
+        """``simulate(v)`` for each ``v`` in ``variants`` (a Variant, or the modules kept float),
+        without the metric unless ``metric``. For
         the output SQNR alone each variant recomputes only what its float modules change (one step
         per variant and batch); ``eval_fn`` needs the whole model, so with it each variant is a whole
         pass (one step per variant)."""
@@ -244,7 +249,7 @@ class Diagnosis:
             sqnrs: list[float] = []
             while len(sqnrs) <= helpful and not (sqnrs and max(sqnrs) >= target_sqnr_db):
                 counts = range(len(sqnrs), min(len(sqnrs) + REACH_CHUNK, helpful + 1))
-                points = self._simulate_each([order[:count] for count in counts], progress, "reach", metric=False)
+                points = self.simulate_each([order[:count] for count in counts], progress, "reach", metric=False)
                 sqnrs += [sqnr for sqnr, _ in points]
             curve = pd.DataFrame({"simulated_output_sqnr_db": sqnrs})
         else:

@@ -156,6 +156,7 @@ class Verifier:
         self.session = session
         self.refused = dict(refused or {})
         self.modules: dict[str, TunableModule] = {m.fqn: m for m in session.modules}
+        self._trials: dict[frozenset, RunResult] = {}
 
     def candidates(self, suggestions: Iterable[Suggestion]) -> list[Candidate]:
         """The detectors' suggestions as candidates (one per module and setting), the
@@ -221,7 +222,7 @@ class Verifier:
             if not error <= EXACT_FLOAT:  # torch's equalization must leave the float model's output as it was
                 why = f"torch's equalization here changes the float model's output ({error:.1%} relative error)"
                 return Verdict(candidate, math.nan, NOT_TRIED, False, why)
-        run = self.session.apply({fqn: candidate.applied_to(current[fqn])}, label=f"try {fqn}", progress=_quiet, record=False)
+        run = self._trial_run({fqn: candidate.applied_to(current[fqn])}, f"try {fqn}")
         if not run.ok:
             return Verdict(candidate, math.nan, REAL_RUN, False, f"the run failed: {run.error}")
         return self._judge(candidate, run.output_sqnr_db - baseline.output_sqnr_db, REAL_RUN)
@@ -240,10 +241,18 @@ class Verifier:
             return "the module is kept float"
         return ""
 
+    def _trial_run(self, changed: dict[str, ModuleSettings], label: str) -> RunResult:
+        """A trial run of ``changed`` (kept out of the history), run once: Accept all often ends up
+        with the settings of one candidate's own trial."""
+        key = frozenset(changed.items())
+        if key not in self._trials:
+            self._trials[key] = self.session.apply(changed, label=label, progress=_quiet, record=False)
+        return self._trials[key]
+
     def _simulated_gains(self, candidates: Sequence[Candidate | Sequence[Verdict]]) -> list[float]:
         """Simulated output SQNR gain of each candidate alone, or of each group of verdicts together."""
         variants = [Variant()] + [_variant([c] if isinstance(c, Candidate) else [v.candidate for v in c]) for c in candidates]
-        base, *each = self.session._simulate_each(variants, _quiet, "verifying suggestions", metric=False)
+        base, *each = self.session.simulate_each(variants, _quiet, "verifying suggestions", metric=False)
         return [sqnr - base[0] for sqnr, _ in each]
 
     def _judge(self, candidate: Candidate, gain: float, measured: str) -> Verdict:
@@ -270,13 +279,13 @@ class Verifier:
                 continue
             combined[fqn] = verdict.candidate.applied_to(now)
         changed = {fqn: s for fqn, s in combined.items() if s != current[fqn]}
-        run = self.session.apply(changed, label="accept all (verified)", progress=_quiet, record=False)
+        run = self._trial_run(changed, "accept all (verified)")
         best = offered[0]
         if run.ok and run.output_sqnr_db - baseline.output_sqnr_db >= best.gain_db - MIN_GAIN_DB or len(offered) == 1:
             return combined, run, notes
         fqn = best.candidate.module_fqn  # together they do worse than the best one alone: that one
         single = {**current, fqn: best.candidate.applied_to(current[fqn])}
-        alone = self.session.apply({fqn: single[fqn]}, label="accept all (verified)", progress=_quiet, record=False)
+        alone = self._trial_run({fqn: single[fqn]}, "accept all (verified)")
         gained = run.output_sqnr_db - baseline.output_sqnr_db if run.ok else math.nan
         note = (
             f"all {len(offered)} offered settings together measured {gained:+.2f} dB, less than "

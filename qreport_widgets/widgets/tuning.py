@@ -58,6 +58,7 @@ class SettingsRow(w.HBox):
         label = w.HTML(f"<div style='line-height:1.3'>{name}</div>", layout={"width": "170px", "flex": "0 0 auto"}, tooltip=tip)
         self.why = why = w.HTML(layout={"flex": "1 1 240px", "min_width": "240px"})
         self._reasons = reasons
+        self._setting = False
         self._render_why()
         # rows keep their height inside the scrolling box (a flex column would squeeze them together);
         # on a narrow screen the reason moves under the controls instead of shrinking to a word a line
@@ -78,7 +79,8 @@ class SettingsRow(w.HBox):
         return text.lower() in self._search
 
     def _on_change(self, _change: dict) -> None:
-        self._render_why()
+        if not self._setting:  # a user's edit; a whole-row change renders once at its end
+            self._render_why()
 
     def _render_why(self) -> None:
         """The reasons, and in red why these settings cannot be applied to this module, if so."""
@@ -103,13 +105,18 @@ class SettingsRow(w.HBox):
 
     @settings.setter
     def settings(self, value: ModuleSettings) -> None:
-        with self.hold_sync():
-            self.activation.value = DYNAMIC if value.dynamic else STATIC
-            self.weight.value = PER_CHANNEL if value.per_channel else PER_TENSOR
-            self.equalize.value = value.equalize
-            self.keep_float.value = value.keep_float
-            self.migrate.value = value.migrate
-            self.observer.value = value.observer
+        self._setting = True
+        try:
+            with self.hold_sync():
+                self.activation.value = DYNAMIC if value.dynamic else STATIC
+                self.weight.value = PER_CHANNEL if value.per_channel else PER_TENSOR
+                self.equalize.value = value.equalize
+                self.keep_float.value = value.keep_float
+                self.migrate.value = value.migrate
+                self.observer.value = value.observer
+        finally:
+            self._setting = False
+        self._render_why()
 
 
 class TuningPanel(w.VBox):
