@@ -36,7 +36,7 @@ class Replay:
         self.model = model
         self.nodes = list(model.graph.nodes)
         self._position = {node: i for i, node in enumerate(self.nodes)}
-        self._modules = {n: model.get_submodule(str(n.target)) for n in self.nodes if n.op == "call_module"}
+        self._interpreter = torch.fx.Interpreter(model, garbage_collect_values=False)
         self._placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self._signature = inspect.signature(model.forward)
         self._last_use = {}
@@ -123,18 +123,10 @@ class Replay:
         return list(bound.arguments.values())
 
     def _call(self, node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
-        if node.op == "call_module":
-            return self._modules[node](*args, **kwargs)
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)
-        if node.op == "call_method":
-            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
-        if node.op == "get_attr":
-            owner, _, name = str(node.target).rpartition(".")
-            return getattr(self.model.get_submodule(owner) if owner else self.model, name)
-        if node.op == "output":
-            return args[0]
-        raise ValueError(f"cannot replay a {node.op} node ({node.name})")
+        """What the node computes from these arguments (torch.fx's interpreter runs each kind of node)."""
+        if node.op == "placeholder":
+            raise ValueError(f"cannot replay a placeholder ({node.name}) without its input")
+        return getattr(self._interpreter, node.op)(node.target, args, kwargs)
 
 
 def _versions(value: Any) -> list[int]:
