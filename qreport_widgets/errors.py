@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 
 class QReportError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -53,3 +57,15 @@ class ReportFileError(QReportError, ValueError):
 
 class InvalidSettingsError(QReportError, ValueError):
     """Per-module settings the quantization engine cannot apply to that module."""
+
+
+def warn_user(message: str) -> None:
+    """A QReportWarning attributed to the first caller outside this package and torch (the notebook
+    cell or script line that called analyze / generate_model_report), however deep it was raised."""
+    import torch
+
+    inside = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    frame, level = sys._getframe(1), 2  # level 2: warn_user's caller
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, QReportWarning, stacklevel=level)

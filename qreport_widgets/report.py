@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
@@ -23,8 +22,8 @@ from .errors import (
     NotCalibratedError,
     NotPreparedError,
     ObserversRemovedError,
-    QReportWarning,
     ReportNotGeneratedError,
+    warn_user,
 )
 from .features import DetectorName
 from .frame import ReportFrame
@@ -346,4 +345,4 @@ def _warn_grouped(pending: list[tuple[str, str]], shown: int = 8) -> None:
             names.append(module)
     for message, modules in modules_by_message.items():
         names = ", ".join(modules[:shown]) + (f" and {len(modules) - shown} more modules" if len(modules) > shown else "")
-        warnings.warn(f"{names}: {message}", QReportWarning, stacklevel=4)
+        warn_user(f"{names}: {message}")

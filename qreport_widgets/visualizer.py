@@ -109,9 +109,11 @@ class ModelReportVisualizer:
             view.update(self.frame.channel_values(modules[0], feature), title=f"{feature} · {modules[0]}", x_label="channel")
         elif per_channel:
             grouped = self.frame.per_module(feature, modules)
-            view.update(grouped["mean"], low=grouped["min"], high=grouped["max"], x_label="module (forward order)")
+            view.update(grouped["mean"], low=grouped["min"], high=grouped["max"], names=list(grouped.index),
+                        x_label="module (forward order)")  # fmt: skip
         else:
-            view.update(self.frame.modules.loc[modules, feature].astype(float).to_numpy(), x_label="module (forward order)")
+            values = self.frame.modules.loc[modules, feature].astype(float).to_numpy()
+            view.update(values, names=modules, x_label="module (forward order)")
         return view.figure
 
     def generate_histogram_visualization(self, feature_filter: str, module_fqn_filter: str = "", num_bins: int = 10) -> Any:

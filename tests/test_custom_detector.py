@@ -34,7 +34,7 @@ def test_custom_detector_features_reach_report_frame_and_widget():
     assert "input_activation_zero_fraction" in [v for _, v in widget.controls.feature.options]
     widget.controls.feature.value = "input_activation_zero_fraction"
     np.testing.assert_allclose(
-        widget.views.line.line.y, features["down.conv"]["input_activation_zero_fraction"].numpy(), rtol=1e-6
+        widget.views.line.drawn()[1], features["down.conv"]["input_activation_zero_fraction"].numpy(), rtol=1e-6
     )
 
 

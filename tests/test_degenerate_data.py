@@ -65,10 +65,10 @@ def test_the_widget_draws_only_finite_values(nan_report):
         for _, feature in controls.feature.options:
             controls.feature.value = feature
             controls.view.value = "Line"
-            assert np.isfinite(np.asarray(widget.views.line.line.y, dtype=float)).all(), (module, feature)
+            assert np.isfinite(np.asarray(widget.views.line.drawn()[1], dtype=float)).all(), (module, feature)
             controls.view.value = "Histogram"
-            bars = widget.views.histogram.bars
-            assert np.isfinite(np.asarray(bars.x, dtype=float)).all() and np.isfinite(np.asarray(bars.y, dtype=float)).all()
+            for bars in (widget.views.histogram.bars, widget.views.values.bars):
+                assert np.isfinite(np.asarray(bars.x, dtype=float)).all() and np.isfinite(np.asarray(bars.y, dtype=float)).all()
             controls.view.value = "Table"
             assert "<table" in widget.views.table.value
 

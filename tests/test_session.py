@@ -114,6 +114,15 @@ def test_tuning_panel_apply_accept_reset_and_errors(analyzed):
     tuning._running.release()
     tuning.apply.click()
     assert len(report.session.history) == runs + 1
+    # the delta view: each run minus the baseline, per layer, and back
+    _, layers = report.session.compare()
+    tuning.layer_view.value = "change vs baseline"
+    expected = layers.iloc[:, 1:].iloc[:, -3:].sub(layers.iloc[:, 0], axis=0)  # at most the last three runs
+    np.testing.assert_allclose(tuning.bars.y, expected.T.to_numpy(dtype=np.float32), rtol=1e-5, atol=1e-5)
+    assert tuning.bars.labels == [f"{c} - baseline" for c in expected.columns] and "change" in tuning.figure.title
+    assert tuning.bars.scales["y"].min <= min(0.0, float(np.nanmin(tuning.bars.y)))
+    tuning.layer_view.value = "SQNR per run"
+    assert tuning.bars.y.shape[0] == min(4, layers.shape[1]) and tuning.bars.labels[0] == "baseline"
     # the caller's float model is bit-identical after analyze, the widget and three Applies
     assert_unchanged(model, before)
 

@@ -79,7 +79,7 @@ def test_visualizer_and_widget_from_a_loaded_report(report, saved):
     widget.controls.module.value = "mlp.fc1"
     widget.controls.feature.value = F.OUTLIER_RATIOS
     np.testing.assert_array_equal(
-        widget.views.line.line.y, report.frame().channel_values("mlp.fc1", F.OUTLIER_RATIOS).astype("f4")
+        widget.views.line.drawn()[1], report.frame().channel_values("mlp.fc1", F.OUTLIER_RATIOS).astype("f4")
     )
     widget.controls.view.value = "Histogram"
     assert widget.views.histogram.bars.y.sum() == 32

@@ -96,12 +96,13 @@ def test_plot_and_histogram_return_bqplot_figures():
     visualizer = report.generate_visualizer()
     one = visualizer.generate_plot_visualization(F.INPUT_PER_CHANNEL_MAX, "conv2")
     assert isinstance(one, bqplot.Figure)
-    line = one.marks[1]
-    np.testing.assert_allclose(line.y, report.frame().channel_values("conv2", F.INPUT_PER_CHANNEL_MAX), rtol=1e-6)
+    points = one.marks[2]  # band, thresholds, points, flagged points
+    np.testing.assert_allclose(points.y, report.frame().channel_values("conv2", F.INPUT_PER_CHANNEL_MAX), rtol=1e-6)
     many = visualizer.generate_plot_visualization(F.OUTLIER_RATIOS)
     grouped = report.frame().channels.groupby("module", sort=False)[F.OUTLIER_RATIOS]
     drawable = np.isfinite(grouped.mean()) & np.isfinite(grouped.max())  # an infinite ratio cannot be drawn
-    assert many.marks[1].y.size == drawable.sum() and many.marks[0].y.shape == (2, drawable.sum())
+    assert many.marks[2].y.size == drawable.sum() and many.marks[0].y.shape == (2, drawable.sum())
+    assert len(many.marks[2].names) == drawable.sum()  # hover names the module
     histogram = visualizer.generate_histogram_visualization(F.EQUALIZATION_COMP_METRICS, num_bins=7)
     assert histogram.marks[0].y.sum() == report.frame().channels[F.EQUALIZATION_COMP_METRICS].notna().sum()
     with pytest.raises(ValueError, match="matches"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bqplot as bq
 import numpy as np
 import pytest
 from conftest import prepared, run
@@ -58,8 +59,13 @@ def test_line_view_shows_channels_and_the_threshold(report):
     widget.controls.feature.value = F.OUTLIER_RATIOS
     line = widget.views.line
     expected = report.frame().channel_values("mlp.fc1", F.OUTLIER_RATIOS)
-    np.testing.assert_allclose(line.line.y, expected.astype(np.float32))
-    assert line.line.y.dtype == np.float32 and line.line.x.size == 32
+    x, y = line.drawn()
+    np.testing.assert_allclose(y, expected.astype(np.float32))
+    assert y.dtype == np.float32 and x.size == 32
+    # the channels above the threshold are the red points, and the key under the figure counts them
+    np.testing.assert_allclose(line.flagged.y, expected[expected > 3.5].astype(np.float32))
+    assert f"{(expected > 3.5).sum()} of 32 channels above the outlier threshold" in widget.views.legend.value
+    assert "outlier threshold = 3.5" in widget.views.legend.value
     assert np.atleast_2d(line.thresholds.y).tolist() == [[3.5, 3.5]] and line.thresholds.labels == ["outlier threshold"]
     widget.controls.feature.value = F.EQUALIZATION_COMP_METRICS
     assert line.thresholds.y[:, 0].tolist() == pytest.approx([0.5, 2.0])
@@ -71,8 +77,12 @@ def test_all_modules_line_is_mean_with_min_max_band(report):
     widget.controls.feature.value = F.INPUT_PER_CHANNEL_MAX
     frame = report.frame()
     means = [np.nanmean(frame.channel_values(m, F.INPUT_PER_CHANNEL_MAX)) for m in frame.module_names]
-    np.testing.assert_allclose(widget.views.line.line.y, np.array(means, dtype=np.float32), rtol=1e-6)
+    np.testing.assert_allclose(widget.views.line.drawn()[1], np.array(means, dtype=np.float32), rtol=1e-6)
     assert widget.views.line.band.y.shape == (2, len(frame.module_names))
+    # hovering a point names its module
+    assert widget.views.line.tooltip.fields == ["name", "y"]
+    drawn_names = list(widget.views.line.points.names) + list(widget.views.line.flagged.names)
+    assert sorted(drawn_names) == sorted(frame.module_names)
 
 
 def test_histogram_views(report):
@@ -81,11 +91,20 @@ def test_histogram_views(report):
     controls.module.value = "stem.conv"
     controls.view.value = "Histogram"
     controls.feature.value = ACTIVATION_VALUES
-    bars = widget.views.histogram.bars
+    values = widget.views.values  # recorded input values: counts on a log axis, the tail stays visible
     counts, _ = report.frame().histograms["stem.conv"]
-    assert bars.y.sum() == counts.sum() and bars.x.max() >= 16  # the spikes at 25 are in the picture
+    assert values.bars.y.sum() == counts.sum() and values.bars.x.max() >= 16  # the spikes at 25 are in the picture
+    assert isinstance(values.y_scale, bq.LogScale) and widget.views.children[1] is values.figure
+    # the outlier rule over the whole tensor puts a dashed line where the tail begins, named in the key
+    marker = np.atleast_2d(values.markers.x)
+    assert marker.shape == (1, 2) and 0 < marker[0, 0] < 25
+    assert "outlier rule: 3.5 x the 97.5th percentile" in widget.views.legend.value
+    controls.view.value = "Line"  # a histogram of values has no line view of its own
+    assert widget.views.children[1] is values.figure
+    controls.view.value = "Histogram"
     controls.feature.value = F.INPUT_PER_CHANNEL_MAX
-    assert bars.y.sum() == 3
+    bars = widget.views.histogram.bars
+    assert bars.y.sum() == 3 and isinstance(widget.views.histogram.y_scale, bq.LinearScale)
     assert widget.views.children[1] is widget.views.histogram.figure
 
 
@@ -118,7 +137,7 @@ def test_wide_module_is_drawn_bucketed():
     view = LineView()
     values = np.arange(4096, dtype=float)
     view.update(values)
-    assert view.line.y.size <= MAX_DRAWN_POINTS and view.band.y.shape[1] == view.line.y.size
+    assert view.points.y.size <= MAX_DRAWN_POINTS and view.band.y.shape[1] == view.points.y.size
     assert view.band.y[1].max() == 4095
 
 

@@ -31,7 +31,6 @@ QUICKSTART = [
     ),
     (
         "code",
-        "import warnings\nwarnings.simplefilter('ignore')\n\n"
         "from qreport_widgets import analyze\n"
         "from qreport_widgets.demo import build_demo_model, demo_batches, demo_qconfig_mapping\n\n"
         "model, batches = build_demo_model(), demo_batches()\n"
@@ -97,7 +96,8 @@ FX_WORKFLOW = [
     ),
     (
         "code",
-        "import copy\nimport warnings\nwarnings.simplefilter('ignore')\n\n"
+        "import copy\nimport warnings\n"
+        "warnings.filterwarnings('ignore', module='torch')  # torch's observers warn on every prepare_fx\n\n"
         "import torch\n"
         "from torch.ao.quantization import QConfigMapping, default_qconfig\n"
         "from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx\n\n"
@@ -173,9 +173,6 @@ TRANSFORMER = [
     ),
     (
         "code",
-        "import warnings\n"
-        "warnings.simplefilter('ignore')\n"
-        "\n"
         "import torch\n"
         "from qreport_widgets import analyze\n"
         "from qreport_widgets.architectures import TransformerMlp\n"
@@ -287,7 +284,7 @@ TRANSFORMER = [
 
 
 CUSTOM_OBSERVER = """import warnings
-warnings.simplefilter('ignore')
+warnings.filterwarnings('ignore', module='torch')  # torch's observers warn on every prepare_fx
 from dataclasses import dataclass
 
 import numpy as np
@@ -394,7 +391,6 @@ WHICH_LAYER = [
     ),
     (
         "code",
-        "import warnings\nwarnings.simplefilter('ignore')\n\n"
         "from qreport_widgets import analyze\n"
         "from qreport_widgets.digits import trained_digits_model\n\n"
         "model, data = trained_digits_model('cnn')  # fixed seed\n"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ import torch
 from torch import nn
 
 from ..compat import from_upstream, to_upstream
-from ..errors import QReportWarning
+from ..errors import QReportWarning, warn_user
 from ..features import Side, Stat
 from ..graph import OBSERVER_CONTAINER, ModelGraph, Unit
 from ..observer import ModelReportObserver
@@ -117,7 +116,7 @@ class ReportContext:
         if self.pending is not None:
             self.pending.append((module_fqn, message))
         else:
-            warnings.warn(text, QReportWarning, stacklevel=4)
+            warn_user(text)
         return text
 
 

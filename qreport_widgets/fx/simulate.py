@@ -26,7 +26,7 @@ from torch.ao.quantization.fake_quantize import FixedQParamsFakeQuantize
 from torch.ao.quantization.observer import FixedQParamsObserver
 from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
-from ..calibration import call_with
+from ..calibration import call_with, torch_warnings_hidden
 from ..engine import Variant
 from ..metrics import sqnr_db
 from .replay import Replay
@@ -340,7 +340,7 @@ def _cache_weights(model: torch.fx.GraphModule) -> dict[str, tuple[nn.Module, to
         if isinstance(module, _FusedModule):
             module = module[0]
         if isinstance(module, ReferenceQuantizedModule):
-            with torch.no_grad():
+            with torch.no_grad(), torch_warnings_hidden():  # quantized tensors are deprecated in torch
                 found[str(node.target)] = (module, module.get_weight().detach())
     return found
 

@@ -69,7 +69,7 @@ class SensitivityPane(w.VBox):
         self._busy(True, "simulating: calibrating once, then one forward pass per module")
         try:
             self.table = self.session.sensitivity(progress=self._on_progress)
-            curve = self.session.tradeoff()
+            curve = self.session.tradeoff(progress=self._on_progress)
         except Cancelled:
             self.status.value = "<i>Sensitivity cancelled; nothing was changed.</i>"
             return
@@ -92,8 +92,12 @@ class SensitivityPane(w.VBox):
 
     def _on_reach_click(self, _button: w.Button) -> None:
         self._busy(True, f"planning for {self.target.value:g} dB")
+        curve = None
         try:
             plan = self.session.plan_reach(self.target.value, progress=self._on_progress)
+            if self.table is None:  # the plan ranked the modules: draw the ranking and the curve too
+                self.table = self.session.sensitivity(progress=self._on_progress)
+                curve = self.session.tradeoff(progress=self._on_progress)
         except Cancelled:
             self.status.value = "<i>Cancelled; the Tune rows are unchanged.</i>"
             return
@@ -115,9 +119,8 @@ class SensitivityPane(w.VBox):
                 f"{plan.simulated_sqnr_db:.2f} dB with {len(plan.float_modules)} module(s) float ({html.escape(names)}); "
                 "the Tune rows are set to that."
             )
-        if self.table is None:
-            self.table = self.session.sensitivity()
-            self._draw(self.table, self.session.tradeoff())
+        if curve is not None:
+            self._draw(self.table, curve)
             self.order.disabled = False
 
     def _on_order_change(self, change: dict) -> None:
@@ -185,7 +188,7 @@ def _bars() -> tuple[bq.Bars, bq.Figure]:
     )
     axes = [
         bq.Axis(scale=x_scale, label="", tick_rotate=-35, tick_style={"font-size": "9px"}),
-        bq.Axis(scale=y_scale, orientation="vertical", label="gain (dB)", tick_format=".2f", label_offset="50px"),
+        bq.Axis(scale=y_scale, side="left", label="gain (dB)", tick_format=".2f", label_offset="50px"),
     ]
     figure = bq.Figure(
         marks=[bars],
@@ -214,7 +217,7 @@ def _curve() -> tuple[bq.Lines, bq.Lines, bq.Figure]:
     )
     axes = [
         bq.Axis(scale=x_scale, label="modules kept float", tick_format="d"),
-        bq.Axis(scale=y_scale, orientation="vertical", label="output SQNR (dB)", tick_format=".1f", label_offset="45px"),
+        bq.Axis(scale=y_scale, side="left", label="output SQNR (dB)", tick_format=".1f", label_offset="45px"),
     ]
     figure = bq.Figure(
         marks=[curve, target],

@@ -16,7 +16,7 @@ from ..errors import InvalidSettingsError
 from ..protocols import ReportSource, TuningSession
 from ..settings import ModuleSettings, TunableModule, validate, validate_all
 from ..verify import VerifiedSuggestions, nan_equalization_metric
-from .plots import bar_range
+from .plots import bar_range, scrolling_table
 from .sensitivity import SensitivityPane
 
 if TYPE_CHECKING:
@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 STATIC, DYNAMIC = "static", "dynamic"
 PER_TENSOR, PER_CHANNEL = "per-tensor", "per-channel"
 TOP_LAYERS = 20  # bars per run in the per-layer chart; the full table is session.compare()
+SQNR_VIEW, DELTA_VIEW = "SQNR per run", "change vs baseline"
+RUNS_DRAWN = 4  # the baseline and the last three runs in the per-layer chart
 _SERIES_COLORS = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
 
 
-class SettingsRow(w.HBox):
+class SettingsRow(w.VBox):
     """One module's editable settings; the reason for each suggestion is on hover and in the row."""
 
     def __init__(self, module: TunableModule, reasons: list[str], migration: str = "") -> None:
@@ -38,33 +40,40 @@ class SettingsRow(w.HBox):
         self._search = f"{fqn} {module.type_name}".lower()
         type_name = html.escape(module.type_name)
         tip = "; ".join(reasons) or "no suggestion"
-        self.activation = w.ToggleButtons(options=[STATIC, DYNAMIC], tooltips=["static activations", "dynamic (Linear only)"],
-                                          style={"button_width": "80px"}, disabled=not module.allows("dynamic"),
-                                          layout={"width": "172px", "flex": "0 0 auto"})  # fmt: skip
-        self.weight = w.ToggleButtons(
-            options=[PER_TENSOR, PER_CHANNEL], style={"button_width": "104px"}, disabled=not module.allows("per_channel"),
-            layout={"width": "222px", "flex": "0 0 auto"},
-        )  # fmt: skip
-        self.equalize = w.Checkbox(description="equalize", indent=False, layout={"width": "90px", "flex": "0 0 auto"})
-        self.keep_float = w.Checkbox(description="keep float", indent=False, layout={"width": "100px", "flex": "0 0 auto"})
-        self.migrate = w.Checkbox(description="migrate", indent=False, disabled=not migration,
-                                  tooltip=migration or "no outlier input channels found to move into the weights",
-                                  layout={"width": "84px", "flex": "0 0 auto"})  # fmt: skip
-        self.observer = w.Dropdown(options=[("starting observer", ""), ("MinMax", "minmax"), ("Histogram", "histogram"),
-                                            ("percentile 99.99", "percentile")],
-                                   tooltip="the activation observer of this module's output (static activations)",
-                                   layout={"width": "150px", "flex": "0 0 auto"})  # fmt: skip
-        name = f"<b>{html.escape(fqn)}</b><br><span style='color:#666'>{type_name}</span>"
-        label = w.HTML(f"<div style='line-height:1.3'>{name}</div>", layout={"width": "170px", "flex": "0 0 auto"}, tooltip=tip)
-        self.why = why = w.HTML(layout={"flex": "1 1 240px", "min_width": "240px"})
+        fixed = {"flex": "0 0 auto", "margin": "2px 1px 2px 0"}
+        # widths hold each label in full (a dropdown needs its text + 30 px, a checkbox + 22 px); the
+        # controls fit one line of a 520 px tab
+        self.activation = w.Dropdown(options=[STATIC, DYNAMIC], disabled=not module.allows("dynamic"),
+                                     tooltip="activations: static (calibrated) or dynamic (Linear only)",
+                                     layout={"width": "88px", **fixed})  # fmt: skip
+        self.weight = w.Dropdown(options=[PER_TENSOR, PER_CHANNEL], disabled=not module.allows("per_channel"),
+                                 tooltip="weights: one scale per tensor or per output channel",
+                                 layout={"width": "108px", **fixed})  # fmt: skip
+        self.equalize = w.Checkbox(description="equalize", indent=False, layout={"width": "78px", **fixed},
+                                   tooltip="input-weight equalization with the next layer")  # fmt: skip
+        self.keep_float = w.Checkbox(description="keep float", indent=False, layout={"width": "88px", **fixed})
+        self.observer = w.Dropdown(options=[("as started", ""), ("MinMax", "minmax"), ("Histogram", "histogram"),
+                                            ("Percentile", "percentile")],
+                                   tooltip="the activation observer of this module's output (static activations); "
+                                           "Percentile: the range of each batch's 0.01th to 99.99th percentile",
+                                   layout={"width": "100px", **fixed})  # fmt: skip
+        # only where the session found outlier channels to move into the weights; last, so its
+        # absence shifts no other control
+        self.migrate = w.Checkbox(description="migrate", indent=False, disabled=not migration, tooltip=migration,
+                                  layout={"width": "74px", "display": "" if migration else "none", **fixed})  # fmt: skip
+        name = f"<b>{html.escape(fqn)}</b> <span style='color:#666'>{type_name}</span>"
+        label = w.HTML(f"<div style='white-space:nowrap'>{name}</div>",
+                       layout={"flex": "0 0 auto", "margin": "0 12px 0 0"}, tooltip=tip)  # fmt: skip
+        self.why = why = w.HTML(layout={"flex": "1 1 200px", "min_width": "0"})
         self._reasons = reasons
         self._setting = False
         self._render_why()
-        # rows keep their height inside the scrolling box (a flex column would squeeze them together);
-        # on a narrow screen the reason moves under the controls instead of shrinking to a word a line
-        super().__init__([label, self.activation, self.weight, self.equalize, self.keep_float, self.migrate, self.observer, why],
-                         layout={"align_items": "center", "border_bottom": "1px solid #eee", "flex": "0 0 auto",
-                                 "min_height": "48px", "flex_flow": "row wrap"})  # fmt: skip
+        # two lines of fixed layout at any width: the module and why, then its settings; rows keep
+        # their height inside the scrolling box (a flex column would squeeze them together)
+        top = w.HBox([label, why], layout={"align_items": "baseline", "flex_flow": "row wrap"})
+        controls = w.HBox([self.activation, self.weight, self.equalize, self.keep_float, self.observer, self.migrate],
+                          layout={"align_items": "center", "flex_flow": "row wrap"})  # fmt: skip
+        super().__init__([top, controls], layout={"border_bottom": "1px solid #eee", "flex": "0 0 auto", "padding": "2px 0"})
 
         for control in (self.activation, self.weight, self.equalize, self.keep_float, self.migrate, self.observer):
             control.observe(self._on_change, "value")
@@ -152,6 +161,13 @@ class TuningPanel(w.VBox):
         self.summary = w.HTML()
         self.code = w.Textarea(layout={"width": "100%", "height": "160px"}, description="", placeholder="")
         self.figure, self.bars, self.x_scale = _sqnr_figure()
+        self.layer_view = w.ToggleButtons(
+            options=[SQNR_VIEW, DELTA_VIEW], value=SQNR_VIEW, style={"button_width": "170px"},
+            tooltips=["each run's SQNR per layer", "each run minus the baseline, per layer: where a change helped or hurt"],
+        )  # fmt: skip
+        self.layer_view.observe(self._on_layer_view_change, "value")
+        self.layers_pane = w.VBox([self.layer_view, self.figure])
+        self._layers = pd.DataFrame()
         self._running = threading.Lock()
         self._ignored = 0  # clicks dropped during the current or last run
         self._final_status = ""
@@ -160,12 +176,10 @@ class TuningPanel(w.VBox):
         self.accept.on_click(self._on_accept_click)
         self.reset.on_click(self._on_reset_click)
         self.apply.on_click(self._on_apply_click)
-        header = w.HTML("<span style='color:#666'>module · activation · weights · equalization · keep float · "
-                        "outlier-channel migration · activation observer · why</span>")  # fmt: skip
         # the status line gets the full width under the buttons: measured results take a few lines
         buttons = w.HBox([self.accept, self.reset, self.apply, self.progress, self.restore_from, self.restore],
                          layout={"align_items": "center", "flex_flow": "row wrap"})  # fmt: skip
-        self.rows_box = rows = w.VBox(list(self.rows.values()), layout={"max_height": "300px", "overflow_y": "auto"})
+        self.rows_box = rows = w.VBox(list(self.rows.values()), layout={"max_height": "400px", "overflow": "hidden auto"})
         self._order: list[str] = []  # forward order
         self.filter = w.Text(placeholder="filter: name or type", layout={"width": "200px", "flex": "0 0 auto"})
         self.only_suggested = w.Checkbox(description="with a suggestion", indent=False, layout={"width": "150px", **fixed})
@@ -196,7 +210,7 @@ class TuningPanel(w.VBox):
             super().__init__([self.status, self.error])
             return
         self.sensitivity = SensitivityPane(session, self._keep_float, self._order_rows)
-        super().__init__([self.sensitivity, toolbar, header, rows, buttons, self.status, self.error, self.history, results])
+        super().__init__([self.sensitivity, toolbar, rows, buttons, self.status, self.error, self.history, results])
         self._refresh_rows()
         self._set_all(session.current_settings())
         self._show_code()
@@ -380,37 +394,59 @@ class TuningPanel(w.VBox):
     def _show_results(self, latest: RunResult | None) -> None:
         runs, layers = self.session.compare()
         with self.hold_sync():
-            self.history.value = "<h4 style='margin:6px 0'>Runs</h4>" + runs.to_html(index=False, float_format=_number, border=0)
+            runs_html = scrolling_table(runs.to_html(index=False, float_format=_number, border=0))
+            self.history.value = "<h4 style='margin:6px 0'>Runs</h4>" + runs_html
             self._draw_layers(layers)
             restorable = [r.label for r in self.session.history if r.settings is not None]
             self.restore_from.options = restorable
             self.restore_from.value = restorable[-1] if restorable else None
             self.restore.disabled = not restorable
-            if self.figure not in self.children:
-                self.children = (*self.children[:5], self.figure, *self.children[5:])
+            if self.layers_pane not in self.children:
+                self.children = (*self.children[:-1], self.layers_pane, self.children[-1])  # above the summary
             if latest is not None:
                 tables = latest.summary.to_html(index=False, border=0) + latest.conversions.to_html(index=False, border=0)
-                self.summary.value = f"<div style='overflow-x:auto'>{tables}</div>"
+                self.summary.value = scrolling_table(tables)
                 self._show_code()
 
+    def _on_layer_view_change(self, _change: dict) -> None:
+        if len(self._layers):
+            self._draw_layers(self._layers)
+
     def _draw_layers(self, layers: pd.DataFrame) -> None:
-        layers = layers.replace([np.inf, -np.inf], np.nan)
+        """Per-layer SQNR of every run, or each run's change from the baseline (DELTA_VIEW); past
+        TOP_LAYERS layers, those lowest (or most changed) in the last run, in forward order."""
+        self._layers = layers = layers.replace([np.inf, -np.inf], np.nan)
+        if layers.shape[1] == 0:  # no run measured per layer yet
+            return
+        if layers.shape[1] > RUNS_DRAWN:  # the baseline and the latest runs: more groups are too thin to read
+            layers = layers.iloc[:, [0, *range(layers.shape[1] - RUNS_DRAWN + 1, layers.shape[1])]]
+        delta = self.layer_view.value == DELTA_VIEW and layers.shape[1] > 1
+        if delta:
+            layers = layers.iloc[:, 1:].sub(layers.iloc[:, 0], axis=0)
         total = len(layers)
-        if total > TOP_LAYERS:  # the layers with the lowest SQNR in the last run, in forward order
-            lowest = set(layers.iloc[:, -1].nsmallest(TOP_LAYERS).index)
-            layers = layers[layers.index.isin(lowest)]
-            self.figure.title = f"Per-layer SQNR, {TOP_LAYERS} lowest of {total} layers"
+        last = layers.iloc[:, -1]
+        what = "SQNR change vs baseline" if delta else "Per-layer SQNR"
+        if total > TOP_LAYERS:
+            chosen = last.abs().nlargest(TOP_LAYERS).index if delta else last.nsmallest(TOP_LAYERS).index
+            layers = layers[layers.index.isin(set(chosen))]
+            which = "most changed" if delta else "lowest"
+            self.figure.title = f"{what}: {TOP_LAYERS} {which} of {total} layers"
         else:
-            self.figure.title = "Per-layer SQNR"
+            self.figure.title = what
         low, high, span = bar_range(layers.to_numpy(dtype=np.float64).ravel())
+        colors = _SERIES_COLORS[1 : layers.shape[1] + 1] if delta else _SERIES_COLORS[: layers.shape[1]]
         with self.figure.hold_sync():
             self.x_scale.domain = list(layers.index)
-            self.bars.scales["y"].min, self.bars.scales["y"].max = low, high + 0.35 * span  # room for the legend above the bars
+            # room above the bars for the legend, a line per run
+            legend_share = min(0.6, (20 * layers.shape[1] + 10) / 230)
+            self.bars.scales["y"].min, self.bars.scales["y"].max = low, high + span * legend_share / (1 - legend_share)
+            self.figure.axes[1].label = "change (dB)" if delta else "SQNR (dB)"
+            self.bars.tooltip.labels = ["layer", "change (dB)" if delta else "SQNR (dB)"]
             with self.bars.hold_sync():
                 self.bars.x = list(layers.index)
                 self.bars.y = layers.T.to_numpy(dtype=np.float32, na_value=0.0)
-                self.bars.labels = list(layers.columns)
-                self.bars.colors = _SERIES_COLORS[: len(layers.columns)]
+                self.bars.labels = [f"{c} - baseline" if delta else c for c in layers.columns]
+                self.bars.colors = colors
 
 
 def _number(value: float) -> str:
@@ -493,9 +529,9 @@ def _sqnr_figure():
                    tooltip=bq.Tooltip(fields=["x", "y"], labels=["layer", "SQNR (dB)"], formats=["", ".1f"]))  # fmt: skip
     # module names are long: rotated ticks with room under them, and no axis title to collide with
     axes = [bq.Axis(scale=x_scale, tick_rotate=-35, tick_style={"font-size": "9px", "text-anchor": "end"}),
-            bq.Axis(scale=y_scale, orientation="vertical", label="SQNR (dB)", label_offset="40px")]  # fmt: skip
+            bq.Axis(scale=y_scale, side="left", label="SQNR (dB)", label_offset="40px")]  # fmt: skip
     figure = bq.Figure(
         marks=[bars], axes=axes, title="Per-layer SQNR", legend_location="top-right",
-        fig_margin={"top": 40, "bottom": 110, "left": 60, "right": 20}, layout={"width": "100%", "height": "380px"},
+        fig_margin={"top": 50, "bottom": 110, "left": 60, "right": 20}, layout={"width": "100%", "height": "380px"},
     )  # fmt: skip
     return figure, bars, x_scale

@@ -7,6 +7,7 @@ visible view is refreshed; a hidden one catches up when it is shown.
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from enum import Enum
 
 import ipywidgets as w
@@ -15,7 +16,7 @@ import pandas as pd
 
 from .. import features as F
 from ..frame import MODULE, ReportFrame
-from .plots import HistogramView, LineView, histogram_of, trimmed_histogram
+from .plots import HistogramView, LineView, histogram_of, scrolling_table, trimmed_histogram
 
 ALL_MODULES = ""
 ACTIVATION_VALUES = "input activation values"  # the observer's recorded histogram, not a report key
@@ -48,24 +49,65 @@ def thresholds_for(frame: ReportFrame, module: str, feature: str) -> dict[str, f
     return {}
 
 
+def flag_rule(feature: str, thresholds: dict[str, float]) -> tuple[Callable[[np.ndarray], np.ndarray], str] | None:
+    """Which values of ``feature`` the detector flags, and the words for them (None: no rule)."""
+    if feature == F.OUTLIER_RATIOS and thresholds:
+        limit = thresholds["outlier threshold"]
+        return (lambda v: v > limit), "above the outlier threshold"
+    if feature == F.EQUALIZATION_COMP_METRICS and thresholds:
+        low, high = thresholds["equalization band (low)"], thresholds["equalization band (high)"]
+        return (lambda v: (v < low) | (v > high)), "outside the equalization band"
+    if feature in (F.INPUT_COMP_STAT, F.OUTPUT_COMP_STAT) and thresholds:
+        limit = thresholds["dynamic tolerance"]
+        return (lambda v: v <= limit), "at or below the dynamic tolerance (non-stationary)"
+    return None
+
+
+def outlier_markers(frame: ReportFrame, module: str, counts: np.ndarray, edges: np.ndarray) -> dict[str, float]:
+    """The outlier rule applied to a whole recorded tensor: ``ratio threshold`` times the reference
+    percentile, on each side where that percentile has the side's sign."""
+    columns = (F.OUTLIER_RATIO_THRESHOLD, F.OUTLIER_REFERENCE_PERCENTILE)
+    if not counts.size or not all(c in frame.modules for c in columns) or module not in frame.modules.index:
+        return {}
+    ratio, percentile = (pd.to_numeric(frame.modules.at[module, c], errors="coerce") for c in columns)
+    if not (np.isfinite(ratio) and np.isfinite(percentile)):
+        return {}
+    cumulative = np.cumsum(counts) / counts.sum()
+    upper = float(edges[1:][min(np.searchsorted(cumulative, percentile), counts.size - 1)])
+    lower = float(edges[:-1][min(np.searchsorted(cumulative, 1.0 - percentile), counts.size - 1)])
+    markers = {}
+    for value, share in ((upper, percentile), (lower, 1.0 - percentile)):
+        limit = ratio * value
+        if value != 0 and (value > 0) == (share > 0.5):
+            markers[f"outlier rule: {ratio:g} x the {share * 100:.3g}th percentile"] = limit
+    return markers
+
+
 class ExploreViews(w.VBox):
-    """Line / histogram / table of the selected feature, one visible at a time."""
+    """Line / histogram / table of the selected feature, one visible at a time, with a key to the
+    figure's lines and red points under it."""
 
     def __init__(self, frame: ReportFrame) -> None:
         self.frame = frame
         self.line = LineView()
         self.histogram = HistogramView()
+        self.values = HistogramView(log_counts=True)  # the recorded input values: their tail matters
         self.table = w.HTML(layout={"max_height": "420px", "overflow": "auto"})
         self.message = w.HTML()
+        self.legend = w.HTML()
         self._shown: dict[View, tuple[str, str, str]] = {}
-        super().__init__([self.message, self.line.figure])
+        super().__init__([self.message, self.line.figure, self.legend])
 
     def show(self, module: str, feature: str, view: View, prefix: str = "") -> None:
+        if feature == ACTIVATION_VALUES and view is not View.TABLE:
+            view = View.HISTOGRAM  # a histogram of values; as a line it says the same, less clearly
         panes = {View.LINE: self.line.figure, View.HISTOGRAM: self.histogram.figure, View.TABLE: self.table}
+        if feature == ACTIVATION_VALUES:
+            panes[View.HISTOGRAM] = self.values.figure
         with self.hold_sync():
             # only the visible pane is attached: a hidden bqplot figure has no size to lay out in
             if self.children[1] is not panes[view]:
-                self.children = (self.message, panes[view])
+                self.children = (self.message, panes[view], self.legend)
             key = (module, feature, prefix)
             if self._shown.get(view) == key:
                 return
@@ -73,42 +115,58 @@ class ExploreViews(w.VBox):
             self.message.value = ""
             if view is View.TABLE:
                 self.table.value = self._table_html(module, prefix)
+                self.legend.value = ""
             elif view is View.LINE:
                 self._draw_line(module, feature)
+                self.legend.value = self.line.legend_html
+            elif feature == ACTIVATION_VALUES:
+                self._draw_values(module)
+                self.legend.value = self.values.legend_html
             else:
                 self._draw_histogram(module, feature)
+                self.legend.value = self.histogram.legend_html
 
     # ---- line ----------------------------------------------------------------------------------
     def _draw_line(self, module: str, feature: str) -> None:
         frame = self.frame
-        if feature == ACTIVATION_VALUES:
-            counts, edges = trimmed_histogram(*frame.histograms.get(module, (np.zeros(0), np.zeros(0))))
-            centres = (edges[:-1] + edges[1:]) / 2 if edges.size else edges
-            self.line.update(counts, x=centres, title=f"{module} · input values", x_label="value", y_label="count")
-            return
         thresholds = thresholds_for(frame, module, feature)
+        rule = flag_rule(feature, thresholds)
+        flag, words = rule if rule else (None, "")
         if feature in frame.channel_features and module != ALL_MODULES:
             values = frame.channel_values(module, feature)
-            self.line.update(values, thresholds=thresholds, title=f"{module} · {feature}", x_label="channel", y_label=feature)
+            self.line.update(
+                values, thresholds=thresholds, flagged=None if flag is None else flag(values), flagged_label=f"channels {words}",
+                title=f"{module} · {feature}", x_label="channel", y_label=feature,
+            )  # fmt: skip
         elif feature in frame.channel_features:
             stats = frame.per_module(feature)
+            low, high = stats["min"].to_numpy(), stats["max"].to_numpy()
+            with np.errstate(invalid="ignore"):
+                flagged = None if flag is None else flag(low) | flag(high)
             self.line.update(
-                stats["mean"].to_numpy(), low=stats["min"].to_numpy(), high=stats["max"].to_numpy(), thresholds=thresholds,
+                stats["mean"].to_numpy(), low=low, high=high, names=list(stats.index), thresholds=thresholds,
+                flagged=flagged, flagged_label=f"modules with a channel {words}",
                 title=f"{feature}: mean per module, min-max band", x_label="module (forward order)", y_label=feature,
             )  # fmt: skip
         else:
             values = pd.to_numeric(frame.modules[feature], errors="coerce").to_numpy(dtype=float)
             where = "" if module == ALL_MODULES else f" (selected: {module}, #{frame.modules.at[module, 'order']})"
-            self.line.update(values, thresholds=thresholds, title=f"{feature} per module{where}",
-                             x_label="module (forward order)", y_label=feature)  # fmt: skip
+            with np.errstate(invalid="ignore"):
+                flagged = None if flag is None else flag(values)
+            self.line.update(
+                values, names=list(frame.modules.index), thresholds=thresholds, flagged=flagged,
+                flagged_label=f"modules {words}", title=f"{feature} per module{where}",
+                x_label="module (forward order)", y_label=feature,
+            )  # fmt: skip
 
     # ---- histogram -----------------------------------------------------------------------------
+    def _draw_values(self, module: str) -> None:
+        counts, edges = trimmed_histogram(*self.frame.histograms.get(module, (np.zeros(0), np.zeros(0))))
+        markers = outlier_markers(self.frame, module, counts, edges)
+        self.values.update(counts, edges, markers=markers, title=f"{module} · recorded input values", x_label="value")
+
     def _draw_histogram(self, module: str, feature: str) -> None:
         frame = self.frame
-        if feature == ACTIVATION_VALUES:
-            counts, edges = trimmed_histogram(*frame.histograms.get(module, (np.zeros(0), np.zeros(0))))
-            self.histogram.update(counts, edges, title=f"{module} · recorded input values", x_label="value")
-            return
         if feature in frame.channel_features:
             values = frame.channel_values(module, feature) if module != ALL_MODULES else frame.channels[feature].to_numpy(float)
             scope = module or "all modules"
@@ -117,7 +175,8 @@ class ExploreViews(w.VBox):
         finite = np.isfinite(values)
         if not finite.all():
             self.message.value = f"<i>{int((~finite).sum())} non-finite value(s) left out of the histogram</i>"
-        self.histogram.update(*histogram_of(values, 30), title=f"{feature} · {scope}", x_label=feature)
+        thresholds = thresholds_for(frame, module, feature)
+        self.histogram.update(*histogram_of(values, 30), markers=thresholds, title=f"{feature} · {scope}", x_label=feature)
 
     # ---- table ---------------------------------------------------------------------------------
     def _table_html(self, module: str, prefix: str) -> str:
@@ -170,4 +229,4 @@ class ModuleCard(w.HTML):
 def _titled(title: str, table: pd.DataFrame, empty: str) -> str:
     body = table.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="", border=0) if len(table) else f"<i>{empty}</i>"
     # wide tables scroll sideways inside the tab instead of being cut at its edge
-    return f"<h4 style='margin:8px 0 4px'>{html.escape(title)}</h4><div style='overflow-x:auto'>{body}</div>"
+    return f"<h4 style='margin:8px 0 4px'>{html.escape(title)}</h4>{scrolling_table(body)}"

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from layout import layout_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = "01_quickstart.ipynb"
@@ -74,12 +75,31 @@ def lab(tmp_path_factory):
         server.wait(timeout=30)
 
 
-def _assert_bars_drawn(widget) -> None:
-    """The per-layer chart's bars have heights (grouped bqplot bars without a y range draw flat)."""
-    chart = widget.locator(".bqplot", has_text="Per-layer SQNR").first
+def _wait_for_kernel(page) -> None:
+    """Until the notebook's kernel is connected and idle: widgets a kernel creates before the page's
+    widget manager listens are lost ("model not found")."""
+    page.wait_for_function(
+        """() => {
+            const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+            const kernel = panel && panel.sessionContext && panel.sessionContext.session && panel.sessionContext.session.kernel;
+            return kernel && kernel.connectionStatus === 'connected' && kernel.status === 'idle';
+        }""",
+        timeout=120_000,
+    )
+    page.wait_for_timeout(1000)
+
+
+def _assert_bars_drawn(widget, title: str = "Per-layer SQNR") -> None:
+    """The chart's bars have heights (grouped bqplot bars without a y range draw flat)."""
+    chart = widget.locator(".bqplot", has_text=title).first
     chart.wait_for(timeout=60_000)
     heights = chart.locator("rect.bar").evaluate_all("els => els.map(e => e.getBBox().height)")
     assert heights and sum(h > 1 for h in heights) >= len(heights) // 2, heights
+
+
+def _assert_looks_right(widget) -> None:
+    """Nothing clipped, no axis title over its ticks, no table cut, no widgets drawn over each other."""
+    assert layout_problems(widget) == {}
 
 
 def _assert_nothing_spills(widget) -> None:
@@ -105,12 +125,20 @@ def test_large_model_tune_accept_apply_at_1024(lab):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROME_ARGS)
         page = browser.new_page(viewport={"width": 1024, "height": 1100})
+        console_errors: list[str] = []
+        page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
         page.goto(f"{lab}/lab/tree/06_a_54_layer_model.ipynb", timeout=120_000)
-        page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=120_000)
-        page.wait_for_timeout(2000)
+        _wait_for_kernel(page)
         page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
         widget = page.locator(".jp-OutputArea-output .widget-tab").first
-        widget.wait_for(timeout=180_000)
+        try:
+            widget.wait_for(timeout=180_000)
+        except Exception:
+            page.screenshot(path=str(SCREENSHOTS / "large_model_no_widget.png"), full_page=False)
+            raise AssertionError(f"no widget; console errors: {console_errors}") from None
+        page.wait_for_timeout(1000)
+        page.screenshot(path=str(SCREENSHOTS / "large_model_explore.png"), full_page=False)
+        _assert_looks_right(widget)  # all modules: a point per module, red where one crosses the threshold
         widget.locator(".lm-TabBar-tab", has_text="Tune").first.click()
         widget.get_by_text("54 of 54 shown").first.wait_for(timeout=60_000)
         widget.locator("input[placeholder='filter: name or type']").first.fill("fc2")
@@ -125,8 +153,15 @@ def test_large_model_tune_accept_apply_at_1024(lab):
             page.screenshot(path=str(SCREENSHOTS / "large_model_after_apply.png"), full_page=False)
         _assert_bars_drawn(widget)
         _assert_nothing_spills(widget)
-        assert page.locator(".jupyter-widgets-error-widget").count() == 0
+        _assert_looks_right(widget)
+        widget.locator("button", has_text="change vs baseline").first.click()
+        _assert_bars_drawn(widget, "SQNR change vs baseline")
+        _assert_looks_right(widget)
+        errors = page.locator(".jupyter-widgets-error-widget")
+        where = errors.evaluate_all("els => els.map(e => (e.parentElement.closest('.widget-box, .widget-tab') || e).className)")
+        assert errors.all_inner_texts() == [], (where, console_errors)
         browser.close()
+    assert not [e for e in console_errors if "favicon" not in e], console_errors
 
 
 def test_quickstart_apply_adds_one_run(lab):
@@ -140,14 +175,21 @@ def test_quickstart_apply_adds_one_run(lab):
         page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
         page.goto(f"{lab}/lab/tree/{NOTEBOOK}", timeout=120_000)
         page.wait_for_selector(".jp-Notebook", timeout=120_000)
-        page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=120_000)
-        page.wait_for_timeout(2000)
+        _wait_for_kernel(page)
         page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
         widget = page.locator(".jp-OutputArea-output .widget-tab").first
         widget.wait_for(timeout=180_000)
         module = page.locator(".widget-dropdown", has=page.locator("label", has_text="Module")).first.locator("select")
         module.select_option(label="head (Linear, 32 ch)")
         page.get_by_text("head · outlier_detection_percentile_ratios").first.wait_for(timeout=60_000)
+        _assert_looks_right(widget)
+        module.select_option(label="stem.conv (ConvReLU2d, 3 ch)")  # its input has spikes at 25
+        feature = page.locator(".widget-dropdown", has=page.locator("label", has_text="Feature")).first.locator("select")
+        feature.select_option(label="activation values · recorded histogram")
+        _assert_bars_drawn(widget, "stem.conv · recorded input values")  # counts on a log axis: every bar stands
+        widget.get_by_text("outlier rule: 3.5 x the 97.5th percentile at 8.75").first.wait_for(timeout=60_000)
+        page.screenshot(path=str(SCREENSHOTS / "quickstart_explore_values.png"), full_page=False)
+        _assert_looks_right(widget)
         widget.locator(".lm-TabBar-tab", has_text="Tune").first.click()
         widget.locator("button", has_text="Accept all suggestions").first.click()
         # a double click: the second click reaches the kernel while the first one's run is going
@@ -161,8 +203,9 @@ def test_quickstart_apply_adds_one_run(lab):
         assert "vs the baseline" in status.inner_text()
         _assert_bars_drawn(widget)
         _assert_nothing_spills(widget)
+        _assert_looks_right(widget)
         history = widget.locator(".widget-html", has_text="Runs").first.inner_text()
         assert "baseline" in history and "apply 1" in history and "apply 2" not in history
-        assert page.locator(".jupyter-widgets-error-widget").count() == 0
+        assert page.locator(".jupyter-widgets-error-widget").all_inner_texts() == []
         browser.close()
     assert not [e for e in console_errors if "favicon" not in e], console_errors
