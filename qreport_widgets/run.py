@@ -22,7 +22,7 @@ class RunResult:
     output_sqnr_db: float
     per_layer_sqnr_db: pd.Series
     size_bytes: int
-    latency_ms: float  # median time per evaluation batch after one warm-up batch, in ms
+    latency_ms: float  # median time per evaluation batch on one thread, after a warm-up, in ms
     duration_s: float
     error: str | None = None
     label: str = ""

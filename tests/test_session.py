@@ -297,7 +297,7 @@ def test_runs_state_their_change_honest_types_and_no_torch_warnings(analyzed, re
         assert "worse than the baseline" in tuning.status.value and "#b00" in tuning.status.value
     runs, _ = session.compare()
     assert runs.iloc[0]["changes"] == "the starting settings" and "latency spread (ms)" in runs.columns
-    assert all(runs["latency (ms)"] > 0)
+    assert all(runs["latency (ms, 1 thread)"] > 0)
     conversions = session.baseline().conversions.set_index("module")
     assert conversions.loc["stem.conv", "converted type"].startswith("quantized ")  # not the float class's name
     from qreport_widgets.run import RunResult  # a run's changes in words

@@ -69,6 +69,8 @@ def test_line_view_shows_channels_and_the_threshold(report):
     assert np.atleast_2d(line.thresholds.y).tolist() == [[3.5, 3.5]] and line.thresholds.labels == ["outlier threshold"]
     widget.controls.feature.value = F.EQUALIZATION_COMP_METRICS
     assert line.thresholds.y[:, 0].tolist() == pytest.approx([0.5, 2.0])
+    widget.controls.feature.value = F.INPUT_PER_CHANNEL_MAX  # no rule flags these: no red points, no count
+    assert line.flagged.y.size == 0 and "of 32" not in widget.views.legend.value
 
 
 def test_all_modules_line_is_mean_with_min_max_band(report):
@@ -100,7 +102,7 @@ def test_histogram_views(report):
     assert marker.shape == (1, 2) and 0 < marker[0, 0] < 25
     assert "outlier rule: 3.5 x the 97.5th percentile" in widget.views.legend.value
     controls.view.value = "Line"  # a histogram of values has no line view of its own
-    assert widget.views.children[1] is values.figure
+    assert widget.views.children[1] is values.figure and "either view" in widget.views.message.value
     controls.view.value = "Histogram"
     controls.feature.value = F.INPUT_PER_CHANNEL_MAX
     bars = widget.views.histogram.bars
@@ -158,3 +160,12 @@ def test_reports_are_collapsed_per_detector_with_a_summary_in_each_title(report)
         counts[suggestion.detector] = counts.get(suggestion.detector, 0) + 1
     for title, name in zip(accordion.titles, report.text_reports(), strict=True):
         assert title.startswith(f"{name} · {counts.get(name, 0)} suggestion") and "line" in title
+
+
+def test_runs_table_shows_a_long_change_list_short_with_all_of_it_on_hover():
+    from qreport_widgets.widgets.tuning import _short_changes
+
+    cell = _short_changes("fc1: per_channel; fc2: keep_float; <head>: dynamic")
+    assert ">fc1: per_channel; fc2: keep_float; +1 more<" in cell
+    assert "title='fc1: per_channel; fc2: keep_float; &lt;head&gt;: dynamic'" in cell
+    assert ">the starting settings<" in _short_changes("the starting settings")

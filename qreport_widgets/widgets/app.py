@@ -37,7 +37,8 @@ class ReportWidget(w.VBox):
         self.views = ExploreViews(self.frame)
         self.card = ModuleCard(self.frame)
         self.views.layout = w.Layout(flex="1 1 0%", min_width="480px")
-        explore = w.VBox([self.controls, w.HBox([self.views, self.card], layout={"width": "100%"})])
+        # the card goes under the figure when the tab is too narrow for both side by side
+        explore = w.VBox([self.controls, w.HBox([self.views, self.card], layout={"width": "100%", "flex_flow": "row wrap"})])
         self.tuning = TuningPanel(source, session, unavailable=tuning_unavailable, error=tuning_error)
         self.tabs = w.Tab(children=[explore, self.tuning, w.HTML(self._model_html()), self._reports_accordion()])
         for i, title in enumerate(("Explore", "Tune", "Model", "Reports")):

@@ -6,31 +6,7 @@ import ipywidgets as w
 
 from .. import features as F
 from ..frame import ReportFrame
-from .views import ACTIVATION_VALUES, ALL_MODULES, View
-
-# what each of torch's report keys measures, in words (the raw key stays in the tables and tooltips)
-READABLE = {
-    F.OUTLIER_RATIOS: "outlier ratio: channel max / reference percentile",
-    F.INPUT_PER_CHANNEL_MAX: "input max per channel",
-    F.INPUT_PER_CHANNEL_MIN: "input min per channel",
-    F.WEIGHT_PER_CHANNEL_MAX: "weight max per channel",
-    F.WEIGHT_PER_CHANNEL_MIN: "weight min per channel",
-    F.EQUALIZATION_COMP_METRICS: "equalization balance per channel (weight vs input range)",
-    F.EQUALIZATION_RECOMMENDED: "equalization recommended per channel",
-    F.OUTLIERS_DETECTED: "outliers detected per channel",
-    F.CONSTANT_BATCH_COUNTS: "batches with a constant channel",
-    F.OUTLIER_BATCHES_USED: "batches used for the outlier ratio",
-    F.INPUT_COMP_STAT: "input: batch range / whole-data range (dynamic vs static)",
-    F.OUTPUT_COMP_STAT: "output: batch range / whole-data range (dynamic vs static)",
-    F.INPUT_GLOBAL_MAX: "input max",
-    F.INPUT_GLOBAL_MIN: "input min",
-    F.WEIGHT_GLOBAL_MAX: "weight max",
-    F.WEIGHT_GLOBAL_MIN: "weight min",
-}
-
-
-def readable(feature: str) -> str:
-    return READABLE.get(feature, feature.replace("_", " "))
+from .views import ACTIVATION_VALUES, ALL_MODULES, View, readable
 
 
 def measured_modules(frame: ReportFrame) -> list[str]:

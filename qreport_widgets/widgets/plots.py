@@ -73,8 +73,8 @@ class LineView:
             x=np.zeros(0, np.float32), y=np.zeros((0, 0), np.float32), scales=scales, colors=[FLAGGED],
             line_style="dashed", display_legend=False, labels=[],
         )  # fmt: skip
-        self.x_axis = bq.Axis(scale=self.x_scale, label=x_label, tick_format=",d")
-        self.y_axis = bq.Axis(scale=self.y_scale, side="left", label=y_label, tick_format=".3g", label_offset="55px")
+        self.x_axis = bq.Axis(scale=self.x_scale, label=x_label, tick_format=",.6~r")
+        self.y_axis = bq.Axis(scale=self.y_scale, side="left", label=y_label, tick_format=",.3~r", label_offset="55px")
         self.figure = bq.Figure(
             marks=[self.band, self.thresholds, self.points, self.flagged], axes=[self.x_axis, self.y_axis], title=title,
             fig_margin={"top": 40, "bottom": 45, "left": 75, "right": 20}, layout={"width": "100%", "height": "340px"},
@@ -173,7 +173,7 @@ class HistogramView:
             x=np.zeros((0, 2), np.float32), y=np.zeros((0, 2), np.float32), scales={"x": self.x_scale, "y": self.y_scale},
             colors=[FLAGGED], line_style="dashed", display_legend=False,
         )  # fmt: skip
-        self.x_axis = bq.Axis(scale=self.x_scale, label=x_label, tick_format=".3g")
+        self.x_axis = bq.Axis(scale=self.x_scale, label=x_label, tick_format=",.3~r")
         count_label = "count (log scale)" if log_counts else "count"
         self.y_axis = bq.Axis(scale=self.y_scale, side="left", label=count_label, tick_format=",.0f", label_offset="55px")
         self.figure = bq.Figure(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import html
 import threading
 import time
@@ -11,6 +12,9 @@ from typing import TYPE_CHECKING
 import ipywidgets as w
 import numpy as np
 import pandas as pd
+from ipywidgets.widgets.widget_bool import CheckboxStyle
+from ipywidgets.widgets.widget_description import DescriptionStyle
+from ipywidgets.widgets.widget_string import HTMLStyle
 
 from ..errors import InvalidSettingsError
 from ..protocols import ReportSource, TuningSession
@@ -39,41 +43,36 @@ class SettingsRow(w.VBox):
         self.suggested = bool(reasons)
         self._search = f"{fqn} {module.type_name}".lower()
         type_name = html.escape(module.type_name)
-        tip = "; ".join(reasons) or "no suggestion"
-        fixed = {"flex": "0 0 auto", "margin": "2px 1px 2px 0"}
-        # widths hold each label in full (a dropdown needs its text + 30 px, a checkbox + 22 px); the
-        # controls fit one line of a 520 px tab
+        shared = _row_parts()  # one Layout / Style model for every row: a 250-row model stays light in the browser
         self.activation = w.Dropdown(options=[STATIC, DYNAMIC], disabled=not module.allows("dynamic"),
                                      tooltip="activations: static (calibrated) or dynamic (Linear only)",
-                                     layout={"width": "88px", **fixed})  # fmt: skip
+                                     layout=shared["activation"], style=shared["dropdown"])  # fmt: skip
         self.weight = w.Dropdown(options=[PER_TENSOR, PER_CHANNEL], disabled=not module.allows("per_channel"),
                                  tooltip="weights: one scale per tensor or per output channel",
-                                 layout={"width": "108px", **fixed})  # fmt: skip
-        self.equalize = w.Checkbox(description="equalize", indent=False, layout={"width": "78px", **fixed},
+                                 layout=shared["weight"], style=shared["dropdown"])  # fmt: skip
+        self.equalize = w.Checkbox(description="equalize", indent=False, layout=shared["equalize"], style=shared["checkbox"],
                                    tooltip="input-weight equalization with the next layer")  # fmt: skip
-        self.keep_float = w.Checkbox(description="keep float", indent=False, layout={"width": "88px", **fixed})
+        self.keep_float = w.Checkbox(description="keep float", indent=False, layout=shared["keep_float"],
+                                     style=shared["checkbox"])  # fmt: skip
         self.observer = w.Dropdown(options=[("as started", ""), ("MinMax", "minmax"), ("Histogram", "histogram"),
                                             ("Percentile", "percentile")],
                                    tooltip="the activation observer of this module's output (static activations); "
                                            "Percentile: the range of each batch's 0.01th to 99.99th percentile",
-                                   layout={"width": "100px", **fixed})  # fmt: skip
+                                   layout=shared["observer"], style=shared["dropdown"])  # fmt: skip
         # only where the session found outlier channels to move into the weights; last, so its
         # absence shifts no other control
         self.migrate = w.Checkbox(description="migrate", indent=False, disabled=not migration, tooltip=migration,
-                                  layout={"width": "74px", "display": "" if migration else "none", **fixed})  # fmt: skip
-        name = f"<b>{html.escape(fqn)}</b> <span style='color:#666'>{type_name}</span>"
-        label = w.HTML(f"<div style='white-space:nowrap'>{name}</div>",
-                       layout={"flex": "0 0 auto", "margin": "0 12px 0 0"}, tooltip=tip)  # fmt: skip
-        self.why = why = w.HTML(layout={"flex": "1 1 200px", "min_width": "0"})
+                                  layout=shared["migrate" if migration else "hidden"], style=shared["checkbox"])  # fmt: skip
+        self._name = f"<b>{html.escape(fqn)}</b> <span style='color:#666'>{type_name}</span>"
+        self.why = w.HTML(layout=shared["why"], style=shared["html"])  # the module's name, then why
         self._reasons = reasons
         self._setting = False
         self._render_why()
-        # two lines of fixed layout at any width: the module and why, then its settings; rows keep
-        # their height inside the scrolling box (a flex column would squeeze them together)
-        top = w.HBox([label, why], layout={"align_items": "baseline", "flex_flow": "row wrap"})
+        # two lines at any width: the module and why, then its settings; rows keep their height
+        # inside the scrolling box (a flex column would squeeze them together)
         controls = w.HBox([self.activation, self.weight, self.equalize, self.keep_float, self.observer, self.migrate],
-                          layout={"align_items": "center", "flex_flow": "row wrap"})  # fmt: skip
-        super().__init__([top, controls], layout={"border_bottom": "1px solid #eee", "flex": "0 0 auto", "padding": "2px 0"})
+                          layout=shared["controls"])  # fmt: skip
+        super().__init__([self.why, controls], layout=shared["row"])
 
         for control in (self.activation, self.weight, self.equalize, self.keep_float, self.migrate, self.observer):
             control.observe(self._on_change, "value")
@@ -99,7 +98,11 @@ class SettingsRow(w.VBox):
             validate(self.module, self.settings)
         except InvalidSettingsError as error:
             problem = f"<div style='color:#b00'>{html.escape(str(error).removeprefix(self.fqn + ': '))}</div>"
-        self.why.value = f"<div style='font-size:11px;line-height:1.3;color:#444' title='{tip}'>{problem}{tip}</div>"
+        why = f"<span style='font-size:11px;line-height:1.3;color:#444' title='{tip}'>{problem}{tip}</span>"
+        self.why.value = (
+            "<div style='display:flex;flex-wrap:wrap;align-items:baseline;column-gap:12px'>"
+            f"<span style='white-space:nowrap' title='{tip}'>{self._name}</span>{why}</div>"
+        )
 
     @property
     def settings(self) -> ModuleSettings:
@@ -394,7 +397,14 @@ class TuningPanel(w.VBox):
     def _show_results(self, latest: RunResult | None) -> None:
         runs, layers = self.session.compare()
         with self.hold_sync():
-            runs_html = scrolling_table(runs.to_html(index=False, float_format=_number, border=0))
+            shown = runs.assign(
+                **{c: runs[c].map(lambda v: html.escape(str(v))) for c in runs.select_dtypes(include=["object", "string"])}
+            )
+            if "changes" in runs:
+                shown["changes"] = runs["changes"].map(_short_changes)
+            if "run" in runs:  # a label is a name: one line
+                shown["run"] = shown["run"].map(lambda v: f"<span style='white-space:nowrap'>{v}</span>")
+            runs_html = scrolling_table(shown.to_html(index=False, float_format=_number, border=0, escape=False))
             self.history.value = "<h4 style='margin:6px 0'>Runs</h4>" + runs_html
             self._draw_layers(layers)
             restorable = [r.label for r in self.session.history if r.settings is not None]
@@ -447,6 +457,28 @@ class TuningPanel(w.VBox):
                 self.bars.y = layers.T.to_numpy(dtype=np.float32, na_value=0.0)
                 self.bars.labels = [f"{c} - baseline" if delta else c for c in layers.columns]
                 self.bars.colors = colors
+
+
+def _short_changes(text: str, shown: int = 2) -> str:
+    """A run's changes in the runs table: the first few, the rest counted, all of them on hover."""
+    parts = str(text).split("; ")
+    short = "; ".join(parts[:shown]) + (f"; +{len(parts) - shown} more" if len(parts) > shown else "")
+    return f"<span title='{html.escape(str(text))}' style='display:inline-block;min-width:14em'>{html.escape(short)}</span>"
+
+
+@functools.cache
+def _row_parts() -> dict[str, w.Layout | w.Style]:
+    """The layouts and styles every Tune row shares. Widths hold each label in full (a dropdown
+    needs its text + 30 px, a checkbox + 22 px); the controls fit one line of a 520 px tab."""
+    fixed = {"flex": "0 0 auto", "margin": "2px 1px 2px 0"}
+    widths = {"activation": 88, "weight": 108, "equalize": 78, "keep_float": 88, "observer": 100, "migrate": 74}
+    parts: dict[str, w.Layout | w.Style] = {name: w.Layout(width=f"{px}px", **fixed) for name, px in widths.items()}
+    parts["hidden"] = w.Layout(display="none")
+    parts["why"] = w.Layout(width="100%")
+    parts["controls"] = w.Layout(align_items="center", flex_flow="row wrap")
+    parts["row"] = w.Layout(border_bottom="1px solid #eee", flex="0 0 auto", padding="2px 0")
+    parts["dropdown"], parts["checkbox"], parts["html"] = DescriptionStyle(), CheckboxStyle(), HTMLStyle()
+    return parts
 
 
 def _number(value: float) -> str:

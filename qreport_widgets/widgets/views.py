@@ -21,6 +21,37 @@ from .plots import HistogramView, LineView, histogram_of, scrolling_table, trimm
 ALL_MODULES = ""
 ACTIVATION_VALUES = "input activation values"  # the observer's recorded histogram, not a report key
 TABLE_ROWS = 200
+AS_HISTOGRAM = "<i>Recorded values are drawn as a histogram in either view.</i>"
+
+
+# what each of torch's report keys measures, in words (the raw key stays in the tables and tooltips)
+READABLE = {
+    F.OUTLIER_RATIOS: "outlier ratio: channel max / reference percentile",
+    F.INPUT_PER_CHANNEL_MAX: "input max per channel",
+    F.INPUT_PER_CHANNEL_MIN: "input min per channel",
+    F.WEIGHT_PER_CHANNEL_MAX: "weight max per channel",
+    F.WEIGHT_PER_CHANNEL_MIN: "weight min per channel",
+    F.EQUALIZATION_COMP_METRICS: "equalization balance per channel (weight vs input range)",
+    F.EQUALIZATION_RECOMMENDED: "equalization recommended per channel",
+    F.OUTLIERS_DETECTED: "outliers detected per channel",
+    F.CONSTANT_BATCH_COUNTS: "batches with a constant channel",
+    F.OUTLIER_BATCHES_USED: "batches used for the outlier ratio",
+    F.INPUT_COMP_STAT: "input: batch range / whole-data range (dynamic vs static)",
+    F.OUTPUT_COMP_STAT: "output: batch range / whole-data range (dynamic vs static)",
+    F.INPUT_GLOBAL_MAX: "input max",
+    F.INPUT_GLOBAL_MIN: "input min",
+    F.WEIGHT_GLOBAL_MAX: "weight max",
+    F.WEIGHT_GLOBAL_MIN: "weight min",
+}
+
+
+def readable(feature: str) -> str:
+    return READABLE.get(feature, feature.replace("_", " "))
+
+
+def short_name(feature: str) -> str:
+    """The feature in a few words, for a figure's title and axis: "outlier ratio"."""
+    return readable(feature).split(":")[0].split(" (")[0]
 
 
 class View(str, Enum):
@@ -99,6 +130,7 @@ class ExploreViews(w.VBox):
         super().__init__([self.message, self.line.figure, self.legend])
 
     def show(self, module: str, feature: str, view: View, prefix: str = "") -> None:
+        as_line = feature == ACTIVATION_VALUES and view is View.LINE
         if feature == ACTIVATION_VALUES and view is not View.TABLE:
             view = View.HISTOGRAM  # a histogram of values; as a line it says the same, less clearly
         panes = {View.LINE: self.line.figure, View.HISTOGRAM: self.histogram.figure, View.TABLE: self.table}
@@ -110,21 +142,23 @@ class ExploreViews(w.VBox):
                 self.children = (self.message, panes[view], self.legend)
             key = (module, feature, prefix)
             if self._shown.get(view) == key:
+                if as_line or self.message.value == AS_HISTOGRAM:
+                    self.message.value = AS_HISTOGRAM if as_line else ""
                 return
             self._shown[view] = key
-            self.message.value = ""
+            self.message.value = AS_HISTOGRAM if as_line else ""
             if view is View.TABLE:
                 self.table.value = self._table_html(module, prefix)
                 self.legend.value = ""
             elif view is View.LINE:
                 self._draw_line(module, feature)
-                self.legend.value = self.line.legend_html
+                self.legend.value = self.line.legend_html + _report_key(feature)
             elif feature == ACTIVATION_VALUES:
                 self._draw_values(module)
                 self.legend.value = self.values.legend_html
             else:
                 self._draw_histogram(module, feature)
-                self.legend.value = self.histogram.legend_html
+                self.legend.value = self.histogram.legend_html + _report_key(feature)
 
     # ---- line ----------------------------------------------------------------------------------
     def _draw_line(self, module: str, feature: str) -> None:
@@ -135,8 +169,9 @@ class ExploreViews(w.VBox):
         if feature in frame.channel_features and module != ALL_MODULES:
             values = frame.channel_values(module, feature)
             self.line.update(
-                values, thresholds=thresholds, flagged=None if flag is None else flag(values), flagged_label=f"channels {words}",
-                title=f"{module} · {feature}", x_label="channel", y_label=feature,
+                values, thresholds=thresholds, flagged=None if flag is None else flag(values),
+                flagged_label=f"channels {words}" if rule else "",
+                title=f"{module} · {short_name(feature)}", x_label="channel", y_label=short_name(feature),
             )  # fmt: skip
         elif feature in frame.channel_features:
             stats = frame.per_module(feature)
@@ -145,8 +180,8 @@ class ExploreViews(w.VBox):
                 flagged = None if flag is None else flag(low) | flag(high)
             self.line.update(
                 stats["mean"].to_numpy(), low=low, high=high, names=list(stats.index), thresholds=thresholds,
-                flagged=flagged, flagged_label=f"modules with a channel {words}",
-                title=f"{feature}: mean per module, min-max band", x_label="module (forward order)", y_label=feature,
+                flagged=flagged, flagged_label=f"modules with a channel {words}" if rule else "",
+                title=f"{short_name(feature)}: mean per module", x_label="module (forward order)", y_label=short_name(feature),
             )  # fmt: skip
         else:
             values = pd.to_numeric(frame.modules[feature], errors="coerce").to_numpy(dtype=float)
@@ -155,8 +190,8 @@ class ExploreViews(w.VBox):
                 flagged = None if flag is None else flag(values)
             self.line.update(
                 values, names=list(frame.modules.index), thresholds=thresholds, flagged=flagged,
-                flagged_label=f"modules {words}", title=f"{feature} per module{where}",
-                x_label="module (forward order)", y_label=feature,
+                flagged_label=f"modules {words}" if rule else "", title=f"{short_name(feature)} per module{where}",
+                x_label="module (forward order)", y_label=short_name(feature),
             )  # fmt: skip
 
     # ---- histogram -----------------------------------------------------------------------------
@@ -176,7 +211,9 @@ class ExploreViews(w.VBox):
         if not finite.all():
             self.message.value = f"<i>{int((~finite).sum())} non-finite value(s) left out of the histogram</i>"
         thresholds = thresholds_for(frame, module, feature)
-        self.histogram.update(*histogram_of(values, 30), markers=thresholds, title=f"{feature} · {scope}", x_label=feature)
+        self.histogram.update(
+            *histogram_of(values, 30), markers=thresholds, title=f"{short_name(feature)} · {scope}", x_label=short_name(feature)
+        )
 
     # ---- table ---------------------------------------------------------------------------------
     def _table_html(self, module: str, prefix: str) -> str:
@@ -230,3 +267,8 @@ def _titled(title: str, table: pd.DataFrame, empty: str) -> str:
     body = table.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="", border=0) if len(table) else f"<i>{empty}</i>"
     # wide tables scroll sideways inside the tab instead of being cut at its edge
     return f"<h4 style='margin:8px 0 4px'>{html.escape(title)}</h4>{scrolling_table(body)}"
+
+
+def _report_key(feature: str) -> str:
+    """torch's report key of the feature drawn, for code that reads the report's dictionaries."""
+    return f"<div style='font-size:11px;color:#888;margin-left:75px'>report key: <code>{html.escape(feature)}</code></div>"

@@ -137,7 +137,7 @@ def test_large_model_tune_accept_apply_at_1024(lab):
             page.screenshot(path=str(SCREENSHOTS / "large_model_no_widget.png"), full_page=False)
             raise AssertionError(f"no widget; console errors: {console_errors}") from None
         page.wait_for_timeout(1000)
-        page.screenshot(path=str(SCREENSHOTS / "large_model_explore.png"), full_page=False)
+        widget.screenshot(path=str(SCREENSHOTS / "large_model_explore.png"))
         _assert_looks_right(widget)  # all modules: a point per module, red where one crosses the threshold
         widget.locator(".lm-TabBar-tab", has_text="Tune").first.click()
         widget.get_by_text("54 of 54 shown").first.wait_for(timeout=60_000)
@@ -156,6 +156,9 @@ def test_large_model_tune_accept_apply_at_1024(lab):
         _assert_looks_right(widget)
         widget.locator("button", has_text="change vs baseline").first.click()
         _assert_bars_drawn(widget, "SQNR change vs baseline")
+        widget.locator(".bqplot", has_text="SQNR change vs baseline").first.screenshot(
+            path=str(SCREENSHOTS / "large_model_delta.png")
+        )
         _assert_looks_right(widget)
         errors = page.locator(".jupyter-widgets-error-widget")
         where = errors.evaluate_all("els => els.map(e => (e.parentElement.closest('.widget-box, .widget-tab') || e).className)")
@@ -181,14 +184,14 @@ def test_quickstart_apply_adds_one_run(lab):
         widget.wait_for(timeout=180_000)
         module = page.locator(".widget-dropdown", has=page.locator("label", has_text="Module")).first.locator("select")
         module.select_option(label="head (Linear, 32 ch)")
-        page.get_by_text("head · outlier_detection_percentile_ratios").first.wait_for(timeout=60_000)
+        page.get_by_text("head · outlier ratio").first.wait_for(timeout=60_000)
         _assert_looks_right(widget)
         module.select_option(label="stem.conv (ConvReLU2d, 3 ch)")  # its input has spikes at 25
         feature = page.locator(".widget-dropdown", has=page.locator("label", has_text="Feature")).first.locator("select")
         feature.select_option(label="activation values · recorded histogram")
         _assert_bars_drawn(widget, "stem.conv · recorded input values")  # counts on a log axis: every bar stands
         widget.get_by_text("outlier rule: 3.5 x the 97.5th percentile at 8.75").first.wait_for(timeout=60_000)
-        page.screenshot(path=str(SCREENSHOTS / "quickstart_explore_values.png"), full_page=False)
+        widget.screenshot(path=str(SCREENSHOTS / "quickstart_explore_values.png"))
         _assert_looks_right(widget)
         widget.locator(".lm-TabBar-tab", has_text="Tune").first.click()
         widget.locator("button", has_text="Accept all suggestions").first.click()
