@@ -303,9 +303,7 @@ class QuantizationSession(Diagnosis):
         with torch.no_grad():
             try:
                 call_with(quantized, self.eval_data[0])  # warm-up: first calls pay for allocations and packing
-                for batch in self.eval_data:
-                    outputs.append(output_tensor(call_with(quantized, batch)))
-                seconds = _timed_calls(quantized, self.eval_data)
+                seconds = _timed_calls(quantized, self.eval_data, outputs)
             except Exception as error:
                 raise CalibrationError(f"{label}: the quantized model failed on the evaluation data: {error}") from error
         batch_sqnr = [sqnr_db(r, o) for r, o in zip(reference, outputs, strict=True)]
@@ -376,11 +374,13 @@ def _serialized_size(model: torch.nn.Module) -> int:
     return buffer.getbuffer().nbytes
 
 
-LATENCY_CALLS = 7  # timed calls per run, cycling through the evaluation batches
+LATENCY_CALLS = (3, 7)  # timed calls per run: at least 3, at most 7 ...
+LATENCY_BUDGET_S = 0.2  # ... stopping after 3 once this long was spent
 
 
-def _timed_calls(model: torch.nn.Module, batches: Sequence[Any]) -> list[float]:
-    """Seconds per call of ``model`` on the evaluation batches, on one thread.
+def _timed_calls(model: torch.nn.Module, batches: Sequence[Any], outputs: list[torch.Tensor]) -> list[float]:
+    """Seconds per call of ``model`` on one thread: each evaluation batch once (its output appended
+    to ``outputs``), then more calls cycling through them while LATENCY_CALLS asks for them.
 
     One thread: on a busy machine (a browser drawing the notebook beside the kernel) torch's
     thread pool waits on the other threads and a 1 ms model measured 150 ms; one thread measures
@@ -388,13 +388,15 @@ def _timed_calls(model: torch.nn.Module, batches: Sequence[Any]) -> list[float]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        call_with(model, batches[0])  # a warm-up on this thread count
-        seconds = []
-        for i in range(max(LATENCY_CALLS, len(batches))):
-            batch = batches[i % len(batches)]
+        fewest, most = LATENCY_CALLS
+        seconds: list[float] = []
+        while len(seconds) < len(batches) or (len(seconds) < most and (len(seconds) < fewest or sum(seconds) < LATENCY_BUDGET_S)):
+            batch = batches[len(seconds) % len(batches)]
             start = time.perf_counter()
-            call_with(model, batch)
+            output = call_with(model, batch)
             seconds.append(time.perf_counter() - start)
+            if len(outputs) < len(batches):
+                outputs.append(output_tensor(output))
         return seconds
     finally:
         torch.set_num_threads(threads)
