@@ -448,7 +448,7 @@ class TuningPanel(w.VBox):
         with self.figure.hold_sync():
             self.x_scale.domain = list(layers.index)
             # room above the bars for the legend, a line per run
-            legend_share = min(0.6, (20 * layers.shape[1] + 10) / 230)
+            legend_share = min(0.6, (20 * layers.shape[1] + 25) / 220)  # px of legend / px of plot
             self.bars.scales["y"].min, self.bars.scales["y"].max = low, high + span * legend_share / (1 - legend_share)
             self.figure.axes[1].label = "change (dB)" if delta else "SQNR (dB)"
             self.bars.tooltip.labels = ["layer", "change (dB)" if delta else "SQNR (dB)"]
