@@ -1,0 +1,139 @@
+"""Tune settings as a torchao PT2E quantizer for x86, and what a converted graph really quantized.
+
+One ``X86InductorQuantizer`` cannot hold static and dynamic modules together (it warns and drops
+the config), so dynamic modules get a quantizer of their own, composed in front of the static
+one. Reading the converted graph back (``converted_layers``) is how a setting that never reached
+the graph is caught instead of trusted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import types
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..errors import QReportError
+from ..settings import ModuleSettings
+
+WEIGHTED_OPS = {"aten.linear.default", "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"}
+
+
+class MissingExtraError(QReportError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""
+
+
+def torchao_pt2e() -> types.SimpleNamespace:
+    """torchao's PT2E entry points, imported once; a clear error naming the extra when missing."""
+    pytree_log = logging.getLogger("torch.utils._pytree")  # torchao registers an Enum torch now handles
+    level = pytree_log.level
+    try:
+        pytree_log.setLevel(logging.ERROR)
+        # torchao prints a line per optional CUDA kernel it cannot load on a CPU machine
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            from torchao.quantization import pt2e
+            from torchao.quantization.pt2e import quantize_pt2e, quantizer
+            from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
+    except ImportError as error:
+        raise MissingExtraError(
+            f"the PT2E engine needs torchao ({error}); install it with: pip install 'qreport-widgets[pt2e]'"
+        ) from error
+    finally:
+        pytree_log.setLevel(level)
+    return types.SimpleNamespace(
+        MinMaxObserver=pt2e.MinMaxObserver,
+        prepare_pt2e=quantize_pt2e.prepare_pt2e,
+        convert_pt2e=quantize_pt2e.convert_pt2e,
+        ComposableQuantizer=quantizer.ComposableQuantizer,
+        QuantizationConfig=quantizer.QuantizationConfig,
+        QuantizationSpec=quantizer.QuantizationSpec,
+        X86InductorQuantizer=x86.X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config=x86.get_default_x86_inductor_quantization_config,
+    )
+
+
+def quantization_config(per_channel: bool, dynamic: bool):
+    """torchao's x86 default config, with per-tensor symmetric weights when ``per_channel`` is off."""
+    ao = torchao_pt2e()
+    default = ao.get_default_x86_inductor_quantization_config(is_dynamic=dynamic)
+    if per_channel:
+        return default
+    weight = ao.QuantizationSpec(
+        dtype=torch.int8, quant_min=-128, quant_max=127, qscheme=torch.per_tensor_symmetric, is_dynamic=False,
+        observer_or_fake_quant_ctr=ao.MinMaxObserver.with_args(eps=2**-12),
+    )  # fmt: skip
+    return ao.QuantizationConfig(default.input_activation, default.output_activation, weight, default.bias, default.is_qat)
+
+
+def build_quantizer(settings: Mapping[str, ModuleSettings], per_channel_default: bool = True):
+    """A quantizer for ``settings`` (module name -> settings); other modules get the x86 default.
+
+    keep_float leaves the module unannotated; dynamic modules are quantized by a dynamic
+    quantizer placed first (the static one is told to leave them alone).
+    """
+    ao = torchao_pt2e()
+    static = ao.X86InductorQuantizer()
+    static.set_global(quantization_config(per_channel_default, dynamic=False))
+    dynamic = ao.X86InductorQuantizer()
+    has_dynamic = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchao warns on every per-module config it accepts
+        for fqn, choice in settings.items():
+            if choice.keep_float:
+                static.set_module_name_qconfig(fqn, None)
+            elif choice.dynamic:
+                static.set_module_name_qconfig(fqn, None)
+                dynamic.set_module_name_qconfig(fqn, quantization_config(choice.per_channel, dynamic=True))
+                has_dynamic = True
+            else:
+                static.set_module_name_qconfig(fqn, quantization_config(choice.per_channel, dynamic=False))
+    return ao.ComposableQuantizer([dynamic, static]) if has_dynamic else static
+
+
+@dataclass(frozen=True)
+class ConvertedLayer:
+    """How one weighted module ended up in a converted PT2E graph."""
+
+    weight: str  # "per-channel", "per-tensor" or "float"
+    activation: str  # "static", "dynamic" or "float"
+
+    def matches(self, settings: ModuleSettings) -> bool:
+        """Whether the graph carries out ``settings`` (a silent no-op does not)."""
+        if settings.keep_float:
+            return self.weight == "float" and self.activation == "float"
+        wanted = "per-channel" if settings.per_channel else "per-tensor"
+        return self.weight == wanted and self.activation == ("dynamic" if settings.dynamic else "static")
+
+
+def converted_layers(converted: torch.fx.GraphModule) -> dict[str, ConvertedLayer]:
+    """Module name -> how its linear / conv op was converted, read from the q/dq ops around it."""
+    found: dict[str, ConvertedLayer] = {}
+    for node in converted.graph.nodes:
+        if node.op != "call_function" or str(node.target) not in WEIGHTED_OPS:
+            continue
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        fqn = list(stack.values())[-1][0]
+        found[fqn] = ConvertedLayer(weight=_weight_kind(node.args[1]), activation=_activation_kind(node.args[0]))
+    return found
+
+
+def _weight_kind(weight: object) -> str:
+    target = str(getattr(weight, "target", ""))
+    if "dequantize_per_channel" in target:
+        return "per-channel"
+    return "per-tensor" if "dequantize_per_tensor" in target else "float"
+
+
+def _activation_kind(activation: object) -> str:
+    target = str(getattr(activation, "target", ""))
+    if "dequantize_per_tensor.tensor" in target:  # qparams computed from the tensor at run time
+        return "dynamic"
+    return "static" if "dequantize_per_tensor" in target else "float"

@@ -1,0 +1,77 @@
+"""Tune settings through torchao's PT2E quantizer: export -> prepare_pt2e -> calibrate -> convert_pt2e,
+read back from the converted graph (what was asked is what the graph does)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from qreport_widgets.pt2e import build_quantizer, converted_layers, torchao_pt2e
+from qreport_widgets.settings import ModuleSettings
+
+
+class ConvMlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x).relu().mean((2, 3))
+        return self.fc3(self.fc2(self.fc1(x).relu()))
+
+
+def _convert(model: nn.Module, settings: dict[str, ModuleSettings]) -> torch.fx.GraphModule:
+    ao = torchao_pt2e()
+    example = (torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)),)
+    exported = torch.export.export(copy.deepcopy(model), example).module()
+    prepared = ao.prepare_pt2e(exported, build_quantizer(settings))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _ in range(3):
+            prepared(torch.randn(4, 3, 8, 8, generator=generator))
+    return ao.convert_pt2e(prepared)
+
+
+def test_every_setting_reaches_the_converted_graph():
+    model = ConvMlp().eval()
+    before = copy.deepcopy(model.state_dict())
+    settings = {
+        "conv": ModuleSettings(per_channel=True),
+        "fc1": ModuleSettings(per_channel=False),  # per-tensor weights
+        "fc2": ModuleSettings(keep_float=True),
+        "fc3": ModuleSettings(dynamic=True, per_channel=True),  # static and dynamic in one model
+    }
+    layers = converted_layers(_convert(model, settings))
+    assert layers["conv"].weight == "per-channel" and layers["conv"].activation == "static"
+    assert layers["fc1"].weight == "per-tensor" and layers["fc1"].activation == "static"
+    assert layers["fc2"].weight == "float" and layers["fc2"].activation == "float"
+    assert layers["fc3"].activation == "dynamic" and layers["fc3"].weight == "per-channel"
+    assert all(layers[name].matches(choice) for name, choice in settings.items())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the float model is untouched
+
+
+def test_a_setting_the_graph_does_not_carry_out_is_seen():
+    layers = converted_layers(_convert(ConvMlp().eval(), {"fc1": ModuleSettings(keep_float=True)}))
+    assert not layers["fc1"].matches(ModuleSettings(per_channel=True))  # asked quantized, got float
+    assert layers["fc2"].matches(ModuleSettings(per_channel=True))  # the x86 default elsewhere
+
+
+def test_missing_torchao_names_the_extra(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_torchao(name, *args, **kwargs):
+        if name.startswith("torchao"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    from qreport_widgets.pt2e import MissingExtraError
+
+    with pytest.raises(MissingExtraError, match=r"pip install 'qreport-widgets\[pt2e\]'"):
+        torchao_pt2e()
