@@ -75,3 +75,49 @@ def test_missing_torchao_names_the_extra(monkeypatch):
 
     with pytest.raises(MissingExtraError, match=r"pip install 'qreport-widgets\[pt2e\]'"):
         torchao_pt2e()
+
+
+def _batches(count: int, size: int, seed: int) -> list[tuple[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 3, 8, 8, generator=generator),) for _ in range(count)]
+
+
+def _fx_converted(model: nn.Module, example, calibration) -> nn.Module:
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), example)
+    with torch.no_grad():
+        for batch in calibration:
+            prepared(*batch)
+    return convert_fx(prepared)
+
+
+def test_pt2e_run_matches_fx_on_the_same_model_and_frees_the_batch_size():
+    from qreport_widgets.metrics import sqnr_db
+    from qreport_widgets.pt2e import quantize
+
+    torch.manual_seed(0)
+    model = ConvMlp().eval()
+    before = copy.deepcopy(model.state_dict())
+    calibration, held_out = _batches(4, 4, seed=2), _batches(2, 7, seed=3)  # another batch size after export
+    run = quantize(model, calibration[0], calibration, {"fc2": ModuleSettings(per_channel=True, equalize=True)})
+    fx = _fx_converted(model, calibration[0], calibration)
+    with torch.no_grad():
+        reference = torch.cat([model(*b) for b in held_out])
+        pt2e_sqnr = sqnr_db(reference, torch.cat([run.converted(*b) for b in held_out]))
+        fx_sqnr = sqnr_db(reference, torch.cat([fx(*b) for b in held_out]))
+    assert pt2e_sqnr > 15 and abs(pt2e_sqnr - fx_sqnr) < 3, (pt2e_sqnr, fx_sqnr)
+    assert all(layer.weight == "per-channel" for layer in run.layers.values())
+    assert run.notes == ("fc2: equalize not carried out by the PT2E engine (FX only for now)",)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_run_that_quantizes_nothing_is_an_error_and_a_missing_module_is_noted():
+    from qreport_widgets.pt2e import NothingQuantizedError, quantize
+
+    model, batches = ConvMlp().eval(), _batches(2, 4, seed=4)
+    with pytest.raises(NothingQuantizedError, match="quantized no linear or conv layer"):
+        quantize(model, batches[0], batches, {n: ModuleSettings(keep_float=True) for n in ("conv", "fc1", "fc2", "fc3")})
+    run = quantize(model, batches[0], batches, {"head": ModuleSettings(per_channel=True)})
+    assert run.notes == ("head: not found as a linear / conv op in the exported graph; its settings did nothing",)
