@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from zoo import ARCHITECTURES
 
 from qreport_widgets.pt2e import build_quantizer, converted_layers, torchao_pt2e
 from qreport_widgets.settings import ModuleSettings
@@ -121,3 +122,19 @@ def test_a_run_that_quantizes_nothing_is_an_error_and_a_missing_module_is_noted(
         quantize(model, batches[0], batches, {n: ModuleSettings(keep_float=True) for n in ("conv", "fc1", "fc2", "fc3")})
     run = quantize(model, batches[0], batches, {"head": ModuleSettings(per_channel=True)})
     assert run.notes == ("head: not found as a linear / conv op in the exported graph; its settings did nothing",)
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_every_zoo_architecture_exports_and_quantizes(name):
+    from qreport_widgets.metrics import output_tensor, sqnr_db
+    from qreport_widgets.pt2e import quantize
+
+    torch.manual_seed(0)
+    build, data = ARCHITECTURES[name]
+    model, batches = build().eval(), data()
+    before = copy.deepcopy(model.state_dict())
+    run = quantize(model, batches[0], batches[:3], {})
+    with torch.no_grad():
+        sqnr = sqnr_db(output_tensor(model(*batches[3])), output_tensor(run.converted(*batches[3])))
+    assert sum(layer.weight != "float" for layer in run.layers.values()) > 0 and sqnr > 15, sqnr
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
