@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import io
+import itertools
 import math
 import time
 import traceback
@@ -385,18 +386,25 @@ def _timed_calls(model: torch.nn.Module, batches: Sequence[Any], outputs: list[t
     One thread: on a busy machine (a browser drawing the notebook beside the kernel) torch's
     thread pool waits on the other threads and a 1 ms model measured 150 ms; one thread measures
     the model, and is the same on every machine."""
+
+    def timed(batch: Any) -> tuple[Any, float]:
+        start = time.perf_counter()
+        output = call_with(model, batch)
+        return output, time.perf_counter() - start
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        seconds = []
+        for batch in batches:  # the evaluation pass: its outputs and its times
+            output, took = timed(batch)
+            outputs.append(output_tensor(output))
+            seconds.append(took)
         fewest, most = LATENCY_CALLS
-        seconds: list[float] = []
-        while len(seconds) < len(batches) or (len(seconds) < most and (len(seconds) < fewest or sum(seconds) < LATENCY_BUDGET_S)):
-            batch = batches[len(seconds) % len(batches)]
-            start = time.perf_counter()
-            output = call_with(model, batch)
-            seconds.append(time.perf_counter() - start)
-            if len(outputs) < len(batches):
-                outputs.append(output_tensor(output))
+        for batch in itertools.cycle(batches):  # more calls while the figure needs them
+            if len(seconds) >= most or (len(seconds) >= fewest and sum(seconds) >= LATENCY_BUDGET_S):
+                break
+            seconds.append(timed(batch)[1])
         return seconds
     finally:
         torch.set_num_threads(threads)

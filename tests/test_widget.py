@@ -71,6 +71,12 @@ def test_line_view_shows_channels_and_the_threshold(report):
     assert line.thresholds.y[:, 0].tolist() == pytest.approx([0.5, 2.0])
     widget.controls.feature.value = F.INPUT_PER_CHANNEL_MAX  # no rule flags these: no red points, no count
     assert line.flagged.y.size == 0 and "of 32" not in widget.views.legend.value
+    # over all modules a module is red when the outlier detector flagged one of its channels
+    widget.controls.module.value = ALL_MODULES
+    widget.controls.feature.value = F.OUTLIER_RATIOS
+    channels = report.frame().channels
+    flagged = channels.groupby("module", sort=False)[F.OUTLIERS_DETECTED].max()
+    assert sorted(line.flagged.names) == sorted(flagged.index[flagged == 1]) and len(line.flagged.names) > 0
 
 
 def test_all_modules_line_is_mean_with_min_max_band(report):

@@ -9,6 +9,7 @@ the graph is caught instead of trusted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import types
@@ -29,6 +30,7 @@ class MissingExtraError(QReportError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
 
 
+@functools.cache
 def torchao_pt2e() -> types.SimpleNamespace:
     """torchao's PT2E entry points, imported once; a clear error naming the extra when missing."""
     pytree_log = logging.getLogger("torch.utils._pytree")  # torchao registers an Enum torch now handles
@@ -59,6 +61,7 @@ def torchao_pt2e() -> types.SimpleNamespace:
     )
 
 
+@functools.cache
 def quantization_config(per_channel: bool, dynamic: bool):
     """torchao's x86 default config, with per-tensor symmetric weights when ``per_channel`` is off."""
     ao = torchao_pt2e()

@@ -34,14 +34,14 @@ def export_model(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> tor
     """``torch.export`` of a copy of ``model`` with the batch dimension free (calibration and
     evaluation batches may differ in size); a model that fixes it is exported as it is."""
     model = copy.deepcopy(model).eval()
-    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    batch = torch.export.Dim("batch", min=1)
-    free = tuple({0: batch} if isinstance(x, torch.Tensor) and x.dim() > 0 else None for x in example_inputs)
     try:
         with torch_warnings_hidden():
-            if tensors and len(tensors) == len(example_inputs):
+            if all(isinstance(x, torch.Tensor) and x.dim() > 0 for x in example_inputs):
+                batch = torch.export.Dim("batch", min=1)
                 try:
-                    return torch.export.export(model, example_inputs, dynamic_shapes=free).module()
+                    return torch.export.export(
+                        model, example_inputs, dynamic_shapes=tuple({0: batch} for _ in example_inputs)
+                    ).module()
                 except Exception:  # the model specializes its batch size: export it as given
                     pass
             return torch.export.export(model, example_inputs).module()

@@ -99,12 +99,13 @@ class LineView:
         """Draw ``y`` (bucketed past ``MAX_DRAWN_POINTS`` when no ``x`` is given).
 
         ``names`` label the points in the hover; ``flagged`` (a mask over ``y``) draws those
-        points in red and counts them in the legend as ``flagged_label``.
+        points in red and counts them in the legend as ``flagged_label`` (no mask, no count).
         """
+        counted = flagged is not None
         y = np.asarray(y, dtype=np.float64)
         if x is None and y.size > MAX_DRAWN_POINTS:
             x, y, low, high = bucketed(y)
-            names, flagged = None, None  # a bucket is many channels: no single name or flag
+            names, flagged, counted = None, None, False  # a bucket is many channels: no single name or flag
         x = np.arange(y.size, dtype=np.float64) if x is None else np.asarray(x, dtype=np.float64)
         flagged = np.zeros(y.size, bool) if flagged is None else np.asarray(flagged, dtype=bool)
         # points without a finite value are left out (x keeps the gap)
@@ -114,7 +115,7 @@ class LineView:
             low, high = np.asarray(low)[keep], np.asarray(high)[keep]
         x, y, flagged = x[keep], y[keep], flagged[keep]
         names = None if names is None else np.asarray(list(names), dtype=object)[keep]
-        thresholds = {k: v for k, v in (thresholds or {}).items() if v is not None and np.isfinite(v)}
+        thresholds = finite_values(thresholds)
         span = np.array([x.min(), x.max()]) if x.size else np.zeros(2)
         size = 24 if y.size <= 256 else 6
         with self.figure.hold_sync():
@@ -142,7 +143,10 @@ class LineView:
             with self.tooltip.hold_sync():
                 self.tooltip.fields = ["name", "y"] if names is not None else ["x", "y"]
                 self.tooltip.labels = [label, "value"]
-        self.legend_html = legend_html(thresholds, int(flagged.sum()), int(y.size), flagged_label, low is not None)
+        self.legend_html = legend_html(
+            thresholds, flagged=int(flagged.sum()), total=int(y.size), flagged_label=flagged_label if counted else "",
+            band=low is not None,
+        )  # fmt: skip
 
     def drawn(self) -> tuple[np.ndarray, np.ndarray]:
         """x and y of every point drawn, red or not, in x order."""
@@ -196,7 +200,7 @@ class HistogramView:
         centres = (edges[:-1] + edges[1:]) / 2 if edges.size > 1 else np.zeros(0)
         keep = np.isfinite(centres) & np.isfinite(counts) & (counts > 0)  # an empty bin is a gap, not a flat bar
         centres, counts = centres[keep], counts[keep]
-        markers = {k: v for k, v in (markers or {}).items() if v is not None and np.isfinite(v)}
+        markers = finite_values(markers)
         # a line beyond every value would stretch the axis and squeeze the bars: named, not drawn
         inside = {k: v for k, v in markers.items() if centres.size and edges[0] <= v <= edges[-1]}
         top = float(counts.max(initial=1.0)) * (2.0 if self.log_counts else 1.05)
@@ -214,16 +218,21 @@ class HistogramView:
             if x_label is not None:
                 self.x_axis.label = x_label
         beyond = {k: v for k, v in markers.items() if k not in inside}
-        self.legend_html = legend_html(inside, 0, int(counts.size), "", False, vertical=True, beyond=beyond)
+        self.legend_html = legend_html(inside, vertical=True, beyond=beyond)
+
+
+def finite_values(lines: dict[str, float | None] | None) -> dict[str, float]:
+    """The named values that can be drawn (a threshold a detector did not report is None)."""
+    return {k: v for k, v in (lines or {}).items() if v is not None and np.isfinite(v)}
 
 
 def legend_html(
     lines: dict[str, float],
-    flagged: int,
-    total: int,
-    flagged_label: str,
-    band: bool,
     *,
+    flagged: int = 0,
+    total: int = 0,
+    flagged_label: str = "",
+    band: bool = False,
     vertical: bool = False,
     beyond: dict[str, float] | None = None,
 ) -> str:

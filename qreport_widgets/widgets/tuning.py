@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import functools
 import html
 import threading
 import time
@@ -31,19 +30,20 @@ PER_TENSOR, PER_CHANNEL = "per-tensor", "per-channel"
 TOP_LAYERS = 20  # bars per run in the per-layer chart; the full table is session.compare()
 SQNR_VIEW, DELTA_VIEW = "SQNR per run", "change vs baseline"
 RUNS_DRAWN = 4  # the baseline and the last three runs in the per-layer chart
+RowParts = dict[str, w.Layout | w.Style]  # what the rows of one panel share
 _SERIES_COLORS = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
 
 
 class SettingsRow(w.VBox):
     """One module's editable settings; the reason for each suggestion is on hover and in the row."""
 
-    def __init__(self, module: TunableModule, reasons: list[str], migration: str = "") -> None:
+    def __init__(self, module: TunableModule, reasons: list[str], migration: str = "", parts: RowParts | None = None) -> None:
         self.fqn = fqn = module.fqn
         self.module = module
         self.suggested = bool(reasons)
         self._search = f"{fqn} {module.type_name}".lower()
         type_name = html.escape(module.type_name)
-        shared = _row_parts()  # one Layout / Style model for every row: a 250-row model stays light in the browser
+        shared = parts if parts is not None else row_parts()  # one set for all rows: a 250-row model stays light
         self.activation = w.Dropdown(options=[STATIC, DYNAMIC], disabled=not module.allows("dynamic"),
                                      tooltip="activations: static (calibrated) or dynamic (Linear only)",
                                      layout=shared["activation"], style=shared["dropdown"])  # fmt: skip
@@ -145,7 +145,8 @@ class TuningPanel(w.VBox):
             reasons.setdefault(suggestion.module_fqn, []).append(f"{suggestion.kind.value}: {suggestion.reason}")
         modules = session.modules if session is not None else []
         migrations = _migrations(session)
-        self.rows = {m.fqn: SettingsRow(m, reasons.get(m.fqn, []), migrations.get(m.fqn, "")) for m in modules}
+        parts = row_parts()
+        self.rows = {m.fqn: SettingsRow(m, reasons.get(m.fqn, []), migrations.get(m.fqn, ""), parts) for m in modules}
         fixed = {"flex": "0 0 auto"}  # the status line beside them must not squeeze the buttons
         measured = "Measure every suggestion first (simulated or a trial run); only those that help are set"
         self.accept = w.Button(description="Accept all suggestions", icon="check", tooltip=measured,
@@ -466,13 +467,13 @@ def _short_changes(text: str, shown: int = 2) -> str:
     return f"<span title='{html.escape(str(text))}' style='display:inline-block;min-width:14em'>{html.escape(short)}</span>"
 
 
-@functools.cache
-def _row_parts() -> dict[str, w.Layout | w.Style]:
-    """The layouts and styles every Tune row shares. Widths hold each label in full (a dropdown
-    needs its text + 30 px, a checkbox + 22 px); the controls fit one line of a 520 px tab."""
+def row_parts() -> RowParts:
+    """The layouts and styles the Tune rows of one panel share (one browser model each, not one per
+    row). Widths hold each label in full (a dropdown needs its text + 30 px, a checkbox + 22 px);
+    the controls fit one line of a 520 px tab."""
     fixed = {"flex": "0 0 auto", "margin": "2px 1px 2px 0"}
     widths = {"activation": 88, "weight": 108, "equalize": 78, "keep_float": 88, "observer": 100, "migrate": 74}
-    parts: dict[str, w.Layout | w.Style] = {name: w.Layout(width=f"{px}px", **fixed) for name, px in widths.items()}
+    parts: RowParts = {name: w.Layout(width=f"{px}px", **fixed) for name, px in widths.items()}
     parts["hidden"] = w.Layout(display="none")
     parts["why"] = w.Layout(width="100%")
     parts["controls"] = w.Layout(align_items="center", flex_flow="row wrap")

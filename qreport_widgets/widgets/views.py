@@ -7,7 +7,6 @@ visible view is refreshed; a hidden one catches up when it is shown.
 from __future__ import annotations
 
 import html
-from collections.abc import Callable
 from enum import Enum
 
 import ipywidgets as w
@@ -80,18 +79,18 @@ def thresholds_for(frame: ReportFrame, module: str, feature: str) -> dict[str, f
     return {}
 
 
-def flag_rule(feature: str, thresholds: dict[str, float]) -> tuple[Callable[[np.ndarray], np.ndarray], str] | None:
-    """Which values of ``feature`` the detector flags, and the words for them (None: no rule)."""
-    if feature == F.OUTLIER_RATIOS and thresholds:
-        limit = thresholds["outlier threshold"]
-        return (lambda v: v > limit), "above the outlier threshold"
-    if feature == F.EQUALIZATION_COMP_METRICS and thresholds:
-        low, high = thresholds["equalization band (low)"], thresholds["equalization band (high)"]
-        return (lambda v: (v < low) | (v > high)), "outside the equalization band"
-    if feature in (F.INPUT_COMP_STAT, F.OUTPUT_COMP_STAT) and thresholds:
-        limit = thresholds["dynamic tolerance"]
-        return (lambda v: v <= limit), "at or below the dynamic tolerance (non-stationary)"
-    return None
+# the detector's own verdict on each drawn feature: the report column holding it, and its words
+VERDICTS = {
+    F.OUTLIER_RATIOS: (F.OUTLIERS_DETECTED, "above the outlier threshold"),
+    F.EQUALIZATION_COMP_METRICS: (F.EQUALIZATION_RECOMMENDED, "outside the equalization band"),
+    F.INPUT_COMP_STAT: (F.INPUT_DATA_CLASSIFICATION, "non-stationary (at or below the dynamic tolerance)"),
+    F.OUTPUT_COMP_STAT: (F.OUTPUT_DATA_CLASSIFICATION, "non-stationary (at or below the dynamic tolerance)"),
+}
+
+
+def is_flagged(verdicts: pd.Series) -> np.ndarray:
+    """A verdict column as a mask: a per-channel flag that is set, or a range classified non-stationary."""
+    return (verdicts.eq(1) | verdicts.eq(F.NON_STATIONARY)).to_numpy(dtype=bool)
 
 
 def outlier_markers(frame: ReportFrame, module: str, counts: np.ndarray, edges: np.ndarray) -> dict[str, float]:
@@ -142,7 +141,7 @@ class ExploreViews(w.VBox):
                 self.children = (self.message, panes[view], self.legend)
             key = (module, feature, prefix)
             if self._shown.get(view) == key:
-                if as_line or self.message.value == AS_HISTOGRAM:
+                if feature == ACTIVATION_VALUES:  # drawn already; only the view asked for changed
                     self.message.value = AS_HISTOGRAM if as_line else ""
                 return
             self._shown[view] = key
@@ -164,34 +163,34 @@ class ExploreViews(w.VBox):
     def _draw_line(self, module: str, feature: str) -> None:
         frame = self.frame
         thresholds = thresholds_for(frame, module, feature)
-        rule = flag_rule(feature, thresholds)
-        flag, words = rule if rule else (None, "")
+        column, words = VERDICTS.get(feature, (None, ""))
+        has_verdict = column is not None and (column in frame.channels or column in frame.modules)
+        name = short_name(feature)
         if feature in frame.channel_features and module != ALL_MODULES:
-            values = frame.channel_values(module, feature)
+            block = frame.channel_block(module)
             self.line.update(
-                values, thresholds=thresholds, flagged=None if flag is None else flag(values),
-                flagged_label=f"channels {words}" if rule else "",
-                title=f"{module} · {short_name(feature)}", x_label="channel", y_label=short_name(feature),
+                block[feature].to_numpy(dtype=np.float64), thresholds=thresholds,
+                flagged=is_flagged(block[column]) if has_verdict else None, flagged_label=f"channels {words}",
+                title=f"{module} · {name}", x_label="channel", y_label=name,
             )  # fmt: skip
         elif feature in frame.channel_features:
             stats = frame.per_module(feature)
-            low, high = stats["min"].to_numpy(), stats["max"].to_numpy()
-            with np.errstate(invalid="ignore"):
-                flagged = None if flag is None else flag(low) | flag(high)
+            flagged = None
+            if has_verdict:  # a module is red when the detector flags one of its channels
+                flagged = is_flagged(frame.channels.groupby(MODULE, sort=False)[column].max().reindex(stats.index))
             self.line.update(
-                stats["mean"].to_numpy(), low=low, high=high, names=list(stats.index), thresholds=thresholds,
-                flagged=flagged, flagged_label=f"modules with a channel {words}" if rule else "",
-                title=f"{short_name(feature)}: mean per module", x_label="module (forward order)", y_label=short_name(feature),
+                stats["mean"].to_numpy(), low=stats["min"].to_numpy(), high=stats["max"].to_numpy(), names=list(stats.index),
+                thresholds=thresholds, flagged=flagged, flagged_label=f"modules with a channel {words}",
+                title=f"{name}: mean per module", x_label="module (forward order)", y_label=name,
             )  # fmt: skip
         else:
             values = pd.to_numeric(frame.modules[feature], errors="coerce").to_numpy(dtype=float)
             where = "" if module == ALL_MODULES else f" (selected: {module}, #{frame.modules.at[module, 'order']})"
-            with np.errstate(invalid="ignore"):
-                flagged = None if flag is None else flag(values)
             self.line.update(
-                values, names=list(frame.modules.index), thresholds=thresholds, flagged=flagged,
-                flagged_label=f"modules {words}" if rule else "", title=f"{short_name(feature)} per module{where}",
-                x_label="module (forward order)", y_label=short_name(feature),
+                values, names=list(frame.modules.index), thresholds=thresholds,
+                flagged=is_flagged(frame.modules[column]) if has_verdict else None,
+                flagged_label=f"modules {words}", title=f"{name} per module{where}",
+                x_label="module (forward order)", y_label=name,
             )  # fmt: skip
 
     # ---- histogram -----------------------------------------------------------------------------
