@@ -11,7 +11,9 @@ from torch.ao.quantization import QConfigMapping
 
 from .calibration import CalibrationData, calibrate, is_one_shot
 from .detectors import DetectorBase, DynamicStaticDetector, InputWeightEqualizationDetector, OutlierDetector, PerChannelDetector
+from .engine import Engine
 from .fx import FxEngine
+from .graph import ModelGraph
 from .report import ModelReport
 from .session import QuantizationSession
 
@@ -37,8 +39,11 @@ def analyze(
     eval_fn: Callable[[torch.nn.Module], float] | None = None,
     prepare_custom_config: Any = None,
     progress: bool = True,
+    engine: str = "fx",
+    quantizer: Any = None,
 ) -> ModelReport:
-    """Prepare a copy of ``float_model`` with ``prepare_fx``, observe it during calibration and report.
+    """Prepare a copy of ``float_model`` (``prepare_fx``, or ``torch.export`` for PT2E), observe it
+    during calibration and report.
 
     Args:
         float_model: the float model; it is deep-copied once and never changed.
@@ -53,28 +58,53 @@ def analyze(
         prepare_custom_config: passed to ``prepare_fx`` here and in every later run, e.g.
             ``PrepareCustomConfig().set_non_traceable_module_classes([MyBlock])`` for a block
             whose forward FX cannot trace.
+        engine: ``"fx"`` (FX graph mode: ``prepare_fx`` / ``convert_fx``) or ``"pt2e"`` (torchao:
+            ``torch.export`` -> ``prepare_pt2e`` / ``convert_pt2e``; needs the ``[pt2e]`` extra). With
+            PT2E the report observes the exported float graph, and tuning runs go through torchao.
+        quantizer: PT2E only: the starting quantizer (default: torchao's ``X86InductorQuantizer``
+            with its default config); Tune settings override it per module.
 
     The report's model (``report.model``) is for analysis: ``prepare_fx``'s own observers rest
     while it calibrates, since no detector reads them. To quantize, use ``report.session`` (or
     the Tune tab), which prepares and calibrates a fresh copy for every run.
     """
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    engine = FxEngine(backend, qconfig_mapping, prepare_custom_config)
+    detectors = default_detectors(backend) if detectors is None else detectors
     # the session's own copy, made before anything runs: later edits to the caller's model do not
     # leak into tuning, and the analysis prepares from the same copy
     float_copy = copy.deepcopy(float_model).eval()
-    prepared = engine.prepare(float_copy, engine.base_config(), example_inputs)
-    modules = engine.tunable_modules(prepared)
-    report = ModelReport(prepared, default_detectors(backend) if detectors is None else detectors,
-                         model_name=type(float_model).__name__)  # fmt: skip
-    instrumented = report.prepare_detailed_calibration()
     kept = [] if is_one_shot(calibration_data) else None  # a generator is kept for later tuning runs
-    with engine.observers_paused(instrumented):  # the detectors read only the report's observers
+    if engine == "pt2e":
+        if qconfig_mapping is not None or prepare_custom_config is not None:
+            raise ValueError("qconfig_mapping and prepare_custom_config are for engine='fx'; with PT2E pass quantizer=")
+        from .pt2e.engine import Pt2eEngine
+        from .pt2e.numerics import pt2e_warnings_hidden
+
+        chosen: Engine = Pt2eEngine(quantizer)
+        modules = chosen.tunable_modules(chosen.prepare(float_copy, chosen.base_config(), example_inputs))
+        weights = {m.fqn: m.current.per_channel for m in modules if not m.current.keep_float}
+        with pt2e_warnings_hidden():
+            observed = copy.deepcopy(chosen.export(float_copy, example_inputs))  # the float graph, observed
+        report = ModelReport(observed, detectors, model_name=type(float_model).__name__,
+                             graph_of=lambda model: ModelGraph.of_exported(model, float_copy, weights))  # fmt: skip
+        instrumented = report.prepare_detailed_calibration()
         calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
+    elif engine == "fx":
+        if quantizer is not None:
+            raise ValueError("quantizer= is for engine='pt2e'; FX starts from qconfig_mapping=")
+        chosen = FxEngine(backend, qconfig_mapping, prepare_custom_config)
+        prepared = chosen.prepare(float_copy, chosen.base_config(), example_inputs)
+        modules = chosen.tunable_modules(prepared)
+        report = ModelReport(prepared, detectors, model_name=type(float_model).__name__)
+        instrumented = report.prepare_detailed_calibration()
+        with chosen.observers_paused(instrumented):  # the detectors read only the report's observers
+            calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
+    else:
+        raise ValueError(f"engine must be 'fx' or 'pt2e', got {engine!r}")
     report.generate_model_report(remove_inserted_observers=False)
     data = kept if kept is not None else calibration_data
     try:
-        session = QuantizationSession._adopt(float_copy, engine, example_inputs, data, eval_data, eval_fn, modules)
+        session = QuantizationSession._adopt(float_copy, chosen, example_inputs, data, eval_data, eval_fn, modules)
     except ValueError as error:  # e.g. a calibration callable without eval_data: the analysis still stands
         report._attach_session(None, f"{type(error).__name__}: {error}")
     else:

@@ -86,7 +86,12 @@ class Diagnosis:
             prepared = self.engine.prepare(self._float, self.engine.base_config(), self.example_inputs)
             calibrate(prepared, self.calibration_data, desc="sensitivity: calibrating", progress=progress is None,
                       on_batch=progress)  # fmt: skip
-            self._simulation = self.engine.simulator(prepared, self.modules, self._float, self.example_inputs)
+            data = self.calibration_data
+
+            def calibrate_again(model: torch.nn.Module) -> None:
+                calibrate(model, data, desc="simulation: calibrating a variant", progress=False)
+
+            self._simulation = self.engine.simulator(prepared, self.modules, self._float, self.example_inputs, calibrate_again)
         return self._simulation
 
     def simulate(self, float_modules: Variant | Iterable[str] = ()) -> tuple[float, float | None]:

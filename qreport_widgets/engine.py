@@ -1,8 +1,8 @@
-"""The seam between the engine-neutral session and one quantization workflow (FX graph mode today).
+"""The seam between the engine-neutral session and one quantization workflow: FX graph mode
+(``fx.FxEngine``) or torchao's PT2E (``pt2e.engine.Pt2eEngine``).
 
 A session asks its engine for exactly these steps and nothing else, so views, detectors and the
-session never name a torch quantization API; a second workflow (torchao's PT2E) is a second class
-with the same methods.
+session never name a torch quantization API.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ class Engine(Protocol):
     def conversions(self, prepared: torch.nn.Module, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
         """(per layer type: total / quantized / float, per module: float type -> converted type)."""
 
+    def run_notes(self, config: Any, quantized: torch.nn.Module) -> list[str]:
+        """What ``config`` asked that ``quantized`` does not do, one line per module (a silent no-op
+        shown), and anything else the run's numbers need said."""
+
     def config_as_code(self, config: Any) -> str:
         """Python that rebuilds ``config``, to paste into a pipeline."""
 
@@ -56,9 +60,11 @@ class Engine(Protocol):
         modules: Sequence[TunableModule],
         float_model: torch.nn.Module,
         example_inputs: tuple[Any, ...],
+        calibrate: Callable[[torch.nn.Module], None] | None = None,
     ) -> Simulation:
         """From ``prepared`` (``float_model`` prepared with the starting configuration, calibrated): a
-        simulation in which any set of ``modules`` can be kept float without calibrating again."""
+        simulation in which any set of ``modules`` can be kept float without calibrating again
+        (``calibrate(model)`` runs the calibration data, for variants that observe something new)."""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,13 @@
-"""What a prepared FX model offers to observe: its modules, their tensors and channel axes.
+"""What a prepared FX model or an exported graph offers to observe: its modules, their tensors and
+channel axes.
 
 A *unit* is a module with its own ``call_module`` node, named as ``prepare_fx`` sees it: a fused
 ``ConvReLU2d`` is one unit ``conv`` (not ``conv.0``), and a leaf module that FX traced through has no
-unit at all. An observation point is a tensor (an FX node) plus the channel axis to read it along;
-a tensor used by several units is observed once.
+unit at all. In a ``torch.export`` graph modules are gone; a unit there is the run of ops that
+``nn_module_stack`` attributes to one leaf module (or one ``torch.nn`` module, such as
+MultiheadAttention), read from its first outside input to its first output used outside it.
+An observation point is a tensor (an FX node) plus the channel axis to read it along; a tensor
+used by several units is observed once.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class Unit:
     node: torch.fx.Node
     module: nn.Module
     order: int
+    input: torch.fx.Node | None = None  # an exported graph's unit: the tensor it reads first
 
     @property
     def base(self) -> nn.Module:
@@ -66,6 +71,9 @@ class ModelGraph:
     units: dict[str, Unit] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     modules: dict[str, nn.Module] = field(default_factory=dict)
+    # an exported graph carries no qconfig: module -> whether the starting quantizer quantizes its
+    # weights per channel (modules it leaves float are absent); None for prepare_fx models
+    per_channel_weights: dict[str, bool] | None = None
 
     @classmethod
     def of(cls, model: torch.fx.GraphModule) -> ModelGraph:
@@ -100,6 +108,38 @@ class ModelGraph:
             )
         return graph
 
+    @classmethod
+    def of_exported(
+        cls, model: torch.fx.GraphModule, float_model: nn.Module, per_channel_weights: dict[str, bool] | None = None
+    ) -> ModelGraph:
+        """The units of a ``torch.export`` graph of ``float_model`` (whose modules give types and
+        weights); ``per_channel_weights`` says how the starting quantizer quantizes each module's weights."""
+        modules = dict(float_model.named_modules())
+        graph = cls(model, modules=modules, per_channel_weights=dict(per_channel_weights or {}))
+        groups: dict[str, list[torch.fx.Node]] = {}
+        position = {node: i for i, node in enumerate(model.graph.nodes)}
+        for node in model.graph.nodes:
+            fqn = leaf_module_name(node)
+            if fqn is not None and fqn in modules and _is_observable(modules[fqn]):
+                groups.setdefault(fqn, []).append(node)
+        for fqn, nodes in groups.items():
+            members = set(nodes)
+            output = next((n for n in nodes if any(u not in members for u in n.users)), nodes[-1])
+            first = next(
+                (a for n in nodes for a in n.all_input_nodes if a not in members and a.op != "get_attr"), None
+            )  # fmt: skip
+            graph.units[fqn] = Unit(fqn, output, modules[fqn], position[output], input=first)
+        graph.units = dict(sorted(graph.units.items(), key=lambda item: item[1].order))
+        for fqn, module in modules.items():
+            if fqn and fqn not in graph.units and next(module.children(), None) is None:
+                owner = next((u for u in graph.units if fqn.startswith(f"{u}.")), None)
+                graph.skipped[fqn] = (
+                    f"runs inside {owner} ({graph.units[owner].type_name}), which is observed as a whole"
+                    if owner
+                    else "torch.export left no op of its own for it (traced away, or never called)"
+                )
+        return graph
+
     def op_counts(self) -> dict[str, int]:
         """FX node ops of the model as prepare_fx built it (observers of any kind left out)."""
         counts = dict.fromkeys(("placeholder", "get_attr", "call_function", "call_module", "call_method", "output"), 0)
@@ -118,6 +158,8 @@ class ModelGraph:
 
     def input_node(self, unit: Unit) -> torch.fx.Node | None:
         """The tensor a unit reads first, looking through the observers prepare_fx inserted."""
+        if unit.input is not None:
+            return self._through_observers(unit.input)
         for arg in (*unit.node.args, *unit.node.kwargs.values()):
             if isinstance(arg, torch.fx.Node):
                 return self._through_observers(arg)
@@ -147,8 +189,9 @@ class ModelGraph:
         for _ in range(64):
             if node is None or node.op in ("placeholder", "get_attr"):
                 return 1
-            if node.op == "call_module":
-                module = modules.get(str(node.target))
+            name = str(node.target) if node.op == "call_module" else leaf_module_name(node)
+            if name is not None:
+                module = modules.get(name)
                 if isinstance(module, _FusedModule):
                     module = module[0]
                 if isinstance(module, _CHANNEL_FIRST):
@@ -166,6 +209,19 @@ class ModelGraph:
                 break
             node = first
         return node
+
+
+def leaf_module_name(node: torch.fx.Node) -> str | None:
+    """The innermost module an exported graph's op ran in (``nn_module_stack``), None outside any."""
+    stack = node.meta.get("nn_module_stack") if node.op == "call_function" else None
+    if not stack:
+        return None
+    return str(list(stack.values())[-1][0]).split("@")[0]
+
+
+def _is_observable(module: nn.Module) -> bool:
+    """A leaf module, or a torch.nn module whose insides torch.export does not attribute to children."""
+    return next(module.children(), None) is None or type(module).__module__.startswith("torch.nn.modules")
 
 
 def _is_instrumentation_target(modules: dict[str, nn.Module], target: str) -> bool:

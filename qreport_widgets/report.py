@@ -64,7 +64,12 @@ class ModelReport:
     """
 
     def __init__(
-        self, model: torch.fx.GraphModule, desired_report_detectors: Iterable[DetectorBase], *, model_name: str | None = None
+        self,
+        model: torch.fx.GraphModule,
+        desired_report_detectors: Iterable[DetectorBase],
+        *,
+        model_name: str | None = None,
+        graph_of: Callable[[torch.fx.GraphModule], ModelGraph] = ModelGraph.of,
     ) -> None:
         if not isinstance(model, torch.fx.GraphModule):
             raise TypeError(
@@ -90,6 +95,7 @@ class ModelReport:
         self._results: dict[str, DetectorResult] = {}
         self._analysis: Analysis | None = None
         self._graph: ModelGraph | None = None
+        self._graph_of = graph_of  # how units are read: prepare_fx's modules, or an exported graph's
         self._session: QuantizationSession | None = None
         self._session_problem = ""
 
@@ -109,7 +115,7 @@ class ModelReport:
             )
         if hasattr(self._model, OBSERVER_CONTAINER):
             raise AlreadyPreparedError("this model already carries ModelReport observers from another ModelReport")
-        graph = ModelGraph.of(self._model)
+        graph = self._graph_of(self._model)
         requests = {d.get_detector_name(): d.requests(graph) for d in self._detectors}
         placements, index = instrument.plan(graph, (r for rs in requests.values() for r in rs))
         instrument.insert(self._model, placements, index)
@@ -119,7 +125,7 @@ class ModelReport:
                 for r in wanted
                 if (r.unit, r.side.value, r.ch_axis) in index
             }
-        self._graph = ModelGraph.of(self._model)
+        self._graph = self._graph_of(self._model)
         self._state = ReportState.PREPARED
         return self._model
 
@@ -177,7 +183,7 @@ class ModelReport:
 
     @property
     def graph(self) -> ModelGraph:
-        return self._graph or ModelGraph.of(self._model)
+        return self._graph or self._graph_of(self._model)
 
     @property
     def session(self) -> QuantizationSession | None:
@@ -199,7 +205,10 @@ class ModelReport:
         return self.analysis().suggestions()
 
     def tunable_modules(self) -> list[TunableModule]:
-        """The Linear / Conv modules whose settings a user can change, in forward order."""
+        """The Linear / Conv modules whose settings a user can change, in forward order (the
+        session's engine says which, when the report came from analyze())."""
+        if self._session is not None:
+            return self._session.modules
         return tunable_modules(self.graph)
 
     def current_settings(self) -> dict[str, ModuleSettings]:
@@ -309,7 +318,7 @@ class ModelReport:
                 "returned by prepare_detailed_calibration() (not the float model) before generating the report, "
                 "and check that the batches are not empty (zero elements are skipped)"
             )
-        graph = self._graph or ModelGraph.of(self._model)
+        graph = self._graph or self._graph_of(self._model)
         context = ReportContext(graph, dict(container.index), pending=[])
         self._results = {d.get_detector_name(): d.analyze(context) for d in self._detectors}
         _warn_grouped(context.pending)

@@ -314,7 +314,9 @@ class QuantizationSession(Diagnosis):
                 float_layers = self._float if float_model is None else float_model
                 layers = self.engine.per_layer_sqnr(float_layers, quantized, self.eval_data[0])
         except Exception as error:  # Numeric Suite cannot pair every graph; the run itself is fine
-            notes.append(f"per-layer SQNR unavailable: Numeric Suite could not match the two graphs ({type(error).__name__})")
+            why = "Numeric Suite could not match the two graphs" if self.engine.name == "fx" else "the layers could not be read"
+            notes.append(f"per-layer SQNR unavailable: {why} ({type(error).__name__})")
+        notes += self.engine.run_notes(config, quantized)  # settings the quantized model did not carry out
         summary, conversions = self.engine.conversions(prepared, quantized)
         return RunResult(
             qconfig_mapping=_mapping_of(config),

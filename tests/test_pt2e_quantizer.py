@@ -8,7 +8,6 @@ import copy
 import pytest
 import torch
 from torch import nn
-from zoo import ARCHITECTURES
 
 from qreport_widgets.pt2e import build_quantizer, converted_layers, torchao_pt2e
 from qreport_widgets.settings import ModuleSettings
@@ -98,47 +97,40 @@ def _fx_converted(model: nn.Module, example, calibration) -> nn.Module:
     return convert_fx(prepared)
 
 
+def _session(model: nn.Module, calibration, held_out=None):
+    from qreport_widgets import QuantizationSession
+    from qreport_widgets.pt2e import Pt2eEngine
+
+    return QuantizationSession(model, calibration[0], calibration, eval_data=held_out, engine=Pt2eEngine())
+
+
 def test_pt2e_run_matches_fx_on_the_same_model_and_frees_the_batch_size():
     from qreport_widgets.metrics import sqnr_db
-    from qreport_widgets.pt2e import quantize
 
     torch.manual_seed(0)
     model = ConvMlp().eval()
     before = copy.deepcopy(model.state_dict())
     calibration, held_out = _batches(4, 4, seed=2), _batches(2, 7, seed=3)  # another batch size after export
-    run = quantize(model, calibration[0], calibration, {"fc2": ModuleSettings(per_channel=True, equalize=True)})
+    session = _session(model, calibration, held_out)
+    run = session.apply({"fc2": ModuleSettings(per_channel=True)})
+    assert run.ok, run.error
     fx = _fx_converted(model, calibration[0], calibration)
     with torch.no_grad():
         reference = torch.cat([model(*b) for b in held_out])
-        pt2e_sqnr = sqnr_db(reference, torch.cat([run.converted(*b) for b in held_out]))
         fx_sqnr = sqnr_db(reference, torch.cat([fx(*b) for b in held_out]))
-    assert pt2e_sqnr > 15 and abs(pt2e_sqnr - fx_sqnr) < 3, (pt2e_sqnr, fx_sqnr)
-    assert all(layer.weight == "per-channel" for layer in run.layers.values())
-    assert run.notes == ("fc2: equalize not carried out by the PT2E engine (FX only for now)",)
+    assert run.output_sqnr_db > 15 and abs(run.output_sqnr_db - fx_sqnr) < 3, (run.output_sqnr_db, fx_sqnr)
+    assert all(layer.weight == "per-channel" for layer in converted_layers(run.quantized_model).values())
+    assert run.quantized_layers == 4 and run.notes[-1].startswith("latency: ")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_a_run_that_quantizes_nothing_is_an_error_and_a_missing_module_is_noted():
-    from qreport_widgets.pt2e import NothingQuantizedError, quantize
+def test_a_run_that_quantizes_nothing_is_an_error_and_fx_only_settings_are_refused():
+    from qreport_widgets.errors import InvalidSettingsError
 
-    model, batches = ConvMlp().eval(), _batches(2, 4, seed=4)
-    with pytest.raises(NothingQuantizedError, match="quantized no linear or conv layer"):
-        quantize(model, batches[0], batches, {n: ModuleSettings(keep_float=True) for n in ("conv", "fc1", "fc2", "fc3")})
-    run = quantize(model, batches[0], batches, {"head": ModuleSettings(per_channel=True)})
-    assert run.notes == ("head: not found as a linear / conv op in the exported graph; its settings did nothing",)
-
-
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_every_zoo_architecture_exports_and_quantizes(name):
-    from qreport_widgets.metrics import output_tensor, sqnr_db
-    from qreport_widgets.pt2e import quantize
-
-    torch.manual_seed(0)
-    build, data = ARCHITECTURES[name]
-    model, batches = build().eval(), data()
-    before = copy.deepcopy(model.state_dict())
-    run = quantize(model, batches[0], batches[:3], {})
-    with torch.no_grad():
-        sqnr = sqnr_db(output_tensor(model(*batches[3])), output_tensor(run.converted(*batches[3])))
-    assert sum(layer.weight != "float" for layer in run.layers.values()) > 0 and sqnr > 15, sqnr
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    session = _session(ConvMlp().eval(), _batches(2, 4, seed=4))
+    run = session.apply({n: ModuleSettings(keep_float=True) for n in ("conv", "fc1", "fc2", "fc3")})
+    assert not run.ok and "quantized no Linear or Conv layer" in run.error and not session.history
+    with pytest.raises(InvalidSettingsError, match="input-weight equalization is FX only"):
+        session.apply({"fc2": ModuleSettings(per_channel=True, equalize=True)})
+    with pytest.raises(InvalidSettingsError, match="only Linear layers dynamically"):
+        session.apply({"conv": ModuleSettings(dynamic=True)})

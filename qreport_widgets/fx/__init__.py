@@ -87,6 +87,9 @@ class FxEngine:
     def conversions(self, prepared: torch.nn.Module, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
         return quantization_summary(prepared, quantized)
 
+    def run_notes(self, config: FxConfig, quantized: torch.nn.Module) -> list[str]:
+        return []  # convert_fx carries out its mapping or raises; the conversions table shows the result
+
     def config_as_code(self, config: FxConfig) -> str:
         return mapping_as_code(config.qconfig_mapping, config.equalization_mapping)
 
@@ -113,6 +116,7 @@ class FxEngine:
         modules: Sequence[TunableModule],
         float_model: torch.nn.Module,
         example_inputs: tuple[Any, ...],
+        calibrate: Any = None,  # not needed: FX's quantize points are all calibrated in the starting configuration
     ) -> Simulator:
         # where FX places other qparams after a float module, read from one prepare with them all float
         all_float = self.config_for({m.fqn: ModuleSettings(keep_float=True) for m in modules}, modules)

@@ -1,14 +1,16 @@
-"""The PT2E engine's pieces (torchao: torch.export -> prepare_pt2e -> convert_pt2e).
+"""The PT2E engine (torchao: torch.export -> prepare_pt2e -> convert_pt2e) behind the session's seam.
 
 Needs the ``[pt2e]`` extra (torchao); ``torchao_pt2e()`` says so when it is missing.
 """
 
 from __future__ import annotations
 
-from .quantizer import MissingExtraError, build_quantizer, converted_layers, torchao_pt2e
-from .run import NothingQuantizedError, Pt2eRun, export_model, quantize
+from .engine import Pt2eConfig, Pt2eEngine
+from .export import NothingQuantizedError, export_model
+from .numerics import ConvertedLayer, converted_layers
+from .quantizer import MissingExtraError, build_quantizer, torchao_pt2e
 
 __all__ = [
-    "MissingExtraError", "NothingQuantizedError", "Pt2eRun", "build_quantizer", "converted_layers", "export_model",
-    "quantize", "torchao_pt2e",
+    "ConvertedLayer", "MissingExtraError", "NothingQuantizedError", "Pt2eConfig", "Pt2eEngine", "build_quantizer",
+    "converted_layers", "export_model", "torchao_pt2e",
 ]  # fmt: skip

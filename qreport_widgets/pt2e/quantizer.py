@@ -1,9 +1,9 @@
-"""Tune settings as a torchao PT2E quantizer for x86, and what a converted graph really quantized.
+"""Tune settings as a torchao PT2E quantizer for x86.
 
 One ``X86InductorQuantizer`` cannot hold static and dynamic modules together (it warns and drops
 the config), so dynamic modules get a quantizer of their own, composed in front of the static
-one. Reading the converted graph back (``converted_layers``) is how a setting that never reached
-the graph is caught instead of trusted.
+one. Reading the converted graph back (``numerics.converted_layers``) is how a setting that never
+reached the graph is caught instead of trusted.
 """
 
 from __future__ import annotations
@@ -15,15 +15,12 @@ import logging
 import types
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.fx
 
 from ..errors import QReportError
 from ..settings import ModuleSettings
-
-WEIGHTED_OPS = {"aten.linear.default", "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"}
 
 
 class MissingExtraError(QReportError, ImportError):
@@ -75,15 +72,18 @@ def quantization_config(per_channel: bool, dynamic: bool):
     return ao.QuantizationConfig(default.input_activation, default.output_activation, weight, default.bias, default.is_qat)
 
 
-def build_quantizer(settings: Mapping[str, ModuleSettings], per_channel_default: bool = True):
-    """A quantizer for ``settings`` (module name -> settings); other modules get the x86 default.
+def build_quantizer(settings: Mapping[str, ModuleSettings], base=None):
+    """A quantizer for ``settings`` (module name -> settings); other modules as ``base`` annotates
+    them (default: torchao's x86 default everywhere).
 
     keep_float leaves the module unannotated; dynamic modules are quantized by a dynamic
-    quantizer placed first (the static one is told to leave them alone).
+    quantizer placed first (the static one is told to leave them alone). With a ``base`` of your
+    own, the modules in ``settings`` are annotated before it runs, and it leaves annotated nodes alone.
     """
     ao = torchao_pt2e()
     static = ao.X86InductorQuantizer()
-    static.set_global(quantization_config(per_channel_default, dynamic=False))
+    if base is None:
+        static.set_global(quantization_config(True, dynamic=False))
     dynamic = ao.X86InductorQuantizer()
     has_dynamic = False
     with warnings.catch_warnings():
@@ -97,47 +97,7 @@ def build_quantizer(settings: Mapping[str, ModuleSettings], per_channel_default:
                 has_dynamic = True
             else:
                 static.set_module_name_qconfig(fqn, quantization_config(choice.per_channel, dynamic=False))
-    return ao.ComposableQuantizer([dynamic, static]) if has_dynamic else static
-
-
-@dataclass(frozen=True)
-class ConvertedLayer:
-    """How one weighted module ended up in a converted PT2E graph."""
-
-    weight: str  # "per-channel", "per-tensor" or "float"
-    activation: str  # "static", "dynamic" or "float"
-
-    def matches(self, settings: ModuleSettings) -> bool:
-        """Whether the graph carries out ``settings`` (a silent no-op does not)."""
-        if settings.keep_float:
-            return self.weight == "float" and self.activation == "float"
-        wanted = "per-channel" if settings.per_channel else "per-tensor"
-        return self.weight == wanted and self.activation == ("dynamic" if settings.dynamic else "static")
-
-
-def converted_layers(converted: torch.fx.GraphModule) -> dict[str, ConvertedLayer]:
-    """Module name -> how its linear / conv op was converted, read from the q/dq ops around it."""
-    found: dict[str, ConvertedLayer] = {}
-    for node in converted.graph.nodes:
-        if node.op != "call_function" or str(node.target) not in WEIGHTED_OPS:
-            continue
-        stack = node.meta.get("nn_module_stack")
-        if not stack:
-            continue
-        fqn = list(stack.values())[-1][0]
-        found[fqn] = ConvertedLayer(weight=_weight_kind(node.args[1]), activation=_activation_kind(node.args[0]))
-    return found
-
-
-def _weight_kind(weight: object) -> str:
-    target = str(getattr(weight, "target", ""))
-    if "dequantize_per_channel" in target:
-        return "per-channel"
-    return "per-tensor" if "dequantize_per_tensor" in target else "float"
-
-
-def _activation_kind(activation: object) -> str:
-    target = str(getattr(activation, "target", ""))
-    if "dequantize_per_tensor.tensor" in target:  # qparams computed from the tensor at run time
-        return "dynamic"
-    return "static" if "dequantize_per_tensor" in target else "float"
+    parts = [dynamic] if has_dynamic else []
+    parts += [static] if base is None or settings else []
+    parts += [base] if base is not None else []
+    return parts[0] if len(parts) == 1 else ao.ComposableQuantizer(parts)

@@ -51,13 +51,17 @@ class SettingsRow(w.VBox):
                                  tooltip="weights: one scale per tensor or per output channel",
                                  layout=shared["weight"], style=shared["dropdown"])  # fmt: skip
         self.equalize = w.Checkbox(description="equalize", indent=False, layout=shared["equalize"], style=shared["checkbox"],
-                                   tooltip="input-weight equalization with the next layer")  # fmt: skip
+                                   disabled=not module.allows("equalize"),
+                                   tooltip=module.unavailable.get("equalize",
+                                                                  "input-weight equalization with the next layer"))  # fmt: skip
         self.keep_float = w.Checkbox(description="keep float", indent=False, layout=shared["keep_float"],
                                      style=shared["checkbox"])  # fmt: skip
         self.observer = w.Dropdown(options=[("as started", ""), ("MinMax", "minmax"), ("Histogram", "histogram"),
                                             ("Percentile", "percentile")],
-                                   tooltip="the activation observer of this module's output (static activations); "
-                                           "Percentile: the range of each batch's 0.01th to 99.99th percentile",
+                                   disabled=not module.allows("observer"),
+                                   tooltip=module.unavailable.get("observer",
+                                       "the activation observer of this module's output (static activations); "
+                                       "Percentile: the range of each batch's 0.01th to 99.99th percentile"),
                                    layout=shared["observer"], style=shared["dropdown"])  # fmt: skip
         # only where the session found outlier channels to move into the weights; last, so its
         # absence shifts no other control
@@ -66,6 +70,7 @@ class SettingsRow(w.VBox):
         self._name = f"<b>{html.escape(fqn)}</b> <span style='color:#666'>{type_name}</span>"
         self.why = w.HTML(layout=shared["why"], style=shared["html"])  # the module's name, then why
         self._reasons = reasons
+        self._run_note = ""  # what the last run did not carry out for this module
         self._setting = False
         self._render_why()
         # two lines at any width: the module and why, then its settings; rows keep their height
@@ -81,6 +86,12 @@ class SettingsRow(w.VBox):
         """Show measured verdicts in place of the detectors' reasons (``suggested``: one is offered)."""
         self._reasons, self.suggested = reasons, suggested
         self._render_why()
+
+    def set_run_note(self, note: str) -> None:
+        """Say on the row what the last run did not carry out of its settings ("" clears it)."""
+        if note != self._run_note:
+            self._run_note = note
+            self._render_why()
 
     def matches(self, text: str) -> bool:
         """Whether ``text`` is part of the module's name or type (case ignored)."""
@@ -98,6 +109,8 @@ class SettingsRow(w.VBox):
             validate(self.module, self.settings)
         except InvalidSettingsError as error:
             problem = f"<div style='color:#b00'>{html.escape(str(error).removeprefix(self.fqn + ': '))}</div>"
+        if self._run_note:
+            problem += f"<div style='color:#a60'>last run: {html.escape(self._run_note)}</div>"
         why = f"<span style='font-size:11px;line-height:1.3;color:#444' title='{tip}'>{problem}{tip}</span>"
         self.why.value = (
             "<div style='display:flex;flex-wrap:wrap;align-items:baseline;column-gap:12px'>"
@@ -301,6 +314,9 @@ class TuningPanel(w.VBox):
             label = f"apply {self._applied}"
             result = self._run_with_progress(label, lambda cb: self.session.apply(settings, label=label, progress=cb))
             if result.ok:
+                for row in self.rows.values():  # a setting the engine accepted but did not carry out, on its row
+                    row.set_run_note(next((n.removeprefix(f"{row.fqn}: ") for n in result.notes
+                                           if n.startswith(f"{row.fqn}: ")), ""))  # fmt: skip
                 notes = "".join(f"<br><i>{html.escape(note)}</i>" for note in result.notes)
                 self._final_status = run_status(result, self.session.history, self.sensitivity.table) + notes
             else:
