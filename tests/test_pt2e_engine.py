@@ -31,8 +31,9 @@ def cache(tmp_path_factory):
 
 def both_engines(model: nn.Module, calibration, evaluation, eval_fn=None) -> dict[str, qw.ModelReport]:
     return {
-        engine: qw.analyze(model, calibration[0], calibration, eval_data=evaluation, eval_fn=eval_fn, engine=engine,
-                           progress=False)  # fmt: skip
+        engine: qw.analyze(
+            model, calibration[0], calibration, eval_data=evaluation, eval_fn=eval_fn, engine=engine, progress=False
+        )  # fmt: skip
         for engine in ("fx", "pt2e")
     }
 
