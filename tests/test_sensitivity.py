@@ -18,6 +18,7 @@ from qreport_widgets import ModuleSettings, QuantizationSession
 from qreport_widgets.digits import trained_digits_model
 
 MODELS = ("digits cnn", "digits mixer", "mobilenet_v3")
+AGREEMENT_DB = 0.5  # simulated and real output SQNR agree within this (per module kept float)
 
 
 def build(name: str, cache) -> tuple[torch.nn.Module, QuantizationSession]:
@@ -59,7 +60,7 @@ def test_simulated_runs_agree_with_real_convert_fx_runs(measured, name):
     real_sqnr = real + baseline.output_sqnr_db
     assert set(simulated.index) == set(real_sqnr.index)
     worst = (simulated - real_sqnr.reindex(simulated.index)).abs().max()
-    assert worst <= 0.5, f"{name}: simulated and real output SQNR differ by up to {worst:.3f} dB"
+    assert worst <= AGREEMENT_DB, f"{name}: simulated and real output SQNR differ by up to {worst:.3f} dB"
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -67,7 +68,11 @@ def test_sensitivity_ranks_modules_as_the_real_sweep_does(measured, name):
     _, _, _, sensitivity, _, real = measured[name]
     estimate = sensitivity["output_sqnr_gain_db"]
     truth = real.reindex(estimate.index)
-    assert estimate.corr(truth, method="spearman") >= 0.8
+    # modules whose real gains differ by more than the simulation's tolerance are ordered as the
+    # real sweep orders them (quantized kernels round differently per CPU, so closer gains may swap)
+    apart = [(a, b) for a in truth.index for b in truth.index if truth[a] - truth[b] > AGREEMENT_DB]
+    swapped = [(a, b) for a, b in apart if estimate[a] <= estimate[b]]
+    assert not swapped, f"{name}: ranked against the real sweep: {swapped}"
     assert len(set(estimate.nlargest(3).index) & set(truth.nlargest(3).index)) >= 2
 
 

@@ -478,6 +478,93 @@ LARGE_MODEL = [
 ]
 
 
+ENGINES = [
+    (
+        "md",
+        "# FX or PT2E: one model through both engines\n"
+        "\n"
+        "torch 2.13 deprecates FX graph mode quantization (`prepare_fx` / `convert_fx` warn on every call) in favour "
+        "of torchao's PT2E: `torch.export` -> `prepare_pt2e(model, quantizer)` -> calibrate -> `convert_pt2e`. "
+        "`analyze(..., engine='pt2e')` gives the same report (the four detectors, observed on the exported float "
+        "graph), the same widget and the same Tune loop, with a torchao quantizer in place of a `QConfigMapping`. "
+        "It needs the `[pt2e]` extra (`pip install 'qreport-widgets[pt2e]'`).\n"
+        "\n"
+        "The model: a token mixer trained on scikit-learn's digits (rows as tokens, Linear layers on "
+        "batch x tokens x hidden), a few seconds with a fixed seed.",
+    ),
+    (
+        "code",
+        "import pandas as pd\n"
+        "from qreport_widgets import analyze\n"
+        "from qreport_widgets.digits import trained_digits_model\n"
+        "\n"
+        "model, data = trained_digits_model('mixer')\n"
+        "reports = {\n"
+        "    engine: analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation,\n"
+        "                    eval_fn=data.accuracy, engine=engine, progress=False)\n"
+        "    for engine in ('fx', 'pt2e')\n"
+        "}\n"
+        "baselines = {engine: report.session.baseline() for engine, report in reports.items()}\n"
+        "pd.DataFrame({\n"
+        "    engine: {'output SQNR (dB)': run.output_sqnr_db, 'accuracy': run.eval_metric,\n"
+        "             'quantized layers': run.quantized_layers, 'size (KB)': run.size_bytes / 1024}\n"
+        "    for engine, run in baselines.items()\n"
+        "}).round(3)",
+    ),
+    (
+        "md",
+        "## What differs\n"
+        "\n"
+        "- **What gets quantized.** FX's x86 mapping quantizes nearly every op (LayerNorm, GELU, adds included) and "
+        "runs int8 kernels; torchao's `X86InductorQuantizer` quantizes the inputs and weights of Linear / Conv "
+        "layers (and a few int8-in-int8-out ops), so PT2E starts with fewer rounding points and usually a higher "
+        "SQNR. *Quantized layers* counts Linear / Conv for PT2E, every converted module for FX.\n"
+        "- **What runs.** `convert_pt2e` gives a graph of quantize / dequantize ops around float ops; torchao's "
+        "`lower_pt2e_quantized_to_x86` compiles it to int8 kernels for deployment. The latency the Tune tab shows "
+        "for PT2E is of that unlowered graph (each run says so in its notes).\n"
+        "- **Settings.** Per-channel / per-tensor weights, dynamic activations (Linear), keep float and "
+        "outlier-channel migration work in both; input-weight equalization and the choice of activation observer "
+        "are FX only (disabled on PT2E's Tune rows).\n"
+        "\n"
+        "Per-layer SQNR (PT2E measures at each Linear / Conv op's output, batch norms folded in):",
+    ),
+    ("code", "pd.DataFrame({engine: run.per_layer_sqnr_db for engine, run in baselines.items()}).round(2)"),
+    (
+        "md",
+        "## Suggestions, measured under each engine\n"
+        "\n"
+        "A suggestion is offered only when a run (or the engine's simulation) shows it helps. Under PT2E the "
+        "simulation converts each variant from one calibration, so a simulated number is the number a real run "
+        "gives.",
+    ),
+    (
+        "code",
+        "verified = {engine: report.verified_suggestions() for engine, report in reports.items()}\n"
+        "for engine, found in verified.items():\n"
+        "    print(f'{engine}: {len(found.offered)} offered; Accept all {found.accept_all_gain_db:+.2f} dB (a real run)')\n"
+        "verified['pt2e'].frame().head(8)",
+    ),
+    (
+        "md",
+        "## The quantizer to paste\n"
+        "\n"
+        "Tune settings become torchao quantizers: per-module configs on an `X86InductorQuantizer`, dynamic modules "
+        "in a quantizer of their own composed in front (one x86 quantizer cannot mix them). After a run the "
+        "converted graph is read back, and a setting torchao accepted but did not carry out is said on the run "
+        "and on its Tune row.",
+    ),
+    (
+        "code",
+        "session = reports['pt2e'].session\n"
+        "start = session.current_settings()\n"
+        "changed = {fqn: s for fqn, s in verified['pt2e'].settings.items() if s != start[fqn]}\n"
+        "print(session.settings_as_code(changed))",
+    ),
+    ("md", "## The widget, on the PT2E report"),
+    ("code", "reports['pt2e'].widget()"),
+]
+
+
 def main() -> None:
     HERE.mkdir(exist_ok=True)
     notebooks = {
@@ -487,6 +574,7 @@ def main() -> None:
         "04_custom_detector.ipynb": CUSTOM,
         "05_which_layer_hurts.ipynb": WHICH_LAYER,
         "06_a_54_layer_model.ipynb": LARGE_MODEL,
+        "07_fx_or_pt2e.ipynb": ENGINES,
     }
     for name, cells in notebooks.items():
         nbformat.write(notebook(cells), HERE / name)
