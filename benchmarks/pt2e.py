@@ -30,14 +30,15 @@ def plain_pt2e(model: torch.nn.Module, example: torch.Tensor) -> torch.fx.GraphM
         prepared = ao.prepare_pt2e(export_model(model, (example,)), ao.X86InductorQuantizer().set_global(
             ao.get_default_x86_inductor_quantization_config()))  # fmt: skip
     ao.allow_exported_model_train_eval(prepared)
-    return prepared.eval()
+    return prepared
 
 
 def ours_pt2e(model: torch.nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
-    """What analyze(engine="pt2e") calibrates: the exported float graph with the four detectors' observers."""
-    exported = export_model(model, (example,))
+    """What analyze(engine="pt2e") calibrates: the exported float graph (batch norms folded) with the
+    four detectors' observers."""
+    exported = copy.deepcopy(Pt2eEngine().float_reference(model, (example,)))
     report = ModelReport(exported, default_detectors("x86"), graph_of=lambda m: ModelGraph.of_exported(m, model))
-    return report.prepare_detailed_calibration().eval()
+    return report.prepare_detailed_calibration()
 
 
 def calibration(case_name: str, repeats: int, batch_count: int) -> dict[str, float]:

@@ -83,8 +83,8 @@ def analyze(
         chosen: Engine = Pt2eEngine(quantizer)
         modules = chosen.tunable_modules(chosen.prepare(float_copy, chosen.base_config(), example_inputs))
         weights = {m.fqn: m.current.per_channel for m in modules if not m.current.keep_float}
-        with pt2e_warnings_hidden():
-            observed = copy.deepcopy(chosen.export(float_copy, example_inputs))  # the float graph, observed
+        with pt2e_warnings_hidden():  # the float graph with batch norms folded, as every run folds them
+            observed = copy.deepcopy(chosen.float_reference(float_copy, example_inputs))
         report = ModelReport(observed, detectors, model_name=type(float_model).__name__,
                              graph_of=lambda model: ModelGraph.of_exported(model, float_copy, weights))  # fmt: skip
         instrumented = report.prepare_detailed_calibration()

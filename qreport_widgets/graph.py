@@ -12,6 +12,7 @@ used by several units is observed once.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -128,16 +129,19 @@ class ModelGraph:
             first = next(
                 (a for n in nodes for a in n.all_input_nodes if a not in members and a.op != "get_attr"), None
             )  # fmt: skip
-            graph.units[fqn] = Unit(fqn, output, modules[fqn], position[output], input=first)
+            module = _with_graph_weights(model, modules[fqn], nodes)
+            graph.units[fqn] = Unit(fqn, output, module, position[output], input=first)
         graph.units = dict(sorted(graph.units.items(), key=lambda item: item[1].order))
         for fqn, module in modules.items():
             if fqn and fqn not in graph.units and next(module.children(), None) is None:
                 owner = next((u for u in graph.units if fqn.startswith(f"{u}.")), None)
-                graph.skipped[fqn] = (
-                    f"runs inside {owner} ({graph.units[owner].type_name}), which is observed as a whole"
-                    if owner
-                    else "torch.export left no op of its own for it (traced away, or never called)"
-                )
+                if owner:
+                    why = f"runs inside {owner} ({graph.units[owner].type_name}), which is observed as a whole"
+                elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    why = "folded into the conv before it, as every PT2E run folds it (that conv's output is observed)"
+                else:
+                    why = "torch.export left no op of its own for it (traced away, or never called)"
+                graph.skipped[fqn] = why
         return graph
 
     def op_counts(self) -> dict[str, int]:
@@ -209,6 +213,26 @@ class ModelGraph:
                 break
             node = first
         return node
+
+
+def _with_graph_weights(model: torch.fx.GraphModule, module: nn.Module, nodes: list[torch.fx.Node]) -> nn.Module:
+    """``module``, or a shallow copy holding the weight and bias its op reads in the graph where the
+    graph's differ (a batch norm folded into a conv)."""
+    for node in nodes:
+        found = {}
+        for name, arg in zip(("weight", "bias"), node.args[1:3]):
+            if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+                owner, _, attribute = str(arg.target).rpartition(".")
+                found[name] = getattr(model.get_submodule(owner) if owner else model, attribute)
+        current = getattr(module, "weight", None)
+        if "weight" in found and isinstance(current, torch.Tensor) and found["weight"] is not current:
+            if found["weight"].shape == current.shape and not torch.equal(found["weight"], current):
+                copied = copy.copy(module)
+                copied._parameters = dict(module._parameters)  # the original keeps its own
+                for name, value in found.items():
+                    copied._parameters[name] = nn.Parameter(value.detach(), requires_grad=False)
+                return copied
+    return module
 
 
 def leaf_module_name(node: torch.fx.Node) -> str | None:

@@ -210,3 +210,16 @@ def test_engine_arguments_are_checked():
         qw.analyze(model, batches[0], batches, quantizer=object(), progress=False)
     with pytest.raises(ValueError, match="with PT2E pass quantizer="):
         qw.analyze(model, batches[0], batches, engine="pt2e", qconfig_mapping=object(), progress=False)
+
+
+def test_batch_norms_are_folded_into_their_convs_as_every_pt2e_run_folds_them():
+    torch.manual_seed(0)
+    model, batches = ARCHITECTURES["resnet"][0]().eval(), image_batches(3)
+    report = qw.analyze(model, batches[0], batches, engine="pt2e", progress=False)
+    graph = report.graph
+    assert "bn1" not in graph.units and "folded into the conv before it" in graph.skipped["bn1"]
+    conv = graph.units["conv1"]
+    scale = model.bn1.weight / torch.sqrt(model.bn1.running_var + model.bn1.eps)
+    torch.testing.assert_close(conv.weight, model.conv1.weight * scale.reshape(-1, 1, 1, 1))
+    assert conv.base is not model.conv1 and conv.type_name == "Conv2d"
+    assert report.session.float_model.conv1.weight.data_ptr() != conv.weight.data_ptr()
