@@ -220,7 +220,7 @@ def _with_graph_weights(model: torch.fx.GraphModule, module: nn.Module, nodes: l
     graph's differ (a batch norm folded into a conv)."""
     for node in nodes:
         found = {}
-        for name, arg in zip(("weight", "bias"), node.args[1:3]):
+        for name, arg in zip(("weight", "bias"), node.args[1:3], strict=False):  # a bias may be absent
             if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
                 owner, _, attribute = str(arg.target).rpartition(".")
                 found[name] = getattr(model.get_submodule(owner) if owner else model, attribute)
