@@ -31,7 +31,7 @@ from .features import EQUALIZATION_COMP_METRICS, SuggestionKind
 from .frame import ReportFrame
 from .progress import Progress, steps
 from .records import Suggestion
-from .settings import ModuleSettings, TunableModule
+from .settings import SETTING_NAMES, ModuleSettings, TunableModule
 
 if TYPE_CHECKING:
     from .run import RunResult
@@ -191,6 +191,14 @@ class Verifier:
 
     def verify(self, candidates: Sequence[Candidate], progress: Progress | None = None) -> VerifiedSuggestions:
         baseline = self.session.baseline(progress=_quiet)
+        engine_wide = self._unavailable_everywhere()  # e.g. equalization under PT2E: one note, not a row each
+        left_out = [c for c in candidates if c.setting in engine_wide]
+        candidates = [c for c in candidates if c.setting not in engine_wide]
+        skipped = [
+            f"{count} {_WORDS[setting]} candidate(s) not tried: {engine_wide[setting]}"
+            for setting in engine_wide
+            if (count := sum(c.setting == setting for c in left_out))
+        ]
         verdicts: dict[Candidate, Verdict] = {}
         simulated, real = [], []
         for candidate in candidates:
@@ -212,7 +220,16 @@ class Verifier:
             ordered = [verdicts[c] for c in candidates]
             settings, accept_all, notes = self._accept_all(ordered, baseline)
             step()
-        return VerifiedSuggestions(baseline.output_sqnr_db, ordered, settings, accept_all, notes)
+        return VerifiedSuggestions(baseline.output_sqnr_db, ordered, settings, accept_all, notes + skipped)
+
+    def _unavailable_everywhere(self) -> dict[str, str]:
+        """Settings the engine cannot apply to any module, for one reason: setting -> the reason."""
+        found = {}
+        for setting in SETTING_NAMES:
+            reasons = {m.unavailable.get(setting) for m in self.modules.values()}
+            if self.modules and len(reasons) == 1 and None not in reasons:
+                found[setting] = reasons.pop()
+        return found
 
     def _trial(self, candidate: Candidate, current: Mapping[str, ModuleSettings], baseline: RunResult) -> Verdict:
         """A candidate measured by a real run (kept out of the history)."""

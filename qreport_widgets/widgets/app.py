@@ -84,10 +84,10 @@ class ReportWidget(w.VBox):
 
     def _model_html(self) -> str:
         graph = self.source.graph
-        ops = pd.DataFrame(list(graph.op_counts().items()), columns=["FX op", "nodes"])
+        ops = pd.DataFrame(list(graph.op_counts().items()), columns=["graph op", "nodes"])
         layers = pd.DataFrame(list(graph.layer_type_counts().items()), columns=["layer type", "modules"])
         skipped = pd.DataFrame(list(graph.skipped.items()), columns=["not observed", "why"])
-        tables = [("Graph (as prepare_fx built it)", ops), ("Layer types", layers)]
+        tables = [("Graph nodes (prepare_fx or torch.export, as the report observed it)", ops), ("Layer types", layers)]
         if len(skipped):
             tables.append(("Modules without their own graph node", skipped))
         return "".join(f"<h4>{t}</h4>{df.to_html(index=False, border=0)}" for t, df in tables)
