@@ -29,7 +29,6 @@ def plain_pt2e(model: torch.nn.Module, example: torch.Tensor) -> torch.fx.GraphM
     with pt2e_warnings_hidden():
         prepared = ao.prepare_pt2e(export_model(model, (example,)), ao.X86InductorQuantizer().set_global(
             ao.get_default_x86_inductor_quantization_config()))  # fmt: skip
-    ao.allow_exported_model_train_eval(prepared)
     return prepared
 
 

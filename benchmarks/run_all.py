@@ -12,6 +12,7 @@ import analysis_and_files
 import apply_cost
 import calibration_overhead
 import memory
+import pt2e
 import report_build
 import sensitivity
 import torch
@@ -70,6 +71,14 @@ def main() -> None:
             f"as a ranking of it, per-layer SQNR: Spearman {row['spearman']:+.2f}, top-3 {row['top3']}/3; "
             f"session.sensitivity(): Spearman {row['ours_spearman']:+.2f}, top-3 {row['ours_top3']}/3 in "
             f"{row['sensitivity_s']:.2f} s; simulated vs real gains within {row['agreement']:.3f} dB"
+        )
+    for name in ("resnet18 8x3x224x224", "mlp-blocks 8x128x768"):
+        row = pt2e.calibration(name, repeats, 8)
+        apply = pt2e.apply(name, repeats, 8)
+        print(
+            f"PT2E, {name}: calibration through our observers {row['ours']:.4f} s/batch vs plain prepare_pt2e "
+            f"{row['plain']:.4f} = {row['ratio']:.2f}x; Apply PT2E {apply['pt2e']:.2f} s vs FX {apply['fx']:.2f} s "
+            f"(bare PT2E {apply['bare pt2e']:.2f} s)"
         )
     row = analysis_and_files.measure_files(repeats)
     print(

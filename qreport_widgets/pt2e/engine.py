@@ -26,6 +26,7 @@ from .numerics import (
     ConvertedLayer,
     convert,
     converted_layers,
+    eval_only,
     layer_outputs,
     observers_paused,
     pt2e_warnings_hidden,
@@ -104,7 +105,7 @@ class Pt2eEngine:
         with pt2e_warnings_hidden():
             exported = copy.deepcopy(self.export(float_model, example_inputs))
             prepared = ao.prepare_pt2e(exported, config.quantizer())
-        ao.allow_exported_model_train_eval(prepared)  # calibration puts the model in eval mode
+        eval_only(prepared)  # calibration puts the model in eval mode
         return prepared
 
     def observers_paused(self, prepared: torch.nn.Module) -> AbstractContextManager[None]:
@@ -153,7 +154,7 @@ class Pt2eEngine:
         with pt2e_warnings_hidden():
             exported = copy.deepcopy(self.export(float_model, example_inputs))
             reference = ao.prepare_pt2e(exported, _Nothing())
-        ao.allow_exported_model_train_eval(reference)
+        eval_only(reference)
         self._references = {key: value for key, value in self._references.items() if value[0]() is not None}
         self._references[id(float_model)] = (weakref.ref(float_model), reference)
         return reference

@@ -3,6 +3,7 @@ a batch, and one op's own error (its quantized form on the float model's input).
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -68,6 +69,27 @@ def convert(prepared: torch.nn.Module) -> torch.fx.GraphModule:
 
 
 def _unchanged(model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    return model
+
+
+def eval_only(model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Let ``model.eval()`` work on a graph exported in eval mode (torch.export refuses the call).
+
+    The graph already computes as in eval mode, so ``eval()`` changes nothing; torchao's
+    ``allow_exported_model_train_eval`` would rewrite dropout and batch norm patterns on every call
+    (0.8 s per call on a ResNet-18 layout, exporting its patterns each time). Training is refused.
+    """
+
+    def eval_(self: torch.nn.Module) -> torch.nn.Module:
+        return self
+
+    def train(self: torch.nn.Module, mode: bool = True) -> torch.nn.Module:
+        if mode:
+            raise RuntimeError("this graph was exported in eval mode and cannot be trained; export the model again")
+        return self
+
+    model.eval = types.MethodType(eval_, model)
+    model.train = types.MethodType(train, model)
     return model
 
 

@@ -47,7 +47,6 @@ def torchao_pt2e() -> types.SimpleNamespace:
         pytree_log.setLevel(level)
     return types.SimpleNamespace(
         MinMaxObserver=pt2e.MinMaxObserver,
-        allow_exported_model_train_eval=pt2e.allow_exported_model_train_eval,
         prepare_pt2e=quantize_pt2e.prepare_pt2e,
         convert_pt2e=quantize_pt2e.convert_pt2e,
         ComposableQuantizer=quantizer.ComposableQuantizer,
