@@ -75,18 +75,34 @@ def lab(tmp_path_factory):
         server.wait(timeout=30)
 
 
-def _wait_for_kernel(page) -> None:
-    """Until the notebook's kernel is connected and idle: widgets a kernel creates before the page's
-    widget manager listens are lost ("model not found")."""
+def _open(page, lab: str, notebook: str) -> None:
+    """Open one notebook in a fresh workspace (an earlier test's notebook is not restored beside it)
+    and wait until it is the current panel and its kernel is connected and idle: widgets a kernel
+    creates before the page's widget manager listens are lost ("model not found")."""
+    page.goto(f"{lab}/lab/tree/{notebook}?reset", timeout=120_000)
+    page.wait_for_selector(".jp-Notebook", timeout=120_000)
     page.wait_for_function(
-        """() => {
+        """(notebook) => {
             const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+            const path = panel && panel.context && panel.context.path;
             const kernel = panel && panel.sessionContext && panel.sessionContext.session && panel.sessionContext.session.kernel;
-            return kernel && kernel.connectionStatus === 'connected' && kernel.status === 'idle';
+            const ready = kernel && kernel.connectionStatus === 'connected' && kernel.status === 'idle';
+            return path && path.endsWith(notebook) && ready;
         }""",
+        arg=notebook,
         timeout=120_000,
     )
     page.wait_for_timeout(1000)
+
+
+def _wait_for_widget(page, name: str, console_errors: list[str]):
+    widget = page.locator(".jp-OutputArea-output .widget-tab").first
+    try:
+        widget.wait_for(timeout=180_000)
+    except Exception:
+        page.screenshot(path=str(SCREENSHOTS / f"{name}_no_widget.png"), full_page=False)
+        raise AssertionError(f"no widget; console errors: {console_errors}") from None
+    return widget
 
 
 def _assert_bars_drawn(widget, title: str = "Per-layer SQNR") -> None:
@@ -127,15 +143,9 @@ def test_large_model_tune_accept_apply_at_1024(lab):
         page = browser.new_page(viewport={"width": 1024, "height": 1100})
         console_errors: list[str] = []
         page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
-        page.goto(f"{lab}/lab/tree/06_a_54_layer_model.ipynb", timeout=120_000)
-        _wait_for_kernel(page)
+        _open(page, lab, "06_a_54_layer_model.ipynb")
         page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-        widget = page.locator(".jp-OutputArea-output .widget-tab").first
-        try:
-            widget.wait_for(timeout=180_000)
-        except Exception:
-            page.screenshot(path=str(SCREENSHOTS / "large_model_no_widget.png"), full_page=False)
-            raise AssertionError(f"no widget; console errors: {console_errors}") from None
+        widget = _wait_for_widget(page, "large_model", console_errors)
         page.wait_for_timeout(1000)
         widget.screenshot(path=str(SCREENSHOTS / "large_model_explore.png"))
         _assert_looks_right(widget)  # all modules: a point per module, red where one crosses the threshold
@@ -176,12 +186,9 @@ def test_quickstart_apply_adds_one_run(lab):
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROME_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1100})
         page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
-        page.goto(f"{lab}/lab/tree/{NOTEBOOK}", timeout=120_000)
-        page.wait_for_selector(".jp-Notebook", timeout=120_000)
-        _wait_for_kernel(page)
+        _open(page, lab, NOTEBOOK)
         page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-        widget = page.locator(".jp-OutputArea-output .widget-tab").first
-        widget.wait_for(timeout=180_000)
+        widget = _wait_for_widget(page, "quickstart", console_errors)
         module = page.locator(".widget-dropdown", has=page.locator("label", has_text="Module")).first.locator("select")
         module.select_option(label="head (Linear, 32 ch)")
         page.get_by_text("head · outlier ratio").first.wait_for(timeout=60_000)
