@@ -56,3 +56,16 @@ class RunResult:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def conversion_tables(rows: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """From one row per layer ("module", "float type", "converted type", "quantized"): per float
+    type the layers in all, quantized and left float; and the rows as a table."""
+    conversions = pd.DataFrame(rows, columns=["module", "float type", "converted type", "quantized"])
+    summary = (
+        conversions.groupby("float type", sort=False)["quantized"]
+        .agg(total="size", quantized="sum")
+        .assign(float=lambda df: df["total"] - df["quantized"])
+        .reset_index()
+    )
+    return summary, conversions

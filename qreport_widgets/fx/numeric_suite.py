@@ -17,6 +17,7 @@ from torch.ao.ns.fx.utils import compute_sqnr
 
 from ..calibration import call_with
 from ..graph import ModelGraph
+from ..run import conversion_tables
 
 _QUANTIZED_NAMESPACES = ("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized", "torch.nn.quantized")
 _MULS = {torch.mul, operator.mul, torch.ops.quantized.mul, torch.ops.quantized.mul_relu}
@@ -112,11 +113,4 @@ def quantization_summary(prepared: torch.fx.GraphModule, quantized: torch.nn.Mod
                 "quantized": kind.startswith(_QUANTIZED_NAMESPACES),
             }
         )
-    conversions = pd.DataFrame(rows, columns=["module", "float type", "converted type", "quantized"])
-    summary = (
-        conversions.groupby("float type", sort=False)["quantized"]
-        .agg(total="size", quantized="sum")
-        .assign(float=lambda df: df["total"] - df["quantized"])
-        .reset_index()
-    )
-    return summary, conversions
+    return conversion_tables(rows)

@@ -20,6 +20,7 @@ import torch
 import torch.fx
 
 from ..metrics import sqnr_db
+from ..run import conversion_tables
 from ..settings import ModuleSettings, TunableModule
 from .export import NothingQuantizedError, export_model
 from .numerics import (
@@ -166,14 +167,7 @@ class Pt2eEngine:
              "quantized": layer.weight != "float"}
             for fqn, layer in converted_layers(quantized).items()
         ]  # fmt: skip
-        conversions = pd.DataFrame(rows, columns=["module", "float type", "converted type", "quantized"])
-        summary = (
-            conversions.groupby("float type", sort=False)["quantized"]
-            .agg(total="size", quantized="sum")
-            .assign(float=lambda df: df["total"] - df["quantized"])
-            .reset_index()
-        )
-        return summary, conversions
+        return conversion_tables(rows)
 
     def run_notes(self, config: Pt2eConfig, quantized: torch.nn.Module) -> list[str]:
         """One line per requested setting the converted graph did not carry out, and what its
