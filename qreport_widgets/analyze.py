@@ -11,9 +11,8 @@ from torch.ao.quantization import QConfigMapping
 
 from .calibration import CalibrationData, calibrate, is_one_shot
 from .detectors import DetectorBase, DynamicStaticDetector, InputWeightEqualizationDetector, OutlierDetector, PerChannelDetector
-from .engine import Engine
-from .fx import FxEngine
-from .graph import ModelGraph
+from .engine import EngineOptions
+from .engines import engine_named
 from .report import ModelReport
 from .session import QuantizationSession
 
@@ -59,8 +58,9 @@ def analyze(
             ``PrepareCustomConfig().set_non_traceable_module_classes([MyBlock])`` for a block
             whose forward FX cannot trace.
         engine: ``"fx"`` (FX graph mode: ``prepare_fx`` / ``convert_fx``) or ``"pt2e"`` (torchao:
-            ``torch.export`` -> ``prepare_pt2e`` / ``convert_pt2e``; needs the ``[pt2e]`` extra). With
-            PT2E the report observes the exported float graph, and tuning runs go through torchao.
+            ``torch.export`` -> ``prepare_pt2e`` / ``convert_pt2e``; needs the ``[pt2e]`` extra). The
+            engine says what the report observes (PT2E: the exported float graph) and runs every
+            tuning run.
         quantizer: PT2E only: the starting quantizer (default: torchao's ``X86InductorQuantizer``
             with its default config); Tune settings override it per module.
 
@@ -70,43 +70,22 @@ def analyze(
     """
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     detectors = default_detectors(backend) if detectors is None else detectors
+    chosen = engine_named(engine, EngineOptions(backend, qconfig_mapping, prepare_custom_config, quantizer))
     # the session's own copy, made before anything runs: later edits to the caller's model do not
     # leak into tuning, and the analysis prepares from the same copy
     float_copy = copy.deepcopy(float_model).eval()
     kept = [] if is_one_shot(calibration_data) else None  # a generator is kept for later tuning runs
-    if engine == "pt2e":
-        if qconfig_mapping is not None or prepare_custom_config is not None:
-            raise ValueError("qconfig_mapping and prepare_custom_config are for engine='fx'; with PT2E pass quantizer=")
-        from .pt2e.engine import Pt2eEngine
-        from .pt2e.numerics import pt2e_warnings_hidden
-
-        chosen: Engine = Pt2eEngine(quantizer)
-        modules = chosen.tunable_modules(chosen.prepare(float_copy, chosen.base_config(), example_inputs))
-        weights = {m.fqn: m.current.per_channel for m in modules if not m.current.keep_float}
-        with pt2e_warnings_hidden():  # the float graph with batch norms folded, as every run folds them
-            observed = copy.deepcopy(chosen.float_reference(float_copy, example_inputs))
-        report = ModelReport(observed, detectors, model_name=type(float_model).__name__,
-                             graph_of=lambda model: ModelGraph.of_exported(model, float_copy, weights))  # fmt: skip
-        instrumented = report.prepare_detailed_calibration()
+    observed = chosen.observe(float_copy, example_inputs)
+    report = ModelReport(observed.model, detectors, model_name=type(float_model).__name__, graph_of=observed.graph_of)
+    instrumented = report.prepare_detailed_calibration()
+    with chosen.observers_paused(instrumented):  # the detectors read only the report's observers
         calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
-    elif engine == "fx":
-        if quantizer is not None:
-            raise ValueError("quantizer= is for engine='pt2e'; FX starts from qconfig_mapping=")
-        chosen = FxEngine(backend, qconfig_mapping, prepare_custom_config)
-        prepared = chosen.prepare(float_copy, chosen.base_config(), example_inputs)
-        modules = chosen.tunable_modules(prepared)
-        report = ModelReport(prepared, detectors, model_name=type(float_model).__name__)
-        instrumented = report.prepare_detailed_calibration()
-        with chosen.observers_paused(instrumented):  # the detectors read only the report's observers
-            calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
-    else:
-        raise ValueError(f"engine must be 'fx' or 'pt2e', got {engine!r}")
     report.generate_model_report(remove_inserted_observers=False)
     data = kept if kept is not None else calibration_data
     try:
-        session = QuantizationSession._adopt(float_copy, chosen, example_inputs, data, eval_data, eval_fn, modules)
+        session = QuantizationSession._adopt(float_copy, chosen, example_inputs, data, eval_data, eval_fn, observed.modules)
     except ValueError as error:  # e.g. a calibration callable without eval_data: the analysis still stands
-        report._attach_session(None, f"{type(error).__name__}: {error}")
+        report._attach_session(chosen, observed.modules, None, f"{type(error).__name__}: {error}")
     else:
-        report._attach_session(session)
+        report._attach_session(chosen, observed.modules, session)
     return report

@@ -103,11 +103,15 @@ def demo_qconfig_mapping() -> QConfigMapping:
 
 
 def main() -> None:
-    import warnings
+    from .calibration import torch_warnings_hidden
 
+    with torch_warnings_hidden():
+        _print_demo()
+
+
+def _print_demo() -> None:
     from .analyze import analyze
 
-    warnings.simplefilter("ignore")
     batches = demo_batches()
     report = analyze(build_demo_model(), batches[0], batches, qconfig_mapping=demo_qconfig_mapping())
     for text, _ in report.generate_model_report().values():

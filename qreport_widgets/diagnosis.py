@@ -1,26 +1,26 @@
 """Which module hurts, and the fewest float modules that meet a target: the session's diagnosis.
 
-A mixin of ``QuantizationSession``: everything here is estimated in the engine's simulation
-(calibrated once, forward passes only) except ``reach()``, which confirms with a real run.
+``Diagnosis`` works for a host (``DiagnosisHost``: the session) that gives it the simulation, the
+float outputs, the evaluation data and real runs. Everything here is estimated in the engine's
+simulation (calibrated once, forward passes only) except ``reach()``, which confirms with a real run.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pandas as pd
 import torch
 
-from .calibration import calibrate
 from .metrics import output_tensor, sqnr_db
 from .progress import Progress, steps
 from .settings import ModuleSettings
 
 if TYPE_CHECKING:
-    from .engine import Engine, Simulation, Variant
+    from .engine import Simulation, Variant
     from .run import RunResult
 
 
@@ -66,42 +66,40 @@ class ReachPlan:
         return sqnr_ok and metric_ok
 
 
-class Diagnosis:
-    """Sensitivity, trade-off and reach for a session (which provides the attributes below)."""
+class DiagnosisHost(Protocol):
+    """What diagnosis needs from a session."""
 
-    engine: Engine
     eval_fn: Callable[[torch.nn.Module], float] | None
     eval_data: list[Any]
-    calibration_data: Any
-    example_inputs: tuple[Any, ...]
-    _float: torch.nn.Module
-    _simulation: Simulation | None
-    _sensitivity: dict[bool, pd.DataFrame]  # computed once: the simulation never changes
-    _tradeoff: pd.DataFrame | None
 
-    def simulation(self, progress: Progress | None = None) -> Simulation:
-        """The starting configuration calibrated once, as a simulation in which modules can be kept
-        float without calibrating again (built on first use, then kept)."""
-        if self._simulation is None:
-            prepared = self.engine.prepare(self._float, self.engine.base_config(), self.example_inputs)
-            calibrate(prepared, self.calibration_data, desc="sensitivity: calibrating", progress=progress is None,
-                      on_batch=progress)  # fmt: skip
-            data = self.calibration_data
+    def simulation(self, progress: Progress | None = None) -> Simulation: ...
 
-            def calibrate_again(model: torch.nn.Module) -> None:
-                calibrate(model, data, desc="simulation: calibrating a variant", progress=False)
+    def reference_outputs(self) -> list[torch.Tensor]: ...
 
-            self._simulation = self.engine.simulator(prepared, self.modules, self._float, self.example_inputs, calibrate_again)
-        return self._simulation
+    def baseline(self, progress: Progress | None = None) -> RunResult: ...
+
+    def apply(
+        self, settings: Mapping[str, ModuleSettings], *, label: str | None = None, progress: Progress | None = None
+    ) -> RunResult: ...
+
+
+class Diagnosis:
+    """Sensitivity, trade-off and reach for one host; the rankings are computed once, since the
+    simulation never changes."""
+
+    def __init__(self, host: DiagnosisHost) -> None:
+        self.host = host
+        self._sensitivity: dict[bool, pd.DataFrame] = {}  # with and without the metric
+        self._tradeoff: pd.DataFrame | None = None
 
     def simulate(self, float_modules: Variant | Iterable[str] = ()) -> tuple[float, float | None]:
         """Simulated output SQNR (dB) and ``eval_fn`` metric with ``float_modules`` kept float (or in a Variant)."""
-        simulation = self.simulation()
-        sqnr = self._output_sqnr(simulation.outputs(self.eval_data, float_modules))
+        simulation, eval_fn = self.host.simulation(), self.host.eval_fn
+        sqnr = self._output_sqnr(simulation.outputs(self.host.eval_data, float_modules))
         metric = None
-        if self.eval_fn is not None:
+        if eval_fn is not None:
             with torch.no_grad():
-                metric = float(self.eval_fn(simulation.model))
+                metric = float(eval_fn(simulation.model))
         return sqnr, metric
 
     def sensitivity(self, progress: Progress | None = None, *, metric: bool = True) -> pd.DataFrame:
@@ -114,12 +112,12 @@ class Diagnosis:
         advances (calibration batches, then simulated steps). ``metric=False`` leaves ``eval_fn``
         out: each module then costs a replayed part of a pass instead of a whole pass.
         """
-        metric = metric and self.eval_fn is not None
+        metric = metric and self.host.eval_fn is not None
         if metric in self._sensitivity or (not metric and True in self._sensitivity):
             return self._sensitivity.get(metric, self._sensitivity.get(True)).copy()
-        simulation = self.simulation(progress)
+        simulation = self.host.simulation(progress)
         names = list(simulation.tunable)
-        local = simulation.local_sqnr(self.eval_data[0])
+        local = simulation.local_sqnr(self.host.eval_data[0])
         variants = [[]] + [[name] for name in names]
         (base_sqnr, base_metric), *each = self.simulate_each(variants, progress, "sensitivity", metric=metric)
         rows = [
@@ -173,9 +171,9 @@ class Diagnosis:
         the output SQNR alone each variant recomputes only what its float modules change (one step
         per variant and batch); ``eval_fn`` needs the whole model, so with it each variant is a whole
         pass (one step per variant)."""
-        simulation = self.simulation()
-        whole = metric and self.eval_fn is not None
-        total = len(variants) * (1 if whole else len(self.eval_data))
+        simulation, eval_data = self.host.simulation(), self.host.eval_data
+        whole = metric and self.host.eval_fn is not None
+        total = len(variants) * (1 if whole else len(eval_data))
         try:
             with steps(total, desc, "step", progress) as step:
                 if whole:
@@ -184,13 +182,13 @@ class Diagnosis:
                         found.append(self.simulate(variant))
                         step()
                     return found
-                outputs = simulation.outputs_each(self.eval_data, variants, step)
+                outputs = simulation.outputs_each(eval_data, variants, step)
                 return [(self._output_sqnr(each), None) for each in outputs]
         finally:
             simulation.configure(())
 
     def _output_sqnr(self, outputs: Sequence[Any]) -> float:
-        reference = self._reference_outputs()
+        reference = self.host.reference_outputs()
         return sqnr_db(torch.cat([r.flatten() for r in reference]), torch.cat([output_tensor(o).flatten() for o in outputs]))
 
     def reach(
@@ -213,11 +211,11 @@ class Diagnosis:
         label = f"reach {target}"
         if not plan.met:
             result = self._float_run(order[:count], label, progress)
-            result.notes.append(
+            return _noted(
+                result,
                 f"{target} is out of reach: even in simulation the best is {plan.simulated_sqnr_db:.2f} dB "
-                f"with {count} module(s) float; this run keeps those float"
+                f"with {count} module(s) float; this run keeps those float",
             )
-            return result
         result = self._float_run(order[:count], label, progress)
         for _ in range(3):  # the real run may fall short of the simulated one: add the next module
             if not result.ok or meets(result.output_sqnr_db, result.eval_metric) or count >= len(order):
@@ -232,10 +230,9 @@ class Diagnosis:
                     count, result = fewer, run
                     break
         verdict = "met" if result.ok and meets(result.output_sqnr_db, result.eval_metric) else "not met by the real run"
-        result.notes.append(
-            f"{target}: {verdict} with {count} of {len(order)} modules float ({', '.join(order[:count]) or 'none'})"
+        return _noted(
+            result, f"{target}: {verdict} with {count} of {len(order)} modules float ({', '.join(order[:count]) or 'none'})"
         )
-        return result
 
     def plan_reach(
         self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
@@ -244,7 +241,7 @@ class Diagnosis:
         float for the target, or the best point of the trade-off curve when none meets it."""
         if target_sqnr_db is None and target_metric is None:
             raise ValueError("reach() needs target_sqnr_db, target_metric or both")
-        if target_metric is not None and self.eval_fn is None:
+        if target_metric is not None and self.host.eval_fn is None:
             raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
         ranking = self.sensitivity(progress, metric=target_metric is not None)
         order = list(ranking.index)
@@ -272,6 +269,12 @@ class Diagnosis:
 
     def _float_run(self, float_modules: Sequence[str], label: str, progress: Progress | None) -> RunResult:
         if not float_modules:  # the starting configuration: its run is known
-            baseline = self.baseline(progress)
-            return replace(baseline, label=label, notes=list(baseline.notes), settings={}) if baseline.ok else baseline
-        return self.apply({name: ModuleSettings(keep_float=True) for name in float_modules}, label=label, progress=progress)
+            baseline = self.host.baseline(progress)
+            return replace(baseline, label=label, settings={}) if baseline.ok else baseline
+        keep = {name: ModuleSettings(keep_float=True) for name in float_modules}
+        return self.host.apply(keep, label=label, progress=progress)
+
+
+def _noted(result: RunResult, note: str) -> RunResult:
+    """A copy of ``result`` with ``note`` added to its run-level notes."""
+    return replace(result, notes=(*result.notes, note))

@@ -1,66 +1,176 @@
-"""The seam between the engine-neutral session and one quantization workflow: FX graph mode
-(``fx.FxEngine``) or torchao's PT2E (``pt2e.engine.Pt2eEngine``).
+"""The contract between the engine-neutral core and one quantization workflow.
 
-A session asks its engine for exactly these steps and nothing else, so views, detectors and the
-session never name a torch quantization API.
+An engine is one package (``fx/``, ``pt2e/``) with one ``Engine`` subclass, registered by name in
+``engines.py``. The analysis asks it what to observe (``observe``); the session asks it to prepare,
+convert and measure; nothing outside the engine's package names its workflow. The abstract
+methods are what every engine must do; the others have a default body that says what an engine
+without that ability does, so the core never probes an engine or compares its name.
 """
 
 from __future__ import annotations
 
+import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any, Protocol
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import pandas as pd
 import torch
+import torch.fx
 
 from .settings import ModuleSettings, TunableModule
 
+if TYPE_CHECKING:
+    from .graph import ModelGraph
 
-class Engine(Protocol):
-    """prepare -> (calibrate, done by the session) -> convert, plus what a run measures."""
+ConfigT = TypeVar("ConfigT")
 
-    name: str
 
-    def base_config(self) -> Any:
+@dataclass(frozen=True)
+class EngineOptions:
+    """What ``analyze()`` and ``QuantizationSession`` pass to the engine they name; each engine takes
+    the options of its workflow and refuses the others' (``Engine.from_options``)."""
+
+    backend: str = "x86"
+    qconfig_mapping: Any = None  # FX: the starting QConfigMapping
+    prepare_custom_config: Any = None  # FX: passed to every prepare_fx
+    quantizer: Any = None  # PT2E: the starting torchao quantizer
+
+    def given(self) -> set[str]:
+        """The workflow options that were set (``backend`` aside: an engine reads it or has none)."""
+        return {name for name in ("qconfig_mapping", "prepare_custom_config", "quantizer") if getattr(self, name) is not None}
+
+    def refuse(self, engine: str, allowed: Iterable[str], instead: str) -> None:
+        """A ValueError naming ``engine`` when an option outside ``allowed`` was set."""
+        foreign = sorted(self.given() - set(allowed))
+        if foreign:
+            names = " and ".join(f"{name}=" for name in foreign)
+            raise ValueError(f"{names} {'is' if len(foreign) == 1 else 'are'} not for engine={engine!r}; {instead}")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the analysis instruments: ``model`` (a GraphModule the report's observers go into),
+    ``graph_of`` (how its units and channel axes are read) and the tunable modules of the start."""
+
+    model: torch.fx.GraphModule
+    graph_of: Callable[[torch.fx.GraphModule], ModelGraph]
+    modules: list[TunableModule]
+
+
+@dataclass(frozen=True)
+class RunNotes:
+    """What a run's numbers need said: run-level lines, and per module what it did not carry out."""
+
+    notes: tuple[str, ...] = ()
+    module_notes: Mapping[str, str] = field(default_factory=dict)
+
+
+class Engine(ABC, Generic[ConfigT]):
+    """prepare -> (calibrate, done by the session) -> convert, what a run measures, and a simulation.
+
+    ``ConfigT`` is the engine's own configuration (FX: a QConfigMapping and an equalization
+    mapping; PT2E: a quantizer set-up); the core only passes it back to the engine.
+    """
+
+    name: ClassVar[str]  # the name analyze(engine=...) takes
+
+    @classmethod
+    @abstractmethod
+    def from_options(cls, options: EngineOptions) -> Engine[ConfigT]:
+        """The engine for ``options``; a ValueError naming the engine for options it does not take."""
+
+    # ---- observation ----------------------------------------------------------------------------
+    @abstractmethod
+    def observe(self, float_model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> Observation:
+        """What the analysis instruments for ``float_model`` (which it must not change)."""
+
+    # ---- configuration --------------------------------------------------------------------------
+    @abstractmethod
+    def base_config(self) -> ConfigT:
         """The starting configuration (what the baseline run uses)."""
 
-    def config_for(self, settings: Mapping[str, ModuleSettings], modules: Sequence[TunableModule]) -> Any:
+    @abstractmethod
+    def config_for(self, settings: Mapping[str, ModuleSettings], modules: Sequence[TunableModule]) -> ConfigT:
         """The starting configuration with ``settings`` (already validated) applied to those modules."""
 
-    def prepare(self, float_model: torch.nn.Module, config: Any, example_inputs: tuple[Any, ...]) -> torch.nn.Module:
+    @abstractmethod
+    def config_as_code(self, config: ConfigT) -> str:
+        """Python that rebuilds ``config``, to paste into a pipeline."""
+
+    def config_of_mapping(self, qconfig_mapping: Any, equalization_mapping: Any = None) -> ConfigT:
+        """A configuration from a hand-written QConfigMapping (``session.run``). Default: refused,
+        for engines that are not configured by QConfigMappings."""
+        raise TypeError(f"run(qconfig_mapping) is for the FX engine; this session uses {self.name}: use apply(settings)")
+
+    def qconfig_mapping_of(self, config: ConfigT) -> Any:
+        """The QConfigMapping in ``config`` (``RunResult.qconfig_mapping``). Default: None."""
+        return None
+
+    def equalization_mapping_of(self, config: ConfigT) -> Any:
+        """The equalization mapping in ``config`` (``RunResult.equalization_mapping``). Default: None."""
+        return None
+
+    # ---- the workflow ---------------------------------------------------------------------------
+    @abstractmethod
+    def prepare(self, float_model: torch.nn.Module, config: ConfigT, example_inputs: tuple[Any, ...]) -> torch.nn.Module:
         """A copy of ``float_model`` with observers, ready for calibration (``float_model`` is unchanged)."""
 
-    def observers_paused(self, prepared: torch.nn.Module) -> AbstractContextManager[None]:
-        """The engine's own observers pass tensors through untouched while the context is open."""
-
+    @abstractmethod
     def tunable_modules(self, prepared: torch.nn.Module) -> list[TunableModule]:
         """The modules whose settings can be changed, in forward order, with what they do now."""
 
+    @abstractmethod
     def convert(self, prepared: torch.nn.Module) -> torch.nn.Module:
         """The quantized model of a calibrated prepared model."""
 
+    def observers_paused(self, prepared: torch.nn.Module) -> AbstractContextManager[None]:
+        """The engine's own observers pass tensors through untouched while the context is open.
+        Default: nothing to pause."""
+        return nullcontext()
+
+    # ---- what a run measures --------------------------------------------------------------------
+    @abstractmethod
     def per_layer_sqnr(self, float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
         """SQNR (dB) of each layer's output, quantized model against float, on one batch."""
 
+    @abstractmethod
     def conversions(self, prepared: torch.nn.Module, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
         """(per layer type: total / quantized / float, per module: float type -> converted type)."""
 
-    def run_notes(self, config: Any, quantized: torch.nn.Module) -> list[str]:
-        """What ``config`` asked that ``quantized`` does not do, one line per module (a silent no-op
-        shown), and anything else the run's numbers need said."""
+    def per_layer_failure(self, error: Exception) -> str:
+        """Why per-layer SQNR is missing when ``per_layer_sqnr`` raised ``error``, in words."""
+        return f"the layers could not be read ({type(error).__name__})"
 
-    def config_as_code(self, config: Any) -> str:
-        """Python that rebuilds ``config``, to paste into a pipeline."""
+    def run_notes(self, config: ConfigT, quantized: torch.nn.Module) -> RunNotes:
+        """What ``config`` asked that ``quantized`` does not do, per module (a silent no-op shown),
+        and anything else the run's numbers need said. Default: nothing (an engine that carries
+        out its configuration or raises)."""
+        return RunNotes()
 
+    def equalization_float_error(
+        self,
+        float_model: torch.nn.Module,
+        config: ConfigT,
+        example_inputs: tuple[Any, ...],
+        calibrate: Callable[[torch.nn.Module], None],
+        batch: Any,
+    ) -> float:
+        """How far input-weight equalization under ``config`` moves the float model's output
+        (relative error on ``batch``; 0 when exact). Default: NaN, for engines without equalization."""
+        return math.nan
+
+    # ---- the simulation -------------------------------------------------------------------------
+    @abstractmethod
     def simulator(
         self,
         prepared: torch.nn.Module,
         modules: Sequence[TunableModule],
         float_model: torch.nn.Module,
         example_inputs: tuple[Any, ...],
-        calibrate: Callable[[torch.nn.Module], None] | None = None,
+        calibrate: Callable[[torch.nn.Module], None],
     ) -> Simulation:
         """From ``prepared`` (``float_model`` prepared with the starting configuration, calibrated): a
         simulation in which any set of ``modules`` can be kept float without calibrating again
@@ -83,14 +193,21 @@ class Variant:
 
 
 class Simulation(Protocol):
+    """The starting configuration calibrated once, in which modules can be switched per Variant."""
+
     model: torch.nn.Module  # the simulated model as last configured
+    tunable: Sequence[str]  # the modules a Variant may name, in forward order
 
-    def configure(self, variant: Variant | Iterable[str] = ()) -> None: ...
+    def configure(self, variant: Variant | Iterable[str] = ()) -> None:
+        """Make ``model`` the simulated model of ``variant``."""
 
-    def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]: ...
+    def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]:
+        """The simulated model's outputs on ``batches`` under ``variant``."""
 
     def outputs_each(
         self, batches: Sequence[Any], variants: Sequence[Variant | Iterable[str]], step: Callable[[], None] | None = None
-    ) -> list[list[Any]]: ...
+    ) -> list[list[Any]]:
+        """``outputs(batches, v)`` for each variant; ``step()`` after each variant and batch."""
 
-    def local_sqnr(self, batch: Any) -> dict[str, float]: ...
+    def local_sqnr(self, batch: Any) -> dict[str, float]:
+        """Each tunable module's own error (dB): quantized, on the float model's input to it."""

@@ -16,6 +16,8 @@ from torch.ao.quantization import QConfigMapping
 from . import instrument
 from .analysis import Analysis, GraphSummary, build_analysis
 from .detectors.base import DetectorBase, ReportContext
+from .engine import Engine, EngineOptions
+from .engines import engine_named
 from .errors import (
     AlreadyPreparedError,
     DetectorConfigError,
@@ -27,7 +29,6 @@ from .errors import (
 )
 from .features import DetectorName
 from .frame import ReportFrame
-from .fx.qconfig import build_equalization_mapping, build_qconfig_mapping, tunable_modules
 from .graph import OBSERVER_CONTAINER, ModelGraph
 from .records import DetectorResult, Suggestion
 from .settings import ModuleSettings, TunableModule, with_suggestions
@@ -98,6 +99,8 @@ class ModelReport:
         self._graph_of = graph_of  # how units are read: prepare_fx's modules, or an exported graph's
         self._session: QuantizationSession | None = None
         self._session_problem = ""
+        self._engine: Engine | None = None  # analyze()'s engine and the tunable modules it read
+        self._modules: list[TunableModule] | None = None
 
     # ------------------------------------------------------------------ PyTorch-compatible API
     def get_desired_reports_names(self) -> set[str]:
@@ -161,11 +164,12 @@ class ModelReport:
 
         Modules are named as prepare_fx sees them, so an entry for a fused conv-bn-relu applies.
         """
-        return build_qconfig_mapping(self._settings(lambda d: d.affects_qconfig))
+        fx = _upstream_engine()
+        return fx.qconfig_mapping_of(fx.config_for(self._settings(lambda d: d.affects_qconfig), []))
 
     def generate_equalization_mapping(self) -> QConfigMapping:
         """Equalization entries only for the modules the equalization detector recommends."""
-        return build_equalization_mapping(self._settings(lambda d: True))
+        return _equalization_mapping(self._settings(lambda d: True))
 
     # ------------------------------------------------------------------ typed access
     @property
@@ -206,10 +210,12 @@ class ModelReport:
 
     def tunable_modules(self) -> list[TunableModule]:
         """The Linear / Conv modules whose settings a user can change, in forward order (the
-        session's engine says which, when the report came from analyze())."""
+        engine of analyze() says which; FX's rules read the prepared model otherwise)."""
         if self._session is not None:
             return self._session.modules
-        return tunable_modules(self.graph)
+        if self._modules is not None:
+            return list(self._modules)
+        return _upstream_engine().tunable_modules(self._model)
 
     def current_settings(self) -> dict[str, ModuleSettings]:
         return {m.fqn: m.current for m in self.tunable_modules()}
@@ -237,13 +243,17 @@ class ModelReport:
         the mapping you prepared with when the report came from ModelReport directly.
         """
         settings = self.suggested_settings() if settings is None else settings
-        current = {m.fqn: m.native for m in self.tunable_modules()}
-        if base is None and self._session is not None:
-            base = getattr(self._session.engine, "qconfig_mapping", None)
-        return build_qconfig_mapping(settings, base, current)
+        engine = self._engine if base is None and self._engine is not None else _upstream_engine(base)
+        mapping = engine.qconfig_mapping_of(engine.config_for(settings, self.tunable_modules()))
+        if mapping is None:
+            raise TypeError(
+                f"suggested_qconfig_mapping() builds FX's QConfigMapping; this report's engine is {engine.name}: "
+                "report.session.settings_as_code(settings) gives its set-up as code"
+            )
+        return mapping
 
     def suggested_equalization_mapping(self, settings: Mapping[str, ModuleSettings] | None = None) -> QConfigMapping:
-        return build_equalization_mapping(self.suggested_settings() if settings is None else settings)
+        return _equalization_mapping(self.suggested_settings() if settings is None else settings)
 
     def features_by_module(self) -> OrderedDict[str, dict[str, Any]]:
         """PyTorch's visualizer input: module fqn -> merged features of every detector, forward order."""
@@ -300,8 +310,12 @@ class ModelReport:
 
         return ModelReportVisualizer(self.frame())
 
-    def _attach_session(self, session: QuantizationSession | None, problem: str = "") -> None:
-        """analyze(): the session tuning runs use, or why none could be built."""
+    def _attach_session(
+        self, engine: Engine, modules: list[TunableModule], session: QuantizationSession | None, problem: str = ""
+    ) -> None:
+        """analyze(): its engine and the tunable modules it read, the session tuning runs use, or
+        why none could be built."""
+        self._engine, self._modules = engine, list(modules)
         self._session, self._session_problem = session, problem
 
     def _settings(self, include) -> dict[str, ModuleSettings]:
@@ -355,3 +369,15 @@ def _warn_grouped(pending: list[tuple[str, str]], shown: int = 8) -> None:
     for message, modules in modules_by_message.items():
         names = ", ".join(modules[:shown]) + (f" and {len(modules) - shown} more modules" if len(modules) > shown else "")
         warn_user(f"{names}: {message}")
+
+
+def _upstream_engine(base: QConfigMapping | None = None) -> Engine:
+    """FX over ``base`` (default: an empty mapping): torch's API speaks QConfigMappings, whichever
+    engine analyzed the model."""
+    return engine_named("fx", EngineOptions(qconfig_mapping=base if base is not None else QConfigMapping()))
+
+
+def _equalization_mapping(settings: Mapping[str, ModuleSettings]) -> QConfigMapping:
+    fx = _upstream_engine()
+    mapping = fx.equalization_mapping_of(fx.config_for(settings, []))
+    return mapping if mapping is not None else QConfigMapping()

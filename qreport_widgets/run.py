@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pandas as pd
@@ -13,9 +13,15 @@ import torch
 from .settings import ModuleSettings
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class RunResult:
-    """One prepare -> calibrate -> convert run and what it measured (field names are public API)."""
+    """One prepare -> calibrate -> convert run and what it measured (field names are public API).
+
+    Built once, never changed: a relabelled or annotated copy is ``dataclasses.replace(run, ...)``.
+    Two runs are equal only when they are the same run (their tables do not compare as values).
+    ``notes`` are about the run as a whole; ``module_notes`` say per module what the run did not
+    carry out of its settings.
+    """
 
     qconfig_mapping: Any  # the FX engine's QConfigMapping (None for another engine)
     quantized_model: torch.nn.Module | None
@@ -33,10 +39,18 @@ class RunResult:
     summary: pd.DataFrame = field(default_factory=pd.DataFrame)
     conversions: pd.DataFrame = field(default_factory=pd.DataFrame)
     equalization_mapping: Any = None
-    notes: list[str] = field(default_factory=list)  # what could not be measured, and why
+    notes: tuple[str, ...] = ()  # what could not be measured, and why; what the numbers need said
     settings: Mapping[str, ModuleSettings] | None = None  # what apply() was given (None for run())
     config: Any = None  # the engine's configuration of this run
     latency_spread_ms: float = math.nan  # slowest minus fastest evaluation batch, in ms
+    module_notes: Mapping[str, str] = field(default_factory=dict)  # module -> what the run did not carry out
+
+    def __post_init__(self) -> None:
+        # a run's own copies: nothing a caller keeps changes it later
+        object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "module_notes", dict(self.module_notes))
+        if self.settings is not None:
+            object.__setattr__(self, "settings", dict(self.settings))
 
     def changes(self, start: Mapping[str, ModuleSettings]) -> str:
         """What this run's settings change from ``start`` (each module's starting settings), in words."""
@@ -47,15 +61,20 @@ class RunResult:
             before = start.get(fqn)
             if before is None or choice == before:
                 continue
-            words = [name if value is True else f"{name}={value}" for name, value in vars(choice).items()
+            values = {f.name: getattr(choice, f.name) for f in fields(choice)}
+            words = [name if value is True else f"{name}={value}" for name, value in values.items()
                      if value != getattr(before, name) and value not in (False, "")]  # fmt: skip
-            undone = [f"no {name}" for name, value in vars(choice).items() if value in (False, "") and getattr(before, name)]
+            undone = [f"no {name}" for name, value in values.items() if value in (False, "") and getattr(before, name)]
             changed.append(f"{fqn}: {', '.join(words + undone)}")
         return "; ".join(changed) or "the starting settings"
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    def all_notes(self) -> list[str]:
+        """The run's notes, then each module's as "module: note"."""
+        return [*self.notes, *(f"{fqn}: {note}" for fqn, note in self.module_notes.items())]
 
 
 def conversion_tables(rows: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -1,8 +1,10 @@
 """QuantizationSession: quantize a pristine float copy again and again with other settings, and measure.
 
-The session is engine-neutral: the engine (``fx.FxEngine`` by default) prepares, converts and
-reads per-layer numbers; the session owns the float copy, the data, validation, the runs and
-their history. The caller's float model is deep-copied once and never touched.
+The session is engine-neutral: its engine (FX graph mode by default; any engine of
+``engines.py``) prepares, converts and reads per-layer numbers; the session owns the float copy,
+the data, validation, the runs and their history, and hands the simulation to its diagnosis
+(sensitivity, trade-off, reach) and its verifier. The caller's float model is deep-copied once
+and never touched.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import pandas as pd
 import torch
 
 from .calibration import CalibrationData, calibrate, call_with
-from .diagnosis import Diagnosis
-from .engine import Engine, Simulation
+from .diagnosis import Diagnosis, ReachPlan
+from .engine import Engine, EngineOptions, Simulation, Variant
+from .engines import engine_named
 from .errors import CalibrationError, InvalidSettingsError
 from .metrics import output_tensor, sqnr_db
 from .migration import Migration, find_migrations, input_producers, migrated
@@ -33,7 +36,7 @@ from .settings import ModuleSettings, TunableModule, validate_all, with_suggesti
 from .verify import VerifiedSuggestions, Verifier, refusals
 
 
-class QuantizationSession(Diagnosis):
+class QuantizationSession:
     """Quantize a float model again and again with different settings and compare.
 
     Args:
@@ -47,7 +50,8 @@ class QuantizationSession(Diagnosis):
         eval_fn: ``eval_fn(model) -> float``, your own metric (e.g. accuracy), shown next to ours.
         qconfig_mapping: the starting mapping the baseline uses (default: the backend's default).
         prepare_custom_config: passed to every ``prepare_fx`` (non-traceable modules, ...).
-        engine: the quantization workflow; default: FX graph mode from ``qconfig_mapping``.
+        engine: the quantization workflow: an Engine, or an engine's name (``"fx"``, ``"pt2e"``)
+            built from the arguments above; default: FX graph mode from ``qconfig_mapping``.
     """
 
     def __init__(
@@ -61,12 +65,10 @@ class QuantizationSession(Diagnosis):
         qconfig_mapping: Any = None,
         prepare_custom_config: Any = None,
         *,
-        engine: Engine | None = None,
+        engine: Engine | str | None = None,
     ) -> None:
-        if engine is None:
-            from .fx import FxEngine
-
-            engine = FxEngine(backend, qconfig_mapping, prepare_custom_config)
+        if not isinstance(engine, Engine):
+            engine = engine_named(engine or "fx", EngineOptions(backend, qconfig_mapping, prepare_custom_config))
         self._start(copy.deepcopy(float_model).eval(), engine, example_inputs, calibration_data, eval_data, eval_fn, None)
 
     @classmethod
@@ -99,8 +101,7 @@ class QuantizationSession(Diagnosis):
         self._simulation: Simulation | None = None
         self._verified: VerifiedSuggestions | None = None
         self._migrations: dict[str, Migration] | None = None
-        self._sensitivity: dict[bool, pd.DataFrame] = {}  # with and without the metric
-        self._tradeoff: pd.DataFrame | None = None
+        self._diagnosis = Diagnosis(self)
 
     @property
     def float_model(self) -> torch.nn.Module:
@@ -135,17 +136,12 @@ class QuantizationSession(Diagnosis):
         return self._verified
 
     def equalization_float_error(self, fqn: str) -> float:
-        """Relative change of the float model's output when the engine equalizes ``fqn`` (0: exact)."""
-        check = getattr(self.engine, "equalization_float_error", None)
-        if check is None:
-            return math.nan
+        """Relative change of the float model's output when the engine equalizes ``fqn`` (0: exact;
+        NaN for an engine without equalization)."""
         config = self._config_for({fqn: ModuleSettings(equalize=True)})
-        data = self.calibration_data
-
-        def calibrate_fn(prepared: torch.nn.Module) -> None:
-            calibrate(prepared, data, progress=False)
-
-        return check(self._float, config, self.example_inputs, calibrate_fn, self.eval_data[0])
+        return self.engine.equalization_float_error(
+            self._float, config, self.example_inputs, self._calibrate_quietly, self.eval_data[0]
+        )
 
     def migrations(self) -> dict[str, Migration]:
         """Module -> the outlier-channel scale migration its input allows (``ModuleSettings.migrate``),
@@ -173,8 +169,7 @@ class QuantizationSession(Diagnosis):
     def baseline(self, progress: Progress | None = None) -> RunResult:
         """The starting configuration's run, computed once."""
         if self._baseline is None or not self._baseline.ok:
-            self._baseline = self._run(self.engine.base_config(), "baseline", progress)
-            self._baseline.settings = self.current_settings()
+            self._baseline = self._run(self.engine.base_config(), "baseline", progress, settings=self.current_settings())
         return self._baseline
 
     def apply(
@@ -195,9 +190,8 @@ class QuantizationSession(Diagnosis):
         """
         config = self._config_for(settings)
         moves = self._migrations_for(settings)
-        result = self._run(config, label, progress, record, float_model=migrated(self._float, moves) if moves else None)
-        result.settings = dict(settings)
-        return result
+        source = migrated(self._float, moves) if moves else None
+        return self._run(config, label, progress, record, float_model=source, settings=settings)
 
     def run(
         self,
@@ -208,14 +202,9 @@ class QuantizationSession(Diagnosis):
         progress: Progress | None = None,
     ) -> RunResult:
         """FX: prepare_fx with a QConfigMapping you wrote (and an equalization mapping) -> calibrate ->
-        convert_fx -> metrics. Failures do not raise: the result carries ``error``."""
-        from .fx import FxConfig, FxEngine
-
-        if not isinstance(self.engine, FxEngine):
-            raise TypeError(
-                f"run(qconfig_mapping) is for the FX engine; this session uses {self.engine.name}: use apply(settings)"
-            )
-        return self._run(FxConfig(qconfig_mapping, equalization_mapping), label, progress)
+        convert_fx -> metrics. Failures do not raise: the result carries ``error``. Other engines
+        raise TypeError (use ``apply(settings)``)."""
+        return self._run(self.engine.config_of_mapping(qconfig_mapping, equalization_mapping), label, progress)
 
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         """One row per run (metrics as columns), and per-layer SQNR with one column per run."""
@@ -239,7 +228,66 @@ class QuantizationSession(Diagnosis):
         layers = pd.DataFrame({r.label: r.per_layer_sqnr_db for r in self.history})
         return runs, layers
 
+    # ---- diagnosis (diagnosis.py), on the simulation ------------------------------------------
+    def simulation(self, progress: Progress | None = None) -> Simulation:
+        """The starting configuration calibrated once, as a simulation in which modules can be kept
+        float without calibrating again (built on first use, then kept)."""
+        if self._simulation is None:
+            prepared = self.engine.prepare(self._float, self.engine.base_config(), self.example_inputs)
+            calibrate(prepared, self.calibration_data, desc="sensitivity: calibrating", progress=progress is None,
+                      on_batch=progress)  # fmt: skip
+            self._simulation = self.engine.simulator(
+                prepared, self.modules, self._float, self.example_inputs, self._calibrate_quietly
+            )
+        return self._simulation
+
+    def simulate(self, float_modules: Variant | Iterable[str] = ()) -> tuple[float, float | None]:
+        """Simulated output SQNR (dB) and ``eval_fn`` metric with ``float_modules`` kept float (or in a Variant)."""
+        return self._diagnosis.simulate(float_modules)
+
+    def simulate_each(
+        self,
+        variants: Sequence[Variant | Iterable[str]],
+        progress: Progress | None = None,
+        desc: str = "simulating",
+        metric: bool = True,
+    ) -> list[tuple[float, float | None]]:
+        """``simulate(v)`` for each variant; see ``Diagnosis.simulate_each``."""
+        return self._diagnosis.simulate_each(variants, progress, desc, metric)
+
+    def sensitivity(self, progress: Progress | None = None, *, metric: bool = True) -> pd.DataFrame:
+        """Which module hurts: the output SQNR gained when each module alone stays float, simulated;
+        see ``Diagnosis.sensitivity``."""
+        return self._diagnosis.sensitivity(progress, metric=metric)
+
+    def tradeoff(self, progress: Progress | None = None) -> pd.DataFrame:
+        """The most harmful modules kept float one after the other, simulated; see ``Diagnosis.tradeoff``."""
+        return self._diagnosis.tradeoff(progress)
+
+    def plan_reach(
+        self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
+    ) -> ReachPlan:
+        """What reach() would try, from the simulation alone; see ``Diagnosis.plan_reach``."""
+        return self._diagnosis.plan_reach(target_sqnr_db, target_metric, progress=progress)
+
+    def reach(
+        self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
+    ) -> RunResult:
+        """The fewest modules kept float (most harmful first) that meet the target, confirmed by a
+        real run; see ``Diagnosis.reach``."""
+        return self._diagnosis.reach(target_sqnr_db, target_metric, progress=progress)
+
+    def reference_outputs(self) -> list[torch.Tensor]:
+        """The float model's outputs on the evaluation batches (computed once)."""
+        if self._float_outputs is None:
+            with torch.no_grad():
+                self._float_outputs = [output_tensor(call_with(self._float, b)) for b in self.eval_data]
+        return self._float_outputs
+
     # ---- runs ----------------------------------------------------------------------------------
+    def _calibrate_quietly(self, model: torch.nn.Module) -> None:
+        calibrate(model, self.calibration_data, desc="calibrating a variant", progress=False)
+
     def _config_for(self, settings: Mapping[str, ModuleSettings]) -> Any:
         modules = self.modules
         validate_all(modules, settings)
@@ -260,11 +308,22 @@ class QuantizationSession(Diagnosis):
         return [found[fqn] for fqn in wanted]
 
     def _run(
-        self, config: Any, label: str | None, progress: Progress | None, record: bool = True, float_model: Any = None
+        self,
+        config: Any,
+        label: str | None,
+        progress: Progress | None,
+        record: bool = True,
+        float_model: torch.nn.Module | None = None,
+        settings: Mapping[str, ModuleSettings] | None = None,
     ) -> RunResult:
+        """prepare -> calibrate -> convert -> measure, as one RunResult (built once, here)."""
         label = label or f"run {len(self.history) + 1}"
         engine = self.engine
         start = time.perf_counter()
+        given = {
+            "label": label, "settings": settings, "config": config,
+            "qconfig_mapping": engine.qconfig_mapping_of(config), "equalization_mapping": engine.equalization_mapping_of(config),
+        }  # fmt: skip
         try:
             _require_float32(self._float)
             source = self._float if float_model is None else float_model
@@ -272,21 +331,17 @@ class QuantizationSession(Diagnosis):
             calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None,
                       on_batch=progress)  # fmt: skip
             quantized = engine.convert(prepared)
-            result = self._measure(quantized, prepared, config, label, per_layer=record, float_model=source)
+            measured = self._measure(quantized, prepared, config, label, per_layer=record, float_model=source)
+            result = RunResult(**given, **measured, duration_s=time.perf_counter() - start)
         except Exception as error:  # user models and data: report, keep the session usable
             detail = "".join(traceback.format_exception_only(type(error), error)).strip()
-            result = RunResult(_mapping_of(config), None, math.nan, pd.Series(dtype=float), 0, math.nan, 0.0, detail, label)
-            result.config = config
-        result.duration_s = time.perf_counter() - start
+            result = RunResult(
+                **given, quantized_model=None, output_sqnr_db=math.nan, per_layer_sqnr_db=pd.Series(dtype=float),
+                size_bytes=0, latency_ms=math.nan, duration_s=time.perf_counter() - start, error=detail,
+            )  # fmt: skip
         if result.ok and record:
             self.history.append(result)
         return result
-
-    def _reference_outputs(self) -> list[torch.Tensor]:
-        if self._float_outputs is None:
-            with torch.no_grad():
-                self._float_outputs = [output_tensor(call_with(self._float, b)) for b in self.eval_data]
-        return self._float_outputs
 
     def _measure(
         self,
@@ -296,10 +351,11 @@ class QuantizationSession(Diagnosis):
         label: str,
         per_layer: bool = True,
         float_model: torch.nn.Module | None = None,
-    ) -> RunResult:
-        """Output SQNR against the float model's outputs; per-layer SQNR against ``float_model``, the
-        float model the run was prepared from (a migration rescales some layers' outputs, exactly)."""
-        reference = self._reference_outputs()
+    ) -> dict[str, Any]:
+        """What a run measured, as RunResult fields: output SQNR against the float model's outputs;
+        per-layer SQNR against ``float_model``, the float model the run was prepared from (a
+        migration rescales some layers' outputs, exactly)."""
+        reference = self.reference_outputs()
         outputs = []
         with torch.no_grad():
             try:
@@ -313,35 +369,26 @@ class QuantizationSession(Diagnosis):
             if per_layer:
                 float_layers = self._float if float_model is None else float_model
                 layers = self.engine.per_layer_sqnr(float_layers, quantized, self.eval_data[0])
-        except Exception as error:  # Numeric Suite cannot pair every graph; the run itself is fine
-            why = "Numeric Suite could not match the two graphs" if self.engine.name == "fx" else "the layers could not be read"
-            notes.append(f"per-layer SQNR unavailable: {why} ({type(error).__name__})")
-        notes += self.engine.run_notes(config, quantized)  # settings the quantized model did not carry out
+        except Exception as error:  # an engine cannot pair every graph; the run itself is fine
+            notes.append(f"per-layer SQNR unavailable: {self.engine.per_layer_failure(error)}")
+        said = self.engine.run_notes(config, quantized)  # settings the quantized model did not carry out
         summary, conversions = self.engine.conversions(prepared, quantized)
-        return RunResult(
-            qconfig_mapping=_mapping_of(config),
-            quantized_model=quantized,
-            output_sqnr_db=sqnr_db(torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs])),
-            per_layer_sqnr_db=layers,
-            size_bytes=_serialized_size(quantized),
-            latency_ms=float(np.median(seconds) * 1000),
-            latency_spread_ms=float((max(seconds) - min(seconds)) * 1000),
-            duration_s=0.0,
-            label=label,
-            mean_batch_sqnr_db=float(np.mean(batch_sqnr)),
-            quantized_layers=int(conversions["quantized"].sum()) if len(conversions) else 0,
-            eval_metric=float(self.eval_fn(quantized)) if self.eval_fn is not None else None,
-            eval_batches=self.eval_description,
-            summary=summary,
-            conversions=conversions,
-            equalization_mapping=getattr(config, "equalization_mapping", None),
-            notes=notes,
-            config=config,
-        )
-
-
-def _mapping_of(config: Any) -> Any:
-    return getattr(config, "qconfig_mapping", None)
+        return {
+            "quantized_model": quantized,
+            "output_sqnr_db": sqnr_db(torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs])),
+            "per_layer_sqnr_db": layers,
+            "size_bytes": _serialized_size(quantized),
+            "latency_ms": float(np.median(seconds) * 1000),
+            "latency_spread_ms": float((max(seconds) - min(seconds)) * 1000),
+            "mean_batch_sqnr_db": float(np.mean(batch_sqnr)),
+            "quantized_layers": int(conversions["quantized"].sum()) if len(conversions) else 0,
+            "eval_metric": float(self.eval_fn(quantized)) if self.eval_fn is not None else None,
+            "eval_batches": self.eval_description,
+            "summary": summary,
+            "conversions": conversions,
+            "notes": (*notes, *said.notes),
+            "module_notes": said.module_notes,
+        }
 
 
 def _require_float32(model: torch.nn.Module) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 from .errors import InvalidSettingsError
@@ -27,7 +28,39 @@ class ModuleSettings:
     observer: str = ""  # the output's activation observer: "" keeps the starting one, else "minmax", "histogram", "percentile"
 
 
-SETTING_NAMES = tuple(f.name for f in fields(ModuleSettings))
+class Setting(str, Enum):
+    """The name of one ModuleSettings field: what a candidate changes, what an engine cannot apply."""
+
+    DYNAMIC = "dynamic"
+    PER_CHANNEL = "per_channel"
+    EQUALIZE = "equalize"
+    KEEP_FLOAT = "keep_float"
+    MIGRATE = "migrate"
+    OBSERVER = "observer"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def words(self) -> str:
+        """The setting in words: "per-channel weights"."""
+        return _WORDS[self]
+
+    def of(self, settings: ModuleSettings) -> Any:
+        """This setting's value in ``settings``."""
+        return getattr(settings, self.value)
+
+
+_WORDS = {
+    Setting.DYNAMIC: "dynamic activations",
+    Setting.PER_CHANNEL: "per-channel weights",
+    Setting.EQUALIZE: "input-weight equalization",
+    Setting.KEEP_FLOAT: "keep float",
+    Setting.MIGRATE: "outlier-channel migration",
+    Setting.OBSERVER: "activation observer",
+}
+SETTING_NAMES = tuple(Setting)
+assert [s.value for s in SETTING_NAMES] == [f.name for f in fields(ModuleSettings)], "Setting must name every field"
 OBSERVER_NAMES = ("", "minmax", "histogram", "percentile")
 
 
@@ -35,30 +68,36 @@ OBSERVER_NAMES = ("", "minmax", "histogram", "percentile")
 class TunableModule:
     """A module whose settings can be changed, as the engine sees it in the prepared model.
 
-    ``unavailable`` maps a setting name (a ModuleSettings field) to why the engine cannot apply it
-    here; ``native`` is the engine's own description of the module's current configuration.
+    ``unavailable`` maps a Setting (or its name) to why the engine cannot apply it here; ``native``
+    is the engine's own description of the module's current configuration.
     """
 
     fqn: str
     type_name: str
     current: ModuleSettings
-    unavailable: Mapping[str, str] = field(default_factory=dict)
+    unavailable: Mapping[Setting, str] = field(default_factory=dict)
     native: Any = None
 
     def __post_init__(self) -> None:
-        unknown = set(self.unavailable) - set(SETTING_NAMES)
-        if unknown:
-            raise ValueError(f"{self.fqn}: unavailable names {sorted(unknown)}, which are not ModuleSettings fields")
+        try:
+            typed = {Setting(name): why for name, why in self.unavailable.items()}
+        except ValueError as error:
+            raise ValueError(f"{self.fqn}: {error}; unavailable names ModuleSettings fields") from None
+        object.__setattr__(self, "unavailable", typed)
 
-    def allows(self, setting: str) -> bool:
-        return setting not in self.unavailable
+    def allows(self, setting: Setting | str) -> bool:
+        return Setting(setting) not in self.unavailable
+
+    def why_not(self, setting: Setting | str) -> str:
+        """Why the engine cannot apply ``setting`` here ("" when it can)."""
+        return self.unavailable.get(Setting(setting), "")
 
 
 def validate(module: TunableModule, settings: ModuleSettings) -> None:
     """Raise InvalidSettingsError naming the module when ``settings`` cannot be applied to it."""
-    for name in SETTING_NAMES:
-        if getattr(settings, name) and not module.allows(name):
-            raise InvalidSettingsError(f"{module.fqn}: {module.unavailable[name]}")
+    for setting in Setting:
+        if setting.of(settings) and not module.allows(setting):
+            raise InvalidSettingsError(f"{module.fqn}: {module.why_not(setting)}")
     if settings.equalize and settings.dynamic:
         raise InvalidSettingsError(f"{module.fqn}: input-weight equalization needs static activation quantization")
     if settings.observer and settings.dynamic:

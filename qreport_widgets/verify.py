@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -31,9 +31,10 @@ from .features import EQUALIZATION_COMP_METRICS, SuggestionKind
 from .frame import ReportFrame
 from .progress import Progress, steps
 from .records import Suggestion
-from .settings import SETTING_NAMES, ModuleSettings, TunableModule
+from .settings import ModuleSettings, Setting, TunableModule
 
 if TYPE_CHECKING:
+    from .migration import Migration
     from .run import RunResult
 
 MIN_GAIN_DB = 0.1  # a detector's candidate must gain this much to be offered
@@ -44,18 +45,44 @@ SIMULATED, REAL_RUN, NOT_TRIED = "simulated", "real run", "not tried"
 SEARCH = "search"
 
 _SETTING_OF = {
-    SuggestionKind.PER_CHANNEL: "per_channel",
-    SuggestionKind.DYNAMIC: "dynamic",
-    SuggestionKind.EQUALIZATION: "equalize",
+    SuggestionKind.PER_CHANNEL: Setting.PER_CHANNEL,
+    SuggestionKind.DYNAMIC: Setting.DYNAMIC,
+    SuggestionKind.EQUALIZATION: Setting.EQUALIZE,
 }
-_WORDS = {
-    "per_channel": "per-channel weights",
-    "dynamic": "dynamic activations",
-    "equalize": "input-weight equalization",
-    "keep_float": "keep float",
-    "migrate": "outlier-channel migration",
-    "observer": "activation observer",
-}
+SIMULATED_SETTINGS = frozenset({Setting.PER_CHANNEL, Setting.KEEP_FLOAT})  # the rest change calibration: real runs
+
+
+class VerifiableSession(Protocol):
+    """What verification needs from a session: its modules and starting settings, what it found
+    in the data, the simulation's gains and real runs."""
+
+    @property
+    def modules(self) -> list[TunableModule]: ...
+
+    def current_settings(self) -> dict[str, ModuleSettings]: ...
+
+    def input_producers(self, names: Iterable[str]) -> dict[str, str]: ...
+
+    def migrations(self) -> dict[str, Migration]: ...
+
+    def sensitivity(self, progress: Progress | None = None, *, metric: bool = True) -> pd.DataFrame: ...
+
+    def simulate_each(
+        self, variants: Sequence[Variant], progress: Progress | None = None, desc: str = "", metric: bool = True
+    ) -> list[tuple[float, float | None]]: ...
+
+    def baseline(self, progress: Progress | None = None) -> RunResult: ...
+
+    def apply(
+        self,
+        settings: Mapping[str, ModuleSettings],
+        *,
+        label: str | None = None,
+        progress: Progress | None = None,
+        record: bool = True,
+    ) -> RunResult: ...
+
+    def equalization_float_error(self, fqn: str) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -63,18 +90,21 @@ class Candidate:
     """One module's setting switched on, and where the idea came from."""
 
     module_fqn: str
-    setting: str  # a ModuleSettings field
+    setting: Setting
     origin: str  # the detector's name, or SEARCH (tried on every module where it applies)
     reason: str = ""
     value: Any = True  # what the setting is set to (an observer's name for ``observer``)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "setting", Setting(self.setting))  # a field's name is taken too
 
     @property
     def searched(self) -> bool:
         return self.origin == SEARCH
 
     def applied_to(self, current: ModuleSettings) -> ModuleSettings:
-        changed = replace(current, **{self.setting: self.value})
-        return replace(changed, dynamic=False) if self.setting in ("equalize", "observer") else changed
+        changed = replace(current, **{self.setting.value: self.value})
+        return replace(changed, dynamic=False) if self.setting in (Setting.EQUALIZE, Setting.OBSERVER) else changed
 
 
 @dataclass(frozen=True)
@@ -90,8 +120,8 @@ class Verdict:
     @property
     def text(self) -> str:
         """In words, for a Tune row: "per-channel weights: +1.30 dB (simulated)"."""
-        words = _WORDS[self.candidate.setting]
-        if self.candidate.setting == "observer":
+        words = self.candidate.setting.words
+        if self.candidate.setting is Setting.OBSERVER:
             words = f"{words} {self.candidate.value}"
         if self.measured == NOT_TRIED or math.isnan(self.gain_db):
             return f"{words}: not suggested, {self.note}"
@@ -148,11 +178,11 @@ class Verifier:
     """Measures candidates for one session: simulated where the simulation can, real runs otherwise.
 
     Args:
-        session: the QuantizationSession (its baseline, simulation, sensitivity and apply()).
+        session: what it measures with (a QuantizationSession).
         refused: (module, setting) -> why that candidate is not tried at all.
     """
 
-    def __init__(self, session: Any, refused: Mapping[tuple[str, str], str] | None = None) -> None:
+    def __init__(self, session: VerifiableSession, refused: Mapping[tuple[str, Setting], str] | None = None) -> None:
         self.session = session
         self.refused = dict(refused or {})
         self.modules: dict[str, TunableModule] = {m.fqn: m for m in session.modules}
@@ -164,7 +194,7 @@ class Verifier:
         per-channel weights where a module is per tensor, dynamic activations on every static
         Linear, keep float for the modules the sensitivity ranking puts at or above ``FOUND_GAIN_DB``."""
         suggestions = list(suggestions)
-        found: dict[tuple[str, str], Candidate] = {}
+        found: dict[tuple[str, Setting], Candidate] = {}
         for suggestion in suggestions:
             setting = _SETTING_OF.get(suggestion.kind)
             if setting is not None and (suggestion.module_fqn, setting) not in found:
@@ -174,19 +204,20 @@ class Verifier:
         for module in self.modules.values():  # what no detector proposed, tried everywhere it applies
             if module.current.keep_float:
                 continue
-            for setting in ("per_channel", "dynamic"):
-                if not getattr(module.current, setting) and module.allows(setting):
+            for setting in (Setting.PER_CHANNEL, Setting.DYNAMIC):
+                if not setting.of(module.current) and module.allows(setting):
                     found.setdefault((module.fqn, setting), Candidate(module.fqn, setting, SEARCH))
         outliers = {s.module_fqn: s.detector for s in suggestions if s.kind == SuggestionKind.OUTLIERS}
         for fqn, producer in self.session.input_producers(outliers).items():  # clip the producer's range
             if producer in self.modules:
-                candidate = Candidate(producer, "observer", outliers[fqn], f"outliers in the input of {fqn}", "percentile")
-                found.setdefault((producer, "observer"), candidate)
+                reason = f"outliers in the input of {fqn}"
+                candidate = Candidate(producer, Setting.OBSERVER, outliers[fqn], reason, "percentile")
+                found.setdefault((producer, Setting.OBSERVER), candidate)
         for fqn, migration in self.session.migrations().items():  # outlier input channels found
-            found.setdefault((fqn, "migrate"), Candidate(fqn, "migrate", "outlier channels", migration.summary))
+            found.setdefault((fqn, Setting.MIGRATE), Candidate(fqn, Setting.MIGRATE, "outlier channels", migration.summary))
         table = self.session.sensitivity(progress=_quiet, metric=False)
         for fqn in table.index[table["output_sqnr_gain_db"] >= FOUND_GAIN_DB]:
-            found.setdefault((fqn, "keep_float"), Candidate(fqn, "keep_float", SEARCH))
+            found.setdefault((fqn, Setting.KEEP_FLOAT), Candidate(fqn, Setting.KEEP_FLOAT, SEARCH))
         return list(found.values())
 
     def verify(self, candidates: Sequence[Candidate], progress: Progress | None = None) -> VerifiedSuggestions:
@@ -195,7 +226,7 @@ class Verifier:
         left_out = [c for c in candidates if c.setting in engine_wide]
         candidates = [c for c in candidates if c.setting not in engine_wide]
         skipped = [
-            f"{count} {_WORDS[setting]} candidate(s) not tried: {engine_wide[setting]}"
+            f"{count} {setting.words} candidate(s) not tried: {engine_wide[setting]}"
             for setting in engine_wide
             if (count := sum(c.setting == setting for c in left_out))
         ]
@@ -205,7 +236,7 @@ class Verifier:
             why = self._not_tried(candidate)
             if why:
                 verdicts[candidate] = Verdict(candidate, math.nan, NOT_TRIED, False, why)
-            elif candidate.setting in ("per_channel", "keep_float"):
+            elif candidate.setting in SIMULATED_SETTINGS:
                 simulated.append(candidate)
             else:
                 real.append(candidate)
@@ -222,10 +253,10 @@ class Verifier:
             step()
         return VerifiedSuggestions(baseline.output_sqnr_db, ordered, settings, accept_all, notes + skipped)
 
-    def _unavailable_everywhere(self) -> dict[str, str]:
+    def _unavailable_everywhere(self) -> dict[Setting, str]:
         """Settings the engine cannot apply to any module, for one reason: setting -> the reason."""
         found = {}
-        for setting in SETTING_NAMES:
+        for setting in Setting:
             reasons = {m.unavailable.get(setting) for m in self.modules.values()}
             if self.modules and len(reasons) == 1 and None not in reasons:
                 found[setting] = reasons.pop()
@@ -234,7 +265,7 @@ class Verifier:
     def _trial(self, candidate: Candidate, current: Mapping[str, ModuleSettings], baseline: RunResult) -> Verdict:
         """A candidate measured by a real run (kept out of the history)."""
         fqn = candidate.module_fqn
-        if candidate.setting == "equalize":
+        if candidate.setting is Setting.EQUALIZE:
             error = self.session.equalization_float_error(fqn)
             if not error <= EXACT_FLOAT:  # torch's equalization must leave the float model's output as it was
                 why = f"torch's equalization here changes the float model's output ({error:.1%} relative error)"
@@ -251,8 +282,8 @@ class Verifier:
         if (candidate.module_fqn, candidate.setting) in self.refused:
             return self.refused[candidate.module_fqn, candidate.setting]
         if not module.allows(candidate.setting):
-            return module.unavailable[candidate.setting]
-        if getattr(module.current, candidate.setting):
+            return module.why_not(candidate.setting)
+        if candidate.setting.of(module.current):
             return "already set"
         if module.current.keep_float:
             return "the module is kept float"
@@ -306,7 +337,7 @@ class Verifier:
         gained = run.output_sqnr_db - baseline.output_sqnr_db if run.ok else math.nan
         note = (
             f"all {len(offered)} offered settings together measured {gained:+.2f} dB, less than "
-            f"{_WORDS[best.candidate.setting]} on {fqn} alone ({best.gain_db:+.2f} dB): Accept all applies that one"
+            f"{best.candidate.setting.words} on {fqn} alone ({best.gain_db:+.2f} dB): Accept all applies that one"
         )
         return single, alone, [*notes, note]
 
@@ -330,28 +361,28 @@ class Verifier:
         return chosen, notes
 
 
-def _compatible(now: ModuleSettings, start: ModuleSettings, setting: str) -> bool:
+def _compatible(now: ModuleSettings, start: ModuleSettings, setting: Setting) -> bool:
     """Whether ``setting`` can join what a module already has from a larger gain."""
     if now.keep_float:
         return False
-    if setting == "keep_float":  # it replaces every other choice: only on a module not changed yet
+    if setting is Setting.KEEP_FLOAT:  # it replaces every other choice: only on a module not changed yet
         return now == start
-    if setting == "equalize":
+    if setting is Setting.EQUALIZE:
         return not now.dynamic
-    if setting == "dynamic":
+    if setting is Setting.DYNAMIC:
         return not now.equalize and not now.observer
-    if setting == "observer":
+    if setting is Setting.OBSERVER:
         return not now.dynamic and not now.observer
     return True
 
 
 def _variant(candidates: Iterable[Candidate]) -> Variant:
-    float_modules = frozenset(c.module_fqn for c in candidates if c.setting == "keep_float")
-    other = frozenset(c.module_fqn for c in candidates if c.setting == "per_channel") - float_modules
+    float_modules = frozenset(c.module_fqn for c in candidates if c.setting is Setting.KEEP_FLOAT)
+    other = frozenset(c.module_fqn for c in candidates if c.setting is Setting.PER_CHANNEL) - float_modules
     return Variant(float_modules=float_modules, other_weights=other)
 
 
-def refusals(graph_modules: Mapping[str, Any], nan_metric: Iterable[str]) -> dict[tuple[str, str], str]:
+def refusals(graph_modules: Mapping[str, Any], nan_metric: Iterable[str]) -> dict[tuple[str, Setting], str]:
     """The rules no measurement is needed for: input-weight equalization is never tried on a
     grouped or depthwise conv (torch's equalization assumes one input channel per weight column and
     fails or corrupts there) nor where its metric is NaN (nothing was measured to balance)."""
@@ -359,9 +390,9 @@ def refusals(graph_modules: Mapping[str, Any], nan_metric: Iterable[str]) -> dic
     for fqn, module in graph_modules.items():
         groups = getattr(module, "groups", 1)
         if isinstance(groups, int) and groups > 1:
-            refused[fqn, "equalize"] = f"equalization does not apply to a grouped conv (groups={groups})"
+            refused[fqn, Setting.EQUALIZE] = f"equalization does not apply to a grouped conv (groups={groups})"
     for fqn in nan_metric:
-        refused.setdefault((fqn, "equalize"), "its equalization metric is NaN (nothing measured to balance)")
+        refused.setdefault((fqn, Setting.EQUALIZE), "its equalization metric is NaN (nothing measured to balance)")
     return refused
 
 

@@ -142,3 +142,54 @@ def test_the_core_runs_without_ipywidgets_bqplot_and_traitlets(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "core ok" in done.stdout and "widget: ipywidgets is blocked" in done.stdout
+
+
+ENGINE_PACKAGES = ("qreport_widgets.fx", "qreport_widgets.pt2e")
+REGISTRY = "qreport_widgets.engines"
+
+
+def _in_engine(name: str) -> bool:
+    return any(name == package or name.startswith(package + ".") for package in ENGINE_PACKAGES)
+
+
+def engine_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Modules outside the engines and their registry that import an engine package: module -> what."""
+    found = {name: sorted(t for t in targets if _in_engine(t)) for name, targets in graph.items()}
+    return {name: targets for name, targets in found.items() if targets and not _in_engine(name) and name != REGISTRY}
+
+
+def test_only_the_registry_imports_an_engine_package():
+    graph = import_graph()
+    assert not engine_imports(graph)
+    for importer in ("qreport_widgets.session", "qreport_widgets.diagnosis", "qreport_widgets.widgets.tuning"):
+        broken = {**graph, importer: graph[importer] | {"qreport_widgets.fx.engine"}}
+        assert engine_imports(broken) == {importer: ["qreport_widgets.fx.engine"]}
+
+
+def test_no_engine_is_probed_or_named_outside_the_engines():
+    """No ``engine.name == ...`` and no ``getattr(engine, ...)`` / ``hasattr`` outside fx/, pt2e/ and
+    the registry: optional abilities are methods with defaults on the Engine base class."""
+    found = []
+    for name, path in package_modules().items():
+        if _in_engine(name) or name == REGISTRY:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(isinstance(s, ast.Attribute) and s.attr == "name" and "engine" in ast.unparse(s.value) for s in sides):
+                    found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+                if node.args and "engine" in ast.unparse(node.args[0]):
+                    found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found
+
+
+def test_every_registered_engine_is_a_package_with_an_engine_module():
+    from qreport_widgets.engine import Engine
+    from qreport_widgets.engines import ENGINES
+
+    for name, load in ENGINES.items():
+        engine = load()
+        assert issubclass(engine, Engine) and engine.name == name
+        assert engine.__module__ == f"qreport_widgets.{name}.engine"
+        assert (PACKAGE / name / "__init__.py").exists()

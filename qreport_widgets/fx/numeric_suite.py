@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-import warnings
 from typing import Any
 
 import pandas as pd
@@ -15,7 +14,7 @@ from torch.ao.ns.fx import graph_matcher
 from torch.ao.ns.fx.mappings import get_unmatchable_types_map
 from torch.ao.ns.fx.utils import compute_sqnr
 
-from ..calibration import call_with
+from ..calibration import call_with, torch_warnings_hidden
 from ..graph import ModelGraph
 from ..run import conversion_tables
 
@@ -30,8 +29,7 @@ def per_layer_sqnr(float_model: torch.nn.Module, quantized: torch.nn.Module, bat
     # scales become quantized muls that would otherwise pair with the wrong float op)
     unmatchable = get_unmatchable_types_map()
     unmatchable["funs_unmatchable"] = unmatchable["funs_unmatchable"] | _MULS
-    with warnings.catch_warnings(), _cached_reversed_fusions():
-        warnings.simplefilter("ignore")
+    with torch_warnings_hidden(), _cached_reversed_fusions():
         # add_loggers builds new GraphModules around the same submodules; neither model is changed
         logged_float, logged_quantized = ns.add_loggers(
             "float", float_model, "quantized", quantized, _CopyingLogger, unmatchable_types_map=unmatchable

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +27,18 @@ from ..settings import ModuleSettings, TunableModule
 from .observers import PercentileObserver
 
 _NO_PER_CHANNEL = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+@dataclass(frozen=True)
+class FxConfig:
+    """What ``prepare_fx`` takes: a QConfigMapping and, optionally, an input-weight equalization mapping."""
+
+    qconfig_mapping: QConfigMapping
+    equalization_mapping: QConfigMapping | None = None
+
+    def as_code(self) -> str:
+        """Python that rebuilds this configuration's module entries (``mapping_as_code``)."""
+        return mapping_as_code(self.qconfig_mapping, self.equalization_mapping)
 
 
 def tunable_modules(graph: ModelGraph) -> list[TunableModule]:

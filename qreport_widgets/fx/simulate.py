@@ -13,7 +13,6 @@ qparams of every point that stays are the ones a real run with those modules flo
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -97,8 +96,7 @@ class Simulator:
         float_producer_qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
         other_weight_observers: Mapping[str, Callable[[], nn.Module]] | None = None,
     ) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with torch_warnings_hidden():
             reference = convert_to_reference_fx(copy.deepcopy(prepared))
         self.model = reference
         self._points = _insert_points(reference)
@@ -265,8 +263,7 @@ class Simulator:
 def _dequantized(weight: torch.Tensor, observer: nn.Module) -> torch.Tensor:
     """``weight`` quantized with the qparams ``observer`` computed from it, and dequantized."""
     scale, zero_point = observer.calculate_qparams()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with torch_warnings_hidden():
         if observer.qscheme in (torch.per_channel_symmetric, torch.per_channel_affine):
             quantized = torch.quantize_per_channel(weight, scale.double(), zero_point.long(), observer.ch_axis, observer.dtype)
         else:

@@ -1,14 +1,14 @@
-"""The PT2E engine (torchao: torch.export -> prepare_pt2e -> convert_pt2e) behind the session's seam.
+"""The PT2E engine (torchao: torch.export -> prepare_pt2e -> convert_pt2e) behind the engine contract.
 
 Needs the ``[pt2e]`` extra (torchao); ``torchao_pt2e()`` says so when it is missing.
 """
 
 from __future__ import annotations
 
-from .engine import Pt2eConfig, Pt2eEngine
+from .engine import Pt2eEngine
 from .export import NothingQuantizedError, export_model
 from .numerics import ConvertedLayer, converted_layers
-from .quantizer import MissingExtraError, build_quantizer, torchao_pt2e
+from .quantizer import MissingExtraError, Pt2eConfig, build_quantizer, torchao_pt2e
 
 __all__ = [
     "ConvertedLayer", "MissingExtraError", "NothingQuantizedError", "Pt2eConfig", "Pt2eEngine", "build_quantizer",

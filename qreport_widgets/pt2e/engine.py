@@ -12,17 +12,18 @@ import copy
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
 import torch
 import torch.fx
 
+from ..engine import Engine, EngineOptions, Observation, RunNotes
 from ..metrics import sqnr_db
 from ..run import conversion_tables
-from ..settings import ModuleSettings, TunableModule
+from ..settings import ModuleSettings, Setting, TunableModule
 from .export import NothingQuantizedError, export_model
+from .graph import exported_graph
 from .numerics import (
     ConvertedLayer,
     convert,
@@ -33,14 +34,14 @@ from .numerics import (
     pt2e_warnings_hidden,
     weighted_ops,
 )  # fmt: skip
-from .quantizer import build_quantizer, torchao_pt2e
+from .quantizer import Pt2eConfig, torchao_pt2e
 from .simulate import Pt2eSimulation
 
 __all__ = ["Pt2eConfig", "Pt2eEngine"]
 
 FX_ONLY = {
-    "equalize": "input-weight equalization is FX only: torchao's PT2E quantizers have none",
-    "observer": "the PT2E engine keeps the quantizer's activation observers (choosing one is FX only)",
+    Setting.EQUALIZE: "input-weight equalization is FX only: torchao's PT2E quantizers have none",
+    Setting.OBSERVER: "the PT2E engine keeps the quantizer's activation observers (choosing one is FX only)",
 }
 LATENCY_NOTE = (
     "latency: of convert_pt2e's graph (quantize / dequantize around float ops), not of int8 kernels; "
@@ -49,21 +50,7 @@ LATENCY_NOTE = (
 DYNAMIC_LINEAR_ONLY = "dynamic activations: torchao's x86 quantizer quantizes only Linear layers dynamically"
 
 
-@dataclass(frozen=True)
-class Pt2eConfig:
-    """What a PT2E run quantizes with: the modules whose settings differ from the start, on top of
-    the starting quantizer (``base``: yours, or torchao's x86 default when None); ``requested`` is
-    every setting asked for, checked against the converted graph."""
-
-    changed: Mapping[str, ModuleSettings] = field(default_factory=dict)
-    requested: Mapping[str, ModuleSettings] = field(default_factory=dict)
-    base: Any = None
-
-    def quantizer(self) -> Any:
-        return build_quantizer(self.changed, self.base)
-
-
-class Pt2eEngine:
+class Pt2eEngine(Engine[Pt2eConfig]):
     """``torch.export`` -> ``prepare_pt2e`` -> calibrate -> ``convert_pt2e``.
 
     Args:
@@ -79,6 +66,22 @@ class Pt2eEngine:
         self.quantizer = quantizer
         self._exports: dict[int, tuple[weakref.ref, tuple, torch.fx.GraphModule]] = {}
         self._references: dict[int, tuple[weakref.ref, torch.fx.GraphModule]] = {}
+
+    @classmethod
+    def from_options(cls, options: EngineOptions) -> Pt2eEngine:
+        options.refuse("pt2e", ("quantizer",), "with PT2E pass quantizer=")
+        return cls(options.quantizer)
+
+    # ---- observation ----------------------------------------------------------------------------
+    def observe(self, float_model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> Observation:
+        """The float graph with batch norms folded, as every PT2E run folds them (prepared with a
+        quantizer that annotates nothing); the tunable modules and how the starting quantizer
+        treats each module's weights are read from one ``prepare_pt2e`` with it."""
+        modules = self.tunable_modules(self.prepare(float_model, self.base_config(), example_inputs))
+        weights = {m.fqn: m.current.per_channel for m in modules if not m.current.keep_float}
+        with pt2e_warnings_hidden():
+            observed = copy.deepcopy(self.float_reference(float_model, example_inputs))
+        return Observation(observed, lambda model: exported_graph(model, float_model, weights), modules)
 
     # ---- configuration --------------------------------------------------------------------------
     def base_config(self) -> Pt2eConfig:
@@ -124,7 +127,7 @@ class Pt2eEngine:
                 current = ModuleSettings(dynamic=bool(getattr(activation, "is_dynamic", False)), per_channel=per_channel)
             unavailable = dict(FX_ONLY)
             if not str(node.target).startswith("aten.linear"):
-                unavailable["dynamic"] = DYNAMIC_LINEAR_ONLY
+                unavailable[Setting.DYNAMIC] = DYNAMIC_LINEAR_ONLY
             modules[fqn] = TunableModule(fqn, _type_name(node), current, unavailable, native=current)
         return list(modules.values())
 
@@ -169,21 +172,24 @@ class Pt2eEngine:
         ]  # fmt: skip
         return conversion_tables(rows)
 
-    def run_notes(self, config: Pt2eConfig, quantized: torch.nn.Module) -> list[str]:
-        """One line per requested setting the converted graph did not carry out, and what its
-        latency is of."""
+    def run_notes(self, config: Pt2eConfig, quantized: torch.nn.Module) -> RunNotes:
+        """Per module, a requested setting the converted graph did not carry out; and what the
+        run's latency is of."""
         layers = converted_layers(quantized)
-        notes = []
+        undone = {}
         for fqn, choice in config.requested.items():
             layer = layers.get(fqn)
             if layer is None:
-                notes.append(f"{fqn}: no Linear / Conv op of it in the converted graph; its settings did nothing")
+                undone[fqn] = "no Linear / Conv op of it in the converted graph; its settings did nothing"
             elif not layer.matches(choice):
-                notes.append(f"{fqn}: asked {_asked(choice)}, the converted graph has {_described(layer)}")
-        return notes + [LATENCY_NOTE]
+                undone[fqn] = f"asked {_asked(choice)}, the converted graph has {_described(layer)}"
+        return RunNotes((LATENCY_NOTE,), undone)
+
+    def per_layer_failure(self, error: Exception) -> str:
+        return f"the Linear / Conv ops could not be read from the graphs ({type(error).__name__})"
 
     def config_as_code(self, config: Pt2eConfig) -> str:
-        return quantizer_as_code(config)
+        return config.as_code()
 
     def simulator(
         self,
@@ -191,8 +197,8 @@ class Pt2eEngine:
         modules: Sequence[TunableModule],
         float_model: torch.nn.Module,
         example_inputs: tuple[Any, ...],
-        calibrate: Callable[[torch.nn.Module], None] | None = None,
-    ) -> Any:
+        calibrate: Callable[[torch.nn.Module], None],
+    ) -> Pt2eSimulation:
         return Pt2eSimulation(self, prepared, modules, float_model, example_inputs, calibrate)
 
 
@@ -251,69 +257,3 @@ def _described(layer: ConvertedLayer) -> str:
     if layer.weight == "float" and layer.activation == "float":
         return "float"
     return f"{layer.activation} activations, {layer.weight} weights"
-
-
-def quantizer_as_code(config: Pt2eConfig) -> str:
-    """Python that builds the quantizer of ``config`` and runs the PT2E workflow with it."""
-    changed = config.changed
-    per_tensor = any(not c.keep_float and not c.per_channel for c in changed.values())
-    dynamic = {fqn: c for fqn, c in changed.items() if c.dynamic and not c.keep_float}
-    lines = [
-        "import torch",
-        "from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e",
-        "from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (",
-        "    X86InductorQuantizer,",
-        "    get_default_x86_inductor_quantization_config,",
-        ")",
-    ]
-    if dynamic or config.base is not None:
-        lines.append("from torchao.quantization.pt2e.quantizer import ComposableQuantizer")
-    if per_tensor:
-        lines += [
-            "import dataclasses",
-            "from torchao.quantization.pt2e import MinMaxObserver",
-            "from torchao.quantization.pt2e.quantizer import QuantizationSpec",
-            "",
-            "",
-            "def per_tensor_weights(config):",
-            '    """The config with symmetric per-tensor int8 weights (min/max observed)."""',
-            "    weight = QuantizationSpec(",
-            "        dtype=torch.int8, quant_min=-128, quant_max=127, qscheme=torch.per_tensor_symmetric,",
-            "        is_dynamic=False, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12),",
-            "    )",
-            "    return dataclasses.replace(config, weight=weight)",
-        ]
-    lines += ["", "", "static = X86InductorQuantizer()"]
-    if config.base is None:
-        lines.append("static.set_global(get_default_x86_inductor_quantization_config())")
-    for fqn, choice in changed.items():
-        if choice.keep_float or choice.dynamic:
-            why = "keep float" if choice.keep_float else "dynamic: quantized by the quantizer below"
-            lines.append(f"static.set_module_name_qconfig({fqn!r}, None)  # {why}")
-        else:
-            lines.append(f"static.set_module_name_qconfig({fqn!r}, {_config_code(choice.per_channel, False)})")
-    parts = ["static"]
-    if dynamic:
-        lines.append("dynamic = X86InductorQuantizer()")
-        for fqn, choice in dynamic.items():
-            lines.append(f"dynamic.set_module_name_qconfig({fqn!r}, {_config_code(choice.per_channel, True)})")
-        parts.insert(0, "dynamic")
-    if config.base is not None:
-        parts.append("base_quantizer")
-        lines.append(f"# base_quantizer: the quantizer you started from ({type(config.base).__name__})")
-    quantizer = parts[0] if len(parts) == 1 else f"ComposableQuantizer([{', '.join(parts)}])"
-    lines += [
-        f"quantizer = {quantizer}",
-        "",
-        "exported = torch.export.export(model.eval(), example_inputs).module()",
-        "prepared = prepare_pt2e(exported, quantizer)",
-        "for batch in calibration_batches:",
-        "    prepared(*batch)",
-        "quantized = convert_pt2e(prepared)",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _config_code(per_channel: bool, dynamic: bool) -> str:
-    config = "get_default_x86_inductor_quantization_config(" + ("is_dynamic=True" if dynamic else "") + ")"
-    return config if per_channel else f"per_tensor_weights({config})"

@@ -15,6 +15,8 @@ import logging
 import types
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
@@ -85,8 +87,8 @@ def build_quantizer(settings: Mapping[str, ModuleSettings], base=None):
         static.set_global(quantization_config(True, dynamic=False))
     dynamic = ao.X86InductorQuantizer()
     has_dynamic = False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torchao warns on every per-module config it accepts
+    with warnings.catch_warnings():  # torchao warns on every per-module config it accepts
+        warnings.filterwarnings("ignore", module=r"torchao(\.|$)")
         for fqn, choice in settings.items():
             if choice.keep_float:
                 static.set_module_name_qconfig(fqn, None)
@@ -100,3 +102,87 @@ def build_quantizer(settings: Mapping[str, ModuleSettings], base=None):
     parts += [static] if base is None or settings else []
     parts += [base] if base is not None else []
     return parts[0] if len(parts) == 1 else ao.ComposableQuantizer(parts)
+
+
+@dataclass(frozen=True)
+class Pt2eConfig:
+    """What a PT2E run quantizes with: the modules whose settings differ from the start, on top of
+    the starting quantizer (``base``: yours, or torchao's x86 default when None); ``requested`` is
+    every setting asked for, checked against the converted graph."""
+
+    changed: Mapping[str, ModuleSettings] = field(default_factory=dict)
+    requested: Mapping[str, ModuleSettings] = field(default_factory=dict)
+    base: Any = None
+
+    def quantizer(self) -> Any:
+        return build_quantizer(self.changed, self.base)
+
+    def as_code(self) -> str:
+        """Python that builds this quantizer and runs the PT2E workflow with it."""
+        return quantizer_as_code(self)
+
+
+def quantizer_as_code(config: Pt2eConfig) -> str:
+    """Python that builds the quantizer of ``config`` and runs the PT2E workflow with it."""
+    changed = config.changed
+    per_tensor = any(not c.keep_float and not c.per_channel for c in changed.values())
+    dynamic = {fqn: c for fqn, c in changed.items() if c.dynamic and not c.keep_float}
+    lines = [
+        "import torch",
+        "from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e",
+        "from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (",
+        "    X86InductorQuantizer,",
+        "    get_default_x86_inductor_quantization_config,",
+        ")",
+    ]
+    if dynamic or config.base is not None:
+        lines.append("from torchao.quantization.pt2e.quantizer import ComposableQuantizer")
+    if per_tensor:
+        lines += [
+            "import dataclasses",
+            "from torchao.quantization.pt2e import MinMaxObserver",
+            "from torchao.quantization.pt2e.quantizer import QuantizationSpec",
+            "",
+            "",
+            "def per_tensor_weights(config):",
+            '    """The config with symmetric per-tensor int8 weights (min/max observed)."""',
+            "    weight = QuantizationSpec(",
+            "        dtype=torch.int8, quant_min=-128, quant_max=127, qscheme=torch.per_tensor_symmetric,",
+            "        is_dynamic=False, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12),",
+            "    )",
+            "    return dataclasses.replace(config, weight=weight)",
+        ]
+    lines += ["", "", "static = X86InductorQuantizer()"]
+    if config.base is None:
+        lines.append("static.set_global(get_default_x86_inductor_quantization_config())")
+    for fqn, choice in changed.items():
+        if choice.keep_float or choice.dynamic:
+            why = "keep float" if choice.keep_float else "dynamic: quantized by the quantizer below"
+            lines.append(f"static.set_module_name_qconfig({fqn!r}, None)  # {why}")
+        else:
+            lines.append(f"static.set_module_name_qconfig({fqn!r}, {_config_code(choice.per_channel, False)})")
+    parts = ["static"]
+    if dynamic:
+        lines.append("dynamic = X86InductorQuantizer()")
+        for fqn, choice in dynamic.items():
+            lines.append(f"dynamic.set_module_name_qconfig({fqn!r}, {_config_code(choice.per_channel, True)})")
+        parts.insert(0, "dynamic")
+    if config.base is not None:
+        parts.append("base_quantizer")
+        lines.append(f"# base_quantizer: the quantizer you started from ({type(config.base).__name__})")
+    quantizer = parts[0] if len(parts) == 1 else f"ComposableQuantizer([{', '.join(parts)}])"
+    lines += [
+        f"quantizer = {quantizer}",
+        "",
+        "exported = torch.export.export(model.eval(), example_inputs).module()",
+        "prepared = prepare_pt2e(exported, quantizer)",
+        "for batch in calibration_batches:",
+        "    prepared(*batch)",
+        "quantized = convert_pt2e(prepared)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _config_code(per_channel: bool, dynamic: bool) -> str:
+    config = "get_default_x86_inductor_quantization_config(" + ("is_dynamic=True" if dynamic else "") + ")"
+    return config if per_channel else f"per_tensor_weights({config})"

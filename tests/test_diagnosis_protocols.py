@@ -1,0 +1,181 @@
+"""Diagnosis and verification against fakes of the narrow protocols they declare (DiagnosisHost,
+VerifiableSession): no model, no engine; each fake's numbers follow a formula the test knows."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pandas as pd
+import torch
+
+from qreport_widgets.diagnosis import Diagnosis
+from qreport_widgets.engine import Variant
+from qreport_widgets.features import SuggestionKind
+from qreport_widgets.metrics import sqnr_db
+from qreport_widgets.records import Suggestion
+from qreport_widgets.run import RunResult
+from qreport_widgets.settings import ModuleSettings, Setting, TunableModule
+from qreport_widgets.verify import REAL_RUN, SIMULATED, Verifier
+
+NOISE = {"a": 0.10, "b": 0.30, "c": 0.01}  # each quantized module adds this much error to the output
+BATCHES = [torch.linspace(-1.0, 1.0, 64).reshape(8, 8) + i for i in range(3)]
+REAL_SHORTFALL_DB = 0.3  # real runs come out this much below the simulation
+RESIDUAL = 0.002  # the error left with every module float
+
+
+def simulated_db(float_modules) -> float:
+    error = RESIDUAL + sum(level for name, level in NOISE.items() if name not in set(float_modules))
+    return sqnr_db(torch.cat([b.flatten() for b in BATCHES]), torch.cat([(b + error).flatten() for b in BATCHES]))
+
+
+class FakeSimulation:
+    tunable = list(NOISE)
+
+    def __init__(self) -> None:
+        self.model = torch.nn.Identity()
+        self.variant = Variant()
+
+    def configure(self, variant=()) -> None:
+        self.variant = Variant.of(variant)
+
+    def outputs(self, batches, variant=()):
+        variant = Variant.of(variant)
+        error = RESIDUAL + sum(level for name, level in NOISE.items() if name not in variant.float_modules)
+        return [b + error for b in batches]
+
+    def outputs_each(self, batches, variants, step=None):
+        found = []
+        for variant in variants:
+            found.append(self.outputs(batches, variant))
+            for _ in batches:
+                step()
+        return found
+
+    def local_sqnr(self, batch) -> dict[str, float]:
+        return {name: -20 * math.log10(level) for name, level in NOISE.items()}
+
+
+class FakeHost:
+    """A DiagnosisHost: the simulation above, real runs REAL_SHORTFALL_DB below it."""
+
+    eval_fn = None
+    eval_data = BATCHES
+
+    def __init__(self) -> None:
+        self._simulation = FakeSimulation()
+        self.runs: list[frozenset[str]] = []
+
+    def simulation(self, progress=None):
+        return self._simulation
+
+    def reference_outputs(self):
+        return BATCHES
+
+    def baseline(self, progress=None) -> RunResult:
+        return self.apply({}, label="baseline")
+
+    def apply(self, settings, *, label=None, progress=None) -> RunResult:
+        floats = frozenset(fqn for fqn, s in settings.items() if s.keep_float)
+        self.runs.append(floats)
+        real = simulated_db(floats) - REAL_SHORTFALL_DB
+        return RunResult(None, None, real, pd.Series(dtype=float), 0, 1.0, 0.0, label=label or "", settings=settings)
+
+
+def test_sensitivity_ranks_by_the_simulated_gain_and_reach_steps_past_a_short_real_run():
+    host = FakeHost()
+    diagnosis = Diagnosis(host)
+    table = diagnosis.sensitivity(progress=lambda done, total: None)
+    assert list(table.index) == ["b", "a", "c"]  # the noisiest module first
+    assert math.isclose(table.at["b", "output_sqnr_gain_db"], simulated_db({"b"}) - simulated_db(()), rel_tol=1e-5)
+    assert math.isclose(table.at["c", "local_sqnr_db"], 40.0)
+    curve = diagnosis.tradeoff(progress=lambda done, total: None)
+    assert list(curve["added"]) == ["", "b", "a", "c"]
+    # a target the simulation meets with "b" float by less than the real runs' shortfall
+    target = simulated_db({"b"}) - 0.1
+    result = diagnosis.reach(target, progress=lambda done, total: None)
+    # the real run fell short: one more float; then one fewer, within the simulation's error, falls short again
+    assert host.runs == [frozenset({"b"}), frozenset({"b", "a"}), frozenset({"b"})]
+    assert result.ok and result.output_sqnr_db >= target and "met with 2 of 3 modules float (b, a)" in result.notes[-1]
+    assert diagnosis.sensitivity() is not table and diagnosis.sensitivity().equals(table)  # computed once, copies out
+
+
+def test_a_target_out_of_reach_runs_the_best_point_and_says_so():
+    host = FakeHost()
+    result = Diagnosis(host).reach(500.0, progress=lambda done, total: None)
+    assert "out of reach" in result.notes[-1] and host.runs == [frozenset(NOISE)]
+
+
+MODULES = [TunableModule(name, "Linear", ModuleSettings()) for name in NOISE]
+GAINS = {  # what each candidate does to the output SQNR, in a real run or the simulation
+    ("a", Setting.DYNAMIC): 0.8,
+    ("b", Setting.DYNAMIC): -0.4,
+    ("c", Setting.DYNAMIC): 0.05,
+    ("a", Setting.PER_CHANNEL): 0.6,
+    ("b", Setting.PER_CHANNEL): 0.02,
+    ("c", Setting.PER_CHANNEL): 0.0,
+    ("b", Setting.KEEP_FLOAT): 2.0,
+}
+
+
+def gain_of(settings) -> float:
+    return sum(GAINS.get((fqn, setting), 0.0) for fqn, s in settings.items() for setting in Setting if s != ModuleSettings()
+               and setting.of(s) and setting.of(s) != setting.of(ModuleSettings()))  # fmt: skip
+
+
+class FakeVerifiable:
+    """A VerifiableSession whose gains add up (GAINS), simulated and real alike."""
+
+    def __init__(self) -> None:
+        self.trials: list[dict] = []
+
+    @property
+    def modules(self):
+        return list(MODULES)
+
+    def current_settings(self):
+        return {m.fqn: m.current for m in MODULES}
+
+    def input_producers(self, names):
+        return {}
+
+    def migrations(self):
+        return {}
+
+    def sensitivity(self, progress=None, *, metric=True):
+        gains = {name: GAINS.get((name, Setting.KEEP_FLOAT), 0.0) for name in NOISE}
+        return pd.DataFrame({"output_sqnr_gain_db": gains}).sort_values("output_sqnr_gain_db", ascending=False)
+
+    def simulate_each(self, variants, progress=None, desc="", metric=True):
+        found = []
+        for variant in variants:
+            settings = {name: ModuleSettings(keep_float=True) for name in variant.float_modules}
+            settings.update({name: ModuleSettings(per_channel=True) for name in variant.other_weights})
+            found.append((20.0 + gain_of(settings), None))
+        return found
+
+    def baseline(self, progress=None):
+        return RunResult(None, None, 20.0, pd.Series(dtype=float), 0, 1.0, 0.0, label="baseline")
+
+    def apply(self, settings, *, label=None, progress=None, record=True):
+        self.trials.append(dict(settings))
+        return replace(self.baseline(), output_sqnr_db=20.0 + gain_of(settings), label=label or "", settings=settings)
+
+    def equalization_float_error(self, fqn):
+        return math.nan
+
+
+def test_the_verifier_offers_what_helps_and_measures_accept_all_as_a_whole():
+    session = FakeVerifiable()
+    verifier = Verifier(session)
+    suggestions = [Suggestion("b", "DynamicStaticDetector", SuggestionKind.DYNAMIC, "non-stationary")]
+    verified = verifier.verify(verifier.candidates(suggestions), progress=lambda done, total: None)
+    table = verified.frame().set_index(["module", "setting"])
+    assert table.loc[("b", Setting.DYNAMIC), "measured"] == REAL_RUN and not table.loc[("b", Setting.DYNAMIC), "offered"]
+    assert table.loc[("a", Setting.PER_CHANNEL), "measured"] == SIMULATED and table.loc[("a", Setting.PER_CHANNEL), "offered"]
+    assert not table.loc[("c", Setting.DYNAMIC), "offered"]  # a search's find must gain 0.5 dB
+    offered = {(v.candidate.module_fqn, v.candidate.setting) for v in verified.offered}
+    assert offered == {("a", Setting.DYNAMIC), ("a", Setting.PER_CHANNEL), ("b", Setting.KEEP_FLOAT)}
+    assert verified.settings["b"].keep_float and verified.settings["a"] == ModuleSettings(dynamic=True, per_channel=True)
+    assert math.isclose(verified.accept_all_gain_db, 0.8 + 0.6 + 2.0)
+    assert session.trials[-1] == {name: s for name, s in verified.settings.items() if s != ModuleSettings()}
