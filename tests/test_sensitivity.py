@@ -200,16 +200,14 @@ def test_cancel_stops_a_running_sensitivity_and_a_later_one_completes(tmp_path):
     model, data = trained_digits_model("mixer", tmp_path)
     report = qw.analyze(model, data.calibration[0], data.calibration, progress=False)
     pane = report.widget().tuning.sensitivity
-    report_progress = pane._on_progress
 
-    def clicked_during_the_run(done, total):
+    def clicked_during_the_run(_change):
         pane.cancel.click()  # as JupyterLab delivers it: on another thread, while the run goes on
-        report_progress(done, total)
 
-    pane._on_progress = clicked_during_the_run
+    pane.controller.observe(clicked_during_the_run, "progress")
     pane.compute.click()
     assert "cancelled" in pane.status.value and pane.table is None and pane.cancel.layout.display == "none"
-    pane._on_progress = report_progress
+    pane.controller.unobserve(clicked_during_the_run, "progress")
     pane.compute.click()
     assert pane.table is not None and len(pane.table) == len(report.session.modules)
 

@@ -97,9 +97,9 @@ def test_tuning_panel_apply_accept_reset_and_errors(analyzed):
     tuning.apply.click()
     assert "output SQNR" in tuning.status.value and not tuning.error.value
     runs = len(report.session.history)
-    assert "baseline" in tuning.history.value and tuning.bars.y.shape[0] == runs
-    y_scale = tuning.bars.scales["y"]  # both ends set, or the browser draws grouped bars flat
-    assert y_scale.min <= 0 and y_scale.max > np.nanmax(tuning.bars.y) > 0
+    assert "baseline" in tuning.history.value and tuning.layers.bars.y.shape[0] == runs
+    y_scale = tuning.layers.bars.scales["y"]  # both ends set, or the browser draws grouped bars flat
+    assert y_scale.min <= 0 and y_scale.max > np.nanmax(tuning.layers.bars.y) > 0
     assert not tuning.apply.disabled
     tuning.rows["head"].equalize.value = True
     tuning.rows["head"].activation.value = "dynamic"  # with equalize: refused before running
@@ -107,22 +107,22 @@ def test_tuning_panel_apply_accept_reset_and_errors(analyzed):
     assert "static" in tuning.error.value and len(report.session.history) == runs
     tuning.reset.click()
     assert not tuning.rows["meta_fc"].settings.dynamic and not tuning.rows["head"].settings.equalize
-    tuning._running.acquire()  # a click handled while a run is in progress (another kernel thread)
+    tuning.controller._lock.acquire()  # a click handled while a run is in progress (another kernel thread)
     tuning.apply.click()
     assert "1 click made while the run was in progress ignored" in tuning.status.value
     assert len(report.session.history) == runs
-    tuning._running.release()
+    tuning.controller._lock.release()
     tuning.apply.click()
     assert len(report.session.history) == runs + 1
     # the delta view: each run minus the baseline, per layer, and back
     _, layers = report.session.compare()
-    tuning.layer_view.value = "change vs baseline"
+    tuning.layers.view.value = "change vs baseline"
     expected = layers.iloc[:, 1:].iloc[:, -3:].sub(layers.iloc[:, 0], axis=0)  # at most the last three runs
-    np.testing.assert_allclose(tuning.bars.y, expected.T.to_numpy(dtype=np.float32), rtol=1e-5, atol=1e-5)
-    assert tuning.bars.labels == [f"{c} - baseline" for c in expected.columns] and "change" in tuning.figure.title
-    assert tuning.bars.scales["y"].min <= min(0.0, float(np.nanmin(tuning.bars.y)))
-    tuning.layer_view.value = "SQNR per run"
-    assert tuning.bars.y.shape[0] == min(4, layers.shape[1]) and tuning.bars.labels[0] == "baseline"
+    np.testing.assert_allclose(tuning.layers.bars.y, expected.T.to_numpy(dtype=np.float32), rtol=1e-5, atol=1e-5)
+    assert tuning.layers.bars.labels == [f"{c} - baseline" for c in expected.columns] and "change" in tuning.layers.figure.title
+    assert tuning.layers.bars.scales["y"].min <= min(0.0, float(np.nanmin(tuning.layers.bars.y)))
+    tuning.layers.view.value = "SQNR per run"
+    assert tuning.layers.bars.y.shape[0] == min(4, layers.shape[1]) and tuning.layers.bars.labels[0] == "baseline"
     # the caller's float model is bit-identical after analyze, the widget and three Applies
     assert_unchanged(model, before)
 
@@ -169,7 +169,7 @@ def test_failing_apply_keeps_the_previous_results_on_screen(analyzed):
     _, _, report = analyzed
     tuning = report.widget().tuning
     tuning.apply.click()
-    history, bars, summary = tuning.history.value, tuning.bars.y.copy(), tuning.summary.value
+    history, bars, summary = tuning.history.value, tuning.layers.bars.y.copy(), tuning.summary.value
     runs = list(report.session.history)
     broken = len(report.session.calibration_data)
     report.session.calibration_data.append((torch.randn(2, 3), torch.randn(2, 3)))  # wrong shape
@@ -179,14 +179,14 @@ def test_failing_apply_keeps_the_previous_results_on_screen(analyzed):
         report.session.calibration_data.pop()
     assert f"batch {broken} failed" in tuning.error.value and "previous results are kept" in tuning.status.value
     assert report.session.history == runs and tuning.history.value == history and tuning.summary.value == summary
-    np.testing.assert_array_equal(tuning.bars.y, bars)
+    np.testing.assert_array_equal(tuning.layers.bars.y, bars)
     assert not tuning.apply.disabled and tuning.progress.layout.visibility == "hidden"
 
 
 def test_run_survives_numeric_suite_failing_to_pair_the_graphs(analyzed, monkeypatch):
     from torch.ao.ns.fx.graph_matcher import GraphMatchingException
 
-    from qreport_widgets import fx
+    from qreport_widgets.fx import engine as fx
 
     def unmatched(*args, **kwargs):
         raise GraphMatchingException("subgraphs of different types")
@@ -195,7 +195,7 @@ def test_run_survives_numeric_suite_failing_to_pair_the_graphs(analyzed, monkeyp
     monkeypatch.setattr(fx, "per_layer_sqnr", unmatched)
     result = report.session.run(report.suggested_qconfig_mapping(), label="no per-layer")
     assert result.ok and math.isfinite(result.output_sqnr_db) and result.per_layer_sqnr_db.empty
-    assert result.notes == ["per-layer SQNR unavailable: Numeric Suite could not match the two graphs (GraphMatchingException)"]
+    assert result.notes == ("per-layer SQNR unavailable: Numeric Suite could not match the two graphs (GraphMatchingException)",)
 
 
 def test_a_generator_of_batches_is_kept_for_tuning():

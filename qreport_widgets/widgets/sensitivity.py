@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import html
-import math
 from collections.abc import Callable
 
 import bqplot as bq
@@ -11,29 +9,25 @@ import ipywidgets as w
 import numpy as np
 import pandas as pd
 
-from ..protocols import TuningSession
 from .plots import bar_range
+from .tune_controller import TuneController
 
 TOP = 20  # bars shown, most harmful first
-
-
-class Cancelled(Exception):
-    """Raised from the progress callback when the user clicked Cancel during a computation."""
 
 
 class SensitivityPane(w.VBox):
     """Buttons to rank modules (simulated, calibrated once) and to propose the float set for a target.
 
     Args:
-        session: computes sensitivity, the trade-off curve and reach plans.
+        controller: runs the ranking and the plan (its ``busy`` disables the buttons here too).
         propose: called with the module names to keep float (the Tune rows take them).
         reorder: called with the module names in the order the rows should take.
     """
 
     def __init__(
-        self, session: TuningSession, propose: Callable[[list[str]], None], reorder: Callable[[list[str]], None]
+        self, controller: TuneController, propose: Callable[[list[str]], None], reorder: Callable[[list[str]], None]
     ) -> None:
-        self.session, self._propose, self._reorder = session, propose, reorder
+        self.controller, self._propose, self._reorder = controller, propose, reorder
         self.compute = _button("Sensitivity", "search", 130, "Rank modules by the output SQNR gained when each alone stays float")
         self.order = w.ToggleButtons(
             options=["forward order", "most harmful first"],
@@ -45,83 +39,47 @@ class SensitivityPane(w.VBox):
         self.target = w.FloatText(value=0.0, description="target dB", layout={"width": "170px", "flex": "0 0 auto"})
         self.reach = _button("Propose float set", "bullseye", 170, "The fewest most-harmful modules kept float for the target")
         self.cancel = _button("Cancel", "stop", 100, "Stop the computation at the next module")
-        self.cancel.layout.display = "none"
-        self._cancelled = False
         self.progress = w.IntProgress(
             value=0, min=0, max=1, layout={"width": "160px", "visibility": "hidden", "flex": "0 0 auto"}
         )
         self.status = w.HTML()
-        self.table: pd.DataFrame | None = None
         self.bars, self.bars_figure = _bars()
         self.curve, self.target_line, self.curve_figure = _curve()
         self.curve_axis = self.curve_figure.axes[0]
-        self.compute.on_click(self._on_compute_click)
-        self.reach.on_click(self._on_reach_click)
-        self.cancel.on_click(self._on_cancel_click)
-        self.order.observe(self._on_order_change, names="value")
         controls = w.HBox(
             [self.compute, self.order, self.target, self.reach, self.progress, self.cancel], layout={"flex_flow": "row wrap"}
         )
         super().__init__([controls, self.status])
+        w.link((controller, "target"), (self.target, "value"))
+        w.dlink((controller, "ranking_status"), (self.status, "value"))
+        for button in (self.compute, self.reach):
+            w.dlink((controller, "busy"), (button, "disabled"))
+        w.dlink((controller, "cancellable"), (self.cancel.layout, "display"), lambda shown: "" if shown else "none")
+        w.dlink((controller, "cancellable"), (self.progress.layout, "visibility"), lambda shown: "visible" if shown else "hidden")
+        controller.observe(self._on_progress_change, "progress")
+        self.compute.on_click(self._on_compute_click)
+        self.reach.on_click(self._on_reach_click)
+        self.cancel.on_click(self._on_cancel_click)
+        self.order.observe(self._on_order_change, names="value")
+
+    @property
+    def table(self) -> pd.DataFrame | None:
+        """The sensitivity ranking, once computed."""
+        return self.controller.table
 
     # ---- handlers ------------------------------------------------------------------------------
     def _on_compute_click(self, _button: w.Button) -> None:
-        self._busy(True, "simulating: calibrating once, then one forward pass per module")
-        try:
-            self.table = self.session.sensitivity(progress=self._on_progress)
-            curve = self.session.tradeoff(progress=self._on_progress)
-        except Cancelled:
-            self.status.value = "<i>Sensitivity cancelled; nothing was changed.</i>"
-            return
-        except Exception as error:  # user models and data: show, keep the tab usable
-            self.status.value = _error_html(error)
-            return
-        finally:
-            self._busy(False)
-        base = float(curve["simulated_output_sqnr_db"].iloc[0])
-        if self.target.value == 0.0:
-            self.target.value = round(base + 3.0, 1)
-        self._draw(self.table, curve)
-        worst = self.table.index[0] if len(self.table) else ""
-        gain = self.table["output_sqnr_gain_db"].iloc[0] if len(self.table) else math.nan
-        self.status.value = (
-            f"Simulated baseline {base:.2f} dB. Most harmful: <b>{html.escape(worst)}</b> "
-            f"(+{gain:.2f} dB when it alone stays float). Estimates; Apply measures."
-        )
-        self.order.disabled = False
+        if self.controller.rank():
+            self._draw()
 
     def _on_reach_click(self, _button: w.Button) -> None:
-        self._busy(True, f"planning for {self.target.value:g} dB")
-        curve = None
-        try:
-            plan = self.session.plan_reach(self.target.value, progress=self._on_progress)
-            if self.table is None:  # the plan ranked the modules: draw the ranking and the curve too
-                self.table = self.session.sensitivity(progress=self._on_progress)
-                curve = self.session.tradeoff(progress=self._on_progress)
-        except Cancelled:
-            self.status.value = "<i>Cancelled; the Tune rows are unchanged.</i>"
+        drawn = self.controller.table is not None
+        plan = self.controller.propose()
+        if plan is None:
             return
-        except Exception as error:
-            self.status.value = _error_html(error)
-            return
-        finally:
-            self._busy(False)
         self._propose(plan.float_modules)
-        names = ", ".join(plan.float_modules) or "none"
-        if plan.met:
-            self.status.value = (
-                f"{len(plan.float_modules)} module(s) float reach {plan.simulated_sqnr_db:.2f} dB in simulation "
-                f"({html.escape(names)}); the Tune rows are set: Apply to confirm with a real run."
-            )
-        else:
-            self.status.value = (
-                f"<span style='color:#b00'>{self.target.value:g} dB is out of reach</span>: the best simulated point is "
-                f"{plan.simulated_sqnr_db:.2f} dB with {len(plan.float_modules)} module(s) float ({html.escape(names)}); "
-                "the Tune rows are set to that."
-            )
-        if curve is not None:
-            self._draw(self.table, curve)
-            self.order.disabled = False
+        if not drawn and self.controller.table is not None:  # the plan ranked the modules: draw them too
+            self._draw()
 
     def _on_order_change(self, change: dict) -> None:
         if self.table is not None:
@@ -130,16 +88,17 @@ class SensitivityPane(w.VBox):
     def _on_cancel_click(self, _button: w.Button) -> None:
         # JupyterLab handles widget messages on another kernel thread while a computation runs, so
         # this arrives during it; the next progress report stops the computation
-        self._cancelled = True
+        self.controller.cancel()
 
-    def _on_progress(self, done: int, total: int | None) -> None:
-        if self._cancelled:
-            raise Cancelled
-        self.progress.max = total or max(done, 1)
-        self.progress.value = done
+    def _on_progress_change(self, change: dict) -> None:
+        done, total = change["new"]
+        with self.progress.hold_sync():
+            self.progress.max = total
+            self.progress.value = done
 
     # ---- drawing -------------------------------------------------------------------------------
-    def _draw(self, table: pd.DataFrame, curve: pd.DataFrame) -> None:
+    def _draw(self) -> None:
+        table, curve = self.controller.table, self.controller.curve
         top = table.head(TOP)
         gains = top["output_sqnr_gain_db"].to_numpy(dtype=np.float64)
         low, high, span = bar_range(gains)
@@ -161,19 +120,7 @@ class SensitivityPane(w.VBox):
             if self.bars_figure not in self.children:
                 figures = w.HBox([self.bars_figure, self.curve_figure], layout={"width": "100%", "flex_flow": "row wrap"})
                 self.children = (*self.children, figures)
-
-    def _busy(self, busy: bool, message: str = "") -> None:
-        for control in (self.compute, self.reach):
-            control.disabled = busy
-        self._cancelled = False
-        self.progress.layout.visibility = "visible" if busy else "hidden"
-        self.cancel.layout.display = "" if busy else "none"
-        if message:
-            self.status.value = f"<i>{html.escape(message)}…</i>"
-
-
-def _error_html(error: Exception) -> str:
-    return f"<span style='color:#b00'>{html.escape(f'{type(error).__name__}: {error}')}</span>"
+            self.order.disabled = False
 
 
 def _button(description: str, icon: str, width: int, tooltip: str) -> w.Button:

@@ -1,0 +1,111 @@
+"""The Tune tab's runs: the history table and the per-layer SQNR of each run as grouped bars."""
+
+from __future__ import annotations
+
+import html
+
+import bqplot as bq
+import ipywidgets as w
+import numpy as np
+import pandas as pd
+
+from .plots import bar_range, scrolling_table
+
+TOP_LAYERS = 20  # bars per run in the per-layer chart; the full table is session.compare()
+SQNR_VIEW, DELTA_VIEW = "SQNR per run", "change vs baseline"
+RUNS_DRAWN = 4  # the baseline and the last three runs in the per-layer chart
+SERIES_COLORS = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
+
+
+class RunsTable(w.HTML):
+    """One row per run: its changes shortened (all of them on hover), numbers with three digits."""
+
+    def show(self, runs: pd.DataFrame) -> None:
+        shown = runs.assign(
+            **{c: runs[c].map(lambda v: html.escape(str(v))) for c in runs.select_dtypes(include=["object", "string"])}
+        )
+        if "changes" in runs:
+            shown["changes"] = runs["changes"].map(short_changes)
+        if "run" in runs:  # a label is a name: one line
+            shown["run"] = shown["run"].map(lambda v: f"<span style='white-space:nowrap'>{v}</span>")
+        table = shown.to_html(index=False, float_format=number, border=0, escape=False)
+        self.value = "<h4 style='margin:6px 0'>Runs</h4>" + scrolling_table(table)
+
+
+class LayersChart(w.VBox):
+    """Per-layer SQNR of every run, or each run's change from the baseline; the marks are built
+    once and updated in place."""
+
+    def __init__(self) -> None:
+        self.view = w.ToggleButtons(
+            options=[SQNR_VIEW, DELTA_VIEW], value=SQNR_VIEW, style={"button_width": "170px"},
+            tooltips=["each run's SQNR per layer", "each run minus the baseline, per layer: where a change helped or hurt"],
+        )  # fmt: skip
+        self.figure, self.bars, self.x_scale = _sqnr_figure()
+        self._layers = pd.DataFrame()
+        super().__init__([self.view, self.figure])
+        self.view.observe(self._on_view_change, "value")
+
+    def _on_view_change(self, _change: dict) -> None:
+        if len(self._layers):
+            self.draw(self._layers)
+
+    def draw(self, layers: pd.DataFrame) -> None:
+        """``layers``: one column per run (the baseline first), one row per layer. Past TOP_LAYERS
+        layers, those lowest (or most changed) in the last run, in forward order."""
+        self._layers = layers = layers.replace([np.inf, -np.inf], np.nan)
+        if layers.shape[1] == 0:  # no run measured per layer yet
+            return
+        if layers.shape[1] > RUNS_DRAWN:  # the baseline and the latest runs: more groups are too thin to read
+            layers = layers.iloc[:, [0, *range(layers.shape[1] - RUNS_DRAWN + 1, layers.shape[1])]]
+        delta = self.view.value == DELTA_VIEW and layers.shape[1] > 1
+        if delta:
+            layers = layers.iloc[:, 1:].sub(layers.iloc[:, 0], axis=0)
+        total, last = len(layers), layers.iloc[:, -1]
+        what = "SQNR change vs baseline" if delta else "Per-layer SQNR"
+        title = what
+        if total > TOP_LAYERS:
+            chosen = last.abs().nlargest(TOP_LAYERS).index if delta else last.nsmallest(TOP_LAYERS).index
+            layers = layers[layers.index.isin(set(chosen))]
+            title = f"{what}: {TOP_LAYERS} {'most changed' if delta else 'lowest'} of {total} layers"
+        low, high, span = bar_range(layers.to_numpy(dtype=np.float64).ravel())
+        colors = SERIES_COLORS[1 : layers.shape[1] + 1] if delta else SERIES_COLORS[: layers.shape[1]]
+        legend_share = min(0.6, (20 * layers.shape[1] + 25) / 220)  # room above the bars for the legend, a line per run
+        with self.figure.hold_sync():
+            self.figure.title = title
+            self.x_scale.domain = list(layers.index)
+            self.bars.scales["y"].min, self.bars.scales["y"].max = low, high + span * legend_share / (1 - legend_share)
+            self.figure.axes[1].label = "change (dB)" if delta else "SQNR (dB)"
+            self.bars.tooltip.labels = ["layer", "change (dB)" if delta else "SQNR (dB)"]
+            with self.bars.hold_sync():
+                self.bars.x = list(layers.index)
+                self.bars.y = layers.T.to_numpy(dtype=np.float32, na_value=0.0)
+                self.bars.labels = [f"{c} - baseline" if delta else c for c in layers.columns]
+                self.bars.colors = colors
+
+
+def short_changes(text: str, shown: int = 2) -> str:
+    """A run's changes in the runs table: the first few, the rest counted, all of them on hover."""
+    parts = str(text).split("; ")
+    short = "; ".join(parts[:shown]) + (f"; +{len(parts) - shown} more" if len(parts) > shown else "")
+    return f"<span title='{html.escape(str(text))}' style='display:inline-block;min-width:14em'>{html.escape(short)}</span>"
+
+
+def number(value: float) -> str:
+    """Three significant digits, thousands written out: 2,806 rather than 2.81e+03."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
+def _sqnr_figure() -> tuple[bq.Figure, bq.Bars, bq.OrdinalScale]:
+    x_scale, y_scale = bq.OrdinalScale(), bq.LinearScale(min=0.0)
+    bars = bq.Bars(x=[], y=np.zeros((0, 0), np.float32), scales={"x": x_scale, "y": y_scale}, type="grouped",
+                   display_legend=True, labels=[], colors=SERIES_COLORS[:1], padding=0.15,
+                   tooltip=bq.Tooltip(fields=["x", "y"], labels=["layer", "SQNR (dB)"], formats=["", ".1f"]))  # fmt: skip
+    # module names are long: rotated ticks with room under them, and no axis title to collide with
+    axes = [bq.Axis(scale=x_scale, tick_rotate=-35, tick_style={"font-size": "9px", "text-anchor": "end"}),
+            bq.Axis(scale=y_scale, side="left", label="SQNR (dB)", label_offset="40px")]  # fmt: skip
+    figure = bq.Figure(
+        marks=[bars], axes=axes, title="Per-layer SQNR", legend_location="top-right",
+        fig_margin={"top": 50, "bottom": 110, "left": 60, "right": 20}, layout={"width": "100%", "height": "380px"},
+    )  # fmt: skip
+    return figure, bars, x_scale

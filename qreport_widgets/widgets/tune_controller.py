@@ -1,0 +1,331 @@
+"""The Tune tab's logic, without a widget: what runs when a button is pressed, and what it says.
+
+``TuneController`` owns the run lock, the stale-click rule, the baseline-before-Apply policy, the
+verification and sensitivity calls and the status text with its colours. Its shared state
+(status, error, busy, progress) is declared as traits, which the views link to their widgets; its
+actions return what the views draw (a run, the verified suggestions, a reach plan). It imports no
+widget library but traitlets, so tests drive it against a fake session without a browser.
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from traitlets import Bool, Float, HasTraits, Int, Tuple, Unicode
+
+from ..errors import InvalidSettingsError
+from ..progress import Progress
+from ..settings import ModuleSettings, validate_all
+from ..verify import nan_equalization_metric
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from ..diagnosis import ReachPlan
+    from ..protocols import ReportSource, TuningSession
+    from ..run import RunResult
+    from ..verify import VerifiedSuggestions
+
+RED, GREEN, GREY = "#b00", "#070", "#444"
+FAILED_RUN = "<i>Run failed; the previous results are kept.</i>"
+
+
+class Cancelled(Exception):
+    """Raised from a progress report after ``TuneController.cancel()``: the computation stops."""
+
+
+class TuneController(HasTraits):
+    """Runs the Tune tab's long actions one at a time against a tuning session.
+
+    Args:
+        session: what runs (a QuantizationSession, or anything offering ``TuningSession``).
+        source: the report the suggestions come from.
+        clock: seconds, for the stale-click rule (``time.monotonic``; tests pass their own).
+    """
+
+    status = Unicode(help="the Tune status line (HTML): progress while busy, then what the last action found")
+    error = Unicode(help="the last action's error (HTML, red); empty when it went well")
+    ranking_status = Unicode(help="the sensitivity pane's status line (HTML)")
+    busy = Bool(False, help="a long action is running: every long action's button is disabled")
+    cancellable = Bool(False, help="the running action stops at its next step when cancel() is called")
+    progress = Tuple(Int(), Int(), default_value=(0, 1), help="(done, total) of the running action")
+    target = Float(0.0, help="the output SQNR (dB) Propose aims for; set to the simulated baseline + 3 dB by the first ranking")
+    ignored = Int(0, help="clicks dropped because an action was running, since the last Apply began")
+
+    def __init__(self, session: TuningSession, source: ReportSource, *, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.session, self.source, self._clock = session, source, clock
+        self.table: pd.DataFrame | None = None  # the sensitivity ranking, once computed
+        self.curve: pd.DataFrame | None = None  # the trade-off curve, once computed
+        self._lock = threading.Lock()
+        self._cancel = False
+        self._final_status = ""
+        self._last_run: tuple[datetime.datetime | None, float] = (None, 0.0)
+        self._applied = 0
+
+    # ---- actions -------------------------------------------------------------------------------
+    def apply(self, settings: Mapping[str, ModuleSettings], sent: datetime.datetime | None = None) -> RunResult | None:
+        """Run ``settings`` (the baseline first, if no run was made yet); the run, or None when
+        nothing ran (refused settings, another action running, a click made during the last run).
+
+        A click made during a run reaches the kernel either while it is going (newer kernels handle
+        widget messages on another thread) or right after it (older ones queue them); ``sent`` is
+        the browser's send time of the click, compared with the last run's, and both are dropped.
+        """
+        if self._sent_during_last_run(sent) or not self._lock.acquire(blocking=False):
+            self.ignored += 1
+            self.status = self._final_status + _ignored_note(self.ignored)
+            return None
+        try:
+            return self._apply(settings, sent)
+        finally:
+            self._lock.release()
+
+    def accept_all(self) -> VerifiedSuggestions | None:
+        """Measure every suggestion (and what a search finds) before it is offered; None when the
+        verification failed (the error says why) or another action was running."""
+        with self._exclusive() as running:
+            if not running:
+                return None
+            nan_metric = nan_equalization_metric(self.source.frame())
+            try:
+                with self._busy():
+                    report = self._reporter("verifying suggestions", "measuring")
+                    verified = self.session.verified_suggestions(self.source.suggestions(), nan_metric=nan_metric,
+                                                                 progress=report)  # fmt: skip
+            except Exception as error:  # the rows stay as they were
+                self.status = "<i>Verifying the suggestions failed; the rows are unchanged.</i>"
+                self.error = error_html(repr(error))
+                return None
+            self.status = verified_status(verified)
+            return verified
+
+    def rank(self) -> bool:
+        """The sensitivity ranking and the trade-off curve (``table``, ``curve``); False when
+        cancelled, failed (``ranking_status`` says why) or another action was running."""
+        with self._exclusive() as running:
+            if not running:
+                return False
+            self.ranking_status = "<i>simulating: calibrating once, then one forward pass per module…</i>"
+            try:
+                with self._busy(cancellable=True):
+                    table = self.session.sensitivity(progress=self._reporter())
+                    curve = self.session.tradeoff(progress=self._reporter())
+            except Cancelled:
+                self.ranking_status = "<i>Sensitivity cancelled; nothing was changed.</i>"
+                return False
+            except Exception as error:  # user models and data: show, keep the tab usable
+                self.ranking_status = error_html(f"{type(error).__name__}: {error}")
+                return False
+            self.table, self.curve = table, curve
+            base = float(curve["simulated_output_sqnr_db"].iloc[0])
+            if self.target == 0.0:
+                self.target = round(base + 3.0, 1)
+            if len(table):
+                worst, gain = html.escape(str(table.index[0])), float(table["output_sqnr_gain_db"].iloc[0])
+                most = f"Most harmful: <b>{worst}</b> (+{gain:.2f} dB when it alone stays float). "
+            else:
+                most = ""
+            self.ranking_status = f"Simulated baseline {base:.2f} dB. {most}Estimates; Apply measures."
+            return True
+
+    def propose(self) -> ReachPlan | None:
+        """The fewest most-harmful modules to keep float for ``target`` (simulated); ranks the
+        modules first when that was not done yet. None when cancelled, failed or refused."""
+        with self._exclusive() as running:
+            if not running:
+                return None
+            self.ranking_status = f"<i>planning for {self.target:g} dB…</i>"
+            try:
+                with self._busy(cancellable=True):
+                    plan = self.session.plan_reach(self.target, progress=self._reporter())
+                    if self.table is None:  # the plan ranked the modules: keep the ranking and the curve too
+                        table = self.session.sensitivity(progress=self._reporter())
+                        self.curve = self.session.tradeoff(progress=self._reporter())
+                        self.table = table
+            except Cancelled:
+                self.ranking_status = "<i>Cancelled; the Tune rows are unchanged.</i>"
+                return None
+            except Exception as error:
+                self.ranking_status = error_html(f"{type(error).__name__}: {error}")
+                return None
+            names = html.escape(", ".join(plan.float_modules) or "none")
+            count = len(plan.float_modules)
+            if plan.met:
+                self.ranking_status = (
+                    f"{count} module(s) float reach {plan.simulated_sqnr_db:.2f} dB in simulation ({names}); "
+                    "the Tune rows are set: Apply to confirm with a real run."
+                )
+            else:
+                self.ranking_status = (
+                    f"<span style='color:{RED}'>{self.target:g} dB is out of reach</span>: the best simulated point is "
+                    f"{plan.simulated_sqnr_db:.2f} dB with {count} module(s) float ({names}); the Tune rows are set to that."
+                )
+            return plan
+
+    def cancel(self) -> None:
+        """Stop the running cancellable action at its next step (a click handled on the kernel's
+        other thread while the computation runs)."""
+        self._cancel = True
+
+    # ---- what the rows need ---------------------------------------------------------------------
+    def restore(self, label: str) -> dict[str, ModuleSettings] | None:
+        """Every module's settings as the run ``label`` had them (None when it has none)."""
+        run = next((r for r in self.session.history if r.label == label), None)
+        if run is None or run.settings is None:
+            return None
+        self.status = f"<i>The rows hold the settings of {html.escape(run.label)}; Apply to run them again.</i>"
+        return {**self.session.current_settings(), **run.settings}
+
+    def code(self, settings: Mapping[str, ModuleSettings]) -> str:
+        """``settings`` as Python to paste into a pipeline, or a comment saying why they cannot be applied."""
+        try:
+            return self.session.settings_as_code(settings)
+        except InvalidSettingsError as error:
+            return f"# these settings cannot be applied: {error}\n"
+
+    def restorable(self) -> list[str]:
+        """The labels of the runs whose settings can be put back in the rows."""
+        return [r.label for r in self.session.history if r.settings is not None]
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _apply(self, settings: Mapping[str, ModuleSettings], sent: datetime.datetime | None) -> RunResult | None:
+        try:
+            validate_all(self.session.modules, settings)
+        except InvalidSettingsError as error:
+            self.error = error_html(str(error), block=False)
+            return None
+        self.ignored, self._final_status = 0, ""
+        started = self._clock()
+        result = None
+        try:
+            with self._busy():
+                if not self.session.history:
+                    self.session.baseline(progress=self._reporter("baseline", "calibrating"))
+                self._applied += 1
+                label = f"apply {self._applied}"
+                result = self.session.apply(settings, label=label, progress=self._reporter(label, "calibrating"))
+            if result.ok:
+                notes = "".join(f"<br><i>{html.escape(note)}</i>" for note in result.notes)
+                undone = len(result.module_notes)
+                if undone:
+                    notes += f"<br><i>{undone} module(s) did not carry out their settings: their rows say what the run did.</i>"
+                self._final_status = run_status(result, self.session.history, self.table) + notes
+            else:
+                self._final_status = FAILED_RUN
+                self.error = error_html(result.error or "")
+        except Exception as error:  # never leave the buttons disabled or the error unsaid
+            self._final_status, self.error, result = FAILED_RUN, error_html(repr(error)), None
+        finally:
+            self._last_run = (sent, self._clock() - started)
+            self.status = self._final_status + _ignored_note(self.ignored)
+        return result
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[bool]:
+        """Whether this action may run (no other is running); a refused click is counted."""
+        if not self._lock.acquire(blocking=False):
+            self.ignored += 1
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self._lock.release()
+
+    @contextmanager
+    def _busy(self, cancellable: bool = False) -> Iterator[None]:
+        """One long action: the buttons disabled, the progress shown, the error cleared; all of it
+        undone when the action ends, however it ends."""
+        self._cancel = False
+        with self.hold_trait_notifications():
+            self.busy, self.cancellable, self.progress, self.error = True, cancellable, (0, 1), ""
+        try:
+            yield
+        finally:
+            with self.hold_trait_notifications():
+                self.busy, self.cancellable = False, False
+
+    def _reporter(self, label: str = "", doing: str = "") -> Progress:
+        """A progress callback for the session: advances ``progress`` (and, with a label, the status
+        line); raises Cancelled once ``cancel()`` was called."""
+        if label:
+            self.status = f"{html.escape(label)}: {doing}"
+
+        def report(done: int, total: int | None) -> None:
+            if self._cancel:
+                raise Cancelled
+            if label:
+                self.status = f"{html.escape(label)}: {doing} {done}/{total or '?'}"
+            self.progress = (done, total or max(done, 1))
+
+        return report
+
+    def _sent_during_last_run(self, sent: datetime.datetime | None) -> bool:
+        """Whether a click was made while the previous run was still going. Both click times come
+        from the browser's clock and the run's length from the kernel's, so a clock offset between
+        the two machines does not matter."""
+        previous, seconds = self._last_run
+        if sent is None or previous is None:
+            return False
+        return (sent - previous).total_seconds() < seconds
+
+
+def error_html(text: str, *, block: bool = True) -> str:
+    """An error in red: a preformatted block (tracebacks, reprs) or one line."""
+    if block:
+        return f"<pre style='color:{RED};white-space:pre-wrap'>{html.escape(text)}</pre>"
+    return f"<span style='color:{RED}'>{html.escape(text)}</span>"
+
+
+def run_status(result: RunResult, history: list[RunResult], sensitivity: pd.DataFrame | None) -> str:
+    """The run's output SQNR against the baseline (red when worse) and the best run so far, and
+    which module hurts most where the sensitivity ranking has been computed."""
+    line = f"{html.escape(result.label)}: output SQNR {result.output_sqnr_db:.2f} dB"
+    baseline = next((r for r in history if r.label == "baseline"), None)
+    if baseline is not None and baseline is not result:
+        delta = result.output_sqnr_db - baseline.output_sqnr_db
+        color = RED if delta < -0.05 else GREEN if delta > 0.05 else GREY
+        verdict = " (worse than the baseline)" if delta < -0.05 else ""
+        line += f", <b style='color:{color}'>{delta:+.2f} dB</b> vs the baseline ({baseline.output_sqnr_db:.2f} dB){verdict}"
+    best = max(history, key=lambda r: r.output_sqnr_db, default=None)
+    if best is not None and best is not result:
+        line += f"; best so far: {html.escape(best.label)} ({best.output_sqnr_db:.2f} dB)"
+    if sensitivity is not None and len(sensitivity):
+        worst, gain = sensitivity.index[0], float(sensitivity["output_sqnr_gain_db"].iloc[0])
+        line += f"<br>Most harmful module (sensitivity): <b>{html.escape(str(worst))}</b>, {gain:+.2f} dB if kept float"
+    else:
+        line += "<br><i>Sensitivity (above) ranks the modules by what keeping each float would gain.</i>"
+    return line
+
+
+def verified_status(verified: VerifiedSuggestions) -> str:
+    """One line on what Accept all put in the rows, and what it measured."""
+    rejected = len(verified.rejected)
+    considered = f"{rejected} more considered and not suggested (each row says why)" if rejected else ""
+    if verified.accept_all is None:
+        return f"<i>No suggestion helps: {len(verified.verdicts)} candidate(s) measured, none gains enough; {considered}.</i>"
+    run = verified.accept_all
+    if not run.ok:
+        return f"<span style='color:{RED}'>Accept all: the trial run failed; {considered}.</span>"
+    gain = run.output_sqnr_db - verified.baseline_db
+    color = RED if gain < 0 else GREEN
+    notes = "".join(f"<br><i>{html.escape(note)}</i>" for note in verified.notes)
+    return (
+        f"Accept all (measured): <b style='color:{color}'>{gain:+.2f} dB</b> output SQNR in a trial run "
+        f"({verified.baseline_db:.2f} -> {run.output_sqnr_db:.2f} dB) with {len(verified.offered)} setting(s) offered; "
+        f"{considered}. Apply to keep it.{notes}"
+    )
+
+
+def _ignored_note(count: int) -> str:
+    if not count:
+        return ""
+    clicks = "1 click" if count == 1 else f"{count} clicks"
+    return f"<br><i>{clicks} made while the run was in progress ignored.</i>"
