@@ -96,15 +96,16 @@ class ModelReportVisualizer:
 
     # ---- plots ---------------------------------------------------------------------------------
     def generate_plot_visualization(self, feature_filter: str, module_fqn_filter: str = "") -> Any:
-        """A bqplot Figure of one feature: per channel for one module, per module otherwise.
+        """A bqplot Figure of one feature as a line: per channel for one module, per module otherwise.
 
-        Over several modules a per-channel feature is drawn as the mean per module with a min-max
-        band (PyTorch plots the mean only, assuming equal channel counts).
+        As in PyTorch, the values are joined by a line in forward order; over several modules a
+        per-channel feature is the mean per module, here with a min-max band (PyTorch plots the
+        mean only, assuming equal channel counts). Values spanning decades get a log axis.
         """
         from .widgets.plots import LineView
 
         feature, per_channel, modules = self._single_feature(feature_filter, module_fqn_filter)
-        view = LineView(title=f"{feature} plot", y_label=feature)
+        view = LineView(title=f"{feature} plot", y_label=feature, joined=True)
         if per_channel and len(modules) == 1:
             view.update(self.frame.channel_values(modules[0], feature), title=f"{feature} · {modules[0]}", x_label="channel")
         elif per_channel:
@@ -117,8 +118,9 @@ class ModelReportVisualizer:
         return view.figure
 
     def generate_histogram_visualization(self, feature_filter: str, module_fqn_filter: str = "", num_bins: int = 10) -> Any:
-        """A bqplot Figure with the distribution of one feature over the matching modules / channels."""
-        from .widgets.plots import HistogramView, histogram_of
+        """A bqplot Figure with the distribution of one feature over the matching modules / channels
+        (in bins of equal ratio on a log axis when the values span decades)."""
+        from .widgets.plots import HistogramView
 
         feature, per_channel, modules = self._single_feature(feature_filter, module_fqn_filter)
         if per_channel:
@@ -126,7 +128,7 @@ class ModelReportVisualizer:
         else:
             values = self.frame.modules.loc[modules, feature].astype(float).to_numpy()
         view = HistogramView(title=f"{feature} histogram", x_label=feature)
-        view.update(*histogram_of(values, num_bins))
+        view.show_values(values, num_bins)
         return view.figure
 
     def _single_feature(self, feature_filter: str, module_fqn_filter: str) -> tuple[str, bool, list[str]]:

@@ -96,13 +96,22 @@ def test_plot_and_histogram_return_bqplot_figures():
     visualizer = report.generate_visualizer()
     one = visualizer.generate_plot_visualization(F.INPUT_PER_CHANNEL_MAX, "conv2")
     assert isinstance(one, bqplot.Figure)
-    points = one.marks[2]  # band, thresholds, points, flagged points
-    np.testing.assert_allclose(points.y, report.frame().channel_values("conv2", F.INPUT_PER_CHANNEL_MAX), rtol=1e-6)
+    band, _, line, points, _ = one.marks  # band, thresholds, the line, points, flagged points
+    assert isinstance(line, bqplot.Lines)  # joined, as PyTorch draws it
+    expected = report.frame().channel_values("conv2", F.INPUT_PER_CHANNEL_MAX)
+    np.testing.assert_allclose(line.y, expected, rtol=1e-6)
+    np.testing.assert_array_equal(line.x, np.arange(expected.size))
+    np.testing.assert_allclose(points.y, expected, rtol=1e-6)  # the points stay, to hover over
     many = visualizer.generate_plot_visualization(F.OUTLIER_RATIOS)
     grouped = report.frame().channels.groupby("module", sort=False)[F.OUTLIER_RATIOS]
     drawable = np.isfinite(grouped.mean()) & np.isfinite(grouped.max())  # an infinite ratio cannot be drawn
-    assert many.marks[2].y.size == drawable.sum() and many.marks[0].y.shape == (2, drawable.sum())
-    assert len(many.marks[2].names) == drawable.sum()  # hover names the module
+    band, _, line, points, flagged = many.marks
+    np.testing.assert_allclose(line.y, grouped.mean()[drawable].to_numpy(), rtol=1e-6)  # the mean per module, joined
+    assert points.y.size + flagged.y.size == drawable.sum() and band.y.shape == (2, drawable.sum())
+    assert len(points.names) == points.y.size  # hover names the module
+    tensor = visualizer.generate_plot_visualization(F.INPUT_GLOBAL_MAX)
+    values = report.frame().modules[F.INPUT_GLOBAL_MAX].astype(float)
+    np.testing.assert_allclose(tensor.marks[2].y, values.dropna().to_numpy(), rtol=1e-6)
     histogram = visualizer.generate_histogram_visualization(F.EQUALIZATION_COMP_METRICS, num_bins=7)
     assert histogram.marks[0].y.sum() == report.frame().channels[F.EQUALIZATION_COMP_METRICS].notna().sum()
     with pytest.raises(ValueError, match="matches"):

@@ -5,13 +5,17 @@ from __future__ import annotations
 import bqplot as bq
 import numpy as np
 import pytest
+import traitlets
 from conftest import prepared, run
 from models import ConvNet, conv_batches
 
 import qreport_widgets as qw
 from qreport_widgets import demo
 from qreport_widgets import features as F
-from qreport_widgets.widgets.views import ACTIVATION_VALUES, ALL_MODULES
+from qreport_widgets.frame import ReportFrame
+from qreport_widgets.widgets.controls import ExploreControls, Selection, feature_options, opening_feature
+from qreport_widgets.widgets.plots import AxisScale, HistogramView, LineView, axis_scale
+from qreport_widgets.widgets.views import ACTIVATION_VALUES, ALL_MODULES, ExploreViews, View
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +111,8 @@ def test_histogram_views(report):
     marker = np.atleast_2d(values.markers.x)
     assert marker.shape == (1, 2) and 0 < marker[0, 0] < 25
     assert "outlier rule: 3.5 x the 97.5th percentile" in widget.views.legend.value
-    controls.view.value = "Line"  # a histogram of values has no line view of its own
-    assert widget.views.children[1] is values.figure and "either view" in widget.views.message.value
+    controls.view.value = "Line"  # a histogram of values has no points or line view of its own
+    assert widget.views.children[1] is values.figure and "as a histogram" in widget.views.message.value
     controls.view.value = "Histogram"
     controls.feature.value = F.INPUT_PER_CHANNEL_MAX
     bars = widget.views.histogram.bars
@@ -155,7 +159,8 @@ def test_widget_from_a_bare_prepared_model():
     widget = report.widget()
     assert "GraphModule" in widget.header.value
     widget.controls.module.value = "conv2"
-    assert widget.controls.feature.value == F.OUTLIER_RATIOS
+    assert F.OUTLIER_RATIOS in [v for _, v in widget.controls.feature.options]
+    assert widget.controls.feature.value == opening_feature(report.frame())  # conv2 reports it too: it stays
 
 
 def test_reports_are_collapsed_per_detector_with_a_summary_in_each_title(report):
@@ -169,9 +174,125 @@ def test_reports_are_collapsed_per_detector_with_a_summary_in_each_title(report)
 
 
 def test_runs_table_shows_a_long_change_list_short_with_all_of_it_on_hover():
-    from qreport_widgets.widgets.tuning import _short_changes
+    from qreport_widgets.widgets.runs import short_changes
 
-    cell = _short_changes("fc1: per_channel; fc2: keep_float; <head>: dynamic")
+    cell = short_changes("fc1: per_channel; fc2: keep_float; <head>: dynamic")
     assert ">fc1: per_channel; fc2: keep_float; +1 more<" in cell
     assert "title='fc1: per_channel; fc2: keep_float; &lt;head&gt;: dynamic'" in cell
-    assert ">the starting settings<" in _short_changes("the starting settings")
+    assert ">the starting settings<" in short_changes("the starting settings")
+
+
+def test_line_joins_the_points_and_keeps_the_flagged_ones_red(report):
+    widget = report.widget()
+    line, figure = widget.views.line, widget.views.line.figure
+    widget.controls.module.value = "mlp.fc1"
+    widget.controls.feature.value = F.OUTLIER_RATIOS
+    assert widget.controls.view.value == "Points" and line.line.y.size == 0  # points alone at first
+    widget.controls.view.value = "Line"
+    expected = report.frame().channel_values("mlp.fc1", F.OUTLIER_RATIOS)
+    np.testing.assert_array_equal(line.line.x, np.arange(32, dtype=np.float32))
+    np.testing.assert_array_equal(line.line.y, expected.astype(np.float32))
+    assert line.line.y.dtype == np.float32
+    np.testing.assert_allclose(line.flagged.y, expected[expected > 3.5].astype(np.float32))  # red, on top of the line
+    assert figure.marks.index(line.flagged) > figure.marks.index(line.line)
+    widget.controls.module.value = "mlp.fc2"  # a new module is drawn joined too
+    expected = report.frame().channel_values("mlp.fc2", F.OUTLIER_RATIOS)
+    np.testing.assert_array_equal(line.line.y, expected.astype(np.float32))
+    widget.controls.view.value = "Points"
+    assert line.line.y.size == 0 and line.drawn()[1].size == expected.size
+    assert widget.views.line.figure is figure and widget.views.children[1] is figure  # the same figure throughout
+
+
+def test_axis_scale_rule():
+    assert axis_scale(np.geomspace(0.01, 10, 50)) == AxisScale(log=True)  # three decades
+    assert axis_scale(np.linspace(1, 50, 50)) == AxisScale()  # under two decades
+    assert axis_scale([2.0, 2.1, 1.9, 70_000.0]) == AxisScale(log=True)  # one module far above the rest
+    # a few values <= 0 are left out of a log axis and counted; many keep the axis linear
+    assert axis_scale([0.0, *np.geomspace(1, 1e4, 19)]) == AxisScale(log=True, left_out=1)
+    assert axis_scale([0.0] * 5 + list(np.geomspace(1, 1e4, 5))) == AxisScale()
+    assert axis_scale([-3.0, 1.0, 2.0]) == AxisScale() and axis_scale([np.nan, np.inf, 1.0]) == AxisScale()
+    assert axis_scale([1.0, 2.0, np.nan, np.inf, 1e5]).log  # NaN and infinities count for neither
+    assert axis_scale([1.0, 2.0], reach=[[0.5, 0.9], [3.0, 5e3]]).log  # a band that spans decades
+    assert AxisScale(log=True).label("ratio") == "ratio (log scale)" and AxisScale().label("ratio") == "ratio"
+
+
+def test_values_spanning_decades_get_a_log_axis_without_a_new_figure():
+    view = LineView(y_label="ratio")
+    figure, marks = view.figure, list(view.figure.marks)
+    view.update(np.array([2.0, 2.5, 0.0, 70_000.0, 1.9, 2.2, 2.1, 2.4, 2.3, 1.8, 2.0]))
+    assert isinstance(view.y_scale, bq.LogScale) and view.y_axis.label == "ratio (log scale)"
+    assert all(mark.scales["y"] is view.log_y for mark in figure.marks)
+    assert view.drawn()[1].size == 10 and "log scale" in view.legend_html and "1 value(s) ≤ 0 not drawn" in view.legend_html
+    view.update(np.linspace(1.0, 3.0, 11))
+    assert isinstance(view.y_scale, bq.LinearScale) and view.y_axis.label == "ratio"
+    assert all(mark.scales["y"] is view.linear_y for mark in figure.marks) and "log scale" not in view.legend_html
+    assert view.figure is figure and list(figure.marks) == marks
+    histogram = HistogramView()
+    assert histogram.show_values(np.geomspace(1e-3, 1e3, 200), 12).log
+    assert isinstance(histogram.x_scale, bq.LogScale) and histogram.bars.scales["x"] is histogram.log_x
+    assert histogram.bars.y.sum() == 200 and histogram.x_axis.label == "value (log scale)"
+    np.testing.assert_allclose(np.diff(np.log10(histogram.bars.x)), 0.5, rtol=1e-4)  # bins of equal ratio
+    assert not histogram.show_values(np.linspace(1, 3, 100), 10).log
+    assert isinstance(histogram.x_scale, bq.LinearScale) and histogram.bars.scales["x"] is histogram.linear_x
+
+
+def dwarfed_frame(flagged_modules: int) -> ReportFrame:
+    """Twelve modules whose outlier ratios sit near 2 but for one module's 70,000, and whose input
+    maxima spread over four decades; the outlier detector flags ``flagged_modules`` of them."""
+    rng = np.random.default_rng(0)
+    features = {}
+    for i in range(12):
+        ratios = rng.uniform(1.5, 3.0, 8) * (35_000 if i == 3 else 1)
+        detected = np.zeros(8)
+        detected[0] = float(i < flagged_modules)
+        features[f"m{i}"] = {
+            F.OUTLIER_RATIOS: ratios, F.OUTLIERS_DETECTED: detected, F.OUTLIER_RATIO_THRESHOLD: 3.5,
+            F.INPUT_PER_CHANNEL_MAX: rng.uniform(0.5, 1.5, 8) * 10.0 ** (i / 3 - 2),
+        }  # fmt: skip
+    return ReportFrame.from_features(features)
+
+
+@pytest.mark.parametrize("flagged", [10, 2])
+def test_explore_opens_on_a_feature_that_tells_modules_apart(flagged):
+    frame = dwarfed_frame(flagged)
+    assert opening_feature(frame) == F.INPUT_PER_CHANNEL_MAX
+    controls, views = ExploreControls(frame), ExploreViews(frame)
+    assert controls.selection == Selection(ALL_MODULES, F.INPUT_PER_CHANNEL_MAX, View.POINTS, "")
+    views.show(ALL_MODULES, F.INPUT_PER_CHANNEL_MAX, View.POINTS)
+    assert isinstance(views.line.y_scale, bq.LogScale) and "log scale" in views.legend.value
+    views.show(ALL_MODULES, F.OUTLIER_RATIOS, View.POINTS)  # the ratio itself is no longer flat at 0 either
+    assert isinstance(views.line.y_scale, bq.LogScale) and views.line.drawn()[1].size == 12
+
+
+def test_a_selection_change_refreshes_the_view_once_with_a_consistent_pair(report):
+    widget = report.widget()
+    frame, controls = report.frame(), widget.controls
+    shown = []
+    widget.views.show = lambda module, feature, view, prefix="": shown.append((module, feature, view, prefix))
+    changes = []
+    controls.observe(changes.append, names="selection")
+    # the GELU has no equalization metric: the feature follows the module in the same, single refresh
+    controls.module.value = "mlp.fc1"
+    controls.feature.value = F.EQUALIZATION_COMP_METRICS
+    shown.clear(), changes.clear()
+    controls.module.value = "mlp.act"  # its feature list starts with another feature than the one it gets
+    assert feature_options(frame, "mlp.act")[0][1] != F.OUTLIER_RATIOS
+    assert shown == [("mlp.act", F.OUTLIER_RATIOS, View.POINTS, "")] and len(changes) == 1
+    assert changes[0]["old"].module == "mlp.fc1" and changes[0]["new"] == controls.selection
+    for step in (
+        lambda: setattr(controls.feature, "value", ACTIVATION_VALUES),
+        lambda: setattr(controls.view, "value", "Line"),
+        lambda: setattr(controls.prefix, "value", "head"),  # filters mlp.act out: back to all modules, once
+    ):
+        shown.clear()
+        step()
+        assert len(shown) == 1, shown
+    assert shown[0][:2] == (ALL_MODULES, F.OUTLIER_RATIOS) and shown[0][2] is View.LINE
+    controls.prefix.value = ""
+    controls.module.value = "stem.conv"
+    controls.feature.value = ACTIVATION_VALUES
+    shown.clear()
+    controls.prefix.value = "stem"  # the module still matches: module and feature stay
+    assert shown == [("stem.conv", ACTIVATION_VALUES, View.LINE, "stem")]
+    with pytest.raises(traitlets.TraitError, match="no feature"):
+        controls.selection = Selection("mlp.act", F.EQUALIZATION_COMP_METRICS)

@@ -10,7 +10,7 @@ import pandas as pd
 from ..protocols import ReportSource, TuningSession
 from .controls import ExploreControls
 from .tuning import TuningPanel
-from .views import ExploreViews, ModuleCard, View
+from .views import ExploreViews, ModuleCard
 
 
 class ReportWidget(w.VBox):
@@ -44,29 +44,21 @@ class ReportWidget(w.VBox):
         for i, title in enumerate(("Explore", "Tune", "Model", "Reports")):
             self.tabs.set_title(i, title)
         super().__init__([self.header, self.tabs])
-        self.controls.module.observe(self._on_module_change, names="value")
-        self.controls.feature.observe(self._on_selection_change, names="value")
-        self.controls.view.observe(self._on_selection_change, names="value")
-        self.controls.prefix.observe(self._on_selection_change, names="value")
+        self.controls.observe(self._on_selection_change, names="selection")
         self._refresh()
 
     # ---- handlers ------------------------------------------------------------------------------
-    def _on_module_change(self, change: dict) -> None:
-        with self.hold_sync():
-            self.controls.refresh_features()
-            self._refresh()
-
     def _on_selection_change(self, change: dict) -> None:
-        if not self.controls.changing:
-            self._refresh()
+        self._refresh()
 
     def _refresh(self) -> None:
-        module, feature = self.controls.module.value, self.controls.feature.value
-        self.card.show(module)
-        if feature is None:
-            self.views.message.value = "<i>This module reports no plottable feature.</i>"
-            return
-        self.views.show(module, feature, View(self.controls.view.value), self.controls.prefix.value)
+        selection = self.controls.selection
+        with self.hold_sync():
+            self.card.show(selection.module)
+            if selection.feature is None:
+                self.views.message.value = "<i>This module reports no plottable feature.</i>"
+                return
+            self.views.show(selection.module, selection.feature, selection.view, selection.prefix)
 
     # ---- static panes --------------------------------------------------------------------------
     def _header_html(self) -> str:

@@ -1,4 +1,4 @@
-"""The Explore tab's views: line, histogram and table of one feature, plus the module card.
+"""The Explore tab's views: points or a line, histogram and table of one feature, plus the module card.
 
 Figures and marks are created once; a selection change rewrites mark data in place. Only the
 visible view is refreshed; a hidden one catches up when it is shown.
@@ -15,12 +15,12 @@ import pandas as pd
 
 from .. import features as F
 from ..frame import MODULE, ReportFrame
-from .plots import HistogramView, LineView, histogram_of, scrolling_table, trimmed_histogram
+from .plots import HistogramView, LineView, scrolling_table, trimmed_histogram
 
 ALL_MODULES = ""
 ACTIVATION_VALUES = "input activation values"  # the observer's recorded histogram, not a report key
 TABLE_ROWS = 200
-AS_HISTOGRAM = "<i>Recorded values are drawn as a histogram in either view.</i>"
+AS_HISTOGRAM = "<i>Recorded values are drawn as a histogram in every view but Table.</i>"
 
 
 # what each of torch's report keys measures, in words (the raw key stays in the tables and tooltips)
@@ -54,9 +54,13 @@ def short_name(feature: str) -> str:
 
 
 class View(str, Enum):
-    LINE = "Line"
+    POINTS = "Points"  # a point per channel (one module) or per module (all modules)
+    LINE = "Line"  # the same points joined in channel or forward order
     HISTOGRAM = "Histogram"
     TABLE = "Table"
+
+
+ALONG_AN_INDEX = (View.POINTS, View.LINE)  # both drawn by one LineView
 
 
 def thresholds_for(frame: ReportFrame, module: str, feature: str) -> dict[str, float]:
@@ -93,6 +97,20 @@ def is_flagged(verdicts: pd.Series) -> np.ndarray:
     return (verdicts.eq(1) | verdicts.eq(F.NON_STATIONARY)).to_numpy(dtype=bool)
 
 
+def flagged_modules(frame: ReportFrame, feature: str) -> pd.Series | None:
+    """Per module (forward order), whether the detector behind ``feature`` flags it: a per-channel
+    verdict set on one of its channels, or a per-module verdict; None when no verdict goes with
+    ``feature``. A module without the verdict is False."""
+    column = VERDICTS.get(feature, (None, ""))[0]
+    if column in frame.channels:
+        verdicts = frame.channels.groupby(MODULE, sort=False)[column].max().reindex(frame.module_names)
+    elif column in frame.modules:
+        verdicts = frame.modules[column]
+    else:
+        return None
+    return pd.Series(is_flagged(verdicts), index=frame.module_names)
+
+
 def outlier_markers(frame: ReportFrame, module: str, counts: np.ndarray, edges: np.ndarray) -> dict[str, float]:
     """The outlier rule applied to a whole recorded tensor: ``ratio threshold`` times the reference
     percentile, on each side where that percentile has the side's sign."""
@@ -114,8 +132,8 @@ def outlier_markers(frame: ReportFrame, module: str, counts: np.ndarray, edges: 
 
 
 class ExploreViews(w.VBox):
-    """Line / histogram / table of the selected feature, one visible at a time, with a key to the
-    figure's lines and red points under it."""
+    """Points or a line / histogram / table of the selected feature, one visible at a time, with a
+    key to the figure's lines, red points and axis scale under it."""
 
     def __init__(self, frame: ReportFrame) -> None:
         self.frame = frame
@@ -125,31 +143,33 @@ class ExploreViews(w.VBox):
         self.table = w.HTML(layout={"max_height": "420px", "overflow": "auto"})
         self.message = w.HTML()
         self.legend = w.HTML()
-        self._shown: dict[View, tuple[str, str, str]] = {}
+        self._shown: dict[View, tuple[tuple[str, str, str], str, str]] = {}  # pane: (what, message, legend)
         super().__init__([self.message, self.line.figure, self.legend])
 
     def show(self, module: str, feature: str, view: View, prefix: str = "") -> None:
-        as_line = feature == ACTIVATION_VALUES and view is View.LINE
-        if feature == ACTIVATION_VALUES and view is not View.TABLE:
-            view = View.HISTOGRAM  # a histogram of values; as a line it says the same, less clearly
-        panes = {View.LINE: self.line.figure, View.HISTOGRAM: self.histogram.figure, View.TABLE: self.table}
+        note = ""
+        if feature == ACTIVATION_VALUES and view in ALONG_AN_INDEX:
+            view, note = View.HISTOGRAM, AS_HISTOGRAM  # a histogram of values; as points it says the same, less clearly
+        pane = View.POINTS if view in ALONG_AN_INDEX else view
+        figures = {View.POINTS: self.line.figure, View.HISTOGRAM: self.histogram.figure, View.TABLE: self.table}
         if feature == ACTIVATION_VALUES:
-            panes[View.HISTOGRAM] = self.values.figure
+            figures[View.HISTOGRAM] = self.values.figure
         with self.hold_sync():
             # only the visible pane is attached: a hidden bqplot figure has no size to lay out in
-            if self.children[1] is not panes[view]:
-                self.children = (self.message, panes[view], self.legend)
+            if self.children[1] is not figures[pane]:
+                self.children = (self.message, figures[pane], self.legend)
+            if pane is View.POINTS:
+                self.line.join(view is View.LINE)
             key = (module, feature, prefix)
-            if self._shown.get(view) == key:
-                if feature == ACTIVATION_VALUES:  # drawn already; only the view asked for changed
-                    self.message.value = AS_HISTOGRAM if as_line else ""
+            shown = self._shown.get(pane)
+            if shown is not None and shown[0] == key:  # drawn already: the message and key come back with it
+                self.message.value, self.legend.value = note or shown[1], shown[2]
                 return
-            self._shown[view] = key
-            self.message.value = AS_HISTOGRAM if as_line else ""
+            self.message.value = note
             if view is View.TABLE:
                 self.table.value = self._table_html(module, prefix)
                 self.legend.value = ""
-            elif view is View.LINE:
+            elif pane is View.POINTS:
                 self._draw_line(module, feature)
                 self.legend.value = self.line.legend_html + _report_key(feature)
             elif feature == ACTIVATION_VALUES:
@@ -158,6 +178,7 @@ class ExploreViews(w.VBox):
             else:
                 self._draw_histogram(module, feature)
                 self.legend.value = self.histogram.legend_html + _report_key(feature)
+            self._shown[pane] = (key, "" if note else self.message.value, self.legend.value)
 
     # ---- line ----------------------------------------------------------------------------------
     def _draw_line(self, module: str, feature: str) -> None:
@@ -165,6 +186,7 @@ class ExploreViews(w.VBox):
         thresholds = thresholds_for(frame, module, feature)
         column, words = VERDICTS.get(feature, (None, ""))
         has_verdict = column is not None and (column in frame.channels or column in frame.modules)
+        by_module = flagged_modules(frame, feature)  # a module is red when the detector flags one of its channels
         name = short_name(feature)
         if feature in frame.channel_features and module != ALL_MODULES:
             block = frame.channel_block(module)
@@ -175,12 +197,10 @@ class ExploreViews(w.VBox):
             )  # fmt: skip
         elif feature in frame.channel_features:
             stats = frame.per_module(feature)
-            flagged = None
-            if has_verdict:  # a module is red when the detector flags one of its channels
-                flagged = is_flagged(frame.channels.groupby(MODULE, sort=False)[column].max().reindex(stats.index))
             self.line.update(
                 stats["mean"].to_numpy(), low=stats["min"].to_numpy(), high=stats["max"].to_numpy(), names=list(stats.index),
-                thresholds=thresholds, flagged=flagged, flagged_label=f"modules with a channel {words}",
+                thresholds=thresholds, flagged=None if by_module is None else by_module.to_numpy(),
+                flagged_label=f"modules with a channel {words}",
                 title=f"{name}: mean per module", x_label="module (forward order)", y_label=name,
             )  # fmt: skip
         else:
@@ -188,7 +208,7 @@ class ExploreViews(w.VBox):
             where = "" if module == ALL_MODULES else f" (selected: {module}, #{frame.modules.at[module, 'order']})"
             self.line.update(
                 values, names=list(frame.modules.index), thresholds=thresholds,
-                flagged=is_flagged(frame.modules[column]) if has_verdict else None,
+                flagged=None if by_module is None else by_module.to_numpy(),
                 flagged_label=f"modules {words}", title=f"{name} per module{where}",
                 x_label="module (forward order)", y_label=name,
             )  # fmt: skip
@@ -210,8 +230,8 @@ class ExploreViews(w.VBox):
         if not finite.all():
             self.message.value = f"<i>{int((~finite).sum())} non-finite value(s) left out of the histogram</i>"
         thresholds = thresholds_for(frame, module, feature)
-        self.histogram.update(
-            *histogram_of(values, 30), markers=thresholds, title=f"{short_name(feature)} · {scope}", x_label=short_name(feature)
+        self.histogram.show_values(
+            values, 30, markers=thresholds, title=f"{short_name(feature)} · {scope}", x_label=short_name(feature)
         )
 
     # ---- table ---------------------------------------------------------------------------------

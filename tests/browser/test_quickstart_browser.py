@@ -191,7 +191,7 @@ def test_quickstart_apply_adds_one_run(lab):
         widget = _wait_for_widget(page, "quickstart", console_errors)
         module = page.locator(".widget-dropdown", has=page.locator("label", has_text="Module")).first.locator("select")
         module.select_option(label="head (Linear, 32 ch)")
-        page.get_by_text("head · outlier ratio").first.wait_for(timeout=60_000)
+        page.get_by_text("head · equalization balance per channel").first.wait_for(timeout=60_000)
         _assert_looks_right(widget)
         module.select_option(label="stem.conv (ConvReLU2d, 3 ch)")  # its input has spikes at 25
         feature = page.locator(".widget-dropdown", has=page.locator("label", has_text="Feature")).first.locator("select")
