@@ -148,7 +148,7 @@ class ExploreControls(w.HBox):
         self.feature = w.Dropdown(options=feature_options(frame, ALL_MODULES), value=opening_feature(frame),
                                   description="Feature", layout={"width": "480px"})  # fmt: skip
         self.view = w.ToggleButtons(
-            options=[v.value for v in View], value=View.POINTS.value, style={"button_width": "80px"},
+            options=[v.value for v in View], value=View.POINTS.value, style={"button_width": "96px"},
             tooltips=["a point per channel, or per module", "the points joined, in channel or forward order",
                       "how the values are distributed", "the numbers, with the suggestions"],
         )  # fmt: skip
