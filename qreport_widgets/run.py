@@ -72,10 +72,6 @@ class RunResult:
     def ok(self) -> bool:
         return self.error is None
 
-    def all_notes(self) -> list[str]:
-        """The run's notes, then each module's as "module: note"."""
-        return [*self.notes, *(f"{fqn}: {note}" for fqn, note in self.module_notes.items())]
-
 
 def conversion_tables(rows: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """From one row per layer ("module", "float type", "converted type", "quantized"): per float

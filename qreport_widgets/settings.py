@@ -59,8 +59,7 @@ _WORDS = {
     Setting.MIGRATE: "outlier-channel migration",
     Setting.OBSERVER: "activation observer",
 }
-SETTING_NAMES = tuple(Setting)
-assert [s.value for s in SETTING_NAMES] == [f.name for f in fields(ModuleSettings)], "Setting must name every field"
+assert [s.value for s in Setting] == [f.name for f in fields(ModuleSettings)], "Setting must name every field"
 OBSERVER_NAMES = ("", "minmax", "histogram", "percentile")
 
 

@@ -66,8 +66,10 @@ class SettingsRow(w.VBox):
         super().__init__([self.why, controls], layout=shared["row"])
         for control in self._controls:
             control.observe(self._on_control_change, "value")
-        self.settings = module.current
-        self._render_why()
+        if module.current == self.settings:  # the controls' defaults already: no change to announce
+            self._render_why()
+        else:
+            self.settings = module.current  # the observer sets the controls and renders
 
     def set_reasons(self, reasons: list[str], suggested: bool) -> None:
         """Show measured verdicts in place of the detectors' reasons (``suggested``: one is offered)."""

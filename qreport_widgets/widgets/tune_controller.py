@@ -78,14 +78,14 @@ class TuneController(HasTraits):
         widget messages on another thread) or right after it (older ones queue them); ``sent`` is
         the browser's send time of the click, compared with the last run's, and both are dropped.
         """
-        if self._sent_during_last_run(sent) or not self._lock.acquire(blocking=False):
+        if self._sent_during_last_run(sent):
             self.ignored += 1
-            self.status = self._final_status + _ignored_note(self.ignored)
-            return None
-        try:
-            return self._apply(settings, sent)
-        finally:
-            self._lock.release()
+        else:
+            with self._exclusive() as running:
+                if running:
+                    return self._apply(settings, sent)
+        self.status = self._final_status + _ignored_note(self.ignored)
+        return None
 
     def accept_all(self) -> VerifiedSuggestions | None:
         """Measure every suggestion (and what a search finds) before it is offered; None when the

@@ -186,7 +186,6 @@ class ExploreViews(w.VBox):
         thresholds = thresholds_for(frame, module, feature)
         column, words = VERDICTS.get(feature, (None, ""))
         has_verdict = column is not None and (column in frame.channels or column in frame.modules)
-        by_module = flagged_modules(frame, feature)  # a module is red when the detector flags one of its channels
         name = short_name(feature)
         if feature in frame.channel_features and module != ALL_MODULES:
             block = frame.channel_block(module)
@@ -197,6 +196,7 @@ class ExploreViews(w.VBox):
             )  # fmt: skip
         elif feature in frame.channel_features:
             stats = frame.per_module(feature)
+            by_module = flagged_modules(frame, feature)  # a module is red when the detector flags one of its channels
             self.line.update(
                 stats["mean"].to_numpy(), low=stats["min"].to_numpy(), high=stats["max"].to_numpy(), names=list(stats.index),
                 thresholds=thresholds, flagged=None if by_module is None else by_module.to_numpy(),
@@ -205,6 +205,7 @@ class ExploreViews(w.VBox):
             )  # fmt: skip
         else:
             values = pd.to_numeric(frame.modules[feature], errors="coerce").to_numpy(dtype=float)
+            by_module = flagged_modules(frame, feature)
             where = "" if module == ALL_MODULES else f" (selected: {module}, #{frame.modules.at[module, 'order']})"
             self.line.update(
                 values, names=list(frame.modules.index), thresholds=thresholds,
