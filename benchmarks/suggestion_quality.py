@@ -1,8 +1,10 @@
 """Do the suggestions help? Accept all as the detectors propose it, against the verified suggestions.
 
-For each model of tests/zoo.py (random weights), the two digits models (trained) and a transformer
+For each model of tests/zoo.py (random weights), three digits models (trained) and a transformer
 MLP block with planted outlier channels (``architectures.OutlierMlpBlock``), from the x86
-default mapping and from a per-tensor start: the baseline, Accept all of the detectors' suggestions
+default mapping and from a per-tensor start: the baseline, the simulated baseline and its gap to
+the real one with the modules whose quantized kernels differ from their reference (the truth
+check), Accept all of the detectors' suggestions
 unmeasured (what upstream's generate_qconfig_mapping() amounts to), Accept all of the verified
 suggestions, each kind of verified setting alone, and the candidates rejected with what they
 measured. Every number is a real prepare_fx -> calibrate -> convert_fx run except the
@@ -30,7 +32,7 @@ from qreport_widgets import analyze  # noqa: E402
 from qreport_widgets.architectures import OutlierMlpBlock  # noqa: E402
 from qreport_widgets.digits import trained_digits_model  # noqa: E402
 
-MODELS = [*zoo.ARCHITECTURES, "digits-cnn", "digits-mixer", "outlier-block"]
+MODELS = [*zoo.ARCHITECTURES, "digits-cnn", "digits-mixer", "digits-prelu", "outlier-block"]
 STARTS = ("x86", "per-tensor")
 
 
@@ -80,7 +82,7 @@ def measure(name: str, start: str, cache_dir: str | None = None) -> dict[str, ob
     alone = {kind: session.apply(settings, label=kind, progress=quiet) for kind, settings in kinds.items()}
     return {
         "baseline": baseline, "raw": raw, "raw_count": len(raw_settings), "verified": verified, "accept": accept,
-        "alone": alone, "seconds": seconds,
+        "alone": alone, "seconds": seconds, "truth": session.truth_check(),
     }  # fmt: skip
 
 
@@ -95,15 +97,19 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None)
     args = parser.parse_args()
     setup()
-    print("| model | start | baseline | accept all, unmeasured | accept all, verified | offered | rejected | verifying |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | start | baseline | simulated baseline | gap | kernels apart | accept all, unmeasured "
+          "| accept all, verified | offered | rejected | verifying |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     details = []
     for name in args.models:
         for start in args.starts:
             row = measure(name, start, args.cache_dir)
             verified = row["verified"]
+            truth = row["truth"]
+            apart = ", ".join(truth.disagreeing) or "none"
             print(
-                f"| {name} | {start} | {_db(row['baseline'])} | {_db(row['raw'])} ({row['raw_count']} modules) | "
+                f"| {name} | {start} | {_db(row['baseline'])} | {truth.simulated_db:.2f} dB | {truth.gap_db:+.2f} dB | {apart} | "
+                f"{_db(row['raw'])} ({row['raw_count']} modules) | "
                 f"{_db(row['accept'])} | {len(verified.offered)} | {len(verified.rejected)} | {row['seconds']:.1f} s |",
                 flush=True,
             )
@@ -111,6 +117,8 @@ def main() -> None:
     for name, start, row in details:
         verified = row["verified"]
         print(f"\n{name}, {start} start: baseline {_db(row['baseline'])}")
+        for note in row["truth"].notes:
+            print(f"  truth check: {note}")
         for kind, run in row["alone"].items():
             print(f"  {kind} alone (offered ones): {_db(run)}")
         for note in verified.notes:

@@ -129,6 +129,29 @@ class TinyConvNet(nn.Module):
         return self.fc(torch.flatten(self.pool(self.features(x)), 1))
 
 
+class PReLUNet(nn.Module):
+    """An MTCNN-style face-detector stage: Conv2d + PReLU blocks, a max pool, a Linear + PReLU, and a
+    Linear head. torch's x86 FX mapping converts each PReLU to a quantized kernel that applies its
+    slope to positive inputs too, so the real int8 model is far worse than its reference.
+
+    ``(B, in_channels, size, size) -> (B, classes)``; ``size`` divisible by 2.
+    """
+
+    def __init__(self, in_channels: int = 3, size: int = 32, classes: int = 10, width: int = 16) -> None:
+        super().__init__()
+        self.conv1, self.prelu1 = nn.Conv2d(in_channels, width, 3, padding=1), nn.PReLU(width)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2, self.prelu2 = nn.Conv2d(width, 2 * width, 3, padding=1), nn.PReLU(2 * width)
+        self.conv3, self.prelu3 = nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.PReLU(2 * width)
+        self.fc1, self.prelu4 = nn.Linear(2 * width * (size // 2) ** 2, 64), nn.PReLU(64)
+        self.fc2 = nn.Linear(64, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.prelu1(self.conv1(x)))
+        x = self.prelu3(self.conv3(self.prelu2(self.conv2(x))))
+        return self.fc2(self.prelu4(self.fc1(x.flatten(1))))
+
+
 class SqueezeExcite(nn.Module):
     def __init__(self, channels: int, squeezed: int) -> None:
         super().__init__()

@@ -18,15 +18,13 @@ import torch
 from .metrics import output_tensor, sqnr_db
 from .progress import Progress, steps
 from .settings import ModuleSettings
+from .truth import SIMULATION_ERROR_DB
 
 if TYPE_CHECKING:
     from .engine import Simulation, Variant
     from .run import RunResult
 
 
-# How far a simulated output SQNR may be from a real run's: measured within 0.32 dB on the
-# 54-layer MobileNetV3-Small layout (benchmarks/README.md), up to 0.57 dB on its trained version.
-SIMULATION_ERROR_DB = 0.6
 MAX_EXTRA_RUNS = 3  # real runs reach() may spend on fewer modules than the simulation asked for
 REACH_CHUNK = 4  # points of the trade-off curve reach() simulates at a time, stopping at the target
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .architectures import MobileNetV3Small
+from .architectures import MobileNetV3Small, PReLUNet
 
-MODELS = ("cnn", "mixer", "mobilenet")
+MODELS = ("cnn", "mixer", "mobilenet", "prelu")
 _TRAIN = 1280  # the first images train, the rest calibrate (half) and evaluate (half)
 
 
@@ -118,6 +118,8 @@ def digits_data(batch_size: int = 64) -> DigitsData:
 def build_digits_model(name: str) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"unknown digits model {name!r}; pick one of {', '.join(MODELS)}")
+    if name == "prelu":  # a face-detector stage's layout on the 8 x 8 digits
+        return PReLUNet(in_channels=1, size=8)
     return {"cnn": DigitsCNN, "mixer": DigitsMixer, "mobilenet": DigitsMobileNet}[name]()
 
 
@@ -126,8 +128,9 @@ def trained_digits_model(
 ) -> tuple[nn.Module, DigitsData]:
     """A model trained on the first 1,280 digits (fixed seed) in eval mode, and the held-out data.
 
-    Epochs default to 30 (``cnn``, ``mixer``: seconds) and 20 (``mobilenet``: about a minute on
-    two cores, 88% accuracy)."""
+    Epochs default to 30 (``cnn``, ``mixer``, ``prelu``: seconds) and 20 (``mobilenet``: about a
+    minute on two cores, 88% accuracy). ``prelu`` is ``architectures.PReLUNet``, whose x86 FX
+    conversion runs torch's quantized PReLU kernel (see ``truth.py``)."""
     model = build_digits_model(name)
     epochs = epochs if epochs is not None else (20 if name == "mobilenet" else 30)
     cached = Path(cache_dir) / f"digits_{name}_{epochs}.pt" if cache_dir is not None else None

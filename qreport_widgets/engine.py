@@ -140,6 +140,18 @@ class Engine(ABC, Generic[ConfigT]):
     def conversions(self, prepared: torch.nn.Module, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
         """(per layer type: total / quantized / float, per module: float type -> converted type)."""
 
+    def reference_model(self, prepared: torch.nn.Module) -> torch.nn.Module | None:
+        """The reference quantized model of the calibrated ``prepared`` (float ops between quantize
+        and dequantize, what the simulation follows), taken before ``convert``; ``prepared`` is not
+        changed. Default: None, for an engine whose ``convert`` gives reference ops already."""
+        return None
+
+    def kernel_sqnr(self, reference: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
+        """SQNR (dB) of each quantized module's real kernel against ``reference``'s module on the
+        same quantized input, on one batch: low where a kernel computes something else than its
+        reference. Default: empty (``reference_model`` gave None)."""
+        return pd.Series(dtype=float, name="kernel SQNR (dB)")
+
     def per_layer_failure(self, error: Exception) -> str:
         """Why per-layer SQNR is missing when ``per_layer_sqnr`` raised ``error``, in words."""
         return f"the layers could not be read ({type(error).__name__})"
@@ -196,7 +208,7 @@ class Simulation(Protocol):
     """The starting configuration calibrated once, in which modules can be switched per Variant."""
 
     model: torch.nn.Module  # the simulated model as last configured
-    tunable: Sequence[str]  # the modules a Variant may name, in forward order
+    tunable: Sequence[str]  # the modules diagnosis ranks, in forward order (a Variant may keep any tunable module float)
 
     def configure(self, variant: Variant | Iterable[str] = ()) -> None:
         """Make ``model`` the simulated model of ``variant``."""
@@ -211,3 +223,7 @@ class Simulation(Protocol):
 
     def local_sqnr(self, batch: Any) -> dict[str, float]:
         """Each tunable module's own error (dB): quantized, on the float model's input to it."""
+
+    def run_real_kernels(self, quantized: torch.nn.Module, names: Iterable[str]) -> list[str]:
+        """Compute the modules ``names`` with ``quantized``'s kernels instead of their reference
+        (where the real kernels disagree with it); the names it now runs real kernels for."""

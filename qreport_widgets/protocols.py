@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .records import Suggestion
     from .run import RunResult
     from .settings import ModuleSettings, TunableModule
+    from .truth import TruthCheck
     from .verify import VerifiedSuggestions
 
 
@@ -99,6 +100,8 @@ class TuningSession(Protocol):
     ) -> RunResult: ...
 
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]: ...
+
+    def truth_check(self, progress: Callable[[int, int | None], None] | None = None) -> TruthCheck: ...
 
     def sensitivity(self, progress: Callable[[int, int | None], None] | None = None) -> pd.DataFrame: ...
 

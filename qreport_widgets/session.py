@@ -16,6 +16,7 @@ import math
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from .progress import Progress
 from .records import Suggestion
 from .run import RunResult
 from .settings import ModuleSettings, TunableModule, validate_all, with_suggestions
+from .truth import KERNEL_AGREEMENT_DB, TruthCheck
 from .verify import VerifiedSuggestions, Verifier, refusals
 
 
@@ -99,6 +101,7 @@ class QuantizationSession:
         self._baseline: RunResult | None = None
         self._float_outputs: list[torch.Tensor] | None = None
         self._simulation: Simulation | None = None
+        self._truth: TruthCheck | None = None
         self._verified: VerifiedSuggestions | None = None
         self._migrations: dict[str, Migration] | None = None
         self._diagnosis = Diagnosis(self)
@@ -167,10 +170,72 @@ class QuantizationSession:
         return f"import torch\n\n# on the float model, before prepare:\n{moved}\n{code}"
 
     def baseline(self, progress: Progress | None = None) -> RunResult:
-        """The starting configuration's run, computed once."""
+        """The starting configuration's run, computed once, and checked against the simulation
+        (``truth_check``): where they disagree its notes say so."""
         if self._baseline is None or not self._baseline.ok:
-            self._baseline = self._run(self.engine.base_config(), "baseline", progress, settings=self.current_settings())
+            run = self._run(self.engine.base_config(), "baseline", progress, settings=self.current_settings())
+            self._baseline = run
+            if run.ok:
+                self._truth = self._check_truth(run, progress)
+                if self._truth.notes:
+                    self._baseline = replace(run, notes=(*run.notes, *self._truth.notes))
+                    self.history[self.history.index(run)] = self._baseline
         return self._baseline
+
+    def truth_check(self, progress: Progress | None = None) -> TruthCheck:
+        """The simulation against the real model on the starting configuration (see ``truth.py``):
+        the gap, the modules whose quantized kernels differ from their reference, and whether the
+        simulation, running those real kernels, now matches. Runs the baseline if needed."""
+        baseline = self.baseline(progress)
+        if self._truth is None:  # the baseline run failed: nothing real to compare with
+            return TruthCheck(math.nan, math.nan, error=f"the baseline run failed: {baseline.error}")
+        return self._truth
+
+    def _check_truth(self, baseline: RunResult, progress: Progress | None) -> TruthCheck:
+        try:
+            simulation = self.simulation(progress)
+            simulated = self._diagnosis.simulate_each([()], _quiet, "checking the simulation", metric=False)[0][0]
+            layers = _layers_side_by_side(baseline.per_layer_sqnr_db, self._simulated_layers(simulation))
+        except Exception as error:  # the simulation of an unusual model: say so, keep the session usable
+            return TruthCheck(baseline.output_sqnr_db, math.nan, baseline.kernel_sqnr_db, error=f"{type(error).__name__}: {error}")
+        truth = TruthCheck(baseline.output_sqnr_db, simulated, baseline.kernel_sqnr_db, layers=layers, corrected_db=simulated)
+        if truth.agrees or not truth.disagreeing or baseline.quantized_model is None:
+            return truth
+        adopted = simulation.run_real_kernels(baseline.quantized_model, truth.disagreeing)
+        if not adopted:
+            return truth
+        corrected = self._diagnosis.simulate_each([()], _quiet, "checking the simulation", metric=False)[0][0]
+        return replace(truth, real_kernels=tuple(adopted), corrected_db=corrected)
+
+    def _simulated_layers(self, simulation: Simulation) -> pd.Series:
+        """Each module's output SQNR in the simulation against the float model, on the first
+        evaluation batch, where both models have a plain module of that name."""
+        floats = dict(self._float.named_modules())
+        names = [
+            name for name, module in simulation.model.named_modules()
+            if name in floats and type(module) is type(floats[name]) and next(module.children(), None) is None
+        ]  # fmt: skip
+        found: dict[str, dict[str, torch.Tensor]] = {"float": {}, "simulated": {}}
+
+        def keep(side: str, name: str):
+            def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+                if isinstance(output, torch.Tensor):
+                    found[side].setdefault(name, output.detach().clone())
+
+            return hook
+
+        hooks = [floats[n].register_forward_hook(keep("float", n)) for n in names]
+        hooks += [simulation.model.get_submodule(n).register_forward_hook(keep("simulated", n)) for n in names]
+        try:
+            with torch.no_grad():
+                simulation.configure(())
+                call_with(self._float, self.eval_data[0])
+                call_with(simulation.model, self.eval_data[0])
+        finally:
+            for hook in hooks:
+                hook.remove()
+        both = [n for n in names if n in found["float"] and n in found["simulated"]]
+        return pd.Series({n: sqnr_db(found["float"][n], found["simulated"][n]) for n in both}, dtype=float)
 
     def apply(
         self,
@@ -239,6 +304,8 @@ class QuantizationSession:
             self._simulation = self.engine.simulator(
                 prepared, self.modules, self._float, self.example_inputs, self._calibrate_quietly
             )
+            if self._baseline is None:  # checked against the real model before anything is estimated with it
+                self.baseline(progress)
         return self._simulation
 
     def simulate(self, float_modules: Variant | Iterable[str] = ()) -> tuple[float, float | None]:
@@ -330,8 +397,10 @@ class QuantizationSession:
             prepared = engine.prepare(source, config, self.example_inputs)
             calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None,
                       on_batch=progress)  # fmt: skip
+            reference = engine.reference_model(prepared) if record else None  # before convert changes prepared
             quantized = engine.convert(prepared)
-            measured = self._measure(quantized, prepared, config, label, per_layer=record, float_model=source)
+            measured = self._measure(quantized, prepared, config, label, per_layer=record, float_model=source,
+                                     reference_model=reference)  # fmt: skip
             result = RunResult(**given, **measured, duration_s=time.perf_counter() - start)
         except Exception as error:  # user models and data: report, keep the session usable
             detail = "".join(traceback.format_exception_only(type(error), error)).strip()
@@ -351,6 +420,7 @@ class QuantizationSession:
         label: str,
         per_layer: bool = True,
         float_model: torch.nn.Module | None = None,
+        reference_model: torch.nn.Module | None = None,
     ) -> dict[str, Any]:
         """What a run measured, as RunResult fields: output SQNR against the float model's outputs;
         per-layer SQNR against ``float_model``, the float model the run was prepared from (a
@@ -371,7 +441,17 @@ class QuantizationSession:
                 layers = self.engine.per_layer_sqnr(float_layers, quantized, self.eval_data[0])
         except Exception as error:  # an engine cannot pair every graph; the run itself is fine
             notes.append(f"per-layer SQNR unavailable: {self.engine.per_layer_failure(error)}")
+        kernels = pd.Series(dtype=float, name="kernel SQNR (dB)")
+        if reference_model is not None:
+            try:
+                kernels = self.engine.kernel_sqnr(reference_model, quantized, self.eval_data[0])
+            except Exception as error:  # a module the check cannot call alone; the run itself is fine
+                notes.append(f"kernel check unavailable: {type(error).__name__}: {error}")
         said = self.engine.run_notes(config, quantized)  # settings the quantized model did not carry out
+        module_notes = dict(said.module_notes)
+        for name, value in kernels[kernels < KERNEL_AGREEMENT_DB].items():
+            kernel_note = f"its quantized kernel differs from its reference ({value:.1f} dB on the same input): keep it float"
+            module_notes[name] = f"{module_notes[name]}; {kernel_note}" if name in module_notes else kernel_note
         summary, conversions = self.engine.conversions(prepared, quantized)
         return {
             "quantized_model": quantized,
@@ -387,8 +467,21 @@ class QuantizationSession:
             "summary": summary,
             "conversions": conversions,
             "notes": (*notes, *said.notes),
-            "module_notes": said.module_notes,
+            "module_notes": module_notes,
+            "kernel_sqnr_db": kernels,
         }
+
+
+def _quiet(done: int, total: int | None) -> None:
+    pass
+
+
+def _layers_side_by_side(real: pd.Series, simulated: pd.Series) -> pd.DataFrame:
+    """Real and simulated per-layer SQNR where both were read, in the real run's order."""
+    both = [name for name in real.index if name in simulated.index]
+    return pd.DataFrame(
+        {"real_sqnr_db": real[both].astype(float), "simulated_sqnr_db": simulated[both].astype(float)}, index=pd.Index(both)
+    )
 
 
 def _require_float32(model: torch.nn.Module) -> None:

@@ -68,7 +68,10 @@ class TunableModule:
     """A module whose settings can be changed, as the engine sees it in the prepared model.
 
     ``unavailable`` maps a Setting (or its name) to why the engine cannot apply it here; ``native``
-    is the engine's own description of the module's current configuration.
+    is the engine's own description of the module's current configuration. ``weighted`` is False
+    for an op whose only choice is quantized or float (PReLU, an activation, pooling, a norm):
+    diagnosis ranks the weighted layers, and such an op only where its quantized kernel
+    disagrees with the simulation.
     """
 
     fqn: str
@@ -76,6 +79,7 @@ class TunableModule:
     current: ModuleSettings
     unavailable: Mapping[Setting, str] = field(default_factory=dict)
     native: Any = None
+    weighted: bool = True
 
     def __post_init__(self) -> None:
         try:

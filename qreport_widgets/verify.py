@@ -36,6 +36,7 @@ from .settings import ModuleSettings, Setting, TunableModule
 if TYPE_CHECKING:
     from .migration import Migration
     from .run import RunResult
+    from .truth import TruthCheck
 
 MIN_GAIN_DB = 0.1  # a detector's candidate must gain this much to be offered
 FOUND_GAIN_DB = 0.5  # a setting the simulation found without a detector must gain this much
@@ -43,6 +44,7 @@ EXACT_FLOAT = 1e-4  # relative output error an equalized float model may show (f
 
 SIMULATED, REAL_RUN, NOT_TRIED = "simulated", "real run", "not tried"
 SEARCH = "search"
+KERNEL_CHECK = "kernel check"  # keep float where the quantized kernel differs from its reference (truth.py)
 
 _SETTING_OF = {
     SuggestionKind.PER_CHANNEL: Setting.PER_CHANNEL,
@@ -83,6 +85,8 @@ class VerifiableSession(Protocol):
     ) -> RunResult: ...
 
     def equalization_float_error(self, fqn: str) -> float: ...
+
+    def truth_check(self, progress: Progress | None = None) -> TruthCheck: ...
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,11 @@ class Verifier:
                 reason = f"outliers in the input of {fqn}"
                 candidate = Candidate(producer, Setting.OBSERVER, outliers[fqn], reason, "percentile")
                 found.setdefault((producer, Setting.OBSERVER), candidate)
+        truth = self.session.truth_check(progress=_quiet)
+        for fqn in truth.disagreeing:  # a kernel that computes something else: keeping it float is the fix
+            if fqn in self.modules:
+                reason = f"its quantized kernel differs from its reference ({truth.kernels[fqn]:.1f} dB on the same input)"
+                found.setdefault((fqn, Setting.KEEP_FLOAT), Candidate(fqn, Setting.KEEP_FLOAT, KERNEL_CHECK, reason))
         for fqn, migration in self.session.migrations().items():  # outlier input channels found
             found.setdefault((fqn, Setting.MIGRATE), Candidate(fqn, Setting.MIGRATE, "outlier channels", migration.summary))
         table = self.session.sensitivity(progress=_quiet, metric=False)
@@ -230,13 +239,16 @@ class Verifier:
             for setting in engine_wide
             if (count := sum(c.setting == setting for c in left_out))
         ]
+        truth = self.session.truth_check(progress=_quiet)
+        if not truth.reliable:  # the simulation does not match the real model: real runs measure everything
+            skipped.append(f"every candidate measured by a real run: {truth.status}")
         verdicts: dict[Candidate, Verdict] = {}
         simulated, real = [], []
         for candidate in candidates:
             why = self._not_tried(candidate)
             if why:
                 verdicts[candidate] = Verdict(candidate, math.nan, NOT_TRIED, False, why)
-            elif candidate.setting in SIMULATED_SETTINGS:
+            elif candidate.setting in SIMULATED_SETTINGS and truth.reliable:
                 simulated.append(candidate)
             else:
                 real.append(candidate)

@@ -161,6 +161,9 @@ def test_pytorch_model_report_fails_where_ours_passes(name):
     make, data = ARCHITECTURES[name]
     torch.manual_seed(0)
     problem = upstream_problem(make, data)
+    if name == "prelu_net":  # its report is fine; torch's quantized PReLU kernel is what breaks (test_kernel_truth.py)
+        assert problem == ""
+        return
     assert problem, f"PyTorch's ModelReport handled {name}"
     expected = {
         "resnet": "generate_model_report raised ValueError",  # zero weight range of a zero-init BN

@@ -16,7 +16,8 @@ from qreport_widgets.metrics import sqnr_db
 from qreport_widgets.records import Suggestion
 from qreport_widgets.run import RunResult
 from qreport_widgets.settings import ModuleSettings, Setting, TunableModule
-from qreport_widgets.verify import REAL_RUN, SIMULATED, Verifier
+from qreport_widgets.truth import TruthCheck
+from qreport_widgets.verify import KERNEL_CHECK, REAL_RUN, SIMULATED, Verifier
 
 NOISE = {"a": 0.10, "b": 0.30, "c": 0.01}  # each quantized module adds this much error to the output
 BATCHES = [torch.linspace(-1.0, 1.0, 64).reshape(8, 8) + i for i in range(3)]
@@ -54,6 +55,9 @@ class FakeSimulation:
 
     def local_sqnr(self, batch) -> dict[str, float]:
         return {name: -20 * math.log10(level) for name, level in NOISE.items()}
+
+    def run_real_kernels(self, quantized, names) -> list[str]:
+        return []
 
 
 class FakeHost:
@@ -126,8 +130,9 @@ def gain_of(settings) -> float:
 class FakeVerifiable:
     """A VerifiableSession whose gains add up (GAINS), simulated and real alike."""
 
-    def __init__(self) -> None:
+    def __init__(self, truth: TruthCheck | None = None) -> None:
         self.trials: list[dict] = []
+        self.truth = truth or TruthCheck(20.0, 20.2)
 
     @property
     def modules(self):
@@ -164,6 +169,9 @@ class FakeVerifiable:
     def equalization_float_error(self, fqn):
         return math.nan
 
+    def truth_check(self, progress=None):
+        return self.truth
+
 
 def test_the_verifier_offers_what_helps_and_measures_accept_all_as_a_whole():
     session = FakeVerifiable()
@@ -179,3 +187,25 @@ def test_the_verifier_offers_what_helps_and_measures_accept_all_as_a_whole():
     assert verified.settings["b"].keep_float and verified.settings["a"] == ModuleSettings(dynamic=True, per_channel=True)
     assert math.isclose(verified.accept_all_gain_db, 0.8 + 0.6 + 2.0)
     assert session.trials[-1] == {name: s for name, s in verified.settings.items() if s != ModuleSettings()}
+
+
+def test_a_simulation_that_disagrees_with_the_real_model_hands_every_candidate_to_real_runs():
+    unreliable = TruthCheck(5.0, 20.0, corrected_db=20.0)  # 15 dB apart, no kernel to blame
+    session = FakeVerifiable(unreliable)
+    verifier = Verifier(session)
+    verified = verifier.verify(verifier.candidates([]), progress=lambda done, total: None)
+    tried = verified.frame()[lambda t: t["measured"] != "not tried"]
+    assert len(tried) and (tried["measured"] == REAL_RUN).all()
+    assert any("every candidate measured by a real run" in note for note in verified.notes)
+    assert not unreliable.reliable and "unverified" in unreliable.status
+
+
+def test_modules_whose_kernels_disagree_are_keep_float_candidates_of_their_own():
+    kernels = pd.Series({"a": 5.0, "b": 70.0, "c": math.inf})
+    truth = TruthCheck(5.0, 20.0, kernels, real_kernels=("a",), corrected_db=5.2)
+    assert truth.disagreeing == ["a"] and truth.reliable and not truth.agrees
+    assert any("a (5.0 dB)" in note for note in truth.notes)
+    verifier = Verifier(FakeVerifiable(truth))
+    candidates = {(c.module_fqn, c.setting): c for c in verifier.candidates([])}
+    assert candidates["a", Setting.KEEP_FLOAT].origin == KERNEL_CHECK
+    assert "kernel differs" in candidates["a", Setting.KEEP_FLOAT].reason

@@ -43,12 +43,17 @@ def measured(tmp_path_factory):
         sensitivity = session.sensitivity(progress=quiet)
         baseline = session.baseline(progress=quiet)
         real = {}
-        for module in session.modules:
+        for module in ranked(session):
             result = session.apply({module.fqn: ModuleSettings(keep_float=True)}, progress=quiet)
             assert result.ok, result.error
             real[module.fqn] = result.output_sqnr_db - baseline.output_sqnr_db
         found[name] = (model, before, session, sensitivity, baseline, pd.Series(real))
     return found
+
+
+def ranked(session: QuantizationSession) -> list:
+    """The modules sensitivity ranks: those with weights (the simulation runs no real kernel here)."""
+    return [m for m in session.modules if m.weighted]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -81,7 +86,7 @@ def test_the_table_is_sorted_most_harmful_first_with_every_column(measured):
     assert list(sensitivity.columns) == ["output_sqnr_gain_db", "metric_gain", "local_sqnr_db", "simulated_output_sqnr_db"]
     assert sensitivity.index.name == "module" and list(sensitivity.index) != []
     assert sensitivity["output_sqnr_gain_db"].is_monotonic_decreasing
-    assert set(sensitivity.index) == {m.fqn for m in session.modules}  # names the Tune rows use
+    assert set(sensitivity.index) == {m.fqn for m in ranked(session)}  # names the Tune rows use
     assert sensitivity["local_sqnr_db"].map(math.isfinite).all()
     assert_unchanged(model, before)
 
@@ -101,7 +106,7 @@ def test_progress_counts_every_simulated_step_and_the_table_is_what_whole_passes
     starting = session.simulate(())
     table = session.sensitivity(progress=lambda done, total: calls.append((done, total)))
     assert session.simulate(()) == starting  # the simulation is left in the starting configuration
-    modules, batches = len(session.modules), len(data.evaluation)
+    modules, batches = len(ranked(session)), len(data.evaluation)
     steps = (modules + 1) * batches  # the starting configuration and each module float, on each batch
     assert calls[-steps:] == [(i, steps) for i in range(1, steps + 1)] and len(table) == modules
     assert "metric_gain" not in table.columns  # no eval_fn
@@ -135,7 +140,7 @@ def test_reach_meets_a_target_with_fewer_float_modules_than_all(measured, target
 def test_the_tradeoff_curve_and_an_unreachable_target(measured):
     _, _, session, sensitivity, _, _ = measured["digits cnn"]
     curve = session.tradeoff()
-    assert list(curve.index) == list(range(len(session.modules) + 1))
+    assert list(curve.index) == list(range(len(ranked(session)) + 1))
     assert list(curve["added"][1:]) == list(sensitivity.index)  # most harmful first
     assert curve.at[0, "simulated_output_sqnr_db"] == pytest.approx(session.simulate(())[0])
     assert "simulated_metric" in curve.columns
@@ -162,7 +167,7 @@ def test_the_tune_tab_ranks_modules_proposes_a_float_set_and_apply_confirms_it(t
     pane.compute.click()
     assert list(pane.bars.x)[0] == "fc2" and "Most harmful: <b>fc2</b>" in pane.status.value
     assert pane.bars.y.max() > 1 and pane.bars.scales["y"].max > pane.bars.y.max()  # bars drawn to scale
-    assert pane.curve.x.size == len(report.session.modules) + 1 and pane.bars_figure in pane.children[-1].children
+    assert pane.curve.x.size == len(ranked(report.session)) + 1 and pane.bars_figure in pane.children[-1].children
     pane.order.value = "most harmful first"
     assert [row.fqn for row in tuning.rows_box.children] == list(report.session.sensitivity().index)
     pane.order.value = "forward order"
@@ -209,7 +214,7 @@ def test_cancel_stops_a_running_sensitivity_and_a_later_one_completes(tmp_path):
     assert "cancelled" in pane.status.value and pane.table is None and pane.cancel.layout.display == "none"
     pane.controller.unobserve(clicked_during_the_run, "progress")
     pane.compute.click()
-    assert pane.table is not None and len(pane.table) == len(report.session.modules)
+    assert pane.table is not None and len(pane.table) == len(ranked(report.session))
 
 
 def test_reach_tries_fewer_modules_only_where_the_simulation_is_within_its_error():

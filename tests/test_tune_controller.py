@@ -21,6 +21,7 @@ from qreport_widgets.protocols import ReportSource, TuningSession
 from qreport_widgets.records import Suggestion
 from qreport_widgets.run import RunResult
 from qreport_widgets.settings import ModuleSettings, Setting, TunableModule, validate_all, with_suggestions
+from qreport_widgets.truth import TruthCheck
 from qreport_widgets.verify import SIMULATED, Candidate, Verdict, VerifiedSuggestions
 from qreport_widgets.widgets.tune_controller import FAILED_RUN, GREEN, RED, TuneController
 from qreport_widgets.widgets.tuning import TuningPanel
@@ -57,6 +58,7 @@ class FakeSession:
         self.module_notes = module_notes or {}
         self.fail_with: Exception | None = None
         self.broken_run = ""  # when set, apply() returns a failed run with this error
+        self.truth = TruthCheck(BASE_DB, BASE_DB + 0.2)  # the simulation agrees
 
     @property
     def modules(self) -> list[TunableModule]:
@@ -100,6 +102,10 @@ class FakeSession:
         if result.ok and record:
             self.history.append(result)
         return result
+
+    def truth_check(self, progress=None) -> TruthCheck:
+        self.baseline(progress)
+        return self.truth
 
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         runs = pd.DataFrame([{"run": r.label, "output SQNR (dB)": r.output_sqnr_db} for r in self.history])
@@ -307,3 +313,17 @@ def test_settings_as_code_shows_why_settings_cannot_be_applied(session):
     assert controller.code({"conv": ModuleSettings(dynamic=True)}).startswith("# these settings cannot be applied: conv:")
     with pytest.raises(InvalidSettingsError):
         session.settings_as_code({"conv": ModuleSettings(dynamic=True)})
+
+
+def test_the_tune_tab_says_in_red_where_the_real_model_and_its_simulation_disagree():
+    session = FakeSession()
+    controller = TuneController(session, FakeSource())
+    controller.apply(session.current_settings())
+    assert controller.truth == ""  # they agree: nothing to say
+    session.truth = TruthCheck(BASE_DB - 12.0, BASE_DB, pd.Series({"fc1": 4.0}), real_kernels=("fc1",), corrected_db=BASE_DB - 11.8)
+    panel = TuningPanel(FakeSource(), session)
+    panel.apply.click()
+    assert RED in panel.truth.value and "12.0 dB worse than its simulation" in panel.truth.value
+    assert "fc1" in panel.truth.value and "real kernels" in panel.truth.value
+    session.truth = TruthCheck(BASE_DB - 12.0, BASE_DB, corrected_db=BASE_DB)  # nothing to blame: unverified
+    assert panel.controller.rank() and "Unverified" in panel.controller.ranking_status

@@ -9,7 +9,9 @@ Each one brings something toy models do not:
 - DenseNet: BatchNorm before conv, concatenations that grow the channel count, grouped convs;
 - ConvNeXt: 7x7 depthwise convs, LayerNorm and Linear on channels-last 4-D tensors, GELU, layer scale;
 - ViT: patch embedding, class token, nn.MultiheadAttention (out_proj is called inside it), GELU MLPs;
-- TextEncoder: integer token ids, a bool padding mask, an embedding, attention.
+- TextEncoder: integer token ids, a bool padding mask, an embedding, attention;
+- PReLUNet: an MTCNN-style face-detector stage, Conv + PReLU, whose quantized PReLU kernel in
+  torch differs from its reference (the real int8 model is far worse than its simulation).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as fn
 
-from qreport_widgets.architectures import conv_bn, resnet18
+from qreport_widgets.architectures import PReLUNet, conv_bn, resnet18
 
 
 def zero_init_resnet(width: int = 8, classes: int = 10) -> nn.Module:
@@ -257,4 +259,5 @@ ARCHITECTURES = {
     "convnext": (ConvNeXt, image_batches),
     "vit": (ViT, image_batches),
     "text_encoder": (TextEncoder, text_batches),
+    "prelu_net": (PReLUNet, image_batches),
 }

@@ -9,13 +9,14 @@ from typing import Any
 import pandas as pd
 import torch
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
-from torch.ao.quantization.quantize_fx import convert_fx
 
 from ..calibration import call_with, torch_warnings_hidden
 from ..engine import Engine, EngineOptions, Observation
 from ..graph import ModelGraph
 from ..metrics import output_tensor
 from ..settings import ModuleSettings, Setting, TunableModule
+from .kernels import kernel_sqnr, reference_model
+from .lowering import convert_fx_keeping_float
 from .numeric_suite import per_layer_sqnr, quantization_summary
 from .prepare import prepare, torch_observers_paused
 from .qconfig import FxConfig, build_equalization_mapping, build_qconfig_mapping, qconfig_for, tunable_modules
@@ -60,6 +61,8 @@ class FxEngine(Engine[FxConfig]):
 
     def config_for(self, settings: Mapping[str, ModuleSettings], modules: Sequence[TunableModule]) -> FxConfig:
         current = {m.fqn: m.native for m in modules}
+        ops = {m.fqn: m.current for m in modules if not m.weighted}  # an op gets an entry only when it changes
+        settings = {fqn: choice for fqn, choice in settings.items() if fqn not in ops or choice != ops[fqn]}
         equalization = build_equalization_mapping(settings)
         return FxConfig(
             build_qconfig_mapping(settings, self.qconfig_mapping, current),
@@ -94,12 +97,17 @@ class FxEngine(Engine[FxConfig]):
         return tunable_modules(ModelGraph.of(prepared))
 
     def convert(self, prepared: torch.nn.Module) -> torch.nn.Module:
-        with torch_warnings_hidden():
-            return convert_fx(prepared)
+        return convert_fx_keeping_float(prepared)  # convert_fx would quantize a float PReLU anyway
 
     # ---- what a run measures --------------------------------------------------------------------
     def per_layer_sqnr(self, float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
         return per_layer_sqnr(float_model, quantized, batch)
+
+    def reference_model(self, prepared: torch.nn.Module) -> torch.nn.Module:
+        return reference_model(prepared)
+
+    def kernel_sqnr(self, reference: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
+        return kernel_sqnr(reference, quantized, batch)
 
     def per_layer_failure(self, error: Exception) -> str:
         return f"Numeric Suite could not match the two graphs ({type(error).__name__})"

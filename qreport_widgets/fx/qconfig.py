@@ -22,8 +22,8 @@ from torch.ao.quantization.observer import (
 
 from ..calibration import torch_warnings_hidden
 from ..detectors.per_channel import _uses_per_channel
-from ..graph import ModelGraph, Unit
-from ..settings import ModuleSettings, TunableModule
+from ..graph import ModelGraph, Unit, is_quantization_observer
+from ..settings import ModuleSettings, Setting, TunableModule
 from .observers import PercentileObserver
 
 _NO_PER_CHANNEL = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -42,8 +42,33 @@ class FxConfig:
 
 
 def tunable_modules(graph: ModelGraph) -> list[TunableModule]:
-    """The Linear and Conv modules of a prepare_fx model, in forward order, with their current QConfig."""
-    return [_tunable(unit) for unit in graph.units.values() if unit.is_linear or unit.is_conv]
+    """The modules of a prepare_fx model whose quantization can be changed, in forward order, with
+    their current QConfig: every Linear and Conv, and every other module whose output FX quantizes
+    (PReLU, activations, pooling, norms, softmax), which can be kept float."""
+    found = []
+    for unit in graph.units.values():
+        if unit.is_linear or unit.is_conv:
+            found.append(_tunable(unit))
+        elif _output_observed(graph, unit):
+            found.append(_float_choice(unit))
+    return found
+
+
+def _output_observed(graph: ModelGraph, unit: Unit) -> bool:
+    """Whether prepare_fx quantizes ``unit``'s output: it has a qconfig and an observer reads it."""
+    if getattr(unit.module, "qconfig", None) is None:
+        return False
+    return any(
+        user.op == "call_module" and is_quantization_observer(graph.modules.get(str(user.target), nn.Identity()))
+        for user in unit.node.users
+    )
+
+
+def _float_choice(unit: Unit) -> TunableModule:
+    """A quantized op that is not a Linear or Conv: it can be kept float, nothing else."""
+    why = f"{unit.type_name} is quantized as a whole: it can be kept float, not tuned"
+    unavailable = {setting: why for setting in Setting if setting is not Setting.KEEP_FLOAT}
+    return TunableModule(unit.fqn, unit.type_name, ModuleSettings(), unavailable, native=unit.module.qconfig, weighted=False)
 
 
 def _tunable(unit: Unit) -> TunableModule:
@@ -141,6 +166,14 @@ def mapping_as_code(mapping: QConfigMapping, equalization: QConfigMapping | None
             continue
         parts = [f"{name}={_observer_code(getattr(qconfig, name))}" for name in ("activation", "weight")]
         lines.append(f"qconfig_mapping.set_module_name({fqn!r}, QConfig({', '.join(parts)}))")
+    if any(qconfig is None for qconfig in mapping.module_name_qconfigs.values()):
+        lines += [
+            "",
+            "# torch's convert_fx quantizes a float PReLU, LayerNorm, Softmax, ... between quantized ops anyway",
+            "# (and fails on PReLU); this convert keeps every module set to None float:",
+            "from qreport_widgets.fx.lowering import convert_fx_keeping_float",
+            "# quantized = convert_fx_keeping_float(prepared)  # instead of convert_fx(prepared)",
+        ]
     if equalization is not None and equalization.module_name_qconfigs:
         lines += [
             "",

@@ -12,8 +12,9 @@ qparams of every point that stays are the ones a real run with those modules flo
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,16 +47,21 @@ class QuantPoint(nn.Module):
     def __init__(self, scale: torch.Tensor, zero_point: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
         info = torch.iinfo(dtype)
+        self.dtype = dtype
         self.quant_min, self.quant_max = int(info.min), int(info.max)
         self.qparams = _qparams(scale, zero_point)
         self.enabled = True
         self.alternate: tuple[torch.Tensor, torch.Tensor, int] | None = None  # from _qparams
         self.use_alternate = False
 
+    def active_qparams(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(scale, its reciprocal, zero point) in use now."""
+        return self.alternate if self.use_alternate and self.alternate else self.qparams
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return x
-        scale, inverse, zero_point = self.alternate if self.use_alternate and self.alternate else self.qparams
+        scale, inverse, zero_point = self.active_qparams()
         q = torch.round(x * inverse).add_(zero_point).clamp_(self.quant_min, self.quant_max)
         return q.sub_(zero_point).mul_(scale)
 
@@ -64,6 +70,27 @@ def _qparams(scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[torch.Tenso
     """Scale, its float32 reciprocal (as fake-quantize computes it) and the zero point as an int."""
     scale = torch.as_tensor(scale).detach().float().reshape(())
     return scale, 1.0 / scale, int(torch.as_tensor(zero_point))
+
+
+class RealKernel(nn.Module):
+    """A module of the simulation that runs the real model's quantized kernel instead of its
+    reference: for a module whose kernel computes something else than the reference (see
+    ``kernels.py``), so the simulation stays true to the real model. The input is quantized with
+    the qparams of the quantize point before it (exact: that point has just rounded it); kept
+    float (``active`` False), the reference module runs.
+    """
+
+    def __init__(self, reference: nn.Module, kernel: nn.Module, before: QuantPoint) -> None:
+        super().__init__()
+        self.reference, self.kernel, self.before = reference, kernel, before
+        self.active = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return self.reference(x)
+        scale, _, zero_point = self.before.active_qparams()
+        with torch_warnings_hidden():
+            return self.kernel(torch.quantize_per_tensor(x, float(scale), zero_point, self.before.dtype)).dequantize()
 
 
 class _Point:
@@ -105,7 +132,8 @@ class Simulator:
             point.module.alternate = _qparams(*alternate) if alternate is not None else None
         self._weights = _cache_weights(reference)
         self._node_of = {str(n.target): n for n in reference.graph.nodes if n.op == "call_module"}
-        self.tunable = [name for name in tunable if name in self._weights]
+        self._names = [name for name in tunable if name in self._node_of]  # what a Variant may keep float
+        self._kernels: dict[str, RealKernel] = {}  # modules that run the real model's kernel
         self._points_at: dict[torch.fx.Node, list[_Point]] = {}  # the points beside each node
         for point in self._points:
             for node in (point.producer, *point.consumers):
@@ -117,6 +145,29 @@ class Simulator:
         self._replay = Replay(reference)
 
     @property
+    def tunable(self) -> list[str]:
+        """The modules diagnosis ranks: those with weights, and those that run a real kernel (keeping
+        any other op float changes nothing here: its reference is a float op already)."""
+        return [name for name in self._names if name in self._weights or name in self._kernels]
+
+    def run_real_kernels(self, quantized: nn.Module, names: Iterable[str]) -> list[str]:
+        """Run ``quantized``'s kernels (copied) for the modules ``names`` instead of their reference;
+        the names it could (a module with one quantize point before it), in forward order."""
+        before = {consumer: p for p in self._points for consumer in p.consumers}
+        for name in names:
+            node = self._node_of.get(name)
+            point = before.get(node) if node is not None else None
+            if point is None or name in self._kernels or name not in self._names:
+                continue
+            with torch_warnings_hidden():  # copying quantized weights touches torch's deprecated storages
+                kernel = copy.deepcopy(quantized.get_submodule(name))
+            wrapper = RealKernel(self.model.get_submodule(name), kernel, point.module)
+            wrapper.active = name not in self._state.float_modules
+            _replace(self.model, name, wrapper)
+            self._kernels[name] = wrapper
+        return [name for name in self._names if name in self._kernels]
+
+    @property
     def state(self) -> Variant:
         """The configuration last set."""
         return self._state
@@ -124,13 +175,14 @@ class Simulator:
     def configure(self, variant: Variant | Iterable[str] = ()) -> None:
         """Set ``variant`` (or keep the modules named float), everything else as the starting configuration."""
         variant = Variant.of(variant)
-        unknown = (variant.float_modules | variant.other_weights) - set(self._weights)
+        unknown = (variant.float_modules - set(self._names)) | (variant.other_weights - set(self._weights))
         if unknown:
             raise KeyError(f"no quantized module named {', '.join(sorted(unknown))} in the simulation")
         no_scheme = variant.other_weights - set(self._other_observers)
         if no_scheme:
             raise KeyError(f"no other weight scheme for {', '.join(sorted(no_scheme))}")
         changed = (variant.float_modules ^ self._state.float_modules) | (variant.other_weights ^ self._state.other_weights)
+        changed &= set(self._weights)
         float_changed = variant.float_modules ^ self._state.float_modules
         points = {id(p): p for name in float_changed for p in self._points_at.get(self._node_of[name], ())}
         self._set(variant, changed, points.values())
@@ -138,7 +190,9 @@ class Simulator:
     def _set(self, variant: Variant, changed: Iterable[str], points: Iterable[_Point]) -> None:
         """Switch the weights of the ``changed`` modules and the quantize ``points`` beside them (only
         those can differ from the last configuration)."""
-        for name in changed:
+        for name, wrapper in self._kernels.items():
+            wrapper.active = name not in variant.float_modules
+        for name in (name for name in changed if name in self._weights):
             module, quantized = self._weights[name]
             if name in variant.float_modules:
                 weight = module.weight
@@ -246,18 +300,37 @@ class Simulator:
         with torch.no_grad():
             for name, x in seen.items():
                 node, module = self._node_of[name], self.model.get_submodule(name)
-                weighted, quantized = self._weights[name]
                 expected = module(x)
                 point_in, point_out = before.get(node), after.get(node)
-                weighted.get_weight = lambda w=quantized: w
-                try:
-                    y = module(_through(point_in, x))
-                    y = _through(point_out, y)
-                finally:
-                    weighted.get_weight = lambda w=weighted.weight: w
+                with self._quantized(name):
+                    y = _through(point_out, module(_through(point_in, x)))
                 result[name] = sqnr_db(expected, y)
         self._set(previous, changed=set(self._weights), points=self._points)  # every point was switched off
         return result
+
+
+    @contextlib.contextmanager
+    def _quantized(self, name: str) -> Iterator[None]:
+        """Module ``name`` computes as a quantized module (its quantized weight, or its real kernel)
+        while kept float otherwise."""
+        weighted, quantized = self._weights.get(name, (None, None))
+        kernel = self._kernels.get(name)
+        if weighted is not None:
+            weighted.get_weight = lambda w=quantized: w
+        if kernel is not None:
+            kernel.active = True
+        try:
+            yield
+        finally:
+            if weighted is not None:
+                weighted.get_weight = lambda w=weighted.weight: w
+            if kernel is not None:
+                kernel.active = False
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    owner, _, child = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, child, module)
 
 
 def _dequantized(weight: torch.Tensor, observer: nn.Module) -> torch.Tensor:

@@ -105,6 +105,10 @@ class Pt2eSimulation:
                 local[fqn] = math.nan
         return local
 
+    def run_real_kernels(self, quantized: torch.nn.Module, names: Iterable[str]) -> list[str]:
+        """Nothing to swap: every variant is converted as a real run converts it (reference ops)."""
+        return []
+
     # ---- variants ---------------------------------------------------------------------------
     def _model(self, variant: Variant) -> torch.fx.GraphModule:
         if not variant.float_modules and not variant.other_weights:

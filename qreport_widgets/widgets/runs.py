@@ -14,7 +14,8 @@ from .plots import bar_range, scrolling_table
 TOP_LAYERS = 20  # bars per run in the per-layer chart; the full table is session.compare()
 SQNR_VIEW, DELTA_VIEW = "SQNR per run", "change vs baseline"
 RUNS_DRAWN = 4  # the baseline and the last three runs in the per-layer chart
-SERIES_COLORS = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
+SERIES_COLORS = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+KERNEL_COLOR = "#d62728"  # the kernel check's series: red, used by no run
 
 
 class RunsTable(w.HTML):
@@ -43,17 +44,21 @@ class LayersChart(w.VBox):
         )  # fmt: skip
         self.figure, self.bars, self.x_scale = _sqnr_figure()
         self._layers = pd.DataFrame()
+        self._kernels: pd.Series | None = None
         super().__init__([self.view, self.figure])
         self.view.observe(self._on_view_change, "value")
 
     def _on_view_change(self, _change: dict) -> None:
         if len(self._layers):
-            self.draw(self._layers)
+            self.draw(self._layers, self._kernels)
 
-    def draw(self, layers: pd.DataFrame) -> None:
+    def draw(self, layers: pd.DataFrame, kernels: pd.Series | None = None) -> None:
         """``layers``: one column per run (the baseline first), one row per layer. Past TOP_LAYERS
-        layers, those lowest (or most changed) in the last run, in forward order."""
-        self._layers = layers = layers.replace([np.inf, -np.inf], np.nan)
+        layers, those lowest (or most changed) in the last run, in forward order. ``kernels``: the
+        modules whose quantized kernel differs from its reference (kernel SQNR, named by its run),
+        drawn as a red series of their own beside the runs' SQNR."""
+        self._layers, self._kernels = layers, kernels
+        layers = layers.replace([np.inf, -np.inf], np.nan)
         if layers.shape[1] == 0:  # no run measured per layer yet
             return
         if layers.shape[1] > RUNS_DRAWN:  # the baseline and the latest runs: more groups are too thin to read
@@ -68,8 +73,12 @@ class LayersChart(w.VBox):
             chosen = last.abs().nlargest(TOP_LAYERS).index if delta else last.nsmallest(TOP_LAYERS).index
             layers = layers[layers.index.isin(set(chosen))]
             title = f"{what}: {TOP_LAYERS} {'most changed' if delta else 'lowest'} of {total} layers"
-        low, high, span = bar_range(layers.to_numpy(dtype=np.float64).ravel())
         colors = SERIES_COLORS[1 : layers.shape[1] + 1] if delta else SERIES_COLORS[: layers.shape[1]]
+        if kernels is not None and not delta:
+            layers = layers.join(kernels.reindex(layers.index).rename(str(kernels.name)))
+            colors = [*colors, KERNEL_COLOR]
+            title += " · red: quantized kernels that differ from their reference"
+        low, high, span = bar_range(layers.to_numpy(dtype=np.float64).ravel())
         legend_share = min(0.6, (20 * layers.shape[1] + 25) / 220)  # room above the bars for the legend, a line per run
         with self.figure.hold_sync():
             self.figure.title = title

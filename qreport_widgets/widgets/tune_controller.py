@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ..diagnosis import ReachPlan
     from ..protocols import ReportSource, TuningSession
     from ..run import RunResult
+    from ..truth import TruthCheck
     from ..verify import VerifiedSuggestions
 
 RED, GREEN, GREY = "#b00", "#070", "#444"
@@ -52,6 +53,7 @@ class TuneController(HasTraits):
     status = Unicode(help="the Tune status line (HTML): progress while busy, then what the last action found")
     error = Unicode(help="the last action's error (HTML, red); empty when it went well")
     ranking_status = Unicode(help="the sensitivity pane's status line (HTML)")
+    truth = Unicode(help="where the real model and its simulation disagree, in red (HTML; empty when they agree)")
     busy = Bool(False, help="a long action is running: every long action's button is disabled")
     cancellable = Bool(False, help="the running action stops at its next step when cancel() is called")
     progress = Tuple(Int(), Int(), default_value=(0, 1), help="(done, total) of the running action")
@@ -68,6 +70,7 @@ class TuneController(HasTraits):
         self._final_status = ""
         self._last_run: tuple[datetime.datetime | None, float] = (None, 0.0)
         self._applied = 0
+        self._show_truth()  # a session with runs already: its verdict from the start
 
     # ---- actions -------------------------------------------------------------------------------
     def apply(self, settings: Mapping[str, ModuleSettings], sent: datetime.datetime | None = None) -> RunResult | None:
@@ -104,6 +107,7 @@ class TuneController(HasTraits):
                 self.error = error_html(repr(error))
                 return None
             self.status = verified_status(verified)
+            self._show_truth()
             return verified
 
     def rank(self) -> bool:
@@ -124,6 +128,7 @@ class TuneController(HasTraits):
                 self.ranking_status = error_html(f"{type(error).__name__}: {error}")
                 return False
             self.table, self.curve = table, curve
+            self._show_truth()
             base = float(curve["simulated_output_sqnr_db"].iloc[0])
             if self.target == 0.0:
                 self.target = round(base + 3.0, 1)
@@ -132,7 +137,10 @@ class TuneController(HasTraits):
                 most = f"Most harmful: <b>{worst}</b> (+{gain:.2f} dB when it alone stays float). "
             else:
                 most = ""
-            self.ranking_status = f"Simulated baseline {base:.2f} dB. {most}Estimates; Apply measures."
+            estimates = "Estimates; Apply measures." if self._simulation_reliable() else (
+                f"<span style='color:{RED}'>Unverified: the simulation differs from the real model here.</span>"
+            )
+            self.ranking_status = f"Simulated baseline {base:.2f} dB. {most}{estimates}"
             return True
 
     def propose(self) -> ReachPlan | None:
@@ -155,6 +163,7 @@ class TuneController(HasTraits):
             except Exception as error:
                 self.ranking_status = error_html(f"{type(error).__name__}: {error}")
                 return None
+            self._show_truth()
             names = html.escape(", ".join(plan.float_modules) or "none")
             count = len(plan.float_modules)
             if plan.met:
@@ -195,6 +204,14 @@ class TuneController(HasTraits):
         return [r.label for r in self.session.history if r.settings is not None]
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _show_truth(self) -> None:
+        """The truth check's verdict, once the baseline ran (it never starts a run by itself)."""
+        if self.session.history:
+            self.truth = truth_html(self.session.truth_check())
+
+    def _simulation_reliable(self) -> bool:
+        return not self.session.history or self.session.truth_check().reliable
+
     def _apply(self, settings: Mapping[str, ModuleSettings], sent: datetime.datetime | None) -> RunResult | None:
         try:
             validate_all(self.session.modules, settings)
@@ -208,6 +225,7 @@ class TuneController(HasTraits):
             with self._busy():
                 if not self.session.history:
                     self.session.baseline(progress=self._reporter("baseline", "calibrating"))
+                self._show_truth()
                 self._applied += 1
                 label = f"apply {self._applied}"
                 result = self.session.apply(settings, label=label, progress=self._reporter(label, "calibrating"))
@@ -282,6 +300,20 @@ def error_html(text: str, *, block: bool = True) -> str:
     if block:
         return f"<pre style='color:{RED};white-space:pre-wrap'>{html.escape(text)}</pre>"
     return f"<span style='color:{RED}'>{html.escape(text)}</span>"
+
+
+def truth_html(truth: TruthCheck) -> str:
+    """The truth check for the Tune tab: nothing when the simulation agrees with the real model;
+    otherwise the gap and the kernels to blame, in red, with the notes on hover."""
+    if not truth.status:
+        return ""
+    detail = html.escape("\n".join(truth.notes), quote=True)
+    kernels = truth.disagreeing
+    blamed = f" Kernels that differ from their reference: <b>{html.escape(', '.join(kernels))}</b>." if kernels else ""
+    return (
+        f"<div style='color:{RED};margin:4px 0' title='{detail}'>&#9888; {html.escape(truth.status[0].upper() + truth.status[1:])}."
+        f"{blamed}</div>"
+    )
 
 
 def run_status(result: RunResult, history: list[RunResult], sensitivity: pd.DataFrame | None) -> str:

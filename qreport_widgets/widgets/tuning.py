@@ -7,9 +7,11 @@ import html
 from dataclasses import replace
 
 import ipywidgets as w
+import pandas as pd
 
 from ..protocols import ReportSource, TuningSession
 from ..run import RunResult
+from ..truth import KERNEL_AGREEMENT_DB
 from ..settings import ModuleSettings, Setting
 from ..verify import VerifiedSuggestions
 from .plots import scrolling_table
@@ -32,7 +34,7 @@ class TuningPanel(w.VBox):
 
     def __init__(self, source: ReportSource, session: TuningSession | None, *, unavailable: str = "", error: str = "") -> None:
         self.source, self.session = source, session
-        self.status, self.error = w.HTML(), w.HTML()
+        self.status, self.error, self.truth = w.HTML(), w.HTML(), w.HTML()
         measured = "Measure every suggestion first (simulated or a trial run); only those that help are set"
         self.accept = w.Button(description="Accept all suggestions", icon="check", tooltip=measured,
                                layout={"width": "190px", **FIXED})  # fmt: skip
@@ -66,12 +68,19 @@ class TuningPanel(w.VBox):
         self.rows_box = w.VBox(list(self.rows.values()), layout={"max_height": "400px", "overflow": "hidden auto"})
         self.filter = w.Text(placeholder="filter: name or type", layout={"width": "200px", **FIXED})
         self.only_suggested = w.Checkbox(description="with a suggestion", indent=False, layout={"width": "150px", **FIXED})
+        ops = sum(not m.weighted for m in session.modules)
+        self.all_ops = w.Checkbox(  # PReLU, activations, pooling, norms: rows of their own only when asked for
+            description=f"+ {ops} other ops", indent=False, value=False,
+            tooltip="also the quantized ops that are not Linear or Conv (PReLU, activations, pooling, norms): "
+            "they can be kept float; a row that is changed or flagged by a run is always shown",
+            layout={"width": "150px", **FIXED} if ops else {"display": "none"},
+        )  # fmt: skip
         self.shown = w.HTML(layout=FIXED)
         self.bulk = {name: w.Button(description=name, tooltip=f"{name} on every row shown", layout={"width": "110px", **FIXED})
                      for name in BULK}  # fmt: skip
         self.sensitivity = SensitivityPane(controller, self._keep_float, self._order_rows)
         bulk_label = w.HTML("<span style='color:#666'>on the rows shown:</span>", layout={**FIXED, "margin": "0 4px 0 12px"})
-        toolbar = w.HBox([self.filter, self.only_suggested, self.shown, bulk_label, *self.bulk.values()],
+        toolbar = w.HBox([self.filter, self.only_suggested, self.all_ops, self.shown, bulk_label, *self.bulk.values()],
                          layout={"align_items": "center", "flex_flow": "row wrap"})  # fmt: skip
         # the status line gets the full width under the buttons: measured results take a few lines
         buttons = w.HBox([self.accept, self.reset, self.apply, self.progress, self.restore_from, self.restore],
@@ -81,8 +90,8 @@ class TuningPanel(w.VBox):
             titles=("Quantization summary of the last run", "These settings as Python, to paste into a pipeline"),
         )
         # the per-layer chart joins after the first run: a bqplot figure laid out in a hidden tab has no size
-        super().__init__([self.sensitivity, toolbar, self.rows_box, buttons, self.status, self.error, self.history,
-                          self.results])  # fmt: skip
+        super().__init__([self.sensitivity, toolbar, self.rows_box, buttons, self.truth, self.status, self.error,
+                          self.history, self.results])  # fmt: skip
         self._wire(controller)
         self._refresh_rows()
         self._show_code()
@@ -90,6 +99,7 @@ class TuningPanel(w.VBox):
     def _wire(self, controller: TuneController) -> None:
         w.dlink((controller, "status"), (self.status, "value"))
         w.dlink((controller, "error"), (self.error, "value"))
+        w.dlink((controller, "truth"), (self.truth, "value"))
         for button in (self.accept, self.reset, self.apply, *self.bulk.values()):
             w.dlink((controller, "busy"), (button, "disabled"))
         w.dlink((controller, "busy"), (self.progress.layout, "visibility"), lambda busy: "visible" if busy else "hidden")
@@ -102,6 +112,7 @@ class TuningPanel(w.VBox):
             button.on_click(lambda _b, name=name: self._bulk(name))
         self.filter.observe(self._on_filter_change, "value")
         self.only_suggested.observe(self._on_filter_change, "value")
+        self.all_ops.observe(self._on_filter_change, "value")
 
     def settings(self) -> dict[str, ModuleSettings]:
         """Every row's settings."""
@@ -112,9 +123,11 @@ class TuningPanel(w.VBox):
         result = self.controller.apply(self.settings(), _click_sent_at())
         if result is None:
             return
-        if result.ok:  # a setting the engine accepted but did not carry out, on its row
+        if result.ok:  # a setting the engine accepted but did not carry out, or a kernel that misbehaved, on its row
             for fqn, row in self.rows.items():
                 row.run_note = result.module_notes.get(fqn, "")
+            if self._flagged_hidden():
+                self._refresh_rows()
         self._show_runs(result if result.ok else None)
 
     def _on_accept_click(self, _button: w.Button) -> None:
@@ -158,7 +171,17 @@ class TuningPanel(w.VBox):
         ranked = [self.rows[name] for name in self._order if name in self.rows]
         ordered = ranked + [row for name, row in self.rows.items() if name not in set(self._order)]
         text, only = self.filter.value.strip(), self.only_suggested.value
-        return [row for row in ordered if (not text or row.matches(text)) and (not only or row.suggested)]
+        start = self.session.current_settings()
+        return [
+            row for row in ordered
+            if (not text or row.matches(text)) and (not only or row.suggested)
+            and (row.module.weighted or self.all_ops.value or _flagged(row, start))
+        ]  # fmt: skip
+
+    def _flagged_hidden(self) -> bool:
+        """Whether a row now flagged is not among the rows shown."""
+        shown = set(self.rows_box.children)
+        return any(row not in shown and row.run_note for row in self.rows.values())
 
     def _refresh_rows(self) -> None:
         """The rows that pass the filter, in the chosen order (one message to the browser)."""
@@ -200,7 +223,7 @@ class TuningPanel(w.VBox):
         runs, layers = self.session.compare()
         with self.hold_sync():
             self.history.show(runs)
-            self.layers.draw(layers)
+            self.layers.draw(layers, _kernels_apart(self.session.history))
             restorable = self.controller.restorable()
             self.restore_from.options = restorable
             self.restore_from.value = restorable[-1] if restorable else None
@@ -211,6 +234,21 @@ class TuningPanel(w.VBox):
                 tables = latest.summary.to_html(index=False, border=0) + latest.conversions.to_html(index=False, border=0)
                 self.summary.value = scrolling_table(tables)
                 self._show_code()
+
+
+def _flagged(row: SettingsRow, start: dict[str, ModuleSettings]) -> bool:
+    """An op's row shown without "other ops": changed from the start, or noted by the last run."""
+    return row.settings != start.get(row.fqn) or bool(row.run_note)
+
+
+def _kernels_apart(history: list[RunResult]) -> pd.Series | None:
+    """The kernel check of the latest run whose quantized kernels differ from their reference:
+    only the disagreeing modules (None when no run found one)."""
+    for run in reversed(history):
+        apart = run.kernel_sqnr_db[run.kernel_sqnr_db < KERNEL_AGREEMENT_DB]
+        if len(apart):
+            return apart.rename(f"kernel vs reference ({run.label})")
+    return None
 
 
 def _click_sent_at() -> datetime.datetime | None:
