@@ -15,6 +15,7 @@ import itertools
 import math
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -27,7 +28,7 @@ from .calibration import CalibrationData, calibrate, call_with
 from .diagnosis import Diagnosis, ReachPlan
 from .engine import Engine, EngineOptions, Simulation, Variant
 from .engines import engine_named
-from .errors import CalibrationError, InvalidSettingsError
+from .errors import CalibrationError, InvalidSettingsError, QReportWarning
 from .metrics import output_tensor, sqnr_db
 from .migration import Migration, find_migrations, input_producers, migrated
 from .progress import Progress
@@ -324,12 +325,16 @@ class QuantizationSession:
 
     def sensitivity(self, progress: Progress | None = None, *, metric: bool = True) -> pd.DataFrame:
         """Which module hurts: the output SQNR gained when each module alone stays float, simulated;
-        see ``Diagnosis.sensitivity``."""
-        return self._diagnosis.sensitivity(progress, metric=metric)
+        see ``Diagnosis.sensitivity``. Warns when the simulation does not match the real model."""
+        table = self._diagnosis.sensitivity(progress, metric=metric)
+        self._warn_if_unverified()
+        return table
 
     def tradeoff(self, progress: Progress | None = None) -> pd.DataFrame:
         """The most harmful modules kept float one after the other, simulated; see ``Diagnosis.tradeoff``."""
-        return self._diagnosis.tradeoff(progress)
+        curve = self._diagnosis.tradeoff(progress)
+        self._warn_if_unverified()
+        return curve
 
     def plan_reach(
         self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
@@ -342,7 +347,16 @@ class QuantizationSession:
     ) -> RunResult:
         """The fewest modules kept float (most harmful first) that meet the target, confirmed by a
         real run; see ``Diagnosis.reach``."""
-        return self._diagnosis.reach(target_sqnr_db, target_metric, progress=progress)
+        result = self._diagnosis.reach(target_sqnr_db, target_metric, progress=progress)
+        truth = self._truth
+        if truth is not None and not truth.reliable:
+            result = replace(result, notes=(*result.notes, f"{truth.status}: the plan was simulated, each step is a real run"))
+        return result
+
+    def _warn_if_unverified(self) -> None:
+        truth = self._truth
+        if truth is not None and not truth.reliable:
+            warnings.warn(f"{truth.status} (session.truth_check() says more)", QReportWarning, stacklevel=3)
 
     def reference_outputs(self) -> list[torch.Tensor]:
         """The float model's outputs on the evaluation batches (computed once)."""

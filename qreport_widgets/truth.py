@@ -84,9 +84,10 @@ class TruthCheck:
             return (self.status,)
         if self.agrees:
             return ()
+        unreliable = "" if self.reliable else "; simulated rankings are unreliable here"
         said = [
             f"{_gap_words(self.gap_db)} (real {self.real_db:.2f} dB, simulated {self.simulated_db:.2f} dB): "
-            "a quantized kernel differs from its reference; simulated rankings are unreliable here"
+            f"a quantized kernel differs from its reference{unreliable}"
         ]
         if self.disagreeing:
             each = ", ".join(f"{name} ({self.kernels[name]:.1f} dB)" for name in self.disagreeing)

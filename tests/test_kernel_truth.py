@@ -162,3 +162,40 @@ def test_kernel_check_agrees_on_a_model_without_such_kernels(tmp_path):
     assert truth.agrees and truth.notes == () and truth.real_kernels == ()
     assert len(baseline.kernel_sqnr_db) == 5 and (baseline.kernel_sqnr_db >= KERNEL_AGREEMENT_DB).all()
     assert sqnr_db(torch.ones(3), torch.ones(3)) == math.inf
+
+
+def test_a_functional_add_is_an_op_that_can_be_kept_float():
+    build, batches = ARCHITECTURES["resnet"]
+    torch.manual_seed(0)
+    data = batches(6)
+    model = build().eval()
+    session = qw.QuantizationSession(model, data[0], data[:4], eval_data=data[4:])
+    ops = {m.fqn: m for m in session.modules if not m.weighted}
+    assert {"maxpool", "layer1.0.add", "layer1.0.relu2", "layer4.1.add"} <= set(ops)
+    settings = {"layer1.0.add": qw.ModuleSettings(keep_float=True)}
+    run = session.apply(settings, progress=QUIET)
+    adds = [n for n in run.quantized_model.graph.nodes if n.op == "call_function" and "add" in str(n.target)]
+    assert any(n.target is __import__("operator").add for n in adds)  # one add left float, the others quantized
+    assert sum("quantized" in str(n.target) for n in adds) == len(adds) - 1
+    code = session.settings_as_code(settings)
+    assert "set_module_name_object_type_order('layer1.0', operator.add, 0, None)" in code
+    namespace: dict = {}
+    exec(code, namespace)
+    assert namespace["qconfig_mapping"].module_name_object_type_order_qconfigs
+    assert abs(session.simulate(["layer1.0.add"])[0] - run.output_sqnr_db) <= SIMULATION_ERROR_DB
+
+
+def test_a_simulation_that_cannot_run_the_real_kernels_says_its_numbers_are_unverified(trained, monkeypatch):
+    from qreport_widgets.errors import QReportWarning
+    from qreport_widgets.fx.simulate import Simulator
+
+    monkeypatch.setattr(Simulator, "run_real_kernels", lambda self, quantized, names: [])
+    model, data = trained
+    session = qw.QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation)
+    truth = session.truth_check(progress=QUIET)
+    assert not truth.reliable and "unverified" in truth.status and truth.real_kernels == ()
+    assert any("its numbers are unverified" in note for note in session.baseline().notes)
+    with pytest.warns(QReportWarning, match="unverified"):
+        session.sensitivity(progress=QUIET, metric=False)
+    reached = session.reach(target_sqnr_db=truth.simulated_db - 3.0, progress=QUIET)
+    assert "each step is a real run" in reached.notes[-1]

@@ -19,7 +19,7 @@ from .kernels import kernel_sqnr, reference_model
 from .lowering import convert_fx_keeping_float
 from .numeric_suite import per_layer_sqnr, quantization_summary
 from .prepare import prepare, torch_observers_paused
-from .qconfig import FxConfig, build_equalization_mapping, build_qconfig_mapping, qconfig_for, tunable_modules
+from .qconfig import FunctionalOp, FxConfig, build_equalization_mapping, build_qconfig_mapping, qconfig_for, tunable_modules
 from .simulate import Simulator, fixed_qparams_after_float
 
 __all__ = ["FxEngine"]
@@ -154,4 +154,7 @@ class FxEngine(Engine[FxConfig]):
             for m in modules
             if m.native is not None and not m.current.dynamic and m.allows(Setting.PER_CHANNEL)
         }
-        return Simulator(prepared, [m.fqn for m in modules], fixed_qparams_after_float(float_prepared), other_weights)
+        functional = {m.fqn: m.native.node_name for m in modules if isinstance(m.native, FunctionalOp)}
+        return Simulator(
+            prepared, [m.fqn for m in modules], fixed_qparams_after_float(float_prepared), other_weights, functional
+        )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,17 +42,55 @@ class FxConfig:
         return mapping_as_code(self.qconfig_mapping, self.equalization_mapping)
 
 
+@dataclass(frozen=True)
+class FunctionalOp:
+    """A quantized functional op (an add, a mul, ...): where ``set_module_name_object_type_order``
+    finds it (the module it runs in, its function, its index among that function's calls there),
+    its QConfig, and its node's name in the prepared graph."""
+
+    scope: str
+    target: Callable[..., Any]
+    index: int
+    qconfig: QConfig
+    node_name: str
+
+
+_FUNCTIONAL = (operator.add, torch.add, operator.mul, torch.mul, torch.cat, operator.matmul, torch.matmul, torch.bmm)
+
+
 def tunable_modules(graph: ModelGraph) -> list[TunableModule]:
-    """The modules of a prepare_fx model whose quantization can be changed, in forward order, with
-    their current QConfig: every Linear and Conv, and every other module whose output FX quantizes
-    (PReLU, activations, pooling, norms, softmax), which can be kept float."""
-    found = []
-    for unit in graph.units.values():
-        if unit.is_linear or unit.is_conv:
-            found.append(_tunable(unit))
-        elif _output_observed(graph, unit):
-            found.append(_float_choice(unit))
+    """What of a prepare_fx model can be tuned, in forward order, with its current QConfig: every
+    Linear and Conv; every other module whose output FX quantizes (PReLU, activations, pooling,
+    norms, softmax); every quantized add, mul, cat and matmul (named ``<module>.add``,
+    ``<module>.add_1``, ...). The last two can be kept float, nothing else."""
+    found, units = [], {unit.node: unit for unit in graph.units.values()}
+    attrs = graph.model.meta.get("_observed_graph_module_attrs")
+    scopes = getattr(attrs, "node_name_to_scope", {}) or {}
+    qconfigs = getattr(attrs, "node_name_to_qconfig", {}) or {}
+    calls: dict[tuple[str, Any], int] = {}  # FX's count of a function's calls per module
+    for node in graph.model.graph.nodes:
+        unit = units.get(node)
+        if unit is not None:
+            if unit.is_linear or unit.is_conv:
+                found.append(_tunable(unit))
+            elif _output_observed(graph, unit):
+                found.append(_float_choice(unit))
+        elif node.op == "call_function" and node.name in scopes:
+            scope = scopes[node.name][0]
+            index = calls.get((scope, node.target), 0)
+            calls[scope, node.target] = index + 1
+            qconfig = qconfigs.get(node.name)
+            if node.target in _FUNCTIONAL and qconfig is not None and _observed_around(graph, node):
+                name = getattr(node.target, "__name__", str(node.target)) + (f"_{index}" if index else "")
+                op = FunctionalOp(scope, node.target, index, qconfig, node.name)
+                found.append(_float_choice_of(f"{scope}.{name}" if scope else name, name.split("_")[0], op))
     return found
+
+
+def _observed_around(graph: ModelGraph, node: torch.fx.Node) -> bool:
+    """Whether FX quantizes around a functional op: an observer reads its output or one of its inputs."""
+    nodes = [*node.users, *node.all_input_nodes]
+    return any(n.op == "call_module" and is_quantization_observer(graph.modules.get(str(n.target), nn.Identity())) for n in nodes)
 
 
 def _output_observed(graph: ModelGraph, unit: Unit) -> bool:
@@ -66,9 +105,13 @@ def _output_observed(graph: ModelGraph, unit: Unit) -> bool:
 
 def _float_choice(unit: Unit) -> TunableModule:
     """A quantized op that is not a Linear or Conv: it can be kept float, nothing else."""
-    why = f"{unit.type_name} is quantized as a whole: it can be kept float, not tuned"
+    return _float_choice_of(unit.fqn, unit.type_name, unit.module.qconfig)
+
+
+def _float_choice_of(fqn: str, type_name: str, native: Any) -> TunableModule:
+    why = f"{type_name} is quantized as a whole: it can be kept float, not tuned"
     unavailable = {setting: why for setting in Setting if setting is not Setting.KEEP_FLOAT}
-    return TunableModule(unit.fqn, unit.type_name, ModuleSettings(), unavailable, native=unit.module.qconfig, weighted=False)
+    return TunableModule(fqn, type_name, ModuleSettings(), unavailable, native=native, weighted=False)
 
 
 def _tunable(unit: Unit) -> TunableModule:
@@ -137,7 +180,11 @@ def build_qconfig_mapping(
     """
     mapping = copy.deepcopy(base) if base is not None else QConfigMapping()
     for fqn, choice in settings.items():
-        mapping.set_module_name(fqn, qconfig_for(choice, (current or {}).get(fqn)))
+        now = (current or {}).get(fqn)
+        if isinstance(now, FunctionalOp):  # an add, a mul ...: by module, function and call index
+            mapping.set_module_name_object_type_order(now.scope, now.target, now.index, qconfig_for(choice, now.qconfig))
+        else:
+            mapping.set_module_name(fqn, qconfig_for(choice, now))
     return mapping
 
 
@@ -161,11 +208,13 @@ def mapping_as_code(mapping: QConfigMapping, equalization: QConfigMapping | None
     outside = sorted({_outside_torch(getattr(q, "activation", None)) for q in mapping.module_name_qconfigs.values()} - {""})
     lines[3:3] = outside  # after torch's imports
     for fqn, qconfig in mapping.module_name_qconfigs.items():
-        if qconfig is None:
-            lines.append(f"qconfig_mapping.set_module_name({fqn!r}, None)")
-            continue
-        parts = [f"{name}={_observer_code(getattr(qconfig, name))}" for name in ("activation", "weight")]
-        lines.append(f"qconfig_mapping.set_module_name({fqn!r}, QConfig({', '.join(parts)}))")
+        lines.append(f"qconfig_mapping.set_module_name({fqn!r}, {_qconfig_code(qconfig)})")
+    ordered = mapping.module_name_object_type_order_qconfigs
+    if ordered:
+        lines.insert(1, "import operator")
+    for (scope, target, index), qconfig in ordered.items():
+        where = f"{scope!r}, {_callable_code(target)}, {index}"
+        lines.append(f"qconfig_mapping.set_module_name_object_type_order({where}, {_qconfig_code(qconfig)})")
     if any(qconfig is None for qconfig in mapping.module_name_qconfigs.values()):
         lines += [
             "",
@@ -185,6 +234,23 @@ def mapping_as_code(mapping: QConfigMapping, equalization: QConfigMapping | None
             lines.append(f"equalization_mapping.set_module_name({fqn!r}, default_equalization_qconfig)")
         lines.append("# prepare_fx(model, qconfig_mapping, example_inputs, _equalization_config=equalization_mapping)")
     return "\n".join(lines) + "\n"
+
+
+def _qconfig_code(qconfig: QConfig | None) -> str:
+    if qconfig is None:
+        return "None"
+    parts = [f"{name}={_observer_code(getattr(qconfig, name))}" for name in ("activation", "weight")]
+    return f"QConfig({', '.join(parts)})"
+
+
+def _callable_code(function: Callable[..., Any]) -> str:
+    """``operator.add``, ``torch.cat``: the function as an expression after ``import operator, torch``."""
+    name = function.__name__
+    if getattr(operator, name, None) is function:
+        return f"operator.{name}"
+    if getattr(torch, name, None) is function:
+        return f"torch.{name}"
+    return f"{function.__module__}.{name}"
 
 
 def _observer_code(factory) -> str:

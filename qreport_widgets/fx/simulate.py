@@ -114,6 +114,8 @@ class Simulator:
             ``fixed_qparams_after_float``).
         other_weight_observers: module name -> the weight observer a real run uses when that
             module's weight scheme is switched (``Variant.other_weights``).
+        functional: tunable name -> the prepared graph's node of a functional op (an add, a mul)
+            that may be kept float.
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class Simulator:
         tunable: Iterable[str],
         float_producer_qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
         other_weight_observers: Mapping[str, Callable[[], nn.Module]] | None = None,
+        functional: Mapping[str, str] | None = None,
     ) -> None:
         with torch_warnings_hidden():
             reference = convert_to_reference_fx(copy.deepcopy(prepared))
@@ -132,6 +135,8 @@ class Simulator:
             point.module.alternate = _qparams(*alternate) if alternate is not None else None
         self._weights = _cache_weights(reference)
         self._node_of = {str(n.target): n for n in reference.graph.nodes if n.op == "call_module"}
+        by_name = {n.name: n for n in reference.graph.nodes}  # an add, a mul ...: its node keeps its name
+        self._node_of.update({op: by_name[node] for op, node in (functional or {}).items() if node in by_name})
         self._names = [name for name in tunable if name in self._node_of]  # what a Variant may keep float
         self._kernels: dict[str, RealKernel] = {}  # modules that run the real model's kernel
         self._points_at: dict[torch.fx.Node, list[_Point]] = {}  # the points beside each node
