@@ -66,6 +66,11 @@ class TruthCheck:
         return not self.error and abs(self.corrected_db - self.real_db) <= SIMULATION_ERROR_DB
 
     @property
+    def headline(self) -> str:
+        """The gap in words: "the real int8 model is 32.7 dB worse than its simulation"."""
+        return _gap_words(self.gap_db)
+
+    @property
     def status(self) -> str:
         """One line for the widget ("" when the simulation agrees)."""
         if self.error:

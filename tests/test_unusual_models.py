@@ -86,7 +86,7 @@ def batches(n=4, dtype=torch.float32):
 def test_unusual_models_get_a_report_a_widget_and_a_run(model, units):
     data = batches()
     report = qw.analyze(model.eval(), data[0], data, progress=False)
-    assert [m.fqn for m in report.tunable_modules()] == units
+    assert [m.fqn for m in report.tunable_modules() if m.weighted] == units  # and ops, which can be kept float
     widget = report.widget()
     for _, module in widget.controls.module.options:
         widget.controls.module.value = module

@@ -308,12 +308,20 @@ def truth_html(truth: TruthCheck) -> str:
     if not truth.status:
         return ""
     detail = html.escape("\n".join(truth.notes), quote=True)
-    kernels = truth.disagreeing
-    blamed = f" Kernels that differ from their reference: <b>{html.escape(', '.join(kernels))}</b>." if kernels else ""
-    return (
-        f"<div style='color:{RED};margin:4px 0' title='{detail}'>&#9888; {html.escape(truth.status[0].upper() + truth.status[1:])}."
-        f"{blamed}</div>"
-    )
+    headline = truth.headline[0].upper() + truth.headline[1:]
+    if not truth.disagreeing or truth.error:
+        said = html.escape(truth.status[0].upper() + truth.status[1:]) + "."
+    else:
+        said = (
+            f"{html.escape(headline)}: the quantized kernels of <b>{html.escape(', '.join(truth.disagreeing))}</b> compute "
+            "something else than their reference. "
+        )
+        said += (
+            "The simulation now runs them, so sensitivity and suggestions account for them; keeping them float is the fix to try."
+            if truth.reliable
+            else "Simulated numbers are unverified here; suggestions are measured by real runs."
+        )
+    return f"<div style='color:{RED};margin:4px 0' title='{detail}'>&#9888; {said}</div>"
 
 
 def run_status(result: RunResult, history: list[RunResult], sensitivity: pd.DataFrame | None) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -150,9 +151,9 @@ def test_large_model_tune_accept_apply_at_1024(lab):
         widget.screenshot(path=str(SCREENSHOTS / "large_model_explore.png"))
         _assert_looks_right(widget)  # all modules: a point per module, red where one crosses the threshold
         widget.locator(".lm-TabBar-tab", has_text="Tune").first.click()
-        widget.get_by_text("54 of 54 shown").first.wait_for(timeout=60_000)
+        widget.get_by_text(re.compile(r"^54 of \d+ shown$")).first.wait_for(timeout=60_000)  # the other ops hidden
         widget.locator("input[placeholder='filter: name or type']").first.fill("fc2")
-        widget.get_by_text("of 54 shown").first.wait_for(timeout=60_000)
+        widget.get_by_text(re.compile(r"^(?!54 )\d+ of \d+ shown$")).first.wait_for(timeout=60_000)
         widget.locator("input[placeholder='filter: name or type']").first.fill("")
         widget.locator("button", has_text="Accept all suggestions").first.click()
         widget.get_by_text("Accept all (measured)").first.wait_for(timeout=180_000)
@@ -216,6 +217,47 @@ def test_quickstart_apply_adds_one_run(lab):
         _assert_looks_right(widget)
         history = widget.locator(".widget-html", has_text="Runs").first.inner_text()
         assert "baseline" in history and "apply 1" in history and "apply 2" not in history
+        assert page.locator(".jupyter-widgets-error-widget").all_inner_texts() == []
+        browser.close()
+    assert not [e for e in console_errors if "favicon" not in e], console_errors
+
+
+def test_the_tune_tab_says_where_the_real_model_and_its_simulation_disagree(lab):
+    """The PReLU notebook: the first Apply runs the baseline, the red line names the kernels, the PReLU
+    rows join the rows shown, and the per-layer chart has the kernel check as a series of its own."""
+    from playwright.sync_api import sync_playwright
+
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    console_errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROME_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+        _open(page, lab, "08_when_the_simulation_disagrees.ipynb")
+        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        widget = _wait_for_widget(page, "kernel_truth", console_errors)
+        widget.locator(".lm-TabBar-tab", has_text="Tune").first.click()
+        widget.get_by_text("worse than its simulation").first.wait_for(timeout=60_000)  # the notebook ran the baseline
+        widget.locator("label", has_text="other ops").first.click()  # the PReLU rows, with keep float
+        widget.locator("input[placeholder='filter: name or type']").first.fill("PReLU")
+        widget.get_by_text(re.compile(r"^4 of \d+ shown$")).first.wait_for(timeout=60_000)
+        widget.locator("button", has_text="keep float").first.click()  # on the four rows shown
+        widget.locator("input[placeholder='filter: name or type']").first.fill("")
+        widget.locator("button", has_text="Apply").first.click()
+        try:
+            widget.get_by_text("apply 1: output SQNR").first.wait_for(timeout=120_000)
+        finally:
+            page.screenshot(path=str(SCREENSHOTS / "kernel_truth_after_apply.png"), full_page=False)
+        status = widget.get_by_text("apply 1: output SQNR").first.inner_text()
+        assert "vs the baseline" in status and "+3" in status  # 0.5 dB -> 34 dB: more than +30 dB
+        truth = widget.get_by_text("worse than its simulation").first
+        assert "prelu1, prelu2, prelu3, prelu4" in truth.inner_text()
+        assert "rgb(187, 0, 0)" in truth.evaluate("e => getComputedStyle(e.closest('div')).color")
+        _assert_bars_drawn(widget, "red: quantized kernels that differ from their reference")
+        chart = widget.locator(".bqplot", has_text="kernel vs reference (baseline)").first
+        chart.screenshot(path=str(SCREENSHOTS / "kernel_truth_layers.png"))
+        _assert_nothing_spills(widget)
+        _assert_looks_right(widget)
         assert page.locator(".jupyter-widgets-error-widget").all_inner_texts() == []
         browser.close()
     assert not [e for e in console_errors if "favicon" not in e], console_errors
