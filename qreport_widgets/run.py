@@ -44,7 +44,8 @@ class RunResult:
     config: Any = None  # the engine's configuration of this run
     latency_spread_ms: float = math.nan  # slowest minus fastest evaluation batch, in ms
     module_notes: Mapping[str, str] = field(default_factory=dict)  # module -> what the run did not carry out
-    # module -> its quantized kernel's SQNR against its reference on the same input (truth.py)
+    # module -> its quantized kernel's SQNR against its reference on the same input (truth.py); empty where
+    # the run did not check (a run after a baseline whose kernels all agree, quantizing nothing new)
     kernel_sqnr_db: pd.Series = field(default_factory=lambda: pd.Series(dtype=float, name="kernel SQNR (dB)"))
 
     def __post_init__(self) -> None:

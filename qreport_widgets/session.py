@@ -411,7 +411,8 @@ class QuantizationSession:
             prepared = engine.prepare(source, config, self.example_inputs)
             calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None,
                       on_batch=progress)  # fmt: skip
-            reference = engine.reference_model(prepared) if record else None  # before convert changes prepared
+            # before convert changes prepared
+            reference = engine.reference_model(prepared) if record and self._checks_kernels(prepared) else None
             quantized = engine.convert(prepared)
             measured = self._measure(quantized, prepared, config, label, per_layer=record, float_model=source,
                                      reference_model=reference)  # fmt: skip
@@ -425,6 +426,16 @@ class QuantizationSession:
         if result.ok and record:
             self.history.append(result)
         return result
+
+    def _checks_kernels(self, prepared: torch.nn.Module) -> bool:
+        """Whether a run checks its kernels against their reference (a reference conversion, about a
+        fifth of a bare run): the baseline, every run once the baseline found a kernel that differs,
+        and a run that quantizes a module the start keeps float (a kernel not checked yet)."""
+        truth = self._truth
+        if self._baseline is None or not self._baseline.ok or (truth is not None and truth.disagreeing):
+            return True
+        checked = {m.fqn for m in self.modules if not m.current.keep_float}
+        return any(not m.current.keep_float and m.fqn not in checked for m in self.engine.tunable_modules(prepared))
 
     def _measure(
         self,

@@ -161,6 +161,13 @@ def test_kernel_check_agrees_on_a_model_without_such_kernels(tmp_path):
     truth = session.truth_check()
     assert truth.agrees and truth.notes == () and truth.real_kernels == ()
     assert len(baseline.kernel_sqnr_db) == 5 and (baseline.kernel_sqnr_db >= KERNEL_AGREEMENT_DB).all()
+    tuned = session.apply({"fc1": qw.ModuleSettings(per_channel=False)}, progress=QUIET)
+    assert tuned.ok and tuned.kernel_sqnr_db.empty  # the baseline's kernels agree: no conversion spent on it
+    floated = qw.QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation,
+                                     qconfig_mapping=get_default_qconfig_mapping("x86").set_module_name("fc2", None))
+    floated.baseline(progress=QUIET)
+    requantized = floated.apply({"fc2": qw.ModuleSettings(per_channel=True)}, progress=QUIET)
+    assert "fc2" in requantized.kernel_sqnr_db  # a module the start kept float gets its kernel checked
     assert sqnr_db(torch.ones(3), torch.ones(3)) == math.inf
 
 
