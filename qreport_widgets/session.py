@@ -35,7 +35,7 @@ from .progress import Progress
 from .records import Suggestion
 from .run import RunResult
 from .settings import ModuleSettings, TunableModule, validate_all, with_suggestions
-from .truth import KERNEL_AGREEMENT_DB, TruthCheck
+from .truth import KERNEL_AGREEMENT_DB, TruthCheck, check_truth
 from .verify import VerifiedSuggestions, Verifier, refusals
 
 
@@ -195,48 +195,15 @@ class QuantizationSession:
     def _check_truth(self, baseline: RunResult, progress: Progress | None) -> TruthCheck:
         try:
             simulation = self.simulation(progress)
-            simulated = self._diagnosis.simulate_each([()], _quiet, "checking the simulation", metric=False)[0][0]
-            layers = _layers_side_by_side(baseline.per_layer_sqnr_db, self._simulated_layers(simulation))
         except Exception as error:  # the simulation of an unusual model: say so, keep the session usable
-            return TruthCheck(baseline.output_sqnr_db, math.nan, baseline.kernel_sqnr_db, error=f"{type(error).__name__}: {error}")
-        truth = TruthCheck(baseline.output_sqnr_db, simulated, baseline.kernel_sqnr_db, layers=layers, corrected_db=simulated)
-        if truth.agrees or not truth.disagreeing or baseline.quantized_model is None:
-            return truth
-        adopted = simulation.run_real_kernels(baseline.quantized_model, truth.disagreeing)
-        if not adopted:
-            return truth
-        corrected = self._diagnosis.simulate_each([()], _quiet, "checking the simulation", metric=False)[0][0]
-        return replace(truth, real_kernels=tuple(adopted), corrected_db=corrected)
+            return TruthCheck(
+                baseline.output_sqnr_db, math.nan, baseline.kernel_sqnr_db, error=f"{type(error).__name__}: {error}"
+            )
 
-    def _simulated_layers(self, simulation: Simulation) -> pd.Series:
-        """Each module's output SQNR in the simulation against the float model, on the first
-        evaluation batch, where both models have a plain module of that name."""
-        floats = dict(self._float.named_modules())
-        names = [
-            name for name, module in simulation.model.named_modules()
-            if name in floats and type(module) is type(floats[name]) and next(module.children(), None) is None
-        ]  # fmt: skip
-        found: dict[str, dict[str, torch.Tensor]] = {"float": {}, "simulated": {}}
+        def simulated() -> float:
+            return self._diagnosis.simulate_each([()], _quiet, "checking the simulation", metric=False)[0][0]
 
-        def keep(side: str, name: str):
-            def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-                if isinstance(output, torch.Tensor):
-                    found[side].setdefault(name, output.detach().clone())
-
-            return hook
-
-        hooks = [floats[n].register_forward_hook(keep("float", n)) for n in names]
-        hooks += [simulation.model.get_submodule(n).register_forward_hook(keep("simulated", n)) for n in names]
-        try:
-            with torch.no_grad():
-                simulation.configure(())
-                call_with(self._float, self.eval_data[0])
-                call_with(simulation.model, self.eval_data[0])
-        finally:
-            for hook in hooks:
-                hook.remove()
-        both = [n for n in names if n in found["float"] and n in found["simulated"]]
-        return pd.Series({n: sqnr_db(found["float"][n], found["simulated"][n]) for n in both}, dtype=float)
+        return check_truth(baseline, simulation, simulated, self._float, self.eval_data[0])
 
     def apply(
         self,
@@ -499,14 +466,6 @@ class QuantizationSession:
 
 def _quiet(done: int, total: int | None) -> None:
     pass
-
-
-def _layers_side_by_side(real: pd.Series, simulated: pd.Series) -> pd.DataFrame:
-    """Real and simulated per-layer SQNR where both were read, in the real run's order."""
-    both = [name for name in real.index if name in simulated.index]
-    return pd.DataFrame(
-        {"real_sqnr_db": real[both].astype(float), "simulated_sqnr_db": simulated[both].astype(float)}, index=pd.Index(both)
-    )
 
 
 def _require_float32(model: torch.nn.Module) -> None:

@@ -13,9 +13,19 @@ true again; what stays apart is said, and the simulated numbers are then marked 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
+import torch
+
+from .calibration import call_with
+from .metrics import sqnr_db
+
+if TYPE_CHECKING:
+    from .engine import Simulation
+    from .run import RunResult
 
 # A kernel against its reference on the same input scores 60 dB or more (rounding steps) on every
 # zoo and digits model; one that computes something else scores far less (PReLU: about 5 dB).
@@ -109,7 +119,11 @@ class TruthCheck:
                 f"within {SIMULATION_ERROR_DB:g} dB of the real run): sensitivity, reach and suggestions account for them"
             )
         elif not self.reliable:
-            corrected = f" (with the real kernels of {_names(self.real_kernels)}: {self.corrected_db:.2f} dB)" if self.real_kernels else ""
+            corrected = (
+                f" (with the real kernels of {_names(self.real_kernels)}: {self.corrected_db:.2f} dB)"
+                if self.real_kernels
+                else ""
+            )
             said.append(
                 f"the simulation still differs from the real run{corrected}: its numbers are unverified; "
                 "suggestions are measured by real runs and reach confirms every step with one"
@@ -137,3 +151,63 @@ def _gap_words(gap_db: float) -> str:
 def _names(names: tuple[str, ...] | list[str]) -> str:
     shown = ", ".join(names[:6])
     return shown + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+def check_truth(
+    baseline: RunResult,
+    simulation: Simulation,
+    simulated_sqnr: Callable[[], float],
+    float_model: torch.nn.Module,
+    batch: Any,
+) -> TruthCheck:
+    """The baseline run against ``simulation`` (``simulated_sqnr()``: its output SQNR as configured
+    now); where they disagree and the baseline names kernels that differ, the simulation runs those
+    real kernels from then on, and the check says what that gave."""
+    simulated = simulated_sqnr()
+    layers = _side_by_side(baseline.per_layer_sqnr_db, simulated_layers(simulation, float_model, batch))
+    truth = TruthCheck(baseline.output_sqnr_db, simulated, baseline.kernel_sqnr_db, layers=layers, corrected_db=simulated)
+    if truth.agrees or not truth.disagreeing or baseline.quantized_model is None:
+        return truth
+    adopted = simulation.run_real_kernels(baseline.quantized_model, truth.disagreeing)
+    if not adopted:
+        return truth
+    return replace(truth, real_kernels=tuple(adopted), corrected_db=simulated_sqnr())
+
+
+def simulated_layers(simulation: Simulation, float_model: torch.nn.Module, batch: Any) -> pd.Series:
+    """Each module's output SQNR in the simulation (starting configuration) against the float
+    model, on ``batch``, where both models have a plain (not fused) module of that name."""
+    floats = dict(float_model.named_modules())
+    names = [
+        name for name, module in simulation.model.named_modules()
+        if name in floats and type(module) is type(floats[name]) and next(module.children(), None) is None
+    ]  # fmt: skip
+    found: dict[str, dict[str, torch.Tensor]] = {"float": {}, "simulated": {}}
+
+    def keep(side: str, name: str):
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                found[side].setdefault(name, output.detach().clone())
+
+        return hook
+
+    hooks = [floats[n].register_forward_hook(keep("float", n)) for n in names]
+    hooks += [simulation.model.get_submodule(n).register_forward_hook(keep("simulated", n)) for n in names]
+    try:
+        with torch.no_grad():
+            simulation.configure(())
+            call_with(float_model, batch)
+            call_with(simulation.model, batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    both = [n for n in names if n in found["float"] and n in found["simulated"]]
+    return pd.Series({n: sqnr_db(found["float"][n], found["simulated"][n]) for n in both}, dtype=float)
+
+
+def _side_by_side(real: pd.Series, simulated: pd.Series) -> pd.DataFrame:
+    """Real and simulated per-layer SQNR where both were read, in the real run's order."""
+    both = [name for name in real.index if name in simulated.index]
+    return pd.DataFrame(
+        {"real_sqnr_db": real[both].astype(float), "simulated_sqnr_db": simulated[both].astype(float)}, index=pd.Index(both)
+    )

@@ -13,13 +13,13 @@ import torch
 from torch import nn
 from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+from zoo import ARCHITECTURES
 
 import qreport_widgets as qw
 from qreport_widgets.digits import trained_digits_model
 from qreport_widgets.metrics import sqnr_db
 from qreport_widgets.truth import KERNEL_AGREEMENT_DB, SIMULATION_ERROR_DB
 from qreport_widgets.verify import KERNEL_CHECK, MIN_GAIN_DB, SIMULATED
-from zoo import ARCHITECTURES
 
 PRELUS = ["prelu1", "prelu2", "prelu3", "prelu4"]
 QUIET = lambda done, total: None  # noqa: E731
@@ -101,7 +101,9 @@ def test_the_tune_rows_keep_the_prelus_float(report):
         panel.rows[name].keep_float.value = True
     panel.apply.click()
     latest = report.session.history[-1]
-    assert latest.ok and latest.label.startswith("apply") and latest.output_sqnr_db > report.session.truth_check().simulated_db - 1
+    assert (
+        latest.ok and latest.label.startswith("apply") and latest.output_sqnr_db > report.session.truth_check().simulated_db - 1
+    )
     assert "red: quantized kernels" in panel.layers.figure.title  # the baseline's kernels, a series of their own
     assert "prelu1" in panel.truth.value and "worse than its simulation" in panel.truth.value
     assert "convert_fx_keeping_float" in panel.code.value
@@ -163,8 +165,13 @@ def test_kernel_check_agrees_on_a_model_without_such_kernels(tmp_path):
     assert len(baseline.kernel_sqnr_db) == 5 and (baseline.kernel_sqnr_db >= KERNEL_AGREEMENT_DB).all()
     tuned = session.apply({"fc1": qw.ModuleSettings(per_channel=False)}, progress=QUIET)
     assert tuned.ok and tuned.kernel_sqnr_db.empty  # the baseline's kernels agree: no conversion spent on it
-    floated = qw.QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation,
-                                     qconfig_mapping=get_default_qconfig_mapping("x86").set_module_name("fc2", None))
+    floated = qw.QuantizationSession(
+        model,
+        data.calibration[0],
+        data.calibration,
+        eval_data=data.evaluation,
+        qconfig_mapping=get_default_qconfig_mapping("x86").set_module_name("fc2", None),
+    )
     floated.baseline(progress=QUIET)
     requantized = floated.apply({"fc2": qw.ModuleSettings(per_channel=True)}, progress=QUIET)
     assert "fc2" in requantized.kernel_sqnr_db  # a module the start kept float gets its kernel checked

@@ -320,7 +320,9 @@ def test_the_tune_tab_says_in_red_where_the_real_model_and_its_simulation_disagr
     controller = TuneController(session, FakeSource())
     controller.apply(session.current_settings())
     assert controller.truth == ""  # they agree: nothing to say
-    session.truth = TruthCheck(BASE_DB - 12.0, BASE_DB, pd.Series({"fc1": 4.0}), real_kernels=("fc1",), corrected_db=BASE_DB - 11.8)
+    session.truth = TruthCheck(
+        BASE_DB - 12.0, BASE_DB, pd.Series({"fc1": 4.0}), real_kernels=("fc1",), corrected_db=BASE_DB - 11.8
+    )
     panel = TuningPanel(FakeSource(), session)
     panel.apply.click()
     assert RED in panel.truth.value and "12.0 dB worse than its simulation" in panel.truth.value

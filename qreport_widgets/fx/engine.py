@@ -155,6 +155,4 @@ class FxEngine(Engine[FxConfig]):
             if m.native is not None and not m.current.dynamic and m.allows(Setting.PER_CHANNEL)
         }
         functional = {m.fqn: m.native.node_name for m in modules if isinstance(m.native, FunctionalOp)}
-        return Simulator(
-            prepared, [m.fqn for m in modules], fixed_qparams_after_float(float_prepared), other_weights, functional
-        )
+        return Simulator(prepared, [m.fqn for m in modules], fixed_qparams_after_float(float_prepared), other_weights, functional)

@@ -313,7 +313,6 @@ class Simulator:
         self._set(previous, changed=set(self._weights), points=self._points)  # every point was switched off
         return result
 
-
     @contextlib.contextmanager
     def _quantized(self, name: str) -> Iterator[None]:
         """Module ``name`` computes as a quantized module (its quantized weight, or its real kernel)

@@ -137,8 +137,10 @@ class TuneController(HasTraits):
                 most = f"Most harmful: <b>{worst}</b> (+{gain:.2f} dB when it alone stays float). "
             else:
                 most = ""
-            estimates = "Estimates; Apply measures." if self._simulation_reliable() else (
-                f"<span style='color:{RED}'>Unverified: the simulation differs from the real model here.</span>"
+            estimates = (
+                "Estimates; Apply measures."
+                if self._simulation_reliable()
+                else (f"<span style='color:{RED}'>Unverified: the simulation differs from the real model here.</span>")
             )
             self.ranking_status = f"Simulated baseline {base:.2f} dB. {most}{estimates}"
             return True

@@ -11,8 +11,8 @@ import pandas as pd
 
 from ..protocols import ReportSource, TuningSession
 from ..run import RunResult
-from ..truth import KERNEL_AGREEMENT_DB
 from ..settings import ModuleSettings, Setting
+from ..truth import KERNEL_AGREEMENT_DB
 from ..verify import VerifiedSuggestions
 from .plots import scrolling_table
 from .rows import SettingsRow, row_parts
