@@ -6,6 +6,7 @@ a missing Chromium fails the test. Elsewhere the test reports itself as not run,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -134,19 +135,28 @@ def _assert_nothing_spills(widget) -> None:
     assert not spilled, spilled
 
 
-def test_large_model_tune_accept_apply_at_1024(lab):
-    """A 54-layer model on a narrow screen: filter the rows, Accept all, Apply; bars drawn, nothing spills."""
+@contextlib.contextmanager
+def _notebook_ran(lab: str, notebook: str, name: str, width: int = 1400):
+    """``notebook`` open in JupyterLab in Chromium with every cell run: (page, its widget, the
+    console errors so far). The browser closes at the end, and no console error may be left."""
     from playwright.sync_api import sync_playwright
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    console_errors: list[str] = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROME_ARGS)
-        page = browser.new_page(viewport={"width": 1024, "height": 1100})
-        console_errors: list[str] = []
+        page = browser.new_page(viewport={"width": width, "height": 1100})
         page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
-        _open(page, lab, "06_a_54_layer_model.ipynb")
+        _open(page, lab, notebook)
         page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-        widget = _wait_for_widget(page, "large_model", console_errors)
+        yield page, _wait_for_widget(page, name, console_errors), console_errors
+        browser.close()
+    assert not [e for e in console_errors if "favicon" not in e], console_errors
+
+
+def test_large_model_tune_accept_apply_at_1024(lab):
+    """A 54-layer model on a narrow screen: filter the rows, Accept all, Apply; bars drawn, nothing spills."""
+    with _notebook_ran(lab, "06_a_54_layer_model.ipynb", "large_model", width=1024) as (page, widget, console_errors):
         page.wait_for_timeout(1000)
         widget.screenshot(path=str(SCREENSHOTS / "large_model_explore.png"))
         _assert_looks_right(widget)  # all modules: a point per module, red where one crosses the threshold
@@ -174,22 +184,10 @@ def test_large_model_tune_accept_apply_at_1024(lab):
         errors = page.locator(".jupyter-widgets-error-widget")
         where = errors.evaluate_all("els => els.map(e => (e.parentElement.closest('.widget-box, .widget-tab') || e).className)")
         assert errors.all_inner_texts() == [], (where, console_errors)
-        browser.close()
-    assert not [e for e in console_errors if "favicon" not in e], console_errors
 
 
 def test_quickstart_apply_adds_one_run(lab):
-    from playwright.sync_api import sync_playwright
-
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    console_errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROME_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
-        page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
-        _open(page, lab, NOTEBOOK)
-        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-        widget = _wait_for_widget(page, "quickstart", console_errors)
+    with _notebook_ran(lab, NOTEBOOK, "quickstart") as (page, widget, _console_errors):
         module = page.locator(".widget-dropdown", has=page.locator("label", has_text="Module")).first.locator("select")
         module.select_option(label="head (Linear, 32 ch)")
         page.get_by_text("head · equalization balance per channel").first.wait_for(timeout=60_000)
@@ -218,24 +216,12 @@ def test_quickstart_apply_adds_one_run(lab):
         history = widget.locator(".widget-html", has_text="Runs").first.inner_text()
         assert "baseline" in history and "apply 1" in history and "apply 2" not in history
         assert page.locator(".jupyter-widgets-error-widget").all_inner_texts() == []
-        browser.close()
-    assert not [e for e in console_errors if "favicon" not in e], console_errors
 
 
 def test_the_tune_tab_says_where_the_real_model_and_its_simulation_disagree(lab):
     """The PReLU notebook: the first Apply runs the baseline, the red line names the kernels, the PReLU
     rows join the rows shown, and the per-layer chart has the kernel check as a series of its own."""
-    from playwright.sync_api import sync_playwright
-
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    console_errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROME_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
-        page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
-        _open(page, lab, "08_when_the_simulation_disagrees.ipynb")
-        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-        widget = _wait_for_widget(page, "kernel_truth", console_errors)
+    with _notebook_ran(lab, "08_when_the_simulation_disagrees.ipynb", "kernel_truth") as (page, widget, _console_errors):
         widget.locator(".lm-TabBar-tab", has_text="Tune").first.click()
         widget.get_by_text("worse than its simulation").first.wait_for(timeout=60_000)  # the notebook ran the baseline
         widget.locator("label", has_text="other ops").first.click()  # the PReLU rows, with keep float
@@ -259,5 +245,3 @@ def test_the_tune_tab_says_where_the_real_model_and_its_simulation_disagree(lab)
         _assert_nothing_spills(widget)
         _assert_looks_right(widget)
         assert page.locator(".jupyter-widgets-error-widget").all_inner_texts() == []
-        browser.close()
-    assert not [e for e in console_errors if "favicon" not in e], console_errors
