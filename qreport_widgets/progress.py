@@ -28,3 +28,7 @@ def steps(total: int, desc: str, unit: str, progress: Progress | None) -> Iterat
         yield step
     finally:
         bar.close()
+
+
+def quiet(done: int, total: int | None) -> None:
+    """A progress callback that shows nothing (work run as part of something with its own bar)."""

@@ -31,7 +31,7 @@ from .engines import engine_named
 from .errors import CalibrationError, InvalidSettingsError, QReportWarning
 from .metrics import output_tensor, sqnr_db
 from .migration import Migration, find_migrations, input_producers, migrated
-from .progress import Progress
+from .progress import Progress, quiet
 from .records import Suggestion
 from .run import RunResult
 from .settings import ModuleSettings, TunableModule, validate_all, with_suggestions
@@ -144,7 +144,7 @@ class QuantizationSession:
         NaN for an engine without equalization)."""
         config = self._config_for({fqn: ModuleSettings(equalize=True)})
         return self.engine.equalization_float_error(
-            self._float, config, self.example_inputs, self._calibrate_quietly, self.eval_data[0]
+            self._float, config, self.example_inputs, self._calibratequietly, self.eval_data[0]
         )
 
     def migrations(self) -> dict[str, Migration]:
@@ -201,7 +201,7 @@ class QuantizationSession:
             )
 
         def simulated() -> float:
-            return self._diagnosis.simulate_each([()], _quiet, "checking the simulation", metric=False)[0][0]
+            return self._diagnosis.simulate_each([()], quiet, "checking the simulation", metric=False)[0][0]
 
         return check_truth(baseline, simulation, simulated, self._float, self.eval_data[0])
 
@@ -270,7 +270,7 @@ class QuantizationSession:
             calibrate(prepared, self.calibration_data, desc="sensitivity: calibrating", progress=progress is None,
                       on_batch=progress)  # fmt: skip
             self._simulation = self.engine.simulator(
-                prepared, self.modules, self._float, self.example_inputs, self._calibrate_quietly
+                prepared, self.modules, self._float, self.example_inputs, self._calibratequietly
             )
             if self._baseline is None:  # checked against the real model before anything is estimated with it
                 self.baseline(progress)
@@ -333,7 +333,7 @@ class QuantizationSession:
         return self._float_outputs
 
     # ---- runs ----------------------------------------------------------------------------------
-    def _calibrate_quietly(self, model: torch.nn.Module) -> None:
+    def _calibratequietly(self, model: torch.nn.Module) -> None:
         calibrate(model, self.calibration_data, desc="calibrating a variant", progress=False)
 
     def _config_for(self, settings: Mapping[str, ModuleSettings]) -> Any:
@@ -462,10 +462,6 @@ class QuantizationSession:
             "module_notes": module_notes,
             "kernel_sqnr_db": kernels,
         }
-
-
-def _quiet(done: int, total: int | None) -> None:
-    pass
 
 
 def _require_float32(model: torch.nn.Module) -> None:

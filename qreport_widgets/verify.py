@@ -29,7 +29,7 @@ import pandas as pd
 from .engine import Variant
 from .features import EQUALIZATION_COMP_METRICS, SuggestionKind
 from .frame import ReportFrame
-from .progress import Progress, steps
+from .progress import Progress, quiet, steps
 from .records import Suggestion
 from .settings import ModuleSettings, Setting, TunableModule
 
@@ -217,20 +217,20 @@ class Verifier:
                 reason = f"outliers in the input of {fqn}"
                 candidate = Candidate(producer, Setting.OBSERVER, outliers[fqn], reason, "percentile")
                 found.setdefault((producer, Setting.OBSERVER), candidate)
-        truth = self.session.truth_check(progress=_quiet)
+        truth = self.session.truth_check(progress=quiet)
         for fqn in truth.disagreeing:  # a kernel that computes something else: keeping it float is the fix
             if fqn in self.modules:
                 reason = f"its quantized kernel differs from its reference ({truth.kernels[fqn]:.1f} dB on the same input)"
                 found.setdefault((fqn, Setting.KEEP_FLOAT), Candidate(fqn, Setting.KEEP_FLOAT, KERNEL_CHECK, reason))
         for fqn, migration in self.session.migrations().items():  # outlier input channels found
             found.setdefault((fqn, Setting.MIGRATE), Candidate(fqn, Setting.MIGRATE, "outlier channels", migration.summary))
-        table = self.session.sensitivity(progress=_quiet, metric=False)
+        table = self.session.sensitivity(progress=quiet, metric=False)
         for fqn in table.index[table["output_sqnr_gain_db"] >= FOUND_GAIN_DB]:
             found.setdefault((fqn, Setting.KEEP_FLOAT), Candidate(fqn, Setting.KEEP_FLOAT, SEARCH))
         return list(found.values())
 
     def verify(self, candidates: Sequence[Candidate], progress: Progress | None = None) -> VerifiedSuggestions:
-        baseline = self.session.baseline(progress=_quiet)
+        baseline = self.session.baseline(progress=quiet)
         engine_wide = self._unavailable_everywhere()  # e.g. equalization under PT2E: one note, not a row each
         left_out = [c for c in candidates if c.setting in engine_wide]
         candidates = [c for c in candidates if c.setting not in engine_wide]
@@ -239,7 +239,7 @@ class Verifier:
             for setting in engine_wide
             if (count := sum(c.setting == setting for c in left_out))
         ]
-        truth = self.session.truth_check(progress=_quiet)
+        truth = self.session.truth_check(progress=quiet)
         if not truth.reliable:  # the simulation does not match the real model: real runs measure everything
             skipped.append(f"every candidate measured by a real run: {truth.status}")
         verdicts: dict[Candidate, Verdict] = {}
@@ -306,13 +306,13 @@ class Verifier:
         with the settings of one candidate's own trial."""
         key = frozenset(changed.items())
         if key not in self._trials:
-            self._trials[key] = self.session.apply(changed, label=label, progress=_quiet, record=False)
+            self._trials[key] = self.session.apply(changed, label=label, progress=quiet, record=False)
         return self._trials[key]
 
     def _simulated_gains(self, candidates: Sequence[Candidate | Sequence[Verdict]]) -> list[float]:
         """Simulated output SQNR gain of each candidate alone, or of each group of verdicts together."""
         variants = [Variant()] + [_variant([c] if isinstance(c, Candidate) else [v.candidate for v in c]) for c in candidates]
-        base, *each = self.session.simulate_each(variants, _quiet, "verifying suggestions", metric=False)
+        base, *each = self.session.simulate_each(variants, quiet, "verifying suggestions", metric=False)
         return [sqnr - base[0] for sqnr, _ in each]
 
     def _judge(self, candidate: Candidate, gain: float, measured: str) -> Verdict:
@@ -415,7 +415,3 @@ def nan_equalization_metric(frame: ReportFrame) -> list[str]:
         return []
     reported = [m for m in frame.module_names if feature in frame.present.get(m, frozenset())]
     return [m for m in reported if np.isnan(frame.channel_values(m, feature)).any()]
-
-
-def _quiet(done: int, total: int | None) -> None:
-    pass

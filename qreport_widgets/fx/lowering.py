@@ -19,7 +19,7 @@ from torch.ao.quantization.quantize_fx import convert_fx
 
 from ..calibration import torch_warnings_hidden
 
-__all__ = ["convert_fx_keeping_float", "float_by_mapping"]
+__all__ = ["convert_fx_keeping_float", "float_by_mapping", "replace_submodule"]
 
 
 class _KeptFloat(nn.Module):
@@ -54,17 +54,18 @@ def convert_fx_keeping_float(prepared: torch.fx.GraphModule, **kwargs: Any) -> t
     """
     hidden = float_by_mapping(prepared)
     for name in hidden:
-        _replace(prepared, name, _KeptFloat(prepared.get_submodule(name)))
+        replace_submodule(prepared, name, _KeptFloat(prepared.get_submodule(name)))
     with torch_warnings_hidden():
         quantized = convert_fx(prepared, **kwargs)
     for model in {id(prepared): prepared, id(quantized): quantized}.values():  # convert_fx may return a new module
         for name in hidden:
             wrapper = model.get_submodule(name)
             if isinstance(wrapper, _KeptFloat):
-                _replace(model, name, wrapper.module)
+                replace_submodule(model, name, wrapper.module)
     return quantized
 
 
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+def replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` at the dotted path ``name`` of ``model``."""
     owner, _, child = name.rpartition(".")
     setattr(model.get_submodule(owner) if owner else model, child, module)

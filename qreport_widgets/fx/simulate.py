@@ -29,6 +29,7 @@ from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 from ..calibration import call_with, torch_warnings_hidden
 from ..engine import Variant
 from ..metrics import sqnr_db
+from .lowering import replace_submodule
 from .replay import Replay
 
 SIMULATED = "qreport_quant_points"
@@ -168,7 +169,7 @@ class Simulator:
                 kernel = copy.deepcopy(quantized.get_submodule(name))
             wrapper = RealKernel(self.model.get_submodule(name), kernel, point.module)
             wrapper.active = name not in self._state.float_modules
-            _replace(self.model, name, wrapper)
+            replace_submodule(self.model, name, wrapper)
             self._kernels[name] = wrapper
         return [name for name in self._names if name in self._kernels]
 
@@ -330,11 +331,6 @@ class Simulator:
                 weighted.get_weight = lambda w=weighted.weight: w
             if kernel is not None:
                 kernel.active = False
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    owner, _, child = name.rpartition(".")
-    setattr(model.get_submodule(owner) if owner else model, child, module)
 
 
 def _dequantized(weight: torch.Tensor, observer: nn.Module) -> torch.Tensor:
