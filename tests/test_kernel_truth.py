@@ -104,8 +104,9 @@ def test_the_tune_rows_keep_the_prelus_float(report):
     assert (
         latest.ok and latest.label.startswith("apply") and latest.output_sqnr_db > report.session.truth_check().simulated_db - 1
     )
-    assert "red: quantized kernels" in panel.layers.figure.title  # the baseline's kernels, a series of their own
+    assert "red: kernels that differ" in panel.layers.figure.title  # the baseline's kernels, a series of their own
     assert "prelu1" in panel.truth.value and "worse than its simulation" in panel.truth.value
+    assert "kernel check (baseline)" in panel.layers.bars.labels
     assert "convert_fx_keeping_float" in panel.code.value
 
 

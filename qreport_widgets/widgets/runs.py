@@ -77,7 +77,7 @@ class LayersChart(w.VBox):
         if kernels is not None and not delta:
             layers = layers.join(kernels.reindex(layers.index).rename(str(kernels.name)))
             colors = [*colors, KERNEL_COLOR]
-            title += " · red: quantized kernels that differ from their reference"
+            title += " · red: kernels that differ"
         low, high, span = bar_range(layers.to_numpy(dtype=np.float64).ravel())
         legend_share = min(0.6, (20 * layers.shape[1] + 25) / 220)  # room above the bars for the legend, a line per run
         with self.figure.hold_sync():

@@ -22,6 +22,7 @@ from traitlets import Bool, Float, HasTraits, Int, Tuple, Unicode
 from ..errors import InvalidSettingsError
 from ..progress import Progress
 from ..settings import ModuleSettings, validate_all
+from ..truth import KERNEL_AGREEMENT_DB
 from ..verify import nan_equalization_metric
 
 if TYPE_CHECKING:
@@ -233,9 +234,13 @@ class TuneController(HasTraits):
                 result = self.session.apply(settings, label=label, progress=self._reporter(label, "calibrating"))
             if result.ok:
                 notes = "".join(f"<br><i>{html.escape(note)}</i>" for note in result.notes)
-                undone = len(result.module_notes)
+                kernels = result.kernel_sqnr_db
+                off = set(kernels.index[kernels < KERNEL_AGREEMENT_DB])
+                undone = len(set(result.module_notes) - off)
                 if undone:
                     notes += f"<br><i>{undone} module(s) did not carry out their settings: their rows say what the run did.</i>"
+                if off:
+                    notes += f"<br><i>{len(off)} module(s) ran a quantized kernel that differs from its reference.</i>"
                 self._final_status = run_status(result, self.session.history, self.table) + notes
             else:
                 self._final_status = FAILED_RUN

@@ -247,7 +247,7 @@ def _kernels_apart(history: list[RunResult]) -> pd.Series | None:
     for run in reversed(history):
         apart = run.kernel_sqnr_db[run.kernel_sqnr_db < KERNEL_AGREEMENT_DB]
         if len(apart):
-            return apart.rename(f"kernel vs reference ({run.label})")
+            return apart.rename(f"kernel check ({run.label})")
     return None
 
 

@@ -239,8 +239,8 @@ def test_the_tune_tab_says_where_the_real_model_and_its_simulation_disagree(lab)
         truth = widget.get_by_text("worse than its simulation").first
         assert "prelu1, prelu2, prelu3, prelu4" in truth.inner_text()
         assert "rgb(187, 0, 0)" in truth.evaluate("e => getComputedStyle(e.closest('div')).color")
-        _assert_bars_drawn(widget, "red: quantized kernels that differ from their reference")
-        chart = widget.locator(".bqplot", has_text="kernel vs reference (baseline)").first
+        _assert_bars_drawn(widget, "red: kernels that differ")
+        chart = widget.locator(".bqplot", has_text="kernel check (baseline)").first
         chart.screenshot(path=str(SCREENSHOTS / "kernel_truth_layers.png"))
         _assert_nothing_spills(widget)
         _assert_looks_right(widget)
