@@ -40,6 +40,8 @@ def analyze(
     progress: bool = True,
     engine: str = "fx",
     quantizer: Any = None,
+    format: str | None = None,  # noqa: A002  (the word users know)
+    output_fn: Callable[[Any], torch.Tensor] | None = None,
 ) -> ModelReport:
     """Prepare a copy of ``float_model`` (``prepare_fx``, or ``torch.export`` for PT2E), observe it
     during calibration and report.
@@ -57,12 +59,18 @@ def analyze(
         prepare_custom_config: passed to ``prepare_fx`` here and in every later run, e.g.
             ``PrepareCustomConfig().set_non_traceable_module_classes([MyBlock])`` for a block
             whose forward FX cannot trace.
-        engine: ``"fx"`` (FX graph mode: ``prepare_fx`` / ``convert_fx``) or ``"pt2e"`` (torchao:
-            ``torch.export`` -> ``prepare_pt2e`` / ``convert_pt2e``; needs the ``[pt2e]`` extra). The
-            engine says what the report observes (PT2E: the exported float graph) and runs every
-            tuning run.
+        engine: ``"fx"`` (FX graph mode: ``prepare_fx`` / ``convert_fx``), ``"pt2e"`` (torchao:
+            ``torch.export`` -> ``prepare_pt2e`` / ``convert_pt2e``; needs the ``[pt2e]`` extra) or
+            ``"eager"`` (torchao's ``quantize_`` per module, no graph: the engine for Hugging Face
+            transformers and weight-only / int4 formats; the ``[eager]`` extra). The engine says
+            what the report observes (PT2E: the exported float graph; eager: the leaf modules,
+            by hooks) and runs every tuning run.
         quantizer: PT2E only: the starting quantizer (default: torchao's ``X86InductorQuantizer``
             with its default config); Tune settings override it per module.
+        format: eager only: the starting format of every ``nn.Linear`` (``"int8-dynamic"`` by
+            default; ``"int8-weight-only"``, ``"int4-weight-only"``, ``"int8-dynamic-int4-weight"``).
+        output_fn: ``output_fn(model_output) -> tensor``: what output SQNR is measured on; default:
+            the output, or its first tensor (a Hugging Face ``ModelOutput``'s first field).
 
     The report's model (``report.model``) is for analysis: ``prepare_fx``'s own observers rest
     while it calibrates, since no detector reads them. To quantize, use ``report.session`` (or
@@ -70,7 +78,7 @@ def analyze(
     """
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     detectors = default_detectors(backend) if detectors is None else detectors
-    chosen = engine_named(engine, EngineOptions(backend, qconfig_mapping, prepare_custom_config, quantizer))
+    chosen = engine_named(engine, EngineOptions(backend, qconfig_mapping, prepare_custom_config, quantizer, format))
     # the session's own copy, made before anything runs: later edits to the caller's model do not
     # leak into tuning, and the analysis prepares from the same copy
     float_copy = copy.deepcopy(float_model).eval()
@@ -83,7 +91,9 @@ def analyze(
     report.generate_model_report(remove_inserted_observers=False)
     data = kept if kept is not None else calibration_data
     try:
-        session = QuantizationSession._adopt(float_copy, chosen, example_inputs, data, eval_data, eval_fn, observed.modules)
+        session = QuantizationSession._adopt(
+            float_copy, chosen, example_inputs, data, eval_data, eval_fn, observed.modules, output_fn
+        )
     except ValueError as error:  # e.g. a calibration callable without eval_data: the analysis still stands
         report._attach_session(chosen, observed.modules, None, f"{type(error).__name__}: {error}")
     else:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pandas as pd
 import torch
 
-from .metrics import output_tensor, sqnr_db
+from .metrics import sqnr_db
 from .progress import Progress, steps
 from .settings import ModuleSettings
 from .truth import SIMULATION_ERROR_DB
@@ -73,6 +73,10 @@ class DiagnosisHost(Protocol):
     def simulation(self, progress: Progress | None = None) -> Simulation: ...
 
     def reference_outputs(self) -> list[torch.Tensor]: ...
+
+    def output_of(self, output: Any) -> torch.Tensor:
+        """A model output as the one tensor SQNR compares (the user's ``output_fn``)."""
+        ...
 
     def baseline(self, progress: Progress | None = None) -> RunResult: ...
 
@@ -187,7 +191,8 @@ class Diagnosis:
 
     def _output_sqnr(self, outputs: Sequence[Any]) -> float:
         reference = self.host.reference_outputs()
-        return sqnr_db(torch.cat([r.flatten() for r in reference]), torch.cat([output_tensor(o).flatten() for o in outputs]))
+        found = torch.cat([self.host.output_of(o).flatten() for o in outputs])
+        return sqnr_db(torch.cat([r.flatten() for r in reference]), found)
 
     def reach(
         self,

@@ -37,10 +37,12 @@ class EngineOptions:
     qconfig_mapping: Any = None  # FX: the starting QConfigMapping
     prepare_custom_config: Any = None  # FX: passed to every prepare_fx
     quantizer: Any = None  # PT2E: the starting torchao quantizer
+    format: str | None = None  # eager: the starting format of every Linear layer
 
     def given(self) -> set[str]:
         """The workflow options that were set (``backend`` aside: an engine reads it or has none)."""
-        return {name for name in ("qconfig_mapping", "prepare_custom_config", "quantizer") if getattr(self, name) is not None}
+        names = ("qconfig_mapping", "prepare_custom_config", "quantizer", "format")
+        return {name for name in names if getattr(self, name) is not None}
 
     def refuse(self, engine: str, allowed: Iterable[str], instead: str) -> None:
         """A ValueError naming ``engine`` when an option outside ``allowed`` was set."""
@@ -52,11 +54,12 @@ class EngineOptions:
 
 @dataclass(frozen=True)
 class Observation:
-    """What the analysis instruments: ``model`` (a GraphModule the report's observers go into),
-    ``graph_of`` (how its units and channel axes are read) and the tunable modules of the start."""
+    """What the analysis instruments: ``model`` (a GraphModule the report's observers go into, or a
+    model run eagerly whose ``graph`` maps its modules' tensors, observed by hooks), ``graph_of``
+    (how its units and channel axes are read) and the tunable modules of the start."""
 
-    model: torch.fx.GraphModule
-    graph_of: Callable[[torch.fx.GraphModule], ModelGraph]
+    model: torch.nn.Module
+    graph_of: Callable[[Any], ModelGraph]
     modules: list[TunableModule]
 
 
@@ -126,6 +129,11 @@ class Engine(ABC, Generic[ConfigT]):
     def convert(self, prepared: torch.nn.Module) -> torch.nn.Module:
         """The quantized model of a calibrated prepared model."""
 
+    def calibrates(self, config: ConfigT) -> bool:
+        """Whether a run with ``config`` needs the calibration data before ``convert``. Default:
+        True (static activations observe it); an engine whose formats need none says False."""
+        return True
+
     def observers_paused(self, prepared: torch.nn.Module) -> AbstractContextManager[None]:
         """The engine's own observers pass tensors through untouched while the context is open.
         Default: nothing to pause."""
@@ -139,6 +147,12 @@ class Engine(ABC, Generic[ConfigT]):
     @abstractmethod
     def conversions(self, prepared: torch.nn.Module, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
         """(per layer type: total / quantized / float, per module: float type -> converted type)."""
+
+    def deployed_bytes(self, quantized: torch.nn.Module) -> int | None:
+        """The quantized model's weights as a deployed (packed) layout stores them, where that
+        differs from the serialized state dict (``RunResult.deployed_bytes``). Default: None (the
+        same)."""
+        return None
 
     def reference_model(self, prepared: torch.nn.Module) -> torch.nn.Module | None:
         """The reference quantized model of the calibrated ``prepared`` (float ops between quantize
@@ -191,12 +205,13 @@ class Engine(ABC, Generic[ConfigT]):
 
 @dataclass(frozen=True)
 class Variant:
-    """One configuration to simulate, relative to the starting one: modules kept float, and modules
+    """One configuration to simulate, relative to the starting one: modules kept float, modules
     whose weights are quantized with the other scheme (per channel where they start per tensor, or
-    the reverse)."""
+    the reverse), and on an engine with formats, modules given other settings (module, settings)."""
 
     float_modules: frozenset[str] = frozenset()
     other_weights: frozenset[str] = frozenset()
+    settings: frozenset[tuple[str, ModuleSettings]] = frozenset()
 
     @staticmethod
     def of(variant: Variant | Iterable[str]) -> Variant:

@@ -1,7 +1,7 @@
 """The engine registry: the one place that names every engine package.
 
-``engine_named("fx", options)`` builds an engine; a new engine is a package beside ``fx/`` and
-``pt2e/`` with an ``Engine`` subclass, and one entry in ``ENGINES``. Engines are imported when
+``engine_named("fx", options)`` builds an engine; a new engine is a package beside ``fx/``,
+``pt2e/`` and ``eager/`` with an ``Engine`` subclass, and one entry in ``ENGINES``. Engines are imported when
 first named, so an engine whose extra is not installed costs nothing until it is asked for.
 """
 
@@ -24,9 +24,16 @@ def _pt2e() -> type[Engine]:
     return Pt2eEngine
 
 
+def _eager() -> type[Engine]:
+    from .eager.engine import EagerEngine
+
+    return EagerEngine
+
+
 ENGINES: dict[str, Callable[[], type[Engine]]] = {
     "fx": _fx,  # FX graph mode: prepare_fx / convert_fx (torch)
     "pt2e": _pt2e,  # torch.export -> prepare_pt2e / convert_pt2e (torchao, the [pt2e] extra)
+    "eager": _eager,  # torchao's quantize_ per module, no graph: transformers, weight-only formats (the [eager] extra)
 }
 
 

@@ -39,6 +39,10 @@ class DetectorConfigError(QReportError, ValueError):
     """Detectors passed to ModelReport do not fit together or do not fit the model."""
 
 
+class MissingExtraError(QReportError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""
+
+
 class UntraceableModelError(QReportError, RuntimeError):
     """torch.fx could not trace the float model."""
 

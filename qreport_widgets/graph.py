@@ -157,7 +157,7 @@ class ModelGraph:
         modules = self.modules
         for _ in range(64):
             if node is None or node.op in ("placeholder", "get_attr"):
-                return 1
+                return node.meta.get("channel_axis", 1) if node is not None else 1
             name = str(node.target) if node.op == "call_module" else leaf_module_name(node)
             if name is not None:
                 module = modules.get(name)

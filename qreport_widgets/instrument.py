@@ -1,12 +1,19 @@
-"""Insert and remove ModelReportObservers: one per distinct (tensor, channel axis), shared by detectors."""
+"""Insert and remove ModelReportObservers: one per distinct (tensor, channel axis), shared by detectors.
+
+In a GraphModule an observer is a ``call_module`` node after its tensor. A graph that is a map of a
+model run eagerly (its nodes carry ``meta["site"]``: a module's output or input) gets hooks on
+those modules instead; the model runs its own forward.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .detectors.base import ObservationRequest
 from .features import Stat
@@ -41,12 +48,24 @@ class Placement:
         )
 
 
+OUTPUT, INPUT = "output", "input"
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where an eagerly run model's tensor is watched: a module's output, or its first tensor input."""
+
+    module: str
+    side: str  # OUTPUT or INPUT
+
+
 class ObserverContainer(nn.Module):
     """Holds the inserted observers; ``index`` maps (unit, side, requested axis) to an observer name."""
 
     def __init__(self) -> None:
         super().__init__()
         self.index: dict[tuple[str, str, int | None], str] = {}
+        self.handles: list[RemovableHandle] = []  # hooks of an eagerly run model
 
 
 def plan(graph: ModelGraph, requests: Iterable[ObservationRequest]) -> tuple[list[Placement], dict]:
@@ -99,11 +118,19 @@ def _merge(placement: Placement, request: ObservationRequest) -> None:
     placement.histogram_bins = max(placement.histogram_bins, request.histogram_bins)
 
 
-def insert(model: torch.fx.GraphModule, placements: list[Placement], index: dict) -> ObserverContainer:
-    """Add the observers to ``model`` (in place) as call_module nodes right after their tensors."""
+def insert(model: nn.Module, placements: list[Placement], index: dict) -> ObserverContainer:
+    """Add the observers to ``model`` (in place) as call_module nodes right after their tensors, or
+    as hooks on the modules of an eagerly run model's sites."""
     container = ObserverContainer()
     container.index = index
     model.add_module(OBSERVER_CONTAINER, container)
+    if not isinstance(model, torch.fx.GraphModule):
+        watch: dict[Site, list[nn.Module]] = {}
+        for placement in placements:
+            container.add_module(placement.name, placement.build())
+            watch.setdefault(placement.node.meta["site"], []).append(container.get_submodule(placement.name))
+        container.handles = attach(model, watch)
+        return container
     last_placeholder = None
     for node in model.graph.nodes:
         if node.op == "placeholder":
@@ -117,8 +144,15 @@ def insert(model: torch.fx.GraphModule, placements: list[Placement], index: dict
     return container
 
 
-def remove(model: torch.fx.GraphModule) -> None:
-    """Take every inserted observer node and module out of ``model``."""
+def remove(model: nn.Module) -> None:
+    """Take every inserted observer node (or hook) and module out of ``model``."""
+    if not isinstance(model, torch.fx.GraphModule):
+        container = getattr(model, OBSERVER_CONTAINER, None)
+        for handle in getattr(container, "handles", ()):
+            handle.remove()
+        if container is not None:
+            delattr(model, OBSERVER_CONTAINER)
+        return
     prefix = f"{OBSERVER_CONTAINER}."
     for node in list(model.graph.nodes):
         if node.op == "call_module" and str(node.target).startswith(prefix):
@@ -126,3 +160,38 @@ def remove(model: torch.fx.GraphModule) -> None:
     if hasattr(model, OBSERVER_CONTAINER):
         delattr(model, OBSERVER_CONTAINER)
     model.recompile()
+
+
+def attach(model: nn.Module, watch: dict[Site, list[nn.Module]]) -> list[RemovableHandle]:
+    """Hook each site's observers on its module (its output, or its first tensor input); they see
+    floating-point tensors only."""
+    modules = dict(model.named_modules())
+    handles = []
+    for site, observers in watch.items():
+        module = modules[site.module]
+        if site.side == OUTPUT:
+
+            def after(_module: nn.Module, _args: tuple, output: Any, observers: list = observers) -> None:
+                if isinstance(output, torch.Tensor) and output.is_floating_point():
+                    for observer in observers:
+                        observer(output.detach())
+
+            handles.append(module.register_forward_hook(after))
+        else:
+
+            def before(_module: nn.Module, args: tuple, kwargs: dict, observers: list = observers) -> None:
+                first = first_tensor(args, kwargs)
+                if first is not None and first.is_floating_point():
+                    for observer in observers:
+                        observer(first.detach())
+
+            handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+    return handles
+
+
+def first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The first tensor among a call's positional, then keyword arguments."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None

@@ -20,17 +20,31 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
 
 
 def output_tensor(output: Any) -> torch.Tensor:
-    """A model's output as one float tensor: tensors, or tuples, lists, dicts or dataclasses of them."""
+    """A model's output as the float tensor its SQNR is measured on: the tensor, or the first tensor
+    of a tuple, list, dict or dataclass of them (a Hugging Face ``ModelOutput``'s first field, say:
+    ``last_hidden_state``, ``logits``). Pass ``output_fn=`` to ``analyze()`` to choose another."""
+    found = _first_tensor(output)
+    if found is None:
+        raise TypeError(
+            f"cannot compare model outputs of type {type(output).__name__}: return a tensor, or tuples, lists, "
+            "dicts or dataclasses of tensors, or pass output_fn= (the model's output -> the tensor to compare)"
+        )
+    return found.detach().float()
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
-        return output.detach().float()
-    if isinstance(output, (tuple, list)):
-        return torch.cat([output_tensor(o).flatten() for o in output if isinstance(o, (torch.Tensor, tuple, list))])
-    if isinstance(output, dict):
-        return torch.cat([output_tensor(v).flatten() for v in output.values()])
-    if dataclasses.is_dataclass(output):  # model-output classes of transformer libraries, say
-        fields = [getattr(output, f.name) for f in dataclasses.fields(output)]
-        return torch.cat([output_tensor(v).flatten() for v in fields if isinstance(v, (torch.Tensor, tuple, list, dict))])
-    raise TypeError(
-        f"cannot compare model outputs of type {type(output).__name__}: return tensors, or tuples, lists, dicts "
-        "or dataclasses of them"
-    )
+        return output
+    if isinstance(output, dict):  # a ModelOutput is an ordered dict of the fields that are set
+        values = list(output.values())
+    elif isinstance(output, (tuple, list)):
+        values = list(output)
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        values = [getattr(output, f.name) for f in dataclasses.fields(output)]
+    else:
+        return None
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None

@@ -47,6 +47,9 @@ class RunResult:
     # module -> its quantized kernel's SQNR against its reference on the same input (truth.py); empty where
     # the run did not check (a run after a baseline whose kernels all agree, quantizing nothing new)
     kernel_sqnr_db: pd.Series = field(default_factory=lambda: pd.Series(dtype=float, name="kernel SQNR (dB)"))
+    # the weights as a deployed (packed) layout stores them: int4 at 4 bits where this process keeps
+    # them unpacked in int8 (eager engine); the serialized size elsewhere. 0 for a failed run
+    deployed_bytes: int = 0
 
     def __post_init__(self) -> None:
         # a run's own copies: nothing a caller keeps changes it later

@@ -53,8 +53,10 @@ class QuantizationSession:
         eval_fn: ``eval_fn(model) -> float``, your own metric (e.g. accuracy), shown next to ours.
         qconfig_mapping: the starting mapping the baseline uses (default: the backend's default).
         prepare_custom_config: passed to every ``prepare_fx`` (non-traceable modules, ...).
-        engine: the quantization workflow: an Engine, or an engine's name (``"fx"``, ``"pt2e"``)
-            built from the arguments above; default: FX graph mode from ``qconfig_mapping``.
+        engine: the quantization workflow: an Engine, or an engine's name (``"fx"``, ``"pt2e"``,
+            ``"eager"``) built from the arguments above; default: FX graph mode from ``qconfig_mapping``.
+        output_fn: ``output_fn(model_output) -> tensor``, the tensor output SQNR is measured on;
+            default: the output, or its first tensor (``metrics.output_tensor``).
     """
 
     def __init__(
@@ -69,10 +71,12 @@ class QuantizationSession:
         prepare_custom_config: Any = None,
         *,
         engine: Engine | str | None = None,
+        output_fn: Callable[[Any], torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(engine, Engine):
             engine = engine_named(engine or "fx", EngineOptions(backend, qconfig_mapping, prepare_custom_config))
         self._start(copy.deepcopy(float_model).eval(), engine, example_inputs, calibration_data, eval_data, eval_fn, None)
+        self._output_fn = output_fn
 
     @classmethod
     def _adopt(
@@ -84,11 +88,13 @@ class QuantizationSession:
         eval_data: Iterable[Any] | None,
         eval_fn: Callable[[torch.nn.Module], float] | None,
         modules: list[TunableModule],
+        output_fn: Callable[[Any], torch.Tensor] | None = None,
     ) -> QuantizationSession:
         """A session that owns ``float_copy`` (a private copy already) and knows the tunable modules
         from an earlier prepare with the starting configuration, as ``analyze()`` has them."""
         session = cls.__new__(cls)
         session._start(float_copy, engine, example_inputs, calibration_data, eval_data, eval_fn, modules)
+        session._output_fn = output_fn
         return session
 
     def _start(self, float_copy, engine, example_inputs, calibration_data, eval_data, eval_fn, modules) -> None:
@@ -96,6 +102,7 @@ class QuantizationSession:
         self.engine = engine
         self.example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         self.eval_fn = eval_fn
+        self._output_fn: Callable[[Any], torch.Tensor] | None = None
         self.calibration_data, self.eval_data, self.eval_description = _split(calibration_data, eval_data)
         self.history: list[RunResult] = []
         self._modules: list[TunableModule] | None = None if modules is None else list(modules)
@@ -250,6 +257,7 @@ class QuantizationSession:
                 "mean batch SQNR (dB)": r.mean_batch_sqnr_db,
                 "quantized layers": r.quantized_layers,
                 "size (KB)": r.size_bytes / 1024,
+                "deployed size (KB)": r.deployed_bytes / 1024,
                 "latency (ms, 1 thread)": r.latency_ms,
                 "latency spread (ms)": r.latency_spread_ms,
                 **({"your metric": r.eval_metric} if self.eval_fn is not None else {}),
@@ -266,9 +274,11 @@ class QuantizationSession:
         """The starting configuration calibrated once, as a simulation in which modules can be kept
         float without calibrating again (built on first use, then kept)."""
         if self._simulation is None:
-            prepared = self.engine.prepare(self._float, self.engine.base_config(), self.example_inputs)
-            calibrate(prepared, self.calibration_data, desc="sensitivity: calibrating", progress=progress is None,
-                      on_batch=progress)  # fmt: skip
+            config = self.engine.base_config()
+            prepared = self.engine.prepare(self._float, config, self.example_inputs)
+            if self.engine.calibrates(config):
+                calibrate(prepared, self.calibration_data, desc="sensitivity: calibrating", progress=progress is None,
+                          on_batch=progress)  # fmt: skip
             self._simulation = self.engine.simulator(
                 prepared, self.modules, self._float, self.example_inputs, self._calibratequietly
             )
@@ -329,8 +339,18 @@ class QuantizationSession:
         """The float model's outputs on the evaluation batches (computed once)."""
         if self._float_outputs is None:
             with torch.no_grad():
-                self._float_outputs = [output_tensor(call_with(self._float, b)) for b in self.eval_data]
+                self._float_outputs = [self.output_of(call_with(self._float, b)) for b in self.eval_data]
         return self._float_outputs
+
+    def output_of(self, output: Any) -> torch.Tensor:
+        """A model output as the tensor output SQNR compares: ``output_fn``'s, else the output or its
+        first tensor."""
+        if self._output_fn is None:
+            return output_tensor(output)
+        found = self._output_fn(output)
+        if not isinstance(found, torch.Tensor):
+            raise TypeError(f"output_fn must return a tensor, got {type(found).__name__}")
+        return found.detach().float()
 
     # ---- runs ----------------------------------------------------------------------------------
     def _calibratequietly(self, model: torch.nn.Module) -> None:
@@ -376,8 +396,9 @@ class QuantizationSession:
             _require_float32(self._float)
             source = self._float if float_model is None else float_model
             prepared = engine.prepare(source, config, self.example_inputs)
-            calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None,
-                      on_batch=progress)  # fmt: skip
+            if engine.calibrates(config):
+                calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None,
+                          on_batch=progress)  # fmt: skip
             # before convert changes prepared
             reference = engine.reference_model(prepared) if record and self._checks_kernels(prepared) else None
             quantized = engine.convert(prepared)
@@ -422,7 +443,7 @@ class QuantizationSession:
         with torch.no_grad():
             try:
                 call_with(quantized, self.eval_data[0])  # warm-up: first calls pay for allocations and packing
-                seconds = _timed_calls(quantized, self.eval_data, outputs)
+                seconds = _timed_calls(quantized, self.eval_data, outputs, self.output_of)
             except Exception as error:
                 raise CalibrationError(f"{label}: the quantized model failed on the evaluation data: {error}") from error
         batch_sqnr = [sqnr_db(r, o) for r, o in zip(reference, outputs, strict=True)]
@@ -445,11 +466,13 @@ class QuantizationSession:
             kernel_note = f"its quantized kernel differs from its reference ({value:.1f} dB on the same input): keep it float"
             module_notes[name] = f"{module_notes[name]}; {kernel_note}" if name in module_notes else kernel_note
         summary, conversions = self.engine.conversions(prepared, quantized)
+        size = _serialized_size(quantized)
         return {
             "quantized_model": quantized,
             "output_sqnr_db": sqnr_db(torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs])),
             "per_layer_sqnr_db": layers,
-            "size_bytes": _serialized_size(quantized),
+            "size_bytes": size,
+            "deployed_bytes": self.engine.deployed_bytes(quantized) or size,
             "latency_ms": float(np.median(seconds) * 1000),
             "latency_spread_ms": float((max(seconds) - min(seconds)) * 1000),
             "mean_batch_sqnr_db": float(np.mean(batch_sqnr)),
@@ -501,7 +524,9 @@ LATENCY_CALLS = (3, 7)  # timed calls per run: at least 3, at most 7 ...
 LATENCY_BUDGET_S = 0.2  # ... stopping after 3 once this long was spent
 
 
-def _timed_calls(model: torch.nn.Module, batches: Sequence[Any], outputs: list[torch.Tensor]) -> list[float]:
+def _timed_calls(
+    model: torch.nn.Module, batches: Sequence[Any], outputs: list[torch.Tensor], output_of: Callable[[Any], torch.Tensor]
+) -> list[float]:
     """Seconds per call of ``model`` on one thread: each evaluation batch once (its output appended
     to ``outputs``), then more calls cycling through them while LATENCY_CALLS asks for them.
 
@@ -520,7 +545,7 @@ def _timed_calls(model: torch.nn.Module, batches: Sequence[Any], outputs: list[t
         seconds = []
         for batch in batches:  # the evaluation pass: its outputs and its times
             output, took = timed(batch)
-            outputs.append(output_tensor(output))
+            outputs.append(output_of(output))
             seconds.append(took)
         fewest, most = LATENCY_CALLS
         for batch in itertools.cycle(batches):  # more calls while the figure needs them

@@ -26,6 +26,24 @@ class ModuleSettings:
     keep_float: bool = False
     migrate: bool = False  # move the scale of outlier input channels into the weights (migration.py)
     observer: str = ""  # the output's activation observer: "" keeps the starting one, else "minmax", "histogram", "percentile"
+    format: str = ""  # engines with formats (eager): one of FORMATS; "float" is keep_float
+    group_size: int = 0  # int4 formats: weights per scale (0: DEFAULT_GROUP_SIZE)
+
+    def __post_init__(self) -> None:
+        # one way to say float on an engine with formats: keep_float and format "float" together
+        if self.format == "float" or (self.keep_float and self.format):
+            object.__setattr__(self, "keep_float", True)
+            object.__setattr__(self, "format", "float")
+            object.__setattr__(self, "group_size", 0)
+
+    @property
+    def quantized_format(self) -> str:
+        """The format in words as a run applies it: "float", or the format with its group size."""
+        if self.keep_float:
+            return "float"
+        if self.format in GROUPED_FORMATS:
+            return f"{self.format} (group {self.group_size or DEFAULT_GROUP_SIZE})"
+        return self.format
 
 
 class Setting(str, Enum):
@@ -37,6 +55,8 @@ class Setting(str, Enum):
     KEEP_FLOAT = "keep_float"
     MIGRATE = "migrate"
     OBSERVER = "observer"
+    FORMAT = "format"
+    GROUP_SIZE = "group_size"
 
     def __str__(self) -> str:
         return self.value
@@ -58,9 +78,17 @@ _WORDS = {
     Setting.KEEP_FLOAT: "keep float",
     Setting.MIGRATE: "outlier-channel migration",
     Setting.OBSERVER: "activation observer",
+    Setting.FORMAT: "format",
+    Setting.GROUP_SIZE: "group size",
 }
 assert [s.value for s in Setting] == [f.name for f in fields(ModuleSettings)], "Setting must name every field"
 OBSERVER_NAMES = ("", "minmax", "histogram", "percentile")
+# the weight / activation formats of engines that choose them per module (eager, on torchao's quantize_)
+FORMATS = ("float", "int8-dynamic", "int8-weight-only", "int4-weight-only", "int8-dynamic-int4-weight")
+GROUPED_FORMATS = ("int4-weight-only", "int8-dynamic-int4-weight")  # weights in groups of group_size
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 32
+NO_FORMATS = "formats (int8 / int4 weight-only, dynamic int8) are chosen per module on engine='eager'"
 
 
 @dataclass(frozen=True)
@@ -80,13 +108,22 @@ class TunableModule:
     unavailable: Mapping[Setting, str] = field(default_factory=dict)
     native: Any = None
     weighted: bool = True
+    formats: Mapping[str, str] = field(default_factory=dict)  # format -> why not ("" where it applies)
+    group_sizes: tuple[int, ...] = ()  # the group sizes an int4 format can take here
 
     def __post_init__(self) -> None:
         try:
             typed = {Setting(name): why for name, why in self.unavailable.items()}
         except ValueError as error:
             raise ValueError(f"{self.fqn}: {error}; unavailable names ModuleSettings fields") from None
+        if not self.formats:  # an engine without formats
+            typed.setdefault(Setting.FORMAT, NO_FORMATS)
+            typed.setdefault(Setting.GROUP_SIZE, NO_FORMATS)
         object.__setattr__(self, "unavailable", typed)
+        object.__setattr__(self, "formats", dict(self.formats))
+
+    def format_allowed(self, name: str) -> bool:
+        return self.formats.get(name) == ""
 
     def allows(self, setting: Setting | str) -> bool:
         return Setting(setting) not in self.unavailable
@@ -105,9 +142,27 @@ def validate(module: TunableModule, settings: ModuleSettings) -> None:
         raise InvalidSettingsError(f"{module.fqn}: input-weight equalization needs static activation quantization")
     if settings.observer and settings.dynamic:
         raise InvalidSettingsError(f"{module.fqn}: an activation observer is for static activations; dynamic ones have none")
+    if settings.format and settings.format != "float":
+        _validate_format(module, settings)
     if settings.observer not in OBSERVER_NAMES:
         known = ", ".join(OBSERVER_NAMES[1:])
         raise InvalidSettingsError(f"{module.fqn}: unknown activation observer {settings.observer!r} (known: {known})")
+
+
+def _validate_format(module: TunableModule, settings: ModuleSettings) -> None:
+    name = settings.format
+    if name not in FORMATS:
+        raise InvalidSettingsError(f"{module.fqn}: unknown format {name!r} (known: {', '.join(FORMATS)})")
+    if settings.keep_float:
+        return
+    if not module.format_allowed(name):
+        raise InvalidSettingsError(f"{module.fqn}: {module.formats.get(name) or name + ' is not offered here'}")
+    if settings.group_size and name not in GROUPED_FORMATS:
+        raise InvalidSettingsError(f"{module.fqn}: a group size is for the int4 formats ({', '.join(GROUPED_FORMATS)})")
+    size = settings.group_size or DEFAULT_GROUP_SIZE
+    if name in GROUPED_FORMATS and size not in module.group_sizes:
+        offered = ", ".join(map(str, module.group_sizes)) or "none"
+        raise InvalidSettingsError(f"{module.fqn}: group size {size} does not divide its rows (group sizes that do: {offered})")
 
 
 def validate_all(modules: Iterable[TunableModule], settings: Mapping[str, ModuleSettings]) -> None:
@@ -138,5 +193,7 @@ def with_suggestions(modules: Iterable[TunableModule], suggestions: Iterable[Sug
             keep_float=now.keep_float,
             migrate=now.migrate,
             observer=now.observer,
+            format=now.format,
+            group_size=now.group_size,
         )
     return settings

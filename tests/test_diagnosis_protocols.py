@@ -76,6 +76,9 @@ class FakeHost:
     def reference_outputs(self):
         return BATCHES
 
+    def output_of(self, output):
+        return output
+
     def baseline(self, progress=None) -> RunResult:
         return self.apply({}, label="baseline")
 

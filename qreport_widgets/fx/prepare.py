@@ -40,7 +40,9 @@ def prepare(
             "prepare_custom_config=PrepareCustomConfig().set_non_traceable_module_names([...]) or "
             ".set_non_traceable_module_classes([...]) (to analyze() or prepare_fx) to keep the offending "
             "submodule as one opaque call, fix input-dependent arguments with concrete_args, or move the "
-            "branch out of forward()."
+            "branch out of forward(). Or use another engine: analyze(..., engine='eager') needs no graph at "
+            "all (torchao's quantize_; the engine for Hugging Face transformers, whose FX support ended in "
+            "transformers 5), and engine='pt2e' traces with torch.export, which follows more Python."
         ) from error
     _drop_observers_on_non_float(prepared, example_inputs)
     return prepared

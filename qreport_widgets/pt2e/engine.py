@@ -22,7 +22,7 @@ from ..engine import Engine, EngineOptions, Observation, RunNotes
 from ..metrics import sqnr_db
 from ..run import conversion_tables
 from ..settings import ModuleSettings, Setting, TunableModule
-from .export import NothingQuantizedError, export_model
+from .export import NothingQuantizedError, export_model, quantizer_failed
 from .graph import exported_graph
 from .numerics import (
     ConvertedLayer,
@@ -108,7 +108,10 @@ class Pt2eEngine(Engine[Pt2eConfig]):
         ao = torchao_pt2e()
         with pt2e_warnings_hidden():
             exported = copy.deepcopy(self.export(float_model, example_inputs))
-            prepared = ao.prepare_pt2e(exported, config.quantizer())
+            try:
+                prepared = ao.prepare_pt2e(exported, config.quantizer())
+            except Exception as error:  # inside torchao's quantizer: explained, never passed on raw
+                raise quantizer_failed("prepare_pt2e (its quantizer's annotate)", error) from error
         eval_only(prepared)  # calibration puts the model in eval mode
         return prepared
 

@@ -21,12 +21,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..errors import QReportError
+from ..errors import MissingExtraError
 from ..settings import ModuleSettings
-
-
-class MissingExtraError(QReportError, ImportError):
-    """An optional dependency is not installed; the message names the extra to install."""
 
 
 @functools.cache
