@@ -34,6 +34,7 @@ class GraphSummary:
     ops: Mapping[str, int]
     layer_types: Mapping[str, int]
     skipped: Mapping[str, str]
+    kind: str = "graph"  # "modules": the leaf modules of a model run eagerly, in call order (no graph)
 
     def op_counts(self) -> dict[str, int]:
         return dict(self.ops)

@@ -19,7 +19,7 @@ from torch import nn
 
 from .architectures import MobileNetV3Small, PReLUNet
 
-MODELS = ("cnn", "mixer", "mobilenet", "prelu")
+MODELS = ("cnn", "mixer", "mobilenet", "prelu", "bert")
 _TRAIN = 1280  # the first images train, the rest calibrate (half) and evaluate (half)
 
 
@@ -79,6 +79,27 @@ class DigitsMobileNet(nn.Module):
         return self.net(nn.functional.interpolate(x, scale_factor=4.0, mode="bilinear", align_corners=False))
 
 
+class DigitsBert(nn.Module):
+    """A Hugging Face BERT (``BertForSequenceClassification`` from a ``BertConfig``: 2 layers, hidden
+    64, random initialisation, trained here) reading each image as 64 tokens, its pixels' 17
+    intensities: (B, 1, 8, 8) -> (B, 10) logits. Needs ``transformers``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        try:
+            from transformers import BertConfig, BertForSequenceClassification
+        except ImportError as error:
+            raise ImportError("the digits BERT is a Hugging Face model: pip install transformers") from error
+        config = BertConfig(vocab_size=17, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=128, max_position_embeddings=64, num_labels=10,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+        self.bert = BertForSequenceClassification(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = ((x * 0.4 + 0.3) * 16).round().long().clamp(0, 16).flatten(1)  # undo digits_tensors' scaling
+        return self.bert(input_ids=tokens).logits
+
+
 @dataclass(frozen=True)
 class DigitsData:
     """Batches of ``(images,)`` for calibration and evaluation, and the labels of the evaluation images."""
@@ -120,7 +141,7 @@ def build_digits_model(name: str) -> nn.Module:
         raise ValueError(f"unknown digits model {name!r}; pick one of {', '.join(MODELS)}")
     if name == "prelu":  # a face-detector stage's layout on the 8 x 8 digits
         return PReLUNet(in_channels=1, size=8)
-    return {"cnn": DigitsCNN, "mixer": DigitsMixer, "mobilenet": DigitsMobileNet}[name]()
+    return {"cnn": DigitsCNN, "mixer": DigitsMixer, "mobilenet": DigitsMobileNet, "bert": DigitsBert}[name]()
 
 
 def trained_digits_model(
@@ -128,11 +149,12 @@ def trained_digits_model(
 ) -> tuple[nn.Module, DigitsData]:
     """A model trained on the first 1,280 digits (fixed seed) in eval mode, and the held-out data.
 
-    Epochs default to 30 (``cnn``, ``mixer``, ``prelu``: seconds) and 20 (``mobilenet``: about a
-    minute on two cores, 88% accuracy). ``prelu`` is ``architectures.PReLUNet``, whose x86 FX
-    conversion runs torch's quantized PReLU kernel (see ``truth.py``)."""
+    Epochs default to 30 (``cnn``, ``mixer``, ``prelu``: seconds), 20 (``mobilenet``: about a
+    minute on two cores, 88% accuracy) and 20 (``bert``, a Hugging Face transformer: 20 s, 75% accuracy). ``prelu`` is
+    ``architectures.PReLUNet``, whose x86 FX conversion runs torch's quantized PReLU kernel (see
+    ``truth.py``)."""
     model = build_digits_model(name)
-    epochs = epochs if epochs is not None else (20 if name == "mobilenet" else 30)
+    epochs = epochs if epochs is not None else {"mobilenet": 20, "bert": 20}.get(name, 30)
     cached = Path(cache_dir) / f"digits_{name}_{epochs}.pt" if cache_dir is not None else None
     if cached is not None and cached.exists():
         model.load_state_dict(torch.load(cached, weights_only=True))

@@ -75,6 +75,9 @@ class ModelGraph:
     # an exported graph carries no qconfig: module -> whether the starting quantizer quantizes its
     # weights per channel (modules it leaves float are absent); None for prepare_fx models
     per_channel_weights: dict[str, bool] | None = None
+    # "graph": an FX or exported graph; "modules": a model run eagerly, its leaf modules in call
+    # order, observed by hooks (no graph of ops)
+    kind: str = "graph"
 
     @classmethod
     def of(cls, model: torch.fx.GraphModule) -> ModelGraph:
@@ -110,7 +113,14 @@ class ModelGraph:
         return graph
 
     def op_counts(self) -> dict[str, int]:
-        """FX node ops of the model as prepare_fx built it (observers of any kind left out)."""
+        """FX node ops of the model as prepare_fx built it (observers of any kind left out); for a
+        model run eagerly, its leaf modules called and the inputs they read from outside a module."""
+        if self.kind == "modules":
+            nodes = list(self.model.graph.nodes)
+            return {
+                "leaf modules called": sum(n.op == "call_module" for n in nodes),
+                "inputs read from outside a module": sum(n.op == "placeholder" for n in nodes),
+            }
         counts = dict.fromkeys(("placeholder", "get_attr", "call_function", "call_module", "call_method", "output"), 0)
         for node in self.model.graph.nodes:
             if node.op == "call_module" and _is_instrumentation_target(self.modules, str(node.target)):

@@ -33,6 +33,9 @@ class GraphView(Protocol):
     @property
     def skipped(self) -> Mapping[str, str]: ...  # module -> why it was not observed
 
+    @property
+    def kind(self) -> str: ...  # "graph" (FX / torch.export) or "modules" (run eagerly, observed by hooks)
+
     def op_counts(self) -> dict[str, int]: ...
 
     def layer_type_counts(self) -> dict[str, int]: ...

@@ -356,6 +356,7 @@ def _summary(graph: ModelGraph) -> GraphSummary:
         ops=MappingProxyType(graph.op_counts()),
         layer_types=MappingProxyType(graph.layer_type_counts()),
         skipped=MappingProxyType(dict(graph.skipped)),
+        kind=graph.kind,
     )
 
 

@@ -7,7 +7,7 @@ it cannot apply to a module and why; it translates settings into its own configu
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
@@ -35,6 +35,8 @@ class ModuleSettings:
             object.__setattr__(self, "keep_float", True)
             object.__setattr__(self, "format", "float")
             object.__setattr__(self, "group_size", 0)
+        elif self.format in GROUPED_FORMATS and not self.group_size:
+            object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE)
 
     @property
     def quantized_format(self) -> str:
@@ -176,6 +178,19 @@ def validate_all(modules: Iterable[TunableModule], settings: Mapping[str, Module
         if not isinstance(choice, ModuleSettings):
             raise InvalidSettingsError(f"{fqn}: expected ModuleSettings, got {type(choice).__name__}")
         validate(by_name[fqn], choice)
+
+
+def kept_float(choice: ModuleSettings, keep: bool, start: ModuleSettings) -> ModuleSettings:
+    """``choice`` kept float, or no longer kept float. On an engine with formats float is a format,
+    so a module no longer kept float takes its starting format back (and stays float if it started
+    float)."""
+    if keep:
+        return replace(choice, keep_float=True)
+    if not choice.keep_float:
+        return choice
+    if choice.format:
+        return choice if start.keep_float else start
+    return replace(choice, keep_float=False)
 
 
 def with_suggestions(modules: Iterable[TunableModule], suggestions: Iterable[Suggestion]) -> dict[str, ModuleSettings]:

@@ -82,6 +82,7 @@ def save_analysis(analysis: Analysis, path: str | Path) -> Path:
             "op_counts": dict(graph.ops),
             "layer_type_counts": dict(graph.layer_types),
             "skipped": dict(graph.skipped),
+            "kind": graph.kind,
         },  # fmt: skip
         "results": [_encode_result(result, f"r{i}", arrays) for i, result in enumerate(analysis.results.values())],
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -269,6 +270,7 @@ def _decode(content: Mapping[str, Any], arrays: Mapping[str, np.ndarray], path: 
             ops=MappingProxyType({str(k): int(v) for k, v in graph["op_counts"].items()}),
             layer_types=MappingProxyType({str(k): int(v) for k, v in graph["layer_type_counts"].items()}),
             skipped=MappingProxyType({str(k): str(v) for k, v in graph["skipped"].items()}),
+            kind=str(graph.get("kind", "graph")),  # files written before the eager engine have none
         ),
         batches=content["calibration_batches"],
         saved_at=content["saved_at"],

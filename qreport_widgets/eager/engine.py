@@ -229,10 +229,13 @@ def _format_words(name: str, group: int) -> str:
 
 
 def _failure(prepared: nn.Module, config: EagerConfig, error: Exception) -> str:
-    """Which module's format torchao failed on, tried one at a time on copies."""
+    """Which module's format torchao failed on, tried one at a time on copies of the modules it had
+    not quantized yet."""
     ao = torchao_eager()
     modules = dict(prepared.named_modules())
     for fqn, (name, group) in config.formats.items():
+        if is_quantized_weight(modules[fqn].weight):
+            continue
         single = nn.Sequential(copy.deepcopy(modules[fqn]))
         try:
             ao.quantize_(single, EagerConfig({"0": (name, group)}).fqn_to_config(), filter_fn=None)
@@ -249,4 +252,3 @@ def _inputs_of(example_inputs: Any) -> Any:
     if isinstance(example_inputs, tuple) and len(example_inputs) == 1 and isinstance(example_inputs[0], Mapping):
         return example_inputs[0]
     return example_inputs
-

@@ -132,6 +132,7 @@ def eager_graph(model: nn.Module, per_channel_weights: dict[str, bool] | None = 
     skipped = getattr(model, "skipped", {})
     graph.skipped = {fqn: skipped.get(fqn, why) for fqn, why in graph.skipped.items()}
     graph.per_channel_weights = per_channel_weights
+    graph.kind = "modules"
     return graph
 
 

@@ -79,9 +79,14 @@ class ReportWidget(w.VBox):
         ops = pd.DataFrame(list(graph.op_counts().items()), columns=["graph op", "nodes"])
         layers = pd.DataFrame(list(graph.layer_type_counts().items()), columns=["layer type", "modules"])
         skipped = pd.DataFrame(list(graph.skipped.items()), columns=["not observed", "why"])
-        tables = [("Graph nodes (prepare_fx or torch.export, as the report observed it)", ops), ("Layer types", layers)]
+        if graph.kind == "modules":  # a model run eagerly: its module tree, no graph
+            units = pd.DataFrame(list(graph.units.items()), columns=["module", "type"])
+            tables = [("Modules as the forward pass calls them (observed by hooks; no graph)", ops), ("Layer types", layers),
+                      ("Leaf modules in call order", units)]  # fmt: skip
+        else:
+            tables = [("Graph nodes (prepare_fx or torch.export, as the report observed it)", ops), ("Layer types", layers)]
         if len(skipped):
-            tables.append(("Modules without their own graph node", skipped))
+            tables.append(("Modules not observed", skipped))
         return "".join(f"<h4>{t}</h4>{df.to_html(index=False, border=0)}" for t, df in tables)
 
     def _reports_accordion(self) -> w.Accordion:

@@ -12,7 +12,7 @@ from ipywidgets.widgets.widget_string import HTMLStyle
 from traitlets import Instance, Unicode, observe
 
 from ..errors import InvalidSettingsError
-from ..settings import ModuleSettings, Setting, TunableModule, validate
+from ..settings import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, Setting, TunableModule, validate
 
 STATIC, DYNAMIC = "static", "dynamic"
 PER_TENSOR, PER_CHANNEL = "per-tensor", "per-channel"
@@ -57,7 +57,22 @@ class SettingsRow(w.VBox):
         # absence shifts no other control
         self.migrate = w.Checkbox(description="migrate", indent=False, disabled=not migration, tooltip=migration,
                                   layout=shared["migrate" if migration else "hidden"], style=checkbox)  # fmt: skip
-        self._controls = (self.activation, self.weight, self.equalize, self.keep_float, self.observer, self.migrate)
+        # an engine with formats (eager): one format dropdown (float among them) and the int4 group
+        # size in place of the activation / weight / equalize / keep float / observer controls
+        offered = [name for name, why in module.formats.items() if not why]
+        refused = "; ".join(f"{name}: {why}" for name, why in module.formats.items() if why)
+        format_tip = "the module's format (torchao)" + (f". Not offered here: {refused}" if refused else "")
+        self.format = w.Dropdown(options=offered or ["float"], tooltip=format_tip,
+                                 layout=shared["format" if module.formats else "hidden"], style=dropdown)  # fmt: skip
+        groups = list(module.group_sizes) or [DEFAULT_GROUP_SIZE]
+        self.group = w.Dropdown(options=[(f"group {g}", g) for g in groups], value=groups[0], disabled=True,
+                                tooltip="int4 formats: weights per scale (smaller groups: more scales, less error)",
+                                layout=shared["group" if module.formats else "hidden"], style=dropdown)  # fmt: skip
+        if module.formats:
+            for control in (self.activation, self.weight, self.equalize, self.keep_float, self.observer):
+                control.layout = shared["hidden"]
+        self._controls = (self.activation, self.weight, self.equalize, self.keep_float, self.observer,
+                          self.format, self.group, self.migrate)  # fmt: skip
         self._name = f"<b>{html.escape(fqn)}</b> <span style='color:#666'>{html.escape(module.type_name)}</span>"
         self.why = w.HTML(layout=shared["why"], style=shared["html"])  # the module's name, then why
         # two lines at any width: the module and why, then its settings; rows keep their height
@@ -96,6 +111,14 @@ class SettingsRow(w.VBox):
             self.keep_float.value = value.keep_float
             self.migrate.value = value.migrate
             self.observer.value = value.observer
+            if self.module.formats:
+                shown = "float" if value.keep_float else value.format
+                if shown in self.format.options:  # else the row says why it cannot be applied
+                    self.format.value = shown
+                size = value.group_size or DEFAULT_GROUP_SIZE
+                if size in dict(self.group.options).values():
+                    self.group.value = size
+                self.group.disabled = self.format.value not in GROUPED_FORMATS
         self._render_why()
 
     @observe("run_note")
@@ -104,6 +127,11 @@ class SettingsRow(w.VBox):
 
     # ---- helpers -------------------------------------------------------------------------------
     def _from_controls(self) -> ModuleSettings:
+        if self.module.formats:
+            grouped = self.format.value in GROUPED_FORMATS
+            self.group.disabled = not grouped
+            return ModuleSettings(format=self.format.value, group_size=self.group.value if grouped else 0,
+                                  migrate=self.migrate.value)  # fmt: skip
         return ModuleSettings(
             dynamic=self.activation.value == DYNAMIC,
             per_channel=self.weight.value == PER_CHANNEL,
@@ -135,7 +163,8 @@ def row_parts() -> RowParts:
     row). Widths hold each label in full (a dropdown needs its text + 30 px, a checkbox + 22 px);
     the controls fit one line of a 520 px tab."""
     fixed = {"flex": "0 0 auto", "margin": "2px 1px 2px 0"}
-    widths = {"activation": 88, "weight": 108, "equalize": 78, "keep_float": 88, "observer": 100, "migrate": 74}
+    widths = {"activation": 88, "weight": 108, "equalize": 78, "keep_float": 88, "observer": 100, "migrate": 74,
+              "format": 196, "group": 96}  # fmt: skip
     parts: RowParts = {name: w.Layout(width=f"{px}px", **fixed) for name, px in widths.items()}
     parts["hidden"] = w.Layout(display="none")
     parts["why"] = w.Layout(width="100%")

@@ -11,7 +11,7 @@ import pandas as pd
 
 from ..protocols import ReportSource, TuningSession
 from ..run import RunResult
-from ..settings import ModuleSettings, Setting
+from ..settings import ModuleSettings, Setting, kept_float
 from ..truth import KERNEL_AGREEMENT_DB
 from ..verify import VerifiedSuggestions
 from .plots import scrolling_table
@@ -156,10 +156,10 @@ class TuningPanel(w.VBox):
     # ---- rows ----------------------------------------------------------------------------------
     def _keep_float(self, names: list[str]) -> None:
         """Keep exactly ``names`` float (the other rows keep their other choices)."""
-        chosen = set(names)
+        chosen, start = set(names), self.session.current_settings()
         with self.hold_sync():
             for fqn, row in self.rows.items():
-                row.settings = replace(row.settings, keep_float=fqn in chosen)
+                row.settings = kept_float(row.settings, fqn in chosen, start[fqn])
         self._show_code()
 
     def _order_rows(self, order: list[str]) -> None:

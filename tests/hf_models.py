@@ -1,0 +1,62 @@
+"""Hugging Face transformers built offline from tiny configs (random weights, fixed seeds), with
+batches in the form each takes: a BERT encoder (keyword batches, a ``ModelOutput``), a Llama-style
+decoder with ``use_cache=False`` (token ids), a ViT (pixel values), and a BERT wrapped by mean
+pooling as sentence-embedding models are (positional ``(input_ids, attention_mask)``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, ViTConfig, ViTModel
+
+VOCAB = 256
+
+
+def _tokens(seed: int, count: int = 6, batch: int = 4, length: int = 16) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, length), generator=generator) for _ in range(count)]
+
+
+def tiny_bert() -> tuple[nn.Module, list[dict[str, torch.Tensor]]]:
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=64)  # fmt: skip
+    mask = torch.ones(4, 16, dtype=torch.long)
+    mask[:, 12:] = 0  # padding on every row's last tokens
+    return BertModel(config).eval(), [{"input_ids": ids, "attention_mask": mask} for ids in _tokens(1)]
+
+
+def tiny_llama() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)  # fmt: skip
+    return LlamaForCausalLM(config).eval(), [(ids,) for ids in _tokens(2)]
+
+
+def tiny_vit() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=128)  # fmt: skip
+    generator = torch.Generator().manual_seed(3)
+    return ViTModel(config).eval(), [(torch.randn(4, 3, 32, 32, generator=generator),) for _ in range(6)]
+
+
+class MeanPooled(nn.Module):
+    """A sentence embedding: a BERT's hidden states averaged over the tokens the mask keeps."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).float()
+        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
+def mean_pooled_bert() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    encoder, batches = tiny_bert()
+    return MeanPooled(encoder).eval(), [(b["input_ids"], b["attention_mask"]) for b in batches]
+
+
+MODELS = {"bert": tiny_bert, "llama": tiny_llama, "vit": tiny_vit}
