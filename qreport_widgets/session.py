@@ -34,7 +34,7 @@ from .migration import Migration, find_migrations, input_producers, migrated
 from .progress import Progress, quiet
 from .records import Suggestion
 from .run import RunResult
-from .settings import ModuleSettings, TunableModule, validate_all, with_suggestions
+from .settings import FORMATS, ModuleSettings, TunableModule, validate_all, with_suggestions
 from .truth import KERNEL_AGREEMENT_DB, TruthCheck, check_truth
 from .verify import VerifiedSuggestions, Verifier, refusals
 
@@ -306,6 +306,34 @@ class QuantizationSession:
         table = self._diagnosis.sensitivity(progress, metric=metric)
         self._warn_if_unverified()
         return table
+
+    def format_sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
+        """What each format costs where: for each module the start quantizes, on an engine with
+        formats (eager), the simulated output SQNR (dB) when it alone takes each format it allows
+        (the others as they start); NaN where a format does not apply. Sorted by ``cost_db``, what
+        its starting format costs (float minus start: the gain of keeping it float), most first.
+        Empty on engines without formats. Computed in the simulation, no real run."""
+        modules = [m for m in self.modules if m.formats and not m.current.keep_float]
+        columns = [name for name in ("float", *FORMATS[1:])]
+        if not modules:
+            return pd.DataFrame(columns=[*columns, "start", "cost_db"], dtype=float)
+        variants: list[Variant] = [Variant()]
+        cells: list[tuple[str, str]] = []
+        for module in modules:
+            for name in columns:
+                if module.format_allowed(name) and (name == "float" or name != module.current.format):
+                    variants.append(Variant(settings=frozenset({(module.fqn, ModuleSettings(format=name))})))
+                    cells.append((module.fqn, name))
+        (start, _), *each = self._diagnosis.simulate_each(variants, progress, "format sensitivity", metric=False)
+        table = pd.DataFrame(math.nan, index=pd.Index([m.fqn for m in modules], name="module"), columns=columns)
+        for (fqn, name), (sqnr, _) in zip(cells, each, strict=True):
+            table.loc[fqn, name] = sqnr
+        for module in modules:
+            table.loc[module.fqn, module.current.format] = start
+        table["start"] = [m.current.quantized_format for m in modules]
+        table["cost_db"] = table["float"] - start
+        self._warn_if_unverified()
+        return table.sort_values("cost_db", ascending=False, kind="stable")
 
     def tradeoff(self, progress: Progress | None = None) -> pd.DataFrame:
         """The most harmful modules kept float one after the other, simulated; see ``Diagnosis.tradeoff``."""

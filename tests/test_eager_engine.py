@@ -259,3 +259,17 @@ def test_sqnr_of_structured_outputs_is_the_first_tensor():
     assert output_tensor({"logits": torch.ones(2), "aux": torch.zeros(3)}).shape == (2,)
     assert output_tensor((torch.ones(2), torch.zeros(3))).shape == (2,)
     assert sqnr_db(torch.ones(3), torch.ones(3)) == float("inf")
+
+
+def test_format_sensitivity_ranks_what_each_format_costs_and_a_cell_matches_its_real_run(digits_bert):
+    _, _, report = digits_bert
+    session = report.session
+    table = session.format_sensitivity()
+    quantized = {m.fqn for m in session.modules if not m.current.keep_float}
+    assert set(table.index) == quantized and list(table["cost_db"]) == sorted(table["cost_db"], reverse=True)
+    top = table.index[0]
+    assert table.loc[top, "int4-weight-only"] < table.loc[top, "int8-weight-only"]
+    run = session.apply({top: ModuleSettings(format="int4-weight-only")}, record=False)
+    assert abs(run.output_sqnr_db - table.loc[top, "int4-weight-only"]) < 0.5
+    fx_like = eager(nn.Sequential(nn.Conv2d(3, 4, 3)).eval(), [(torch.randn(1, 3, 8, 8),)] * 2).session
+    assert fx_like.format_sensitivity().empty  # nothing the start quantizes

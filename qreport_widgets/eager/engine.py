@@ -54,6 +54,11 @@ INT4_NOTE = (
     "counts them as int8, 'deployed' as 4 bits"
 )
 INT8_WEIGHT_ONLY_NOTE = "int8 weight-only: torchao's CPU kernel converts the int8 weights to float on each call"
+INT8_DYNAMIC_NOTE = (
+    "int8 dynamic: torchao's CPU kernel (torch._int_mm on each batch's int8 activations) is written for "
+    "torch.compile to fuse; run eagerly, as here, it can be many times slower than int8 weight-only: its "
+    "latency here is not a deployed one"
+)
 
 
 class FormatError(QReportError, RuntimeError):
@@ -160,6 +165,7 @@ class EagerEngine(Engine[EagerConfig]):
         used = {name for name, _ in config.formats.values()}
         notes = [INT4_NOTE] if used & {INT4_WEIGHT_ONLY, INT8_DYNAMIC_INT4} else []
         notes += [INT8_WEIGHT_ONLY_NOTE] if INT8_WEIGHT_ONLY in used else []
+        notes += [INT8_DYNAMIC_NOTE] if INT8_DYNAMIC in used else []
         return RunNotes(tuple(notes), undone)
 
     def per_layer_failure(self, error: Exception) -> str:

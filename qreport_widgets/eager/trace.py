@@ -25,6 +25,9 @@ from ..graph import _CHANNEL_FIRST, _CHANNEL_LAST, ModelGraph
 from ..instrument import INPUT, OUTPUT, Site, first_tensor
 
 
+PASSED_ON = "passed on"  # a module whose output is its input tensor itself
+
+
 class ObservedModules(nn.Module):
     """The float model's modules under their own names (so ``named_modules`` gives the float
     model's names) and its forward; ``graph`` is the dataflow of its leaf modules. Observers hooked
@@ -69,6 +72,9 @@ def observed_modules(model: nn.Module, example_inputs: tuple[Any, ...] | dict[st
                 return
             seen.add(name)
             index = max(i for i, call in enumerate(calls) if call[0] == name)
+            if output is calls[index][2]:  # its input itself (dropout in eval mode): nothing new to observe
+                calls[index] = (*calls[index][:3], PASSED_ON)
+                return
             calls[index] = (*calls[index][:3], output if isinstance(output, torch.Tensor) else None)
             if isinstance(output, torch.Tensor):
                 kept.append(output)
@@ -95,6 +101,9 @@ def _graph(leaves: dict[str, nn.Module], calls: list) -> tuple[torch.fx.Graph, d
     skipped: dict[str, str] = {}
     last_axis = 1  # the channel axis of the latest Conv / norm / Linear called: an outside input's best guess
     for name, producer, first, output in calls:
+        if output is PASSED_ON:
+            skipped[name] = "returns its input unchanged (dropout in eval mode, say): observed where that tensor is made"
+            continue
         if output is None:
             skipped[name] = "its output is not one tensor: observed only where another module reads it"
             continue
