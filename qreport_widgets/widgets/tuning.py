@@ -78,6 +78,8 @@ class TuningPanel(w.VBox):
         self.shown = w.HTML(layout=FIXED)
         self.bulk = {name: w.Button(description=name, tooltip=f"{name} on every row shown", layout={"width": "110px", **FIXED})
                      for name in BULK}  # fmt: skip
+        if not any(row.module.allows(Setting.PER_CHANNEL) for row in self.rows.values()):
+            self.bulk["per-channel"].layout.display = "none"  # an engine with formats: the format says it
         self.sensitivity = SensitivityPane(controller, self._keep_float, self._order_rows)
         bulk_label = w.HTML("<span style='color:#666'>on the rows shown:</span>", layout={**FIXED, "margin": "0 4px 0 12px"})
         toolbar = w.HBox([self.filter, self.only_suggested, self.all_ops, self.shown, bulk_label, *self.bulk.values()],

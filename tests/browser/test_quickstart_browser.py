@@ -245,3 +245,33 @@ def test_the_tune_tab_says_where_the_real_model_and_its_simulation_disagree(lab)
         _assert_nothing_spills(widget)
         _assert_looks_right(widget)
         assert page.locator(".jupyter-widgets-error-widget").all_inner_texts() == []
+
+
+def test_a_transformer_format_per_layer_apply_and_the_module_tree_at_1400_and_1024(lab):
+    """The eager-engine notebook: a Hugging Face BERT's Tune row takes int4 weights from its format
+    dropdown, Apply runs it; the layout holds at 1400 px and, resized, at 1024 px; the Model tab
+    lists the leaf modules in call order."""
+    with _notebook_ran(lab, "09_a_transformer.ipynb", "transformer") as (page, widget, _console_errors):
+        widget.locator(".lm-TabBar-tab", has_text="Tune").first.click()
+        widget.locator("input[placeholder='filter: name or type']").first.fill("layer.0.output.dense")
+        widget.get_by_text(re.compile(r"^1 of \d+ shown$")).first.wait_for(timeout=60_000)
+        widget.locator(".widget-dropdown select:visible").filter(has_text="int4-weight-only").first.select_option(
+            label="int4-weight-only"
+        )
+        widget.locator("button", has_text="Apply").first.click()
+        try:
+            widget.get_by_text("apply 1: output SQNR").first.wait_for(timeout=120_000)
+        finally:
+            page.screenshot(path=str(SCREENSHOTS / "transformer_after_apply.png"), full_page=False)
+        assert "int4-weight-only" in widget.locator(".widget-html", has_text="format=int4-weight-only").first.inner_text()
+        _assert_bars_drawn(widget)
+        for width in (1400, 1024):
+            page.set_viewport_size({"width": width, "height": 1100})
+            page.wait_for_timeout(800)
+            page.screenshot(path=str(SCREENSHOTS / f"transformer_tune_{width}.png"), full_page=False)
+            _assert_nothing_spills(widget)
+            _assert_looks_right(widget)
+        widget.locator(".lm-TabBar-tab", has_text="Model").first.click()
+        widget.get_by_text("Leaf modules in call order").first.wait_for(timeout=30_000)
+        page.screenshot(path=str(SCREENSHOTS / "transformer_model_tab.png"), full_page=False)
+        assert page.locator(".jupyter-widgets-error-widget").all_inner_texts() == []
