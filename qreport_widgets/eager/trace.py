@@ -24,7 +24,6 @@ from ..calibration import call_with
 from ..graph import _CHANNEL_FIRST, _CHANNEL_LAST, ModelGraph
 from ..instrument import INPUT, OUTPUT, Site, first_tensor
 
-
 PASSED_ON = "passed on"  # a module whose output is its input tensor itself
 
 
