@@ -72,7 +72,7 @@ class ModelReport:
         model_name: str | None = None,
         graph_of: Callable[[torch.fx.GraphModule], ModelGraph] = ModelGraph.of,
     ) -> None:
-        if not isinstance(model, torch.fx.GraphModule) and graph_of is ModelGraph.of:  # an eager map comes with its reader
+        if not isinstance(model, torch.fx.GraphModule) and graph_of == ModelGraph.of:  # an eager map comes with its reader
             raise TypeError(
                 f"ModelReport needs a torch.fx.GraphModule, got {type(model).__name__}; prepare the float "
                 "model first with prepare_fx(model, qconfig_mapping, example_inputs), or call qreport_widgets.analyze(...)"

@@ -1,5 +1,6 @@
 """The README's Python snippets run as written: the first, then the session and saving ones after
-it (they continue its ``report``), the upstream-workflow one, the PT2E one, the eager one and the kernel-check one on their own."""
+it (they continue its ``report``), the upstream-workflow one, the PT2E one, the eager one and the
+kernel-check one on their own."""
 
 from __future__ import annotations
 
