@@ -20,6 +20,7 @@ import pandas as pd
 import torch
 import torch.fx
 
+from .calibration import call_with
 from .settings import ModuleSettings, TunableModule
 
 if TYPE_CHECKING:
@@ -217,6 +218,36 @@ class Variant:
     def of(variant: Variant | Iterable[str]) -> Variant:
         """A Variant as is; any other iterable as the names of the modules kept float."""
         return variant if isinstance(variant, Variant) else Variant(frozenset(variant))
+
+
+class WholePasses:
+    """``outputs`` and ``outputs_each`` of a simulation whose ``configure(variant)`` makes ``model``
+    the variant's model, run as whole forward passes (PT2E, eager)."""
+
+    model: torch.nn.Module
+
+    def configure(self, variant: Variant | Iterable[str] = ()) -> None:
+        raise NotImplementedError
+
+    def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]:
+        self.configure(variant)
+        with torch.no_grad():
+            return [call_with(self.model, batch) for batch in batches]
+
+    def outputs_each(
+        self, batches: Sequence[Any], variants: Sequence[Variant | Iterable[str]], step: Callable[[], None] | None = None
+    ) -> list[list[Any]]:
+        found = []
+        for variant in variants:
+            self.configure(variant)
+            outputs = []
+            with torch.no_grad():
+                for batch in batches:
+                    outputs.append(call_with(self.model, batch))
+                    if step is not None:
+                        step()
+            found.append(outputs)
+        return found
 
 
 class Simulation(Protocol):

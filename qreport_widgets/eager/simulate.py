@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..calibration import call_with
-from ..engine import Variant
+from ..engine import Variant, WholePasses
 from ..metrics import sqnr_db
 from ..settings import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
 from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, ao_config, torchao_eager
@@ -50,7 +50,7 @@ def fake_quantized_tokens(x: torch.Tensor, symmetric: bool) -> torch.Tensor:
     return ao.Int8Tensor.from_hp(x, ao.PerRow(), mapping_type=mapping).dequantize().to(x.dtype)
 
 
-class EagerSimulation:
+class EagerSimulation(WholePasses):
     """The starting formats on a float copy; a Variant keeps modules float or gives them other
     formats (``Variant.settings``), by swapping weights and input fake-quantization, no calibration."""
 
@@ -98,26 +98,6 @@ class EagerSimulation:
 
     def configure(self, variant: Variant | Iterable[str] = ()) -> None:
         self._apply(self.formats_of(variant))
-
-    def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]:
-        self.configure(variant)
-        with torch.no_grad():
-            return [call_with(self.model, batch) for batch in batches]
-
-    def outputs_each(
-        self, batches: Sequence[Any], variants: Sequence[Variant | Iterable[str]], step: Callable[[], None] | None = None
-    ) -> list[list[Any]]:
-        found = []
-        for variant in variants:
-            self.configure(variant)
-            outputs = []
-            with torch.no_grad():
-                for batch in batches:
-                    outputs.append(call_with(self.model, batch))
-                    if step is not None:
-                        step()
-            found.append(outputs)
-        return found
 
     def local_sqnr(self, batch: Any) -> dict[str, float]:
         """Each quantized module's own error: its starting format on the float model's input to it."""

@@ -24,8 +24,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..calibration import call_with
-from ..engine import Engine, Variant
+from ..engine import Engine, Variant, WholePasses
 from ..metrics import sqnr_db
 from ..settings import ModuleSettings, TunableModule
 from .numerics import (
@@ -39,7 +38,7 @@ from .numerics import (
 )
 
 
-class Pt2eSimulation:
+class Pt2eSimulation(WholePasses):
     """Variants of the starting configuration, each converted from one calibration.
 
     Args:
@@ -69,26 +68,6 @@ class Pt2eSimulation:
 
     def configure(self, variant: Variant | Iterable[str] = ()) -> None:
         self.model = self._model(Variant.of(variant))
-
-    def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]:
-        self.configure(variant)
-        with torch.no_grad():
-            return [call_with(self.model, batch) for batch in batches]
-
-    def outputs_each(
-        self, batches: Sequence[Any], variants: Sequence[Variant | Iterable[str]], step: Callable[[], None] | None = None
-    ) -> list[list[Any]]:
-        found = []
-        for variant in variants:
-            self.configure(variant)
-            outputs = []
-            with torch.no_grad():
-                for batch in batches:
-                    outputs.append(call_with(self.model, batch))
-                    if step is not None:
-                        step()
-            found.append(outputs)
-        return found
 
     def local_sqnr(self, batch: Any) -> dict[str, float]:
         """Each quantized Linear / Conv op's own error: its quantize ops, quantized weight and op on
