@@ -214,8 +214,7 @@ class Diagnosis:
         label = f"reach {target}"
         if not plan.met:
             result = self._float_run(order[:count], label, progress)
-            return _noted(
-                result,
+            return result.noted(
                 f"{target} is out of reach: even in simulation the best is {plan.simulated_sqnr_db:.2f} dB "
                 f"with {count} module(s) float; this run keeps those float",
             )
@@ -233,9 +232,8 @@ class Diagnosis:
                     count, result = fewer, run
                     break
         verdict = "met" if result.ok and meets(result.output_sqnr_db, result.eval_metric) else "not met by the real run"
-        return _noted(
-            result, f"{target}: {verdict} with {count} of {len(order)} modules float ({', '.join(order[:count]) or 'none'})"
-        )
+        floats = ", ".join(order[:count]) or "none"
+        return result.noted(f"{target}: {verdict} with {count} of {len(order)} modules float ({floats})")
 
     def plan_reach(
         self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
@@ -248,8 +246,7 @@ class Diagnosis:
             raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
         ranking = self.sensitivity(progress, metric=target_metric is not None)
         order = list(ranking.index)
-        curve = self._tradeoff if self._tradeoff is not None or target_metric is not None else None
-        if curve is None:  # no metric to meet: SQNR only, a few points at a time, up to the target
+        if target_metric is None and self._tradeoff is None:  # SQNR only: a few points at a time, up to the target
             helpful = int((ranking["output_sqnr_gain_db"] > 0).sum())  # or up to the last helpful module
             sqnrs: list[float] = []
             while len(sqnrs) <= helpful and not (sqnrs and max(sqnrs) >= target_sqnr_db):
@@ -257,7 +254,7 @@ class Diagnosis:
                 points = self.simulate_each([order[:count] for count in counts], progress, "reach", metric=False)
                 sqnrs += [sqnr for sqnr, _ in points]
             curve = pd.DataFrame({"simulated_output_sqnr_db": sqnrs})
-        else:
+        else:  # a metric target reads the whole curve, with the metric at every point
             curve = self.tradeoff(progress)
         plan = ReachPlan(target_sqnr_db, target_metric, order, 0, math.nan, False, list(curve["simulated_output_sqnr_db"]))
         metrics = curve["simulated_metric"] if "simulated_metric" in curve else pd.Series(math.nan, index=curve.index)
@@ -276,8 +273,3 @@ class Diagnosis:
             return replace(baseline, label=label, settings={}) if baseline.ok else baseline
         keep = {name: ModuleSettings(keep_float=True) for name in float_modules}
         return self.host.apply(keep, label=label, progress=progress)
-
-
-def _noted(result: RunResult, note: str) -> RunResult:
-    """A copy of ``result`` with ``note`` added to its run-level notes."""
-    return replace(result, notes=(*result.notes, note))

@@ -13,7 +13,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import pandas as pd
@@ -21,7 +21,8 @@ import torch
 import torch.fx
 
 from .calibration import call_with
-from .settings import ModuleSettings, TunableModule
+from .settings import ModuleSettings, Setting, TunableModule
+from .sizes import packed_bytes, weight_bytes
 
 if TYPE_CHECKING:
     from .graph import ModelGraph
@@ -149,11 +150,31 @@ class Engine(ABC, Generic[ConfigT]):
     def conversions(self, prepared: torch.nn.Module, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
         """(per layer type: total / quantized / float, per module: float type -> converted type)."""
 
-    def deployed_bytes(self, quantized: torch.nn.Module) -> int | None:
-        """The quantized model's weights as a deployed (packed) layout stores them, where that
-        differs from the serialized state dict (``RunResult.deployed_bytes``). Default: None (the
-        same)."""
-        return None
+    def deployed_bytes(self, quantized: torch.nn.Module) -> int:
+        """The quantized model as a deployed (packed) layout stores it (``RunResult.deployed_bytes``).
+        Default: its state dict counted by ``sizes.packed_bytes`` (int8 one byte, scales four)."""
+        return packed_bytes(quantized)
+
+    # ---- mixed precision (mixed.py) -------------------------------------------------------------
+    def size_choices(self, module: TunableModule) -> list[ModuleSettings]:
+        """What the size front may give ``module``, its starting settings first: each changes its
+        deployed size. Default (int8 engines): a quantized module with weights stays as it starts,
+        or is kept float, or where it starts per-tensor takes per-channel weights; nothing for the
+        others."""
+        start = module.current
+        if start.keep_float or not module.weighted:
+            return []
+        found = [start]
+        if module.allows(Setting.KEEP_FLOAT):
+            found.append(ModuleSettings(keep_float=True))
+        if not start.per_channel and module.allows(Setting.PER_CHANNEL):
+            found.append(replace(start, per_channel=True))
+        return found if len(found) > 1 else []
+
+    def module_bytes(self, float_module: torch.nn.Module, choice: ModuleSettings) -> int:
+        """``float_module``'s weight as deployed with ``choice``, counted as ``deployed_bytes``
+        counts it; only differences between choices matter. Default: ``sizes.weight_bytes``."""
+        return weight_bytes(float_module, choice)
 
     def reference_model(self, prepared: torch.nn.Module) -> torch.nn.Module | None:
         """The reference quantized model of the calibrated ``prepared`` (float ops between quantize

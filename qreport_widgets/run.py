@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import pandas as pd
@@ -48,7 +48,7 @@ class RunResult:
     # the run did not check (a run after a baseline whose kernels all agree, quantizing nothing new)
     kernel_sqnr_db: pd.Series = field(default_factory=lambda: pd.Series(dtype=float, name="kernel SQNR (dB)"))
     # the weights as a deployed (packed) layout stores them: int4 at 4 bits where this process keeps
-    # them unpacked in int8 (eager engine); the serialized size elsewhere. 0 for a failed run
+    # them unpacked in int8 (eager engine), one byte per int8 value and four per scale (sizes.py). 0 for a failed run
     deployed_bytes: int = 0
 
     def __post_init__(self) -> None:
@@ -77,6 +77,10 @@ class RunResult:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    def noted(self, note: str) -> RunResult:
+        """A copy with ``note`` added to the run-level notes."""
+        return replace(self, notes=(*self.notes, note))
 
 
 def conversion_tables(rows: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame]:

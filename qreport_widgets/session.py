@@ -31,6 +31,7 @@ from .engines import engine_named
 from .errors import CalibrationError, InvalidSettingsError, QReportWarning
 from .metrics import output_tensor, sqnr_db
 from .migration import Migration, find_migrations, input_producers, migrated
+from .mixed import SizeFront, fit, size_front
 from .progress import Progress, quiet
 from .records import Suggestion
 from .run import RunResult
@@ -112,6 +113,7 @@ class QuantizationSession:
         self._truth: TruthCheck | None = None
         self._verified: VerifiedSuggestions | None = None
         self._migrations: dict[str, Migration] | None = None
+        self._front: SizeFront | None = None
         self._diagnosis = Diagnosis(self)
 
     @property
@@ -355,8 +357,57 @@ class QuantizationSession:
         result = self._diagnosis.reach(target_sqnr_db, target_metric, progress=progress)
         truth = self._truth
         if truth is not None and not truth.reliable:
-            result = replace(result, notes=(*result.notes, f"{truth.status}: the plan was simulated, each step is a real run"))
+            result = result.noted(f"{truth.status}: the plan was simulated, each step is a real run")
+        return self._recorded(result)
+
+    # ---- mixed precision (mixed.py), on the simulation ----------------------------------------
+    def pareto(self, progress: Progress | None = None) -> pd.DataFrame:
+        """The size front: per-module choices (on the eager engine float and every format with its
+        group sizes; on FX and PT2E int8 or float, per-tensor or per-channel), one row per point,
+        smallest first, each better than every smaller one. Columns ``size_bytes`` (deployed, as
+        ``RunResult.deployed_bytes`` counts it, estimated from the baseline's real size),
+        ``simulated_output_sqnr_db``, ``simulated_metric`` (with ``eval_fn``), ``formats`` (the
+        choices counted) and ``settings`` (module -> ModuleSettings, for ``apply``). Found in the
+        simulation (calibrated once), no real run per point; computed once. See ``mixed.py``."""
+        front = self._size_front(progress)
+        self._warn_if_unverified()
+        return front.points.copy()
+
+    def uniform_points(self, progress: Progress | None = None) -> pd.DataFrame:
+        """The same choice on every module that offers it (``all float``, ``all int4-weight-only
+        (group 32)`` ...) and the baseline, simulated as ``pareto()`` rows, indexed by label."""
+        return self._size_front(progress).uniform.copy()
+
+    def fit(
+        self,
+        max_size_bytes: float | None = None,
+        target_sqnr_db: float | None = None,
+        target_metric: float | None = None,
+        *,
+        progress: Progress | None = None,
+    ) -> RunResult:
+        """A real run of the size front's best point within ``max_size_bytes`` (deployed bytes), or
+        of its smallest point that meets ``target_sqnr_db`` / ``target_metric`` (within the budget
+        when both are given). When the real run misses (too large, or short of the target) the next
+        point along the front is run, up to three more runs; the notes say met, not met or out of
+        reach, and by how far."""
+        if target_metric is not None and self.eval_fn is None:
+            raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
+        if max_size_bytes is None and target_sqnr_db is None and target_metric is None:
+            raise ValueError("fit() needs max_size_bytes, target_sqnr_db, target_metric or a combination")
+        return self._recorded(fit(self, self._size_front(progress), max_size_bytes, target_sqnr_db, target_metric, progress))
+
+    def _recorded(self, result: RunResult) -> RunResult:
+        """``result``, a copy of a run in the history with notes added, in that run's place."""
+        for i, run in enumerate(self.history):
+            if result.ok and run.quantized_model is result.quantized_model and run.label == result.label:
+                self.history[i] = result
         return result
+
+    def _size_front(self, progress: Progress | None) -> SizeFront:
+        if self._front is None:
+            self._front = size_front(self, progress)
+        return self._front
 
     def _warn_if_unverified(self) -> None:
         truth = self._truth
@@ -500,7 +551,7 @@ class QuantizationSession:
             "output_sqnr_db": sqnr_db(torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs])),
             "per_layer_sqnr_db": layers,
             "size_bytes": size,
-            "deployed_bytes": self.engine.deployed_bytes(quantized) or size,
+            "deployed_bytes": self.engine.deployed_bytes(quantized),
             "latency_ms": float(np.median(seconds) * 1000),
             "latency_spread_ms": float((max(seconds) - min(seconds)) * 1000),
             "mean_batch_sqnr_db": float(np.mean(batch_sqnr)),

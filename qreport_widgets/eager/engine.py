@@ -81,6 +81,7 @@ class EagerEngine(Engine[EagerConfig]):
             raise ValueError(f"format must be one of {', '.join(QUANTIZED_FORMATS)}, got {format!r}")
         self.start_format = format
         self._configs: weakref.WeakKeyDictionary[nn.Module, EagerConfig] = weakref.WeakKeyDictionary()
+        self._sizes: dict[tuple, int] = {}  # module_bytes, per module shape and choice
 
     @classmethod
     def from_options(cls, options: EngineOptions) -> EagerEngine:
@@ -153,6 +154,27 @@ class EagerEngine(Engine[EagerConfig]):
 
     def deployed_bytes(self, quantized: nn.Module) -> int:
         return deployed_bytes(quantized)
+
+    def size_choices(self, module: TunableModule) -> list[ModuleSettings]:
+        """Float and every format the module takes, with each group size its rows divide into."""
+        found = [module.current]
+        for name in ("float", *QUANTIZED_FORMATS):
+            if not module.format_allowed(name):
+                continue
+            groups = module.group_sizes if name in GROUPED_FORMATS else (0,)
+            found += [c for g in groups if (c := ModuleSettings(format=name, group_size=g)) != module.current]
+        return found if len(found) > 1 else []
+
+    def module_bytes(self, float_module: nn.Module, choice: ModuleSettings) -> int:
+        """The module alone quantized by torchao in ``choice`` and counted as ``deployed_bytes``."""
+        weight, bias = float_module.weight, getattr(float_module, "bias", None)
+        key = (type(float_module), tuple(weight.shape), weight.dtype, bias is not None, choice)  # all the size depends on
+        if key not in self._sizes:
+            holder = nn.Sequential(copy.deepcopy(float_module))
+            if not choice.keep_float:
+                torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}).fqn_to_config(), filter_fn=None)
+            self._sizes[key] = deployed_bytes(holder)
+        return self._sizes[key]
 
     def run_notes(self, config: EagerConfig, quantized: nn.Module) -> RunNotes:
         """Which kernels torchao ran on this CPU, and per module a format it did not carry out."""

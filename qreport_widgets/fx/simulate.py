@@ -140,10 +140,14 @@ class Simulator:
         self._node_of.update({op: by_name[node] for op, node in (functional or {}).items() if node in by_name})
         self._names = [name for name in tunable if name in self._node_of]  # what a Variant may keep float
         self._kernels: dict[str, RealKernel] = {}  # modules that run the real model's kernel
-        self._points_at: dict[torch.fx.Node, list[_Point]] = {}  # the points beside each node
+        self._follows = _followers(self._points)  # a reshape, a pool: quantized where its input is
+        self._points_at: dict[torch.fx.Node, list[_Point]] = {}  # the points a node's state decides
         for point in self._points:
             for node in (point.producer, *point.consumers):
                 self._points_at.setdefault(node, []).append(point)
+                while node in self._follows:  # ... and the state of the op a follower follows
+                    node = self._follows[node]
+                    self._points_at.setdefault(node, []).append(point)
         self._other_observers = dict(other_weight_observers or {})
         self._other_weights: dict[str, torch.Tensor] = {}  # computed on first use
         self._state = Variant(frozenset(self._weights))
@@ -193,6 +197,13 @@ class Simulator:
         points = {id(p): p for name in float_changed for p in self._points_at.get(self._node_of[name], ())}
         self._set(variant, changed, points.values())
 
+    def _is_quantized(self, node: torch.fx.Node, float_nodes: set[torch.fx.Node]) -> bool:
+        """Whether ``node`` runs quantized: an op not kept float (inputs and outputs are not ops); an
+        op that follows its input's qparams, where that input is quantized."""
+        while node in self._follows:
+            node = self._follows[node]
+        return node.op in ("call_module", "call_function", "call_method") and node not in float_nodes
+
     def _set(self, variant: Variant, changed: Iterable[str], points: Iterable[_Point]) -> None:
         """Switch the weights of the ``changed`` modules and the quantize ``points`` beside them (only
         those can differ from the last configuration)."""
@@ -209,8 +220,8 @@ class Simulator:
             module.get_weight = lambda w=weight: w
         float_nodes = {self._node_of[name] for name in variant.float_modules}
         for point in points:
-            enabled = _is_quantized(point.producer, float_nodes) or any(
-                _is_quantized(consumer, float_nodes) for consumer in point.consumers
+            enabled = self._is_quantized(point.producer, float_nodes) or any(
+                self._is_quantized(consumer, float_nodes) for consumer in point.consumers
             )
             alternate = point.producer in float_nodes
             if point.state() != (enabled, alternate):
@@ -354,9 +365,22 @@ def _through(point: _Point | None, x: torch.Tensor) -> torch.Tensor:
         point.module.enabled = enabled
 
 
-def _is_quantized(node: torch.fx.Node, float_nodes: set[torch.fx.Node]) -> bool:
-    """Whether ``node`` runs quantized: an op that is not kept float (inputs and outputs are not ops)."""
-    return node.op in ("call_module", "call_function", "call_method") and node not in float_nodes
+def _followers(points: Sequence[_Point]) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Ops that share their input's qparams (FX's shape ops: flatten, reshape, pooling; one quantize
+    point before and one after, with the same scale and zero point) -> their input's producer. FX
+    quantizes such an op only where its input is quantized: between two float modules it runs float."""
+    before: dict[torch.fx.Node, list[_Point]] = {}
+    for point in points:
+        for consumer in point.consumers:
+            before.setdefault(consumer, []).append(point)
+    found = {}
+    for point in points:
+        node, inputs = point.producer, before.get(point.producer, [])
+        if node.op in ("call_function", "call_method") and len(inputs) == 1:
+            (scale, _, zero_point), (scale_in, _, zero_point_in) = point.module.qparams, inputs[0].module.qparams
+            if bool(scale == scale_in) and zero_point == zero_point_in:
+                found[node] = inputs[0].producer
+    return found
 
 
 def _insert_points(model: torch.fx.GraphModule) -> list[_Point]:

@@ -1,0 +1,118 @@
+"""The size front and fit() against real runs: on the digits CNN under FX (int8 or float per module)
+and on transformers under the eager engine (float, int8, int4 with group sizes, dynamic), the
+front is a front, its sizes and simulated SQNR are what real runs measure, fit() meets a budget or a
+target with a real run and says when it cannot; reach() and fit() with a metric target on fresh
+sessions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hf_models import tiny_llama
+
+from qreport_widgets import ModuleSettings, QuantizationSession
+from qreport_widgets.digits import trained_digits_model
+
+quiet = lambda done, total: None  # noqa: E731
+AGREEMENT_DB = 0.5  # a front point's simulated output SQNR and a real run of its settings
+SIZE_AGREEMENT = 0.01  # a front point's estimated deployed size and a real run's
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("digits")
+
+
+def digits_session(name: str, cache, engine: str = "fx") -> QuantizationSession:
+    model, data = trained_digits_model(name, cache)
+    return QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation,
+                               eval_fn=data.accuracy, engine=engine)  # fmt: skip
+
+
+def assert_a_front(front) -> None:
+    assert front["size_bytes"].is_monotonic_increasing and front["size_bytes"].is_unique
+    assert front["simulated_output_sqnr_db"].diff().dropna().gt(0).all()  # every point better than every smaller one
+
+
+def assert_points_agree_with_real_runs(session, front) -> None:
+    for _, point in front.iterrows():
+        run = session.apply(point["settings"], progress=quiet, record=False)
+        assert run.ok, run.error
+        assert run.deployed_bytes == pytest.approx(point["size_bytes"], rel=SIZE_AGREEMENT)
+        if math.isfinite(point["simulated_output_sqnr_db"]):
+            assert run.output_sqnr_db == pytest.approx(point["simulated_output_sqnr_db"], abs=AGREEMENT_DB), point["formats"]
+
+
+def test_the_fx_front_of_the_digits_cnn_agrees_with_real_runs_and_fit_meets_budgets_and_targets(cache):
+    session = digits_session("cnn", cache)
+    front = session.pareto(progress=quiet)
+    assert_a_front(front)
+    assert front.iloc[0]["formats"] == "5 int8 per-channel" and front.iloc[-1]["formats"] == "5 float"
+    assert set(front.columns) >= {"size_bytes", "simulated_output_sqnr_db", "simulated_metric", "settings"}
+    assert_points_agree_with_real_runs(session, front)
+    uniform = session.uniform_points()
+    assert list(uniform.index) == ["baseline", "all float"]
+    assert uniform.loc["baseline", "size_bytes"] == session.baseline().deployed_bytes
+
+    budget = (front.iloc[0]["size_bytes"] + front.iloc[-1]["size_bytes"]) / 2
+    fitted = session.fit(max_size_bytes=budget, progress=quiet)
+    best = front[front["size_bytes"] <= budget].iloc[-1]
+    assert fitted.ok and fitted.deployed_bytes <= budget and "fits:" in fitted.notes[-1]
+    assert fitted.output_sqnr_db == pytest.approx(best["simulated_output_sqnr_db"], abs=AGREEMENT_DB)
+    assert fitted.settings == best["settings"] and session.history[-1] is fitted
+
+    target = front.iloc[2]["simulated_output_sqnr_db"] - 0.5
+    met = session.fit(target_sqnr_db=target, progress=quiet)
+    assert met.output_sqnr_db >= target and "met" in met.notes[-1]
+    assert met.settings == front.iloc[2]["settings"]  # the smallest point that meets it
+    assert "out of reach" in session.fit(target_sqnr_db=999.0, progress=quiet).notes[-1]
+    tiny = session.fit(max_size_bytes=100, progress=quiet)
+    assert "out of reach" in tiny.notes[-1] and tiny.settings == front.iloc[0]["settings"]
+    with pytest.raises(ValueError, match="needs max_size_bytes"):
+        session.fit()
+
+
+def test_reach_and_fit_with_a_metric_target_on_fresh_sessions(cache):
+    baseline = digits_session("cnn", cache).baseline(progress=quiet)
+    target = baseline.eval_metric - 0.01  # the int8 start meets it: nothing need be kept float
+    reached = digits_session("cnn", cache).reach(target_metric=target, progress=quiet)
+    assert reached.eval_metric >= target and not any(s.keep_float for s in reached.settings.values())
+    assert "met with 0 of" in reached.notes[-1]
+    fitted = digits_session("cnn", cache).fit(target_metric=target, progress=quiet)
+    assert fitted.eval_metric >= target and "met" in fitted.notes[-1]
+    assert not any(s.keep_float for s in fitted.settings.values())
+
+
+def uniform_and_split(session, front_modules: list[str], first: str, second: str) -> dict[str, ModuleSettings]:
+    half = len(front_modules) // 2
+    return {fqn: ModuleSettings(format=first if i < half else second) for i, fqn in enumerate(front_modules)}
+
+
+@pytest.mark.parametrize("name", ["digits bert", "tiny llama"])
+def test_the_eager_front_beats_naive_splits_and_all_int4_at_the_same_size(name, cache):
+    if name == "digits bert":
+        session = digits_session("bert", cache, engine="eager")
+    else:
+        model, batches = tiny_llama()
+        session = QuantizationSession(model, batches[0], batches[:4], eval_data=batches[4:], engine="eager")
+    front = session.pareto(progress=quiet)
+    assert_a_front(front)
+    uniform = session.uniform_points()
+    int8, int4 = "all int8-weight-only", "all int4-weight-only (group 32)"
+    assert {int8, int4} <= set(uniform.index)
+    modules = list(front.iloc[0]["settings"])
+    runs = {label: session.apply(uniform.loc[label, "settings"], label=label, progress=quiet) for label in (int8, int4)}
+    halfway = (runs[int8].deployed_bytes + runs[int4].deployed_bytes) / 2
+    fitted = session.fit(max_size_bytes=halfway, progress=quiet)
+    assert fitted.deployed_bytes <= halfway
+    assert fitted.output_sqnr_db >= runs[int4].output_sqnr_db + 3.0
+    for first, second in (("int8-weight-only", "int4-weight-only"), ("int4-weight-only", "int8-weight-only")):
+        naive = session.apply(uniform_and_split(session, modules, first, second), progress=quiet)
+        same_size = session.fit(max_size_bytes=naive.deployed_bytes, progress=quiet)
+        assert same_size.deployed_bytes <= naive.deployed_bytes
+        assert same_size.output_sqnr_db > naive.output_sqnr_db, (first, same_size.notes[-1])
+    near = front.iloc[:: max(1, len(front) // 4)]  # a few points along the front
+    assert_points_agree_with_real_runs(session, near)
+    assert torch.isfinite(torch.tensor(front["simulated_output_sqnr_db"].iloc[:-1].to_numpy())).all()
