@@ -9,7 +9,8 @@ walking every module's hull steps in order of noise removed per byte, from every
 smallest, gives a chain from the smallest model to the best. Up to ``MAX_SIMULATED`` points of the
 chain are then simulated whole (the modules' interactions included) beside the uniform choices
 (all float, all int8, all int4 ...), and the front is the simulated points each better than every
-smaller one. ``fit`` confirms a point with a real run, and steps along the front when it misses.
+smaller one, every module float aside (that is the float model, not a quantization of it).
+``fit`` confirms a point with a real run, and steps along the front when it misses.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def size_front(host: FrontHost, progress: Progress | None = None) -> SizeFront:
     rows = [row(p, r) for p, r in zip(pool, simulated, strict=True)]
     uniform_rows = rows[len(picked) :]
     table = pd.DataFrame(uniform_rows, index=pd.Index(list(uniform), name="choice"))
-    return SizeFront(_front(rows), table, baseline.deployed_bytes)
+    quantized = [r for r in rows if not all(c.keep_float for c in r["settings"].values())]  # the float model is no point
+    return SizeFront(_front(quantized), table, baseline.deployed_bytes)
 
 
 def fit(

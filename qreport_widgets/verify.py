@@ -10,10 +10,15 @@ torch's equalization leaves the float model's output as it was (checked with the
 and nothing quantized): on the trained digits CNN it changes it by 100-700% on three of five
 layers. A detector's candidate is offered when it gains at least ``MIN_GAIN_DB`` of output SQNR,
 one of the search's from ``FOUND_GAIN_DB``; every other candidate stays in the table as considered
-and rejected, with what it measured or why it was not tried. "Accept all" combines the offered
-settings (the simulated ones added most helpful first while the simulated whole still gains) and
-is measured by one real run; when that falls short of the best single setting, the best single
-setting alone is what Accept all applies.
+and rejected, with what it measured or why it was not tried. Keeping a module float is measured
+and shown but not offered: it buys SQNR with size and latency, a trade that reach, fit and the
+size front make against a target or a budget; Accept all only quantizes better. The one exception
+is a module whose quantized kernel computes something else than its reference (the kernel check
+of ``truth.py``): float is then the fix of a broken kernel, not a trade. "Accept all"
+combines the offered settings (the simulated ones added most helpful first while the simulated
+whole still gains) and is measured by one real run; when that falls short of the best single
+setting, the best single setting alone is what Accept all applies, and when both measure below
+the baseline, nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ FOUND_GAIN_DB = 0.5  # a setting the simulation found without a detector must ga
 EXACT_FLOAT = 1e-4  # relative output error an equalized float model may show (float rounding)
 
 SIMULATED, REAL_RUN, NOT_TRIED = "simulated", "real run", "not tried"
+TRADE = (
+    "keeping it float trades size and latency for it, so Accept all leaves it out: tick keep float here, "
+    "or let a target or a size budget decide (reach, fit, the size front)"
+)
 SEARCH = "search"
 KERNEL_CHECK = "kernel check"  # keep float where the quantized kernel differs from its reference (truth.py)
 
@@ -285,7 +294,11 @@ class Verifier:
         run = self._trial_run({fqn: candidate.applied_to(current[fqn])}, f"try {fqn}")
         if not run.ok:
             return Verdict(candidate, math.nan, REAL_RUN, False, f"the run failed: {run.error}")
-        return self._judge(candidate, run.output_sqnr_db - baseline.output_sqnr_db, REAL_RUN)
+        gain = run.output_sqnr_db - baseline.output_sqnr_db
+        lost = _left_float(run, baseline)
+        if lost:  # e.g. a dynamic Linear's float output leaves the LayerNorm after it float
+            return Verdict(candidate, gain, REAL_RUN, False, f"it leaves {', '.join(lost)} float, which the start quantizes")
+        return self._judge(candidate, gain, REAL_RUN)
 
     def _not_tried(self, candidate: Candidate) -> str:
         module = self.modules.get(candidate.module_fqn)
@@ -317,6 +330,8 @@ class Verifier:
 
     def _judge(self, candidate: Candidate, gain: float, measured: str) -> Verdict:
         needed = FOUND_GAIN_DB if candidate.searched else MIN_GAIN_DB
+        if gain >= needed and candidate.setting is Setting.KEEP_FLOAT and candidate.origin != KERNEL_CHECK:
+            return Verdict(candidate, gain, measured, False, TRADE)
         if gain >= needed:
             return Verdict(candidate, gain, measured, True)
         note = f"it loses {-gain:.2f} dB" if gain < 0 else f"it gains less than {needed:g} dB"
@@ -341,17 +356,28 @@ class Verifier:
         changed = {fqn: s for fqn, s in combined.items() if s != current[fqn]}
         run = self._trial_run(changed, "accept all (verified)")
         best = offered[0]
-        if run.ok and run.output_sqnr_db - baseline.output_sqnr_db >= best.gain_db - MIN_GAIN_DB or len(offered) == 1:
+        gained = run.output_sqnr_db - baseline.output_sqnr_db if run.ok and not _left_float(run, baseline, combined) else math.nan
+        if gained >= 0 and (gained >= best.gain_db - MIN_GAIN_DB or len(offered) == 1):
             return combined, run, notes
         fqn = best.candidate.module_fqn  # together they do worse than the best one alone: that one
         single = {**current, fqn: best.candidate.applied_to(current[fqn])}
         alone = self._trial_run({fqn: single[fqn]}, "accept all (verified)")
-        gained = run.output_sqnr_db - baseline.output_sqnr_db if run.ok else math.nan
-        note = (
-            f"all {len(offered)} offered settings together measured {gained:+.2f} dB, less than "
-            f"{best.candidate.setting.words} on {fqn} alone ({best.gain_db:+.2f} dB): Accept all applies that one"
+        alone_gained = (
+            alone.output_sqnr_db - baseline.output_sqnr_db if alone.ok and not _left_float(alone, baseline, single) else math.nan
         )
-        return single, alone, [*notes, note]
+        if alone_gained >= 0 and not alone_gained < gained:
+            note = (
+                f"all {len(offered)} offered settings together measured {gained:+.2f} dB, less than "
+                f"{best.candidate.setting.words} on {fqn} alone ({alone_gained:+.2f} dB): Accept all applies that one"
+            )
+            return single, alone, [*notes, note]
+        if gained >= 0:
+            return combined, run, notes
+        note = (  # a real run below the baseline is never what Accept all applies
+            f"the offered settings together measured {gained:+.2f} dB and the best alone {alone_gained:+.2f} dB "
+            "in real runs, below the baseline: Accept all changes nothing (each row still shows its own measure)"
+        )
+        return current, None, [*notes, note]
 
     def _combine_simulated(self, offered: list[Verdict]) -> tuple[list[Verdict], list[str]]:
         """Settings interact: add the simulated ones most helpful first, each kept only when the
@@ -371,6 +397,17 @@ class Verifier:
                 f"left out of Accept all, as they add less than {MIN_GAIN_DB:g} dB to the others in simulation: {dropped}"
             )
         return chosen, notes
+
+
+def _left_float(run: RunResult, baseline: RunResult, settings: Mapping[str, ModuleSettings] | None = None) -> list[str]:
+    """The layers ``baseline`` quantizes that ``run`` leaves float, other than those ``settings``
+    keep float on purpose (a kernel the kernel check found broken)."""
+    if not len(run.conversions) or not len(baseline.conversions):
+        return []
+    before = baseline.conversions.set_index("module")["quantized"]
+    after = run.conversions.set_index("module")["quantized"]
+    kept = {fqn for fqn, s in (settings or {}).items() if s.keep_float}
+    return [fqn for fqn, was in before.items() if was and fqn in after and not after[fqn] and fqn not in kept]
 
 
 def _compatible(now: ModuleSettings, start: ModuleSettings, setting: Setting) -> bool:

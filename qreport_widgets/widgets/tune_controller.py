@@ -356,14 +356,17 @@ def verified_status(verified: VerifiedSuggestions) -> str:
     """One line on what Accept all put in the rows, and what it measured."""
     rejected = len(verified.rejected)
     considered = f"{rejected} more considered and not suggested (each row says why)" if rejected else ""
+    notes = "".join(f"<br><i>{html.escape(note)}</i>" for note in verified.notes)
     if verified.accept_all is None:
-        return f"<i>No suggestion helps: {len(verified.verdicts)} candidate(s) measured, none gains enough; {considered}.</i>"
+        return (
+            f"<i>No suggestion helps: {len(verified.verdicts)} candidate(s) measured, none gains enough together; "
+            f"{considered}.</i>{notes}"
+        )
     run = verified.accept_all
     if not run.ok:
         return f"<span style='color:{RED}'>Accept all: the trial run failed; {considered}.</span>"
     gain = run.output_sqnr_db - verified.baseline_db
     color = RED if gain < 0 else GREEN
-    notes = "".join(f"<br><i>{html.escape(note)}</i>" for note in verified.notes)
     return (
         f"Accept all (measured): <b style='color:{color}'>{gain:+.2f} dB</b> output SQNR in a trial run "
         f"({verified.baseline_db:.2f} -> {run.output_sqnr_db:.2f} dB) with {len(verified.offered)} setting(s) offered; "
