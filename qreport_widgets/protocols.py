@@ -110,6 +110,10 @@ class TuningSession(Protocol):
 
     def tradeoff(self, progress: Callable[[int, int | None], None] | None = None) -> pd.DataFrame: ...
 
+    def pareto(self, progress: Callable[[int, int | None], None] | None = None) -> pd.DataFrame: ...
+
+    def uniform_points(self, progress: Callable[[int, int | None], None] | None = None) -> pd.DataFrame: ...
+
     def plan_reach(
         self,
         target_sqnr_db: float | None = None,

@@ -116,3 +116,39 @@ def test_the_eager_front_beats_naive_splits_and_all_int4_at_the_same_size(name, 
     near = front.iloc[:: max(1, len(front) // 4)]  # a few points along the front
     assert_points_agree_with_real_runs(session, near)
     assert torch.isfinite(torch.tensor(front["simulated_output_sqnr_db"].iloc[:-1].to_numpy())).all()
+
+
+def test_the_size_pane_draws_the_front_puts_a_point_in_the_rows_and_a_budget_selects_the_best_under_it(cache):
+    import qreport_widgets as qw
+
+    model, data = trained_digits_model("cnn", cache)
+    report = qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy,
+                        progress=False)  # fmt: skip
+    tuning = report.widget().tuning
+    pane = tuning.front
+    assert pane.figure not in pane.children and pane.budget.disabled
+    pane.compute.click()
+    front = report.session.pareto()
+    assert pane.figure in pane.children and not pane.budget.disabled and "points from" in pane.status.value
+    assert list(pane.points.x) == pytest.approx(list(front["size_bytes"] / 1024))
+    assert list(pane.points.y) == pytest.approx(list(front["simulated_output_sqnr_db"]))
+    assert len(pane.uniform_marks.x) == 2 and "all float" in pane.uniform_text.value  # the baseline and all float
+    assert len(pane.runs.x) == 1  # the baseline, run to anchor the sizes
+
+    pane.points.selected = [2]  # a click on the third point
+    assert {fqn for fqn, row in tuning.rows.items() if row.settings.keep_float} == {
+        fqn for fqn, s in front.iloc[2]["settings"].items() if s.keep_float
+    }
+    assert "Point 3 of" in pane.chosen.value and "Apply" in pane.chosen.value
+    tuning.apply.click()
+    assert len(pane.runs.x) == 2 and pane.runs.y[-1] == pytest.approx(front.iloc[2]["simulated_output_sqnr_db"], abs=0.5)
+
+    budget = front.iloc[3]["size_bytes"] / 1024 + 0.5
+    pane.budget.value = budget
+    assert list(pane.points.selected) == [3] and list(pane.budget_line.x) == [budget, budget]
+    assert tuning.settings() == {**report.session.current_settings(), **front.iloc[3]["settings"]}
+    pane.budget.value = 1.0
+    assert "No point fits" in pane.chosen.value
+
+    pane.axis.value = "your metric"
+    assert list(pane.points.y) == pytest.approx(list(front["simulated_metric"])) and pane.figure.axes[1].label == "metric"

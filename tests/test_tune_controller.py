@@ -121,6 +121,19 @@ class FakeSession:
         progress(1, 1)
         return pd.DataFrame({"added": ["", "fc2", "fc1", "conv"], "simulated_output_sqnr_db": [20.0, 22.0, 23.0, 23.1]})
 
+    def pareto(self, progress=None) -> pd.DataFrame:
+        if self.fail_with is not None:
+            raise self.fail_with
+        for done in range(1, 4):
+            progress(done, 3)
+        float_fc2 = {"fc2": ModuleSettings(keep_float=True)}
+        return pd.DataFrame({"size_bytes": [1000, 1400], "simulated_output_sqnr_db": [20.0, 22.0],
+                             "formats": ["3 int8", "2 int8, 1 float"], "settings": [{}, float_fc2]})  # fmt: skip
+
+    def uniform_points(self, progress=None) -> pd.DataFrame:
+        return pd.DataFrame({"size_bytes": [1000], "simulated_output_sqnr_db": [20.0], "formats": ["3 int8"],
+                             "settings": [{}]}, index=pd.Index(["baseline"], name="choice"))  # fmt: skip
+
     def plan_reach(self, target_sqnr_db=None, target_metric=None, *, progress=None) -> ReachPlan:
         curve = [20.0, 22.0, 23.0, 23.1]
         count = next((i for i, db in enumerate(curve) if db >= target_sqnr_db), None)
@@ -149,6 +162,18 @@ def session() -> FakeSession:
 
 def test_the_fakes_answer_the_protocols(session):
     assert isinstance(session, TuningSession) and isinstance(FakeSource(), ReportSource)
+
+
+def test_the_size_front_is_kept_and_said_and_a_failure_or_cancel_leaves_nothing(session):
+    controller = TuneController(session, FakeSource())
+    session.fail_with = RuntimeError("no front here")
+    assert not controller.front() and "no front here" in controller.front_status and controller.points is None
+    session.fail_with = None
+    controller.observe(lambda _change: controller.cancel(), "progress")
+    assert not controller.front() and "cancelled" in controller.front_status and controller.points is None
+    controller.unobserve_all("progress")
+    assert controller.front() and len(controller.points) == 2 and list(controller.uniform.index) == ["baseline"]
+    assert "2 points from 1.0 KB (20.00 dB) to 1.4 KB (22.00 dB)" in controller.front_status and not controller.busy
 
 
 def test_apply_runs_the_baseline_first_then_says_the_change_in_colour(session):

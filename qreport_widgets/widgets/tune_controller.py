@@ -54,6 +54,7 @@ class TuneController(HasTraits):
     status = Unicode(help="the Tune status line (HTML): progress while busy, then what the last action found")
     error = Unicode(help="the last action's error (HTML, red); empty when it went well")
     ranking_status = Unicode(help="the sensitivity pane's status line (HTML)")
+    front_status = Unicode(help="the size front pane's status line (HTML)")
     truth = Unicode(help="where the real model and its simulation disagree, in red (HTML; empty when they agree)")
     busy = Bool(False, help="a long action is running: every long action's button is disabled")
     cancellable = Bool(False, help="the running action stops at its next step when cancel() is called")
@@ -66,6 +67,8 @@ class TuneController(HasTraits):
         self.session, self.source, self._clock = session, source, clock
         self.table: pd.DataFrame | None = None  # the sensitivity ranking, once computed
         self.curve: pd.DataFrame | None = None  # the trade-off curve, once computed
+        self.points: pd.DataFrame | None = None  # the size front, once computed
+        self.uniform: pd.DataFrame | None = None  # the uniform choices beside it
         self._lock = threading.Lock()
         self._cancel = False
         self._final_status = ""
@@ -180,6 +183,37 @@ class TuneController(HasTraits):
                     f"{plan.simulated_sqnr_db:.2f} dB with {count} module(s) float ({names}); the Tune rows are set to that."
                 )
             return plan
+
+    def front(self) -> bool:
+        """The size front and the uniform choices (``points``, ``uniform``), simulated; False when
+        cancelled, failed (``front_status`` says why) or another action was running."""
+        with self._exclusive() as running:
+            if not running:
+                return False
+            self.front_status = "<i>simulating: each module in each choice alone, then points along the front…</i>"
+            try:
+                with self._busy(cancellable=True):
+                    points = self.session.pareto(progress=self._reporter())
+                    uniform = self.session.uniform_points(progress=self._reporter())
+            except Cancelled:
+                self.front_status = "<i>Size front cancelled; nothing was changed.</i>"
+                return False
+            except Exception as error:  # user models and data: show, keep the tab usable
+                self.front_status = error_html(f"{type(error).__name__}: {error}")
+                return False
+            self.points, self.uniform = points, uniform
+            self._show_truth()
+            smallest, largest = points.iloc[0], points.iloc[-1]
+            estimates = "" if self._simulation_reliable() else (
+                f" <span style='color:{RED}'>Unverified: the simulation differs from the real model here.</span>"
+            )  # fmt: skip
+            self.front_status = (
+                f"{len(points)} points from {smallest['size_bytes'] / 1024:,.1f} KB "
+                f"({smallest['simulated_output_sqnr_db']:.2f} dB) to {largest['size_bytes'] / 1024:,.1f} KB "
+                f"({largest['simulated_output_sqnr_db']:.2f} dB), simulated. Click a point, or type a budget, to put "
+                f"its settings in the Tune rows; Apply measures it.{estimates}"
+            )
+            return True
 
     def cancel(self) -> None:
         """Stop the running cancellable action at its next step (a click handled on the kernel's

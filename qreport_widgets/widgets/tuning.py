@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import html
+from collections.abc import Mapping
 from dataclasses import replace
 
 import ipywidgets as w
@@ -14,6 +15,7 @@ from ..run import RunResult
 from ..settings import ModuleSettings, Setting, kept_float
 from ..truth import KERNEL_AGREEMENT_DB
 from ..verify import VerifiedSuggestions
+from .front import SizeFrontPane
 from .plots import scrolling_table
 from .rows import SettingsRow, row_parts
 from .runs import LayersChart, RunsTable
@@ -81,6 +83,7 @@ class TuningPanel(w.VBox):
         if not any(row.module.allows(Setting.PER_CHANNEL) for row in self.rows.values()):
             self.bulk["per-channel"].layout.display = "none"  # an engine with formats: the format says it
         self.sensitivity = SensitivityPane(controller, self._keep_float, self._order_rows)
+        self.front = SizeFrontPane(controller, self._take_point, getattr(session, "eval_fn", None) is not None)
         bulk_label = w.HTML("<span style='color:#666'>on the rows shown:</span>", layout={**FIXED, "margin": "0 4px 0 12px"})
         toolbar = w.HBox([self.filter, self.only_suggested, self.all_ops, self.shown, bulk_label, *self.bulk.values()],
                          layout={"align_items": "center", "flex_flow": "row wrap"})  # fmt: skip
@@ -92,7 +95,7 @@ class TuningPanel(w.VBox):
             titles=("Quantization summary of the last run", "These settings as Python, to paste into a pipeline"),
         )
         # the per-layer chart joins after the first run: a bqplot figure laid out in a hidden tab has no size
-        super().__init__([self.sensitivity, toolbar, self.rows_box, buttons, self.truth, self.status, self.error,
+        super().__init__([self.sensitivity, self.front, toolbar, self.rows_box, buttons, self.truth, self.status, self.error,
                           self.history, self.results])  # fmt: skip
         self._wire(controller)
         self._refresh_rows()
@@ -164,6 +167,10 @@ class TuningPanel(w.VBox):
                 row.settings = kept_float(row.settings, fqn in chosen, start[fqn])
         self._show_code()
 
+    def _take_point(self, settings: Mapping[str, ModuleSettings]) -> None:
+        """A size front point's settings in the rows (the modules it does not name as they start)."""
+        self._set_all({**self.session.current_settings(), **settings})
+
     def _order_rows(self, order: list[str]) -> None:
         """Rows in ``order`` (names not in it follow in forward order); an empty order is forward order."""
         self._order = list(order)
@@ -226,6 +233,7 @@ class TuningPanel(w.VBox):
         with self.hold_sync():
             self.history.show(runs)
             self.layers.draw(layers, _kernels_apart(self.session.history))
+            self.front.show_runs()
             restorable = self.controller.restorable()
             self.restore_from.options = restorable
             self.restore_from.value = restorable[-1] if restorable else None
