@@ -726,6 +726,72 @@ TRANSFORMER_EAGER = [
 ]
 
 
+SIZE_BUDGET = [
+    (
+        "md",
+        "# Mixed precision under a size budget\n"
+        "\n"
+        "Per layer, int8 or int4 (group-wise) or float: somewhere between all int8 and all int4 is a model almost as "
+        "small as int4 and almost as good as int8. `session.pareto()` finds the **front** of per-module choices by "
+        "deployed size and output SQNR in the simulation (each module alone in each format, then points along the "
+        "front simulated whole): no real run per point. `session.fit(max_size_bytes=...)` runs the best point under a "
+        "budget for real, and steps along the front if the real run misses.\n"
+        "\n"
+        "The model is a Hugging Face `BertForSequenceClassification` trained on the digits (as in the transformer "
+        "notebook), on the eager engine.",
+    ),
+    (
+        "code",
+        "from qreport_widgets import analyze\n"
+        "from qreport_widgets.digits import trained_digits_model\n"
+        "\n"
+        "quiet = lambda done, total: None\n"
+        "model, data = trained_digits_model('bert')\n"
+        "report = analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation,\n"
+        "                 eval_fn=data.accuracy, engine='eager', progress=False)\n"
+        "session = report.session\n"
+        "front = session.pareto(progress=quiet)\n"
+        "print(f'{len(front)} points on the front')\n"
+        "front.drop(columns=['settings']).iloc[::4].round(3)",
+    ),
+    (
+        "md",
+        "## The uniform choices, simulated\n"
+        "\n"
+        "The same format on every module that takes it (the embeddings take the weight-only formats only), and the "
+        "baseline (every Linear int8-dynamic).",
+    ),
+    ("code", "uniform = session.uniform_points()\nuniform.drop(columns=['settings']).round(3)"),
+    (
+        "md",
+        "## A budget halfway between all int8 and all int4\n"
+        "\n"
+        "Real runs of the two uniform choices, then `fit` at the size halfway between them.",
+    ),
+    (
+        "code",
+        "int8, int4 = 'all int8-weight-only', 'all int4-weight-only (group 32)'\n"
+        "for label in (int8, int4):\n"
+        "    session.apply(uniform.loc[label, 'settings'], label=label, progress=quiet)\n"
+        "sizes = {run.label: run.deployed_bytes for run in session.history}\n"
+        "budget = (sizes[int8] + sizes[int4]) / 2\n"
+        "fitted = session.fit(max_size_bytes=budget, progress=quiet)\n"
+        "print(fitted.notes[-1])\n"
+        "runs, _ = session.compare()\n"
+        "runs[['run', 'output SQNR (dB)', 'your metric', 'deployed size (KB)']].round(2)",
+    ),
+    (
+        "md",
+        "## In the widget\n"
+        "\n"
+        "**Tune → Size front** draws the front (blue), the uniform choices (orange) and every real run (green) on "
+        "the same axes. Click a point, or type a budget in KB, and its settings go to the Tune rows: **Apply** "
+        "measures it.",
+    ),
+    ("code", "report.widget()"),
+]
+
+
 def main() -> None:
     HERE.mkdir(exist_ok=True)
     notebooks = {
@@ -738,6 +804,7 @@ def main() -> None:
         "07_fx_or_pt2e.ipynb": ENGINES,
         "08_when_the_simulation_disagrees.ipynb": KERNEL_TRUTH,
         "09_a_transformer.ipynb": TRANSFORMER_EAGER,
+        "10_size_budget.ipynb": SIZE_BUDGET,
     }
     for name, cells in notebooks.items():
         nbformat.write(notebook(cells), HERE / name)

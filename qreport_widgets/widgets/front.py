@@ -139,6 +139,8 @@ class SizeFrontPane(w.VBox):
             with self.runs.hold_sync():
                 self.runs.x = np.array([r.deployed_bytes / 1024 for r in runs], dtype=np.float64)
                 self.runs.y = np.array([_run_value(r, metric) for r in runs], dtype=np.float64)
+            _pad(self.points.scales["x"], np.concatenate([self.points.x, self.uniform_marks.x, self.runs.x]))
+            _pad(self.points.scales["y"], np.concatenate([self.points.y, self.uniform_marks.y, self.runs.y]))
             label = "metric" if metric else "output SQNR (dB)"
             self.figure.axes[1].label = label
             for mark in (self.points, self.uniform_marks, self.runs):
@@ -154,6 +156,16 @@ class SizeFrontPane(w.VBox):
         values = np.concatenate([self.points.y, self.uniform_marks.y, self.runs.y]).astype(np.float64)
         values = values[np.isfinite(values)]
         return (float(values.min()), float(values.max())) if values.size else (0.0, 1.0)
+
+
+def _pad(scale: bq.LinearScale, values: np.ndarray) -> None:
+    """The scale's range: the values' with a margin, so that no mark sits on the frame."""
+    values = values[np.isfinite(values)].astype(np.float64)
+    if not values.size:
+        return
+    low, high = float(values.min()), float(values.max())
+    margin = 0.04 * (high - low) or 0.5
+    scale.min, scale.max = low - margin, high + margin
 
 
 def _run_value(run: RunResult, metric: bool) -> float:

@@ -275,3 +275,33 @@ def test_a_transformer_format_per_layer_apply_and_the_module_tree_at_1400_and_10
         widget.get_by_text("Leaf modules in call order").first.wait_for(timeout=30_000)
         page.screenshot(path=str(SCREENSHOTS / "transformer_model_tab.png"), full_page=False)
         assert page.locator(".jupyter-widgets-error-widget").all_inner_texts() == []
+
+
+def test_the_size_front_a_budget_and_apply_at_1400_and_1024(lab):
+    """The size budget notebook: Tune -> Size front draws the front, a budget typed in KB selects the
+    best point under it and fills the rows, Apply runs it and the run joins the chart; the layout
+    holds at 1400 px and, resized, at 1024 px."""
+    with _notebook_ran(lab, "10_size_budget.ipynb", "size_budget") as (page, widget, _console_errors):
+        widget.locator(".lm-TabBar-tab", has_text="Tune").first.click()
+        widget.locator("button", has_text="Size front").first.click()
+        widget.get_by_text(re.compile(r"\d+ points from")).first.wait_for(timeout=120_000)
+        budget = widget.locator(".widget-text", has_text="budget KB").locator("input").first
+        budget.fill("65")
+        budget.press("Enter")
+        widget.get_by_text(re.compile(r"^Point \d+ of \d+")).first.wait_for(timeout=30_000)
+        chart = widget.locator(".bqplot", has_text="Size front").first
+        assert chart.locator(".dot").count() > 10  # the front's points, the uniform marks, the runs
+        widget.locator("button", has_text="Apply").first.click()
+        try:
+            widget.get_by_text("apply 1: output SQNR").first.wait_for(timeout=120_000)
+        finally:
+            page.screenshot(path=str(SCREENSHOTS / "size_front_after_apply.png"), full_page=False)
+        widget.get_by_text(re.compile(r"\d+ real run\(s\)")).first.wait_for(timeout=30_000)
+        for width in (1400, 1024):
+            page.set_viewport_size({"width": width, "height": 1100})
+            page.wait_for_timeout(800)
+            chart.scroll_into_view_if_needed()
+            page.screenshot(path=str(SCREENSHOTS / f"size_front_{width}.png"), full_page=False)
+            _assert_nothing_spills(widget)
+            _assert_looks_right(widget)
+        assert page.locator(".jupyter-widgets-error-widget").all_inner_texts() == []
