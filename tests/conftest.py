@@ -48,3 +48,10 @@ def assert_unchanged(model: torch.nn.Module, before: tuple[dict, str, str | None
 @pytest.fixture
 def x86_mapping():
     return get_default_qconfig_mapping("x86")
+
+
+@pytest.fixture(scope="session")
+def digits_cache(tmp_path_factory):
+    """One folder for the trained digits models of the whole run: each is trained once (seeded, so
+    every test sees the same weights) and loaded from here after."""
+    return tmp_path_factory.mktemp("digits")

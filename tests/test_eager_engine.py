@@ -29,8 +29,8 @@ QUANTIZED = FORMATS[1:]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("digits")
+def cache(digits_cache):
+    return digits_cache
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ QUIET = lambda done, total: None  # noqa: E731
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return trained_digits_model("prelu", tmp_path_factory.mktemp("weights"))
+def trained(digits_cache):
+    return trained_digits_model("prelu", digits_cache)
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +157,8 @@ def test_random_weights_with_default_slopes_are_ruined_too():
     assert math.isfinite(truth.corrected_db) and truth.reliable
 
 
-def test_kernel_check_agrees_on_a_model_without_such_kernels(tmp_path):
-    model, data = trained_digits_model("cnn", tmp_path)
+def test_kernel_check_agrees_on_a_model_without_such_kernels(digits_cache):
+    model, data = trained_digits_model("cnn", digits_cache)
     session = qw.QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation)
     baseline = session.baseline(progress=QUIET)
     truth = session.truth_check()

@@ -21,8 +21,8 @@ SIZE_AGREEMENT = 0.01  # a front point's estimated deployed size and a real run'
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("digits")
+def cache(digits_cache):
+    return digits_cache
 
 
 def digits_session(name: str, cache, engine: str = "fx") -> QuantizationSession:

@@ -25,8 +25,8 @@ def quiet(done, total):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("digits")
+def cache(digits_cache):
+    return digits_cache
 
 
 def both_engines(model: nn.Module, calibration, evaluation, eval_fn=None) -> dict[str, qw.ModelReport]:

@@ -1,6 +1,6 @@
 """The README's Python snippets run as written: the first, then the session and saving ones after
-it (they continue its ``report``), the upstream-workflow one, the PT2E one, the eager one and the
-kernel-check one on their own."""
+it (they continue its ``report``), the upstream-workflow one, the PT2E one, the eager one, the
+size-front one and the kernel-check one on their own."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ def snippets() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
-def test_the_readme_has_the_seven_snippets_this_test_runs():
-    assert len(snippets()) == 7
+def test_the_readme_has_the_eight_snippets_this_test_runs():
+    assert len(snippets()) == 8
 
 
-@pytest.mark.parametrize("order", [(0, 2, 3), (1,), (4,), (5,), (6,)])
+@pytest.mark.parametrize("order", [(0, 2, 3), (1,), (4,), (5,), (6,), (7,)])
 def test_readme_snippets_run_as_written(order, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the saving snippet writes demo.qreport here
     namespace: dict = {}

@@ -33,8 +33,8 @@ def build(name: str, cache) -> tuple[torch.nn.Module, QuantizationSession]:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("digits")
+def measured(digits_cache):
+    cache = digits_cache
     found = {}
     for name in MODELS:
         model, session = build(name, cache)
@@ -156,10 +156,10 @@ def test_reach_by_metric_needs_an_eval_fn(measured):
         session.reach(target_metric=0.9)
 
 
-def test_the_tune_tab_ranks_modules_proposes_a_float_set_and_apply_confirms_it(tmp_path):
+def test_the_tune_tab_ranks_modules_proposes_a_float_set_and_apply_confirms_it(digits_cache):
     import qreport_widgets as qw
 
-    model, data = trained_digits_model("cnn", tmp_path)
+    model, data = trained_digits_model("cnn", digits_cache)
     report = qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy,
                         progress=False)  # fmt: skip
     tuning = report.widget().tuning
@@ -183,10 +183,10 @@ def test_the_tune_tab_ranks_modules_proposes_a_float_set_and_apply_confirms_it(t
     assert "out of reach" in pane.status.value and not pane.compute.disabled
 
 
-def test_a_failing_sensitivity_is_shown_in_the_pane(monkeypatch, tmp_path):
+def test_a_failing_sensitivity_is_shown_in_the_pane(monkeypatch, digits_cache):
     import qreport_widgets as qw
 
-    model, data = trained_digits_model("mixer", tmp_path)
+    model, data = trained_digits_model("mixer", digits_cache)
     report = qw.analyze(model, data.calibration[0], data.calibration, progress=False)
 
     def broken(progress=None):
@@ -199,10 +199,10 @@ def test_a_failing_sensitivity_is_shown_in_the_pane(monkeypatch, tmp_path):
     assert not pane.compute.disabled and pane.progress.layout.visibility == "hidden"
 
 
-def test_cancel_stops_a_running_sensitivity_and_a_later_one_completes(tmp_path):
+def test_cancel_stops_a_running_sensitivity_and_a_later_one_completes(digits_cache):
     import qreport_widgets as qw
 
-    model, data = trained_digits_model("mixer", tmp_path)
+    model, data = trained_digits_model("mixer", digits_cache)
     report = qw.analyze(model, data.calibration[0], data.calibration, progress=False)
     pane = report.widget().tuning.sensitivity
 

@@ -28,8 +28,8 @@ def start(name: str):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("digits")
+def cache(digits_cache):
+    return digits_cache
 
 
 def digits_report(name: str, start_name: str, cache) -> qw.ModelReport:
@@ -198,11 +198,13 @@ def test_per_layer_sqnr_of_a_migrated_run_reads_the_rescaled_layers_right():
     assert moved.per_layer_sqnr_db["mlp.norm"] > 10
 
 
-ACCEPT_ALL_MODELS = ["digits cnn", "digits mixer", "resnet", "efficientnet", "prelu_net"]
+ACCEPT_ALL_CASES = [  # trained and real layouts, both starts; EfficientNet's Accept all measured -0.12 dB before
+    ("digits cnn", "x86"), ("digits cnn", "per-tensor"), ("digits mixer", "x86"), ("digits mixer", "per-tensor"),
+    ("resnet", "per-tensor"), ("efficientnet", "x86"), ("prelu_net", "x86"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("start_name", ["x86", "per-tensor"])
-@pytest.mark.parametrize("name", ACCEPT_ALL_MODELS)
+@pytest.mark.parametrize(("name", "start_name"), ACCEPT_ALL_CASES)
 def test_accept_all_never_quantizes_fewer_layers_nor_measures_below_the_baseline(name, start_name, cache):
     """Accept all quantizes better, not less: no layer leaves int8 (keeping one float is a trade of
     size for SQNR, made by reach / fit / the size front), except a layer whose quantized kernel the
