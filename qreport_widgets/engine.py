@@ -229,11 +229,14 @@ class Engine(ABC, Generic[ConfigT]):
 class Variant:
     """One configuration to simulate, relative to the starting one: modules kept float, modules
     whose weights are quantized with the other scheme (per channel where they start per tensor, or
-    the reverse), and on an engine with formats, modules given other settings (module, settings)."""
+    the reverse), on an engine with formats modules given other settings (module, settings), and
+    where the engine offers them, modules with another activation observer or dynamic activations."""
 
     float_modules: frozenset[str] = frozenset()
     other_weights: frozenset[str] = frozenset()
     settings: frozenset[tuple[str, ModuleSettings]] = frozenset()
+    observers: frozenset[tuple[str, str]] = frozenset()  # (module, activation observer of its output)
+    dynamic: frozenset[str] = frozenset()  # modules whose input is quantized per batch (dynamic activations)
 
     @staticmethod
     def of(variant: Variant | Iterable[str]) -> Variant:

@@ -60,7 +60,11 @@ _SETTING_OF = {
     SuggestionKind.DYNAMIC: Setting.DYNAMIC,
     SuggestionKind.EQUALIZATION: Setting.EQUALIZE,
 }
-SIMULATED_SETTINGS = frozenset({Setting.PER_CHANNEL, Setting.KEEP_FLOAT})  # the rest change calibration: real runs
+# per-channel weights and keep float switch what the start calibrated; an activation observer's qparams come from
+# one extra calibration of every candidate observer at once; dynamic activations quantize each batch's own range.
+# Equalization and migration change the float model's weights and the calibration after them: real runs
+SIMULATED_SETTINGS = frozenset({Setting.PER_CHANNEL, Setting.KEEP_FLOAT, Setting.OBSERVER, Setting.DYNAMIC})
+CALIBRATING_SETTINGS = frozenset({Setting.OBSERVER, Setting.DYNAMIC})  # simulated where the engine's simulation can
 
 
 class VerifiableSession(Protocol):
@@ -214,6 +218,11 @@ class Verifier:
                 found[suggestion.module_fqn, setting] = Candidate(
                     suggestion.module_fqn, setting, suggestion.detector, suggestion.reason
                 )
+        producers = self.session.input_producers(list(self.modules))
+        for consumer, producer in producers.items():  # a dynamic Linear's output is float: its reader would run float
+            if producer in self.modules and consumer in self.modules and not self.modules[consumer].current.keep_float:
+                why = f"its output is float when it is dynamic, and {consumer}, which reads it, would run float"
+                self.refused.setdefault((producer, Setting.DYNAMIC), why)
         for module in self.modules.values():  # what no detector proposed, tried everywhere it applies
             if module.current.keep_float:
                 continue
@@ -261,13 +270,24 @@ class Verifier:
                 simulated.append(candidate)
             else:
                 real.append(candidate)
+        extended = [c for c in simulated if c.setting in CALIBRATING_SETTINGS]
+        try:
+            extended_gains = self._simulated_gains(extended) if extended else []
+        except (KeyError, RuntimeError):  # a simulation that cannot follow them: real runs measure them
+            simulated = [c for c in simulated if c not in extended]
+            real += extended
+            extended, extended_gains = [], []
+        basic = [c for c in simulated if c not in extended]
         with steps(len(real) + 2, "verifying suggestions", "run", progress) as step:
-            for candidate, gain in zip(simulated, self._simulated_gains(simulated), strict=True):
+            for candidate, gain in zip(basic + extended, self._simulated_gains(basic) + extended_gains, strict=True):
                 verdicts[candidate] = self._judge(candidate, gain, SIMULATED)
             step()
             current = self.session.current_settings()
+            for candidate, verdict in self._no_ops(real, current, baseline).items():
+                verdicts[candidate] = verdict
             for candidate in real:
-                verdicts[candidate] = self._trial(candidate, current, baseline)
+                if candidate not in verdicts:
+                    verdicts[candidate] = self._trial(candidate, current, baseline)
                 step()
             ordered = [verdicts[c] for c in candidates]
             settings, accept_all, notes = self._accept_all(ordered, baseline)
@@ -299,6 +319,21 @@ class Verifier:
         if lost:  # e.g. a dynamic Linear's float output leaves the LayerNorm after it float
             return Verdict(candidate, gain, REAL_RUN, False, f"it leaves {', '.join(lost)} float, which the start quantizes")
         return self._judge(candidate, gain, REAL_RUN)
+
+    def _no_ops(
+        self, real: Sequence[Candidate], current: Mapping[str, ModuleSettings], baseline: RunResult
+    ) -> dict[Candidate, Verdict]:
+        """Equalization candidates tried together in one real run first: where torch's equalization
+        changes nothing (no pair of layers to balance: the output is bit for bit the baseline's),
+        that one run measures them all."""
+        together = [c for c in real if c.setting is Setting.EQUALIZE]
+        if len(together) < 2:
+            return {}
+        run = self._trial_run({c.module_fqn: c.applied_to(current[c.module_fqn]) for c in together}, "try equalization")
+        if not run.ok or run.output_sqnr_db != baseline.output_sqnr_db:
+            return {}
+        why = f"torch's equalization changes nothing here (the {len(together)} candidates measured together in one run)"
+        return {c: Verdict(c, 0.0, REAL_RUN, False, why) for c in together}
 
     def _not_tried(self, candidate: Candidate) -> str:
         module = self.modules.get(candidate.module_fqn)
@@ -340,21 +375,34 @@ class Verifier:
     def _accept_all(
         self, verdicts: list[Verdict], baseline: RunResult
     ) -> tuple[dict[str, ModuleSettings], RunResult | None, list[str]]:
+        """What Accept all applies, its real run and its notes; a verdict Accept all must leave out
+        after its real run is replaced in ``verdicts`` (not offered, with why)."""
         current = self.session.current_settings()
         offered = sorted((v for v in verdicts if v.offered), key=lambda v: -v.gain_db)
         if not offered:
             return current, None, []
         chosen, notes = self._combine_simulated([v for v in offered if v.measured == SIMULATED])
         chosen += [v for v in offered if v.measured != SIMULATED]  # each measured alone by a real run
-        combined = dict(current)
-        for verdict in sorted(chosen, key=lambda v: -v.gain_db):  # the larger gain wins between exclusive settings
-            fqn, setting = verdict.candidate.module_fqn, verdict.candidate.setting
-            now = combined[fqn]
-            if not _compatible(now, current[fqn], setting):
-                continue
-            combined[fqn] = verdict.candidate.applied_to(now)
-        changed = {fqn: s for fqn, s in combined.items() if s != current[fqn]}
-        run = self._trial_run(changed, "accept all (verified)")
+        combined = _combined(chosen, current)
+        run = self._trial_run(_changed(combined, current), "accept all (verified)")
+        left = _left_float(run, baseline, combined) if run.ok else []
+        blamed = set(self.session.input_producers(left).values()) | set(left)
+        dynamic = [v for v in chosen if v.candidate.setting is Setting.DYNAMIC]
+        dropped = [v for v in dynamic if v.candidate.module_fqn in blamed] or (dynamic if left else [])
+        if dropped:  # a dynamic Linear's float output can leave the layer it feeds float: those settings out
+            why = f"with the others, its real run leaves {', '.join(left)} float, which the start quantizes"
+            for verdict in dropped:
+                verdicts[verdicts.index(verdict)] = replace(verdict, offered=False, note=why)
+            chosen = [v for v in chosen if v not in dropped]
+            offered = [v for v in offered if v not in dropped]
+            if not offered:
+                return (
+                    current,
+                    None,
+                    [*notes, f"dynamic activations on {', '.join(v.candidate.module_fqn for v in dropped)}: {why}"],
+                )
+            combined = _combined(chosen, current)
+            run = self._trial_run(_changed(combined, current), "accept all (verified)")
         best = offered[0]
         gained = run.output_sqnr_db - baseline.output_sqnr_db if run.ok and not _left_float(run, baseline, combined) else math.nan
         if gained >= 0 and (gained >= best.gain_db - MIN_GAIN_DB or len(offered) == 1):
@@ -362,9 +410,8 @@ class Verifier:
         fqn = best.candidate.module_fqn  # together they do worse than the best one alone: that one
         single = {**current, fqn: best.candidate.applied_to(current[fqn])}
         alone = self._trial_run({fqn: single[fqn]}, "accept all (verified)")
-        alone_gained = (
-            alone.output_sqnr_db - baseline.output_sqnr_db if alone.ok and not _left_float(alone, baseline, single) else math.nan
-        )
+        kept_all = alone.ok and not _left_float(alone, baseline, single)
+        alone_gained = alone.output_sqnr_db - baseline.output_sqnr_db if kept_all else math.nan
         if alone_gained >= 0 and not alone_gained < gained:
             note = (
                 f"all {len(offered)} offered settings together measured {gained:+.2f} dB, less than "
@@ -399,6 +446,21 @@ class Verifier:
         return chosen, notes
 
 
+def _combined(chosen: Sequence[Verdict], current: Mapping[str, ModuleSettings]) -> dict[str, ModuleSettings]:
+    """Every module's settings with the ``chosen`` verdicts applied, the larger gain first where two
+    settings exclude each other."""
+    combined = dict(current)
+    for verdict in sorted(chosen, key=lambda v: -v.gain_db):
+        fqn, setting = verdict.candidate.module_fqn, verdict.candidate.setting
+        if _compatible(combined[fqn], current[fqn], setting):
+            combined[fqn] = verdict.candidate.applied_to(combined[fqn])
+    return combined
+
+
+def _changed(settings: Mapping[str, ModuleSettings], current: Mapping[str, ModuleSettings]) -> dict[str, ModuleSettings]:
+    return {fqn: s for fqn, s in settings.items() if s != current[fqn]}
+
+
 def _left_float(run: RunResult, baseline: RunResult, settings: Mapping[str, ModuleSettings] | None = None) -> list[str]:
     """The layers ``baseline`` quantizes that ``run`` leaves float, other than those ``settings``
     keep float on purpose (a kernel the kernel check found broken)."""
@@ -426,9 +488,12 @@ def _compatible(now: ModuleSettings, start: ModuleSettings, setting: Setting) ->
 
 
 def _variant(candidates: Iterable[Candidate]) -> Variant:
+    candidates = list(candidates)
     float_modules = frozenset(c.module_fqn for c in candidates if c.setting is Setting.KEEP_FLOAT)
     other = frozenset(c.module_fqn for c in candidates if c.setting is Setting.PER_CHANNEL) - float_modules
-    return Variant(float_modules=float_modules, other_weights=other)
+    observers = frozenset((c.module_fqn, str(c.value)) for c in candidates if c.setting is Setting.OBSERVER)
+    dynamic = frozenset(c.module_fqn for c in candidates if c.setting is Setting.DYNAMIC) - float_modules
+    return Variant(float_modules=float_modules, other_weights=other, observers=observers, dynamic=dynamic)
 
 
 def refusals(graph_modules: Mapping[str, Any], nan_metric: Iterable[str]) -> dict[tuple[str, Setting], str]:

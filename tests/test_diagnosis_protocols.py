@@ -157,8 +157,11 @@ class FakeVerifiable:
     def simulate_each(self, variants, progress=None, desc="", metric=True):
         found = []
         for variant in variants:
-            settings = {name: ModuleSettings(keep_float=True) for name in variant.float_modules}
-            settings.update({name: ModuleSettings(per_channel=True) for name in variant.other_weights})
+            settings = {
+                name: ModuleSettings(keep_float=name in variant.float_modules, per_channel=name in variant.other_weights,
+                                     dynamic=name in variant.dynamic)
+                for name in variant.float_modules | variant.other_weights | variant.dynamic
+            }  # fmt: skip
             found.append((20.0 + gain_of(settings), None))
         return found
 
@@ -182,13 +185,15 @@ def test_the_verifier_offers_what_helps_and_measures_accept_all_as_a_whole():
     suggestions = [Suggestion("b", "DynamicStaticDetector", SuggestionKind.DYNAMIC, "non-stationary")]
     verified = verifier.verify(verifier.candidates(suggestions), progress=lambda done, total: None)
     table = verified.frame().set_index(["module", "setting"])
-    assert table.loc[("b", Setting.DYNAMIC), "measured"] == REAL_RUN and not table.loc[("b", Setting.DYNAMIC), "offered"]
+    assert table.loc[("b", Setting.DYNAMIC), "measured"] == SIMULATED and not table.loc[("b", Setting.DYNAMIC), "offered"]
     assert table.loc[("a", Setting.PER_CHANNEL), "measured"] == SIMULATED and table.loc[("a", Setting.PER_CHANNEL), "offered"]
     assert not table.loc[("c", Setting.DYNAMIC), "offered"]  # a search's find must gain 0.5 dB
     offered = {(v.candidate.module_fqn, v.candidate.setting) for v in verified.offered}
-    assert offered == {("a", Setting.DYNAMIC), ("a", Setting.PER_CHANNEL), ("b", Setting.KEEP_FLOAT)}
-    assert verified.settings["b"].keep_float and verified.settings["a"] == ModuleSettings(dynamic=True, per_channel=True)
-    assert math.isclose(verified.accept_all_gain_db, 0.8 + 0.6 + 2.0)
+    assert offered == {("a", Setting.DYNAMIC), ("a", Setting.PER_CHANNEL)}
+    # keeping b float gains 2 dB, measured and shown, but that is a trade for reach / fit, not Accept all
+    assert table.loc[("b", Setting.KEEP_FLOAT), "gain_db"] == 2.0 and not table.loc[("b", Setting.KEEP_FLOAT), "offered"]
+    assert not verified.settings["b"].keep_float and verified.settings["a"] == ModuleSettings(dynamic=True, per_channel=True)
+    assert math.isclose(verified.accept_all_gain_db, 0.8 + 0.6)
     assert session.trials[-1] == {name: s for name, s in verified.settings.items() if s != ModuleSettings()}
 
 

@@ -7,6 +7,7 @@ pytest's tmp dir) and the architectures of tests/zoo.py, from the x86 default an
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from torch.ao.quantization import QConfig, get_default_qconfig_mapping
 from torch.ao.quantization.observer import default_weight_observer
 
 import qreport_widgets as qw
+from qreport_widgets import ModuleSettings
 from qreport_widgets.digits import trained_digits_model
+from qreport_widgets.truth import SIMULATION_ERROR_DB
 from qreport_widgets.verify import MIN_GAIN_DB, NOT_TRIED, Candidate, Verifier, refusals
 
 
@@ -225,3 +228,45 @@ def test_accept_all_never_quantizes_fewer_layers_nor_measures_below_the_baseline
     if verified.accept_all is not None:
         assert verified.accept_all.ok and verified.accept_all.output_sqnr_db >= baseline.output_sqnr_db
         assert verified.accept_all.quantized_layers >= baseline.quantized_layers - len(floated)
+
+
+@pytest.mark.parametrize(("name", "agreement"), [("cnn", 0.05), ("mixer", SIMULATION_ERROR_DB)])
+def test_observer_and_dynamic_candidates_are_simulated_as_real_runs_measure_them(name, agreement, cache):
+    """Another activation observer's qparams come from one extra calibration of every candidate
+    observer at once; dynamic activations quantize each batch's range as torch's dynamic Linear
+    does (7 bits on x86) and leave the ops that only they read float, as FX does."""
+    from qreport_widgets.engine import Variant
+
+    model, data = trained_digits_model(name, cache)
+    session = qw.QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation)
+    baseline = session.baseline(progress=lambda done, total: None).output_sqnr_db
+    current = session.current_settings()
+    producers = session.input_producers([m.fqn for m in session.modules])
+    read_by_quantized = {p for c, p in producers.items() if not current[c].keep_float}  # dynamic refused there
+    cases = [(m.fqn, ModuleSettings(observer=o), Variant(observers=frozenset({(m.fqn, o)})))
+             for m in session.modules if m.weighted for o in ("percentile", "minmax")]  # fmt: skip
+    cases += [(m.fqn, ModuleSettings(dynamic=True), Variant(dynamic=frozenset({m.fqn})))
+              for m in session.modules if m.allows("dynamic") and m.fqn not in read_by_quantized]  # fmt: skip
+    simulated = session.simulate_each([variant for _, _, variant in cases], metric=False)
+    for (fqn, change, _), (sqnr, _) in zip(cases, simulated, strict=True):
+        setting = replace(current[fqn], observer=change.observer, dynamic=change.dynamic)
+        real = session.apply({fqn: setting}, record=False, progress=lambda done, total: None)
+        assert abs((sqnr - baseline) - (real.output_sqnr_db - baseline)) <= agreement, (fqn, change)
+
+
+@pytest.mark.parametrize("name", ["digits cnn", "digits mixer", "text_encoder", "efficientnet", "prelu_net"])
+def test_accept_all_costs_at_most_three_real_runs(name, cache):
+    if name.startswith("digits"):
+        report = digits_report(name.split()[1], "x86", cache)
+    else:
+        torch.manual_seed(0)
+        model, batches = zoo.ARCHITECTURES[name][0]().eval(), zoo.ARCHITECTURES[name][1](8)
+        report = qw.analyze(model, batches[0], batches[:6], eval_data=batches[6:], progress=False)
+    session = report.session
+    session.baseline(progress=lambda done, total: None)
+    runs = []
+    apply = session.apply
+    session.apply = lambda *args, **kwargs: runs.append(kwargs.get("label")) or apply(*args, **kwargs)
+    verified = report.verified_suggestions(progress=lambda done, total: None)
+    assert len(runs) <= 3, (runs, verified.frame())
+    assert len(verified.verdicts) > len(runs)

@@ -97,6 +97,9 @@ class EagerSimulation(WholePasses):
         return chosen
 
     def configure(self, variant: Variant | Iterable[str] = ()) -> None:
+        variant = Variant.of(variant)
+        if variant.observers or variant.dynamic or variant.other_weights:
+            raise KeyError("the eager simulation takes formats (Variant.settings) and float modules only")
         self._apply(self.formats_of(variant))
 
     def local_sqnr(self, batch: Any) -> dict[str, float]:

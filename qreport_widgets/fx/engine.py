@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
@@ -142,7 +143,7 @@ class FxEngine(Engine[FxConfig]):
         modules: Sequence[TunableModule],
         float_model: torch.nn.Module,
         example_inputs: tuple[Any, ...],
-        calibrate: Callable[[torch.nn.Module], None],  # unused: FX's quantize points are all calibrated in the start
+        calibrate: Callable[[torch.nn.Module], None],
     ) -> Simulator:
         # where FX places other qparams after a float module, read from one prepare with them all float
         all_float = self.config_for({m.fqn: ModuleSettings(keep_float=True) for m in modules}, modules)
@@ -155,4 +156,15 @@ class FxEngine(Engine[FxConfig]):
             if m.native is not None and not m.current.dynamic and m.allows(Setting.PER_CHANNEL)
         }
         functional = {m.fqn: m.native.node_name for m in modules if isinstance(m.native, FunctionalOp)}
-        return Simulator(prepared, [m.fqn for m in modules], fixed_qparams_after_float(float_prepared), other_weights, functional)
+        current = {m.fqn: m.current for m in modules}
+
+        def calibrated_with(observers: Mapping[str, str]) -> torch.fx.GraphModule:
+            """The start with other activation observers on some modules' outputs, calibrated."""
+            settings = {fqn: replace(current[fqn], observer=name, dynamic=False) for fqn, name in observers.items()}
+            with torch_warnings_hidden():
+                other = self.prepare(float_model, self.config_for(settings, modules), example_inputs)
+            calibrate(other)
+            return other
+
+        return Simulator(prepared, list(current), fixed_qparams_after_float(float_prepared), other_weights, functional,
+                         calibrated_with, dynamic_reduce_range=self.backend != "qnnpack")  # fmt: skip

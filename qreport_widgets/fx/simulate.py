@@ -54,10 +54,14 @@ class QuantPoint(nn.Module):
         self.enabled = True
         self.alternate: tuple[torch.Tensor, torch.Tensor, int] | None = None  # from _qparams
         self.use_alternate = False
+        self.override: tuple[torch.Tensor, torch.Tensor, int] | None = None  # another observer's qparams
+        self.override_key: tuple[str, str] | None = None  # (module, observer) they come from
 
     def active_qparams(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(scale, its reciprocal, zero point) in use now."""
-        return self.alternate if self.use_alternate and self.alternate else self.qparams
+        if self.use_alternate and self.alternate:
+            return self.alternate
+        return self.override if self.override is not None else self.qparams
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
@@ -94,14 +98,22 @@ class RealKernel(nn.Module):
             return self.kernel(torch.quantize_per_tensor(x, float(scale), zero_point, self.before.dtype)).dequantize()
 
 
+def dynamic_fake_quantized(x: torch.Tensor, reduce_range: bool) -> torch.Tensor:
+    """``x`` quantized per tensor to quint8 with the range of its own values, as torch's dynamic
+    Linear kernel does on each call (fbgemm: 7 bits, ``reduce_range``), then dequantized."""
+    scale, zero_point = torch._choose_qparams_per_tensor(x, reduce_range)
+    high = 127 if reduce_range else 255
+    return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, 0, high)
+
+
 class _Point:
     """One quantize point: its module, its node, the node that produces its input and the nodes that read it."""
 
     def __init__(self, module: QuantPoint, node: torch.fx.Node, producer: torch.fx.Node, consumers: list[torch.fx.Node]) -> None:
         self.module, self.node, self.producer, self.consumers = module, node, producer, consumers
 
-    def state(self) -> tuple[bool, bool]:
-        return self.module.enabled, self.module.use_alternate
+    def state(self) -> tuple[bool, bool, tuple[str, str] | None]:
+        return self.module.enabled, self.module.use_alternate, self.module.override_key
 
 
 class Simulator:
@@ -117,6 +129,12 @@ class Simulator:
             module's weight scheme is switched (``Variant.other_weights``).
         functional: tunable name -> the prepared graph's node of a functional op (an add, a mul)
             that may be kept float.
+        calibrated_with: module -> activation observer name: the start prepared with those modules'
+            output observers changed and calibrated (one calibration for every observer a set of
+            variants asks for: observers only watch the float activations, so each one's qparams
+            are those a run with it alone computes).
+        dynamic_reduce_range: whether torch's dynamic Linear quantizes its input to 7 bits (fbgemm,
+            x86) for ``Variant.dynamic``.
     """
 
     def __init__(
@@ -126,6 +144,8 @@ class Simulator:
         float_producer_qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
         other_weight_observers: Mapping[str, Callable[[], nn.Module]] | None = None,
         functional: Mapping[str, str] | None = None,
+        calibrated_with: Callable[[Mapping[str, str]], torch.fx.GraphModule] | None = None,
+        dynamic_reduce_range: bool = True,
     ) -> None:
         with torch_warnings_hidden():
             reference = convert_to_reference_fx(copy.deepcopy(prepared))
@@ -150,6 +170,20 @@ class Simulator:
                     self._points_at.setdefault(node, []).append(point)
         self._other_observers = dict(other_weight_observers or {})
         self._other_weights: dict[str, torch.Tensor] = {}  # computed on first use
+        self._calibrated_with = calibrated_with
+        self._weighted = {self._node_of[name] for name in self._weights}
+        self._readers = self._direct_readers()
+        # ops whose quantized output FX drops when only dynamic modules read it (GELU, a division; measured:
+        # a normalization keeps its quantized kernel and output, a weighted module its quantized output)
+        self._loose = {
+            n for n in self._readers
+            if n.op in ("call_function", "call_method")
+            or (n.op == "call_module" and n not in self._weighted and not isinstance(_module_at(reference, n), _NORMS))
+        }  # fmt: skip
+        self._overrides: dict[tuple[str, str], dict[int, tuple[torch.Tensor, torch.Tensor, int]]] = {}
+        self._reduce_range = dynamic_reduce_range
+        self._dynamic_now: frozenset[str] = frozenset()
+        self._dynamic_hooked: set[str] = set()
         self._state = Variant(frozenset(self._weights))
         self._set(Variant(), changed=set(self._weights), points=self._points)
         self._replay = Replay(reference)
@@ -185,23 +219,105 @@ class Simulator:
     def configure(self, variant: Variant | Iterable[str] = ()) -> None:
         """Set ``variant`` (or keep the modules named float), everything else as the starting configuration."""
         variant = Variant.of(variant)
-        unknown = (variant.float_modules - set(self._names)) | (variant.other_weights - set(self._weights))
+        observed = {fqn for fqn, _ in variant.observers}
+        unknown = (variant.float_modules | variant.dynamic | observed) - set(self._names)
+        unknown |= variant.other_weights - set(self._weights)
+        if variant.settings:
+            raise KeyError("the FX simulation has no formats (Variant.settings)")
         if unknown:
             raise KeyError(f"no quantized module named {', '.join(sorted(unknown))} in the simulation")
         no_scheme = variant.other_weights - set(self._other_observers)
         if no_scheme:
             raise KeyError(f"no other weight scheme for {', '.join(sorted(no_scheme))}")
+        self.prepare_observers([variant])
         changed = (variant.float_modules ^ self._state.float_modules) | (variant.other_weights ^ self._state.other_weights)
         changed &= set(self._weights)
-        float_changed = variant.float_modules ^ self._state.float_modules
-        points = {id(p): p for name in float_changed for p in self._points_at.get(self._node_of[name], ())}
+        moved = {self._node_of[name] for name in variant.float_modules ^ self._state.float_modules}
+        switched = {self._node_of[name] for name in variant.dynamic ^ self._state.dynamic}
+        moved |= switched | {node for node, readers in self._readers.items() if readers & switched}  # and what feeds them
+        points = {id(p): p for node in moved for p in self._points_at.get(node, ())}
+        for pair in variant.observers ^ self._state.observers:
+            points.update({id(self._points[i]): self._points[i] for i in self._overrides[pair]})
         self._set(variant, changed, points.values())
+
+    def prepare_observers(self, variants: Iterable[Variant]) -> None:
+        """The qparams of every (module, observer) the ``variants`` ask for and the simulation has not
+        seen, from as few calibrations as can tell them apart (``calibrated_with``).
+
+        A module's activation observer gives qparams to the quantize points around it: after it (and
+        after the ops that share its qparams, such as a transpose), and before it, where FX then gives
+        the module an input observer of its own. Modules whose points do not meet are calibrated
+        together: observers only watch the float activations, so each one's qparams are those a run
+        with it alone computes."""
+        wanted = sorted({pair for variant in variants for pair in variant.observers} - set(self._overrides))
+        if not wanted:
+            return
+        if self._calibrated_with is None:
+            raise KeyError("this simulation cannot change activation observers")
+        groups: list[tuple[dict[str, str], set[int]]] = []
+        for fqn, name in wanted:
+            touched = self._touched(fqn)
+            group = next((g for g in groups if fqn not in g[0] and not touched & g[1]), None)
+            if group is None:
+                group = ({}, set())
+                groups.append(group)
+            group[0][fqn] = name
+            group[1].update(touched)
+        for observers, _ in groups:
+            self._read_overrides(observers)
+
+    def _direct_readers(self) -> dict[torch.fx.Node, set[torch.fx.Node]]:
+        """Node -> the ops that read its quantized output directly."""
+        found: dict[torch.fx.Node, set[torch.fx.Node]] = {}
+        for point in self._points:
+            found.setdefault(point.producer, set()).update(point.consumers)
+        return found
+
+    def _source(self, node: torch.fx.Node) -> torch.fx.Node:
+        """``node``, or for an op that shares its input's qparams, the op it follows."""
+        while node in self._follows:
+            node = self._follows[node]
+        return node
+
+    def _touched(self, fqn: str) -> set[int]:
+        """The quantize points next to module ``fqn``: after it (through the ops that share its
+        qparams) and before it."""
+        node, found = self._node_of[fqn], set()
+        for i, point in enumerate(self._points):
+            if self._source(point.producer) is node or node in point.consumers:
+                found.add(i)
+        return found
+
+    def _read_overrides(self, observers: Mapping[str, str]) -> None:
+        with torch_warnings_hidden():
+            other = convert_to_reference_fx(self._calibrated_with(observers))
+        points = _insert_points(other)
+        if [p.producer.name for p in points] != [p.producer.name for p in self._points]:
+            raise RuntimeError("another activation observer changed where FX quantizes; its effect cannot be simulated")
+        for fqn, name in observers.items():
+            self._overrides[fqn, name] = {
+                i: points[i].module.qparams
+                for i in self._touched(fqn)
+                if not _same_qparams(self._points[i].module, points[i].module)
+            }
+
+    def _dynamic_hook(self, name: str) -> None:
+        """Quantize the input of module ``name`` per call while it is in ``_dynamic_now``."""
+        if name in self._dynamic_hooked:
+            return
+
+        def hook(_module: nn.Module, args: tuple) -> tuple | None:
+            if name not in self._dynamic_now or not args or not isinstance(args[0], torch.Tensor):
+                return None
+            return (dynamic_fake_quantized(args[0], self._reduce_range), *args[1:])
+
+        self.model.get_submodule(name).register_forward_pre_hook(hook)
+        self._dynamic_hooked.add(name)
 
     def _is_quantized(self, node: torch.fx.Node, float_nodes: set[torch.fx.Node]) -> bool:
         """Whether ``node`` runs quantized: an op not kept float (inputs and outputs are not ops); an
         op that follows its input's qparams, where that input is quantized."""
-        while node in self._follows:
-            node = self._follows[node]
+        node = self._source(node)
         return node.op in ("call_module", "call_function", "call_method") and node not in float_nodes
 
     def _set(self, variant: Variant, changed: Iterable[str], points: Iterable[_Point]) -> None:
@@ -219,13 +335,25 @@ class Simulator:
                 weight = quantized
             module.get_weight = lambda w=weight: w
         float_nodes = {self._node_of[name] for name in variant.float_modules}
-        for point in points:
-            enabled = self._is_quantized(point.producer, float_nodes) or any(
-                self._is_quantized(consumer, float_nodes) for consumer in point.consumers
+        dynamic = variant.dynamic - variant.float_modules
+        dynamic_nodes = {self._node_of[name] for name in dynamic}
+        # no static qparams around these; an op without weights read by dynamic modules alone runs float in FX
+        feeding = {n for n, readers in self._readers.items() if n in self._loose and readers and readers <= dynamic_nodes}
+        static = float_nodes | dynamic_nodes | feeding
+        for name in variant.dynamic:
+            self._dynamic_hook(name)
+        self._dynamic_now = dynamic
+        chosen = {index: (pair, qparams) for pair in variant.observers for index, qparams in self._overrides[pair].items()}
+        index_of = {id(point): i for i, point in enumerate(self._points)}
+        for point in points:  # a dynamic module's output stays float: FX gives the ops reading it float inputs
+            enabled = self._source(point.producer) not in dynamic_nodes and (
+                self._is_quantized(point.producer, static) or any(self._is_quantized(c, static) for c in point.consumers)
             )
             alternate = point.producer in float_nodes
-            if point.state() != (enabled, alternate):
+            key, qparams = chosen.get(index_of[id(point)], (None, None))
+            if point.state() != (enabled, alternate, key):
                 point.module.enabled, point.module.use_alternate = enabled, alternate
+                point.module.override_key, point.module.override = key, qparams
         self._state = variant
 
     def _other_weight(self, name: str) -> torch.Tensor:
@@ -252,6 +380,7 @@ class Simulator:
         quantize points it changes and what depends on them. ``step()`` is called after each
         variant on each batch (a progress bar; raising stops the work)."""
         previous, variants = self._state, [Variant.of(v) for v in variants]
+        self.prepare_observers(variants)  # one calibration for every observer they ask for
         changed = [self._replay.affected(self._changed_by(v)) for v in variants]
         keep = set().union(*(self._replay.inputs_of(nodes) for nodes in changed))
         found: list[list[Any]] = [[] for _ in variants]
@@ -285,7 +414,7 @@ class Simulator:
         self.configure(())
         before = [point.state() for point in self._points]
         self.configure(variant)
-        seeds = {self._node_of[name] for name in variant.float_modules | variant.other_weights}
+        seeds = {self._node_of[name] for name in variant.float_modules | variant.other_weights | variant.dynamic}
         seeds |= {point.node for point, state in zip(self._points, before, strict=True) if point.state() != state}
         self.configure(previous)
         return seeds
@@ -353,6 +482,20 @@ def _dequantized(weight: torch.Tensor, observer: nn.Module) -> torch.Tensor:
         else:
             quantized = torch.quantize_per_tensor(weight, float(scale), int(zero_point), observer.dtype)
     return quantized.dequantize()
+
+
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.modules.batchnorm._BatchNorm)
+
+
+def _module_at(model: torch.fx.GraphModule, node: torch.fx.Node) -> nn.Module | None:
+    try:
+        return model.get_submodule(str(node.target))
+    except AttributeError:
+        return None
+
+
+def _same_qparams(a: QuantPoint, b: QuantPoint) -> bool:
+    return bool(a.qparams[0] == b.qparams[0]) and a.qparams[2] == b.qparams[2]
 
 
 def _through(point: _Point | None, x: torch.Tensor) -> torch.Tensor:

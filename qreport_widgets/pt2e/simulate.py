@@ -90,7 +90,9 @@ class Pt2eSimulation(WholePasses):
 
     # ---- variants ---------------------------------------------------------------------------
     def _model(self, variant: Variant) -> torch.fx.GraphModule:
-        if not variant.float_modules and not variant.other_weights:
+        if variant.observers or variant.settings:
+            raise KeyError("the PT2E simulation keeps the quantizer's observers and has no formats")
+        if not variant.float_modules and not variant.other_weights and not variant.dynamic:
             return self._start
         if self._built[0] == variant:
             return self._built[1]
@@ -98,6 +100,8 @@ class Pt2eSimulation(WholePasses):
         settings = {fqn: ModuleSettings(keep_float=True) for fqn in variant.float_modules}
         for fqn in variant.other_weights - variant.float_modules:
             settings[fqn] = replace(current[fqn], per_channel=not current[fqn].per_channel)
+        for fqn in variant.dynamic - variant.float_modules:  # converted as a real run converts it
+            settings[fqn] = replace(settings.get(fqn, current[fqn]), dynamic=True)
         prepared = self.engine.prepare(self.float_model, self.engine.config_for(settings, self.modules), self.example_inputs)
         self._calibrated(prepared)
         model = convert(prepared)
