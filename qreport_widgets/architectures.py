@@ -260,3 +260,49 @@ class OutlierMlpBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.fc2(self.act(self.fc1(self.norm(x))))
         return self.head(x)
+
+
+class VitAttention(nn.Module):
+    """Multi-head self-attention as timm writes it: one qkv Linear, a softmax, one projection."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, dim = x.shape
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        attention = (q @ k.transpose(-2, -1) * self.scale).softmax(dim=-1)
+        return self.proj((attention @ v).transpose(1, 2).reshape(batch, tokens, dim))
+
+
+class VitBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), VitAttention(dim, heads)
+        self.norm2, self.fc1, self.act, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(self.act(self.fc1(self.norm2(x))))
+
+
+class VitTiny(nn.Module):
+    """ViT-Tiny/16's layout as timm builds it (192 wide, 12 blocks of 3 heads, 50 Linear / Conv
+    layers), for 224 px images; random weights unless trained."""
+
+    def __init__(self, classes: int = 1000, dim: int = 192, depth: int = 12, heads: int = 3, image: int = 224) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, 16, 16)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, (image // 16) ** 2 + 1, dim) * 0.02)
+        self.blocks = nn.Sequential(*(VitBlock(dim, heads, dim * 4) for _ in range(depth)))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], 1) + self.pos_embed
+        return self.head(self.norm(self.blocks(x))[:, 0])
