@@ -212,7 +212,8 @@ def test_accept_all_never_quantizes_fewer_layers_nor_measures_below_the_baseline
     """Accept all quantizes better, not less: no layer leaves int8 (keeping one float is a trade of
     size for SQNR, made by reach / fit / the size front), except a layer whose quantized kernel the
     kernel check found computing something else; its real run is never below the baseline; and it
-    costs at most three real runs, whatever the number of candidates."""
+    costs at most three real runs beyond the equalization and migration trials, whatever the number
+    of candidates."""
     if name.startswith("digits"):
         report = digits_report(name.split()[1], start_name, cache)
     else:
@@ -226,7 +227,10 @@ def test_accept_all_never_quantizes_fewer_layers_nor_measures_below_the_baseline
     apply = session.apply
     session.apply = lambda *args, **kwargs: runs.append(kwargs.get("label")) or apply(*args, **kwargs)
     verified = report.verified_suggestions(progress=lambda done, total: None)
-    assert len(runs) <= 3, runs
+    # equalization and migration change the float model: a real run each (one for all equalization
+    # candidates where it changes nothing); everything else is simulated
+    model_changes = sum(v.candidate.setting in ("equalize", "migrate") for v in verified.verdicts if v.measured == "real run")
+    assert len(runs) <= 3 + model_changes + (model_changes > 1), runs
     broken = set(session.truth_check().disagreeing)
     floated = {fqn for fqn, s in verified.settings.items() if s.keep_float and not session.current_settings()[fqn].keep_float}
     assert floated <= broken, verified.frame()
