@@ -27,7 +27,7 @@ from torch.ao.quantization.observer import FixedQParamsObserver
 from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
 from ..calibration import call_with, torch_warnings_hidden
-from ..engine import Variant
+from ..engine import Variant, WholePasses
 from ..metrics import sqnr_db
 from .lowering import replace_submodule
 from .replay import Replay
@@ -116,8 +116,9 @@ class _Point:
         return self.module.enabled, self.module.use_alternate, self.module.override_key
 
 
-class Simulator:
-    """A calibrated model whose modules can be kept float, one set at a time, without recalibrating.
+class Simulator(WholePasses):
+    """A calibrated model whose modules can be kept float, one set at a time, without recalibrating
+    (``outputs`` as whole passes; ``outputs_each`` recomputes only what each variant changes).
 
     Args:
         prepared: a calibrated ``prepare_fx`` model (it is copied, not changed).
@@ -365,12 +366,6 @@ class Simulator:
                 observer(module.weight.detach())
                 self._other_weights[name] = _dequantized(module.weight.detach(), observer)
         return self._other_weights[name]
-
-    def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]:
-        """The simulated model's outputs on ``batches`` in ``variant`` (or with those modules float)."""
-        self.configure(variant)
-        with torch.no_grad():
-            return [call_with(self.model, batch) for batch in batches]
 
     def outputs_each(
         self, batches: Sequence[Any], variants: Sequence[Variant | Iterable[str]], step: Callable[[], None] | None = None

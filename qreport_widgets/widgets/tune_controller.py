@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from traitlets import Bool, Float, HasTraits, Int, Tuple, Unicode
 
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from ..verify import VerifiedSuggestions
 
 RED, GREEN, GREY = "#b00", "#070", "#444"
+UNVERIFIED = f"<span style='color:{RED}'>Unverified: the simulation differs from the real model here.</span>"
+T = TypeVar("T")
 FAILED_RUN = "<i>Run failed; the previous results are kept.</i>"
 
 
@@ -117,37 +119,24 @@ class TuneController(HasTraits):
     def rank(self) -> bool:
         """The sensitivity ranking and the trade-off curve (``table``, ``curve``); False when
         cancelled, failed (``ranking_status`` says why) or another action was running."""
-        with self._exclusive() as running:
-            if not running:
-                return False
-            self.ranking_status = "<i>simulating: calibrating once, then one forward pass per module…</i>"
-            try:
-                with self._busy(cancellable=True):
-                    table = self.session.sensitivity(progress=self._reporter())
-                    curve = self.session.tradeoff(progress=self._reporter())
-            except Cancelled:
-                self.ranking_status = "<i>Sensitivity cancelled; nothing was changed.</i>"
-                return False
-            except Exception as error:  # user models and data: show, keep the tab usable
-                self.ranking_status = error_html(f"{type(error).__name__}: {error}")
-                return False
-            self.table, self.curve = table, curve
-            self._show_truth()
-            base = float(curve["simulated_output_sqnr_db"].iloc[0])
-            if self.target == 0.0:
-                self.target = round(base + 3.0, 1)
-            if len(table):
-                worst, gain = html.escape(str(table.index[0])), float(table["output_sqnr_gain_db"].iloc[0])
-                most = f"Most harmful: <b>{worst}</b> (+{gain:.2f} dB when it alone stays float). "
-            else:
-                most = ""
-            estimates = (
-                "Estimates; Apply measures."
-                if self._simulation_reliable()
-                else (f"<span style='color:{RED}'>Unverified: the simulation differs from the real model here.</span>")
-            )
-            self.ranking_status = f"Simulated baseline {base:.2f} dB. {most}{estimates}"
-            return True
+
+        def work() -> tuple[pd.DataFrame, pd.DataFrame]:
+            return self.session.sensitivity(progress=self._reporter()), self.session.tradeoff(progress=self._reporter())
+
+        found = self._simulated("ranking_status", "Sensitivity", "calibrating once, then one forward pass per module", work)
+        if found is None:
+            return False
+        self.table, self.curve = table, curve = found
+        base = float(curve["simulated_output_sqnr_db"].iloc[0])
+        if self.target == 0.0:
+            self.target = round(base + 3.0, 1)
+        most = ""
+        if len(table):
+            worst, gain = html.escape(str(table.index[0])), float(table["output_sqnr_gain_db"].iloc[0])
+            most = f"Most harmful: <b>{worst}</b> (+{gain:.2f} dB when it alone stays float). "
+        estimates = "Estimates; Apply measures." if self._simulation_reliable() else UNVERIFIED
+        self.ranking_status = f"Simulated baseline {base:.2f} dB. {most}{estimates}"
+        return True
 
     def propose(self) -> ReachPlan | None:
         """The fewest most-harmful modules to keep float for ``target`` (simulated); ranks the
@@ -187,33 +176,25 @@ class TuneController(HasTraits):
     def front(self) -> bool:
         """The size front and the uniform choices (``points``, ``uniform``), simulated; False when
         cancelled, failed (``front_status`` says why) or another action was running."""
-        with self._exclusive() as running:
-            if not running:
-                return False
-            self.front_status = "<i>simulating: each module in each choice alone, then points along the front…</i>"
-            try:
-                with self._busy(cancellable=True):
-                    points = self.session.pareto(progress=self._reporter())
-                    uniform = self.session.uniform_points(progress=self._reporter())
-            except Cancelled:
-                self.front_status = "<i>Size front cancelled; nothing was changed.</i>"
-                return False
-            except Exception as error:  # user models and data: show, keep the tab usable
-                self.front_status = error_html(f"{type(error).__name__}: {error}")
-                return False
-            self.points, self.uniform = points, uniform
-            self._show_truth()
-            smallest, largest = points.iloc[0], points.iloc[-1]
-            estimates = "" if self._simulation_reliable() else (
-                f" <span style='color:{RED}'>Unverified: the simulation differs from the real model here.</span>"
-            )  # fmt: skip
-            self.front_status = (
-                f"{len(points)} points from {smallest['size_bytes'] / 1024:,.1f} KB "
-                f"({smallest['simulated_output_sqnr_db']:.2f} dB) to {largest['size_bytes'] / 1024:,.1f} KB "
-                f"({largest['simulated_output_sqnr_db']:.2f} dB), simulated. Click a point, or type a budget, to put "
-                f"its settings in the Tune rows; Apply measures it.{estimates}"
-            )
-            return True
+
+        def work() -> tuple[pd.DataFrame, pd.DataFrame]:
+            return self.session.pareto(progress=self._reporter()), self.session.uniform_points(progress=self._reporter())
+
+        found = self._simulated(
+            "front_status", "Size front", "each module in each choice alone, then points along the front", work
+        )
+        if found is None:
+            return False
+        self.points, self.uniform = points, _ = found
+        smallest, largest = points.iloc[0], points.iloc[-1]
+        estimates = "" if self._simulation_reliable() else f" {UNVERIFIED}"
+        self.front_status = (
+            f"{len(points)} points from {smallest['size_bytes'] / 1024:,.1f} KB "
+            f"({smallest['simulated_output_sqnr_db']:.2f} dB) to {largest['size_bytes'] / 1024:,.1f} KB "
+            f"({largest['simulated_output_sqnr_db']:.2f} dB), simulated. Click a point, or type a budget, to put "
+            f"its settings in the Tune rows; Apply measures it.{estimates}"
+        )
+        return True
 
     def cancel(self) -> None:
         """Stop the running cancellable action at its next step (a click handled on the kernel's
@@ -245,6 +226,25 @@ class TuneController(HasTraits):
         """The truth check's verdict, once the baseline ran (it never starts a run by itself)."""
         if self.session.history:
             self.truth = truth_html(self.session.truth_check())
+
+    def _simulated(self, status: str, name: str, doing: str, work: Callable[[], T]) -> T | None:
+        """``work()``, simulation only, as one cancellable action told on the trait ``status``: what
+        it does, then why it stopped. None when cancelled, failed or another action was running."""
+        with self._exclusive() as running:
+            if not running:
+                return None
+            setattr(self, status, f"<i>simulating: {doing}…</i>")
+            try:
+                with self._busy(cancellable=True):
+                    found = work()
+            except Cancelled:
+                setattr(self, status, f"<i>{name} cancelled; nothing was changed.</i>")
+                return None
+            except Exception as error:  # user models and data: show, keep the tab usable
+                setattr(self, status, error_html(f"{type(error).__name__}: {error}"))
+                return None
+            self._show_truth()
+            return found
 
     def _simulation_reliable(self) -> bool:
         return not self.session.history or self.session.truth_check().reliable
