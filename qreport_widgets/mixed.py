@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 MAX_SIMULATED = 40  # points of the chain simulated whole (evenly spread over its sizes)
 BASELINE = "baseline"
-COLUMNS = ["size_bytes", "simulated_output_sqnr_db", "formats", "settings"]
 
 
 class FrontHost(Protocol):
@@ -79,7 +78,6 @@ class SizeFront:
 
     points: pd.DataFrame
     uniform: pd.DataFrame
-    start_bytes: int  # the baseline's real deployed size, what every estimate is anchored to
 
 
 def choice_words(choice: ModuleSettings) -> str:
@@ -150,7 +148,7 @@ def size_front(host: FrontHost, progress: Progress | None = None) -> SizeFront:
     uniform_rows = rows[len(picked) :]
     table = pd.DataFrame(uniform_rows, index=pd.Index(list(uniform), name="choice"))
     quantized = [r for r in rows if not all(c.keep_float for c in r["settings"].values())]  # the float model is no point
-    return SizeFront(_front(quantized), table, baseline.deployed_bytes)
+    return SizeFront(_front(quantized), table)
 
 
 def fit(
