@@ -47,8 +47,7 @@ class ReachPlan:
 
     @property
     def target(self) -> str:
-        parts = [f"output SQNR >= {self.target_sqnr_db:g} dB"] if self.target_sqnr_db is not None else []
-        return " and ".join(parts + ([f"metric >= {self.target_metric:g}"] if self.target_metric is not None else []))
+        return target_words(self.target_sqnr_db, self.target_metric)
 
     def near(self, count: int) -> bool:
         """Whether a real run with ``count`` modules float might meet the SQNR target although the
@@ -59,9 +58,19 @@ class ReachPlan:
         return self.curve[count] >= self.target_sqnr_db - SIMULATION_ERROR_DB
 
     def meets(self, sqnr: float, metric: float | None) -> bool:
-        sqnr_ok = self.target_sqnr_db is None or sqnr >= self.target_sqnr_db
-        metric_ok = self.target_metric is None or (metric is not None and metric >= self.target_metric)
-        return sqnr_ok and metric_ok
+        return meets_target(sqnr, metric, self.target_sqnr_db, self.target_metric)
+
+
+def meets_target(sqnr: float, metric: float | None, target_sqnr_db: float | None, target_metric: float | None) -> bool:
+    """Whether an output SQNR and a metric meet the targets given (None: no target)."""
+    sqnr_ok = target_sqnr_db is None or sqnr >= target_sqnr_db
+    return sqnr_ok and (target_metric is None or (metric is not None and metric >= target_metric))
+
+
+def target_words(target_sqnr_db: float | None, target_metric: float | None) -> str:
+    """The targets in words: "output SQNR >= 30 dB and metric >= 0.9"."""
+    parts = [f"output SQNR >= {target_sqnr_db:g} dB"] if target_sqnr_db is not None else []
+    return " and ".join(parts + ([f"metric >= {target_metric:g}"] if target_metric is not None else []))
 
 
 class DiagnosisHost(Protocol):

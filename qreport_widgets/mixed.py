@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .diagnosis import MAX_EXTRA_RUNS
+from .diagnosis import MAX_EXTRA_RUNS, meets_target, target_words
 from .engine import Engine, Variant
 from .errors import QReportError
 from .progress import Progress
@@ -173,23 +173,21 @@ def fit(
     targeted = target_sqnr_db is not None or target_metric is not None
 
     def meets(sqnr: float, metric: float | None) -> bool:
-        sqnr_ok = target_sqnr_db is None or sqnr >= target_sqnr_db
-        return sqnr_ok and (target_metric is None or (metric is not None and metric >= target_metric))
+        return meets_target(sqnr, metric, target_sqnr_db, target_metric)
 
     def fits(run: RunResult) -> bool:
         return max_size_bytes is None or run.deployed_bytes <= max_size_bytes
 
     metrics = fitting["simulated_metric"] if "simulated_metric" in fitting else pd.Series(None, index=fitting.index)
     simulated_ok = [meets(s, m) for s, m in zip(fitting["simulated_output_sqnr_db"], metrics, strict=True)]
-    order = list(range(len(fitting)))  # smallest first
     if targeted and not any(simulated_ok):
         best = fitting.iloc[-1]
         result = host.apply(best["settings"], label=label, progress=progress)
         where = f" within {_kb(max_size_bytes)}" if max_size_bytes is not None else ""
-        target = _target_words(target_sqnr_db, target_metric)
+        target = target_words(target_sqnr_db, target_metric)
         return result.noted(f"{target} is out of reach{where}: even in simulation the best is {_point_words(best)}; "
                             f"this run is that point, {_run_words(result, target_sqnr_db)}")  # fmt: skip
-    at = simulated_ok.index(True) if targeted else order[-1]
+    at = simulated_ok.index(True) if targeted else len(fitting) - 1  # smallest meeting, or the largest that fits
     runs = 0
     result = host.apply(fitting.iloc[at]["settings"], label=label, progress=progress)
     while runs < MAX_EXTRA_RUNS and result.ok:  # the real run misses: step along the front
@@ -216,7 +214,7 @@ def fit(
                         else f"does not fit: {_kb(result.deployed_bytes)} for {_kb(max_size_bytes)}")  # fmt: skip
     if targeted:
         ok = meets(result.output_sqnr_db, result.eval_metric)
-        verdicts.append(f"{_target_words(target_sqnr_db, target_metric)} {'met' if ok else 'not met by the real run'}")
+        verdicts.append(f"{target_words(target_sqnr_db, target_metric)} {'met' if ok else 'not met by the real run'}")
     said = "; ".join(verdicts)
     return result.noted(f"{said}, {_run_words(result, target_sqnr_db)} (simulated {point['simulated_output_sqnr_db']:.2f} dB); "
                           f"point {at + 1} of {len(points)} on the front: {point['formats']}")  # fmt: skip
@@ -315,13 +313,8 @@ def _kb(size: float | None) -> str:
 
 def _goal_words(max_size_bytes: float | None, target_sqnr_db: float | None, target_metric: float | None) -> str:
     parts = [f"<= {_kb(max_size_bytes)}"] if max_size_bytes is not None else []
-    target = _target_words(target_sqnr_db, target_metric)
+    target = target_words(target_sqnr_db, target_metric)
     return " and ".join(parts + ([target] if target else []))
-
-
-def _target_words(target_sqnr_db: float | None, target_metric: float | None) -> str:
-    parts = [f"output SQNR >= {target_sqnr_db:g} dB"] if target_sqnr_db is not None else []
-    return " and ".join(parts + ([f"metric >= {target_metric:g}"] if target_metric is not None else []))
 
 
 def _point_words(point: pd.Series) -> str:

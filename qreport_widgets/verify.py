@@ -270,16 +270,14 @@ class Verifier:
                 simulated.append(candidate)
             else:
                 real.append(candidate)
-        extended = [c for c in simulated if c.setting in CALIBRATING_SETTINGS]
         try:
-            extended_gains = self._simulated_gains(extended) if extended else []
-        except (KeyError, RuntimeError):  # a simulation that cannot follow them: real runs measure them
-            simulated = [c for c in simulated if c not in extended]
-            real += extended
-            extended, extended_gains = [], []
-        basic = [c for c in simulated if c not in extended]
+            gains = self._simulated_gains(simulated)
+        except (KeyError, RuntimeError):  # a simulation that cannot follow an observer or dynamic: real runs for those
+            real += [c for c in simulated if c.setting in CALIBRATING_SETTINGS]
+            simulated = [c for c in simulated if c.setting not in CALIBRATING_SETTINGS]
+            gains = self._simulated_gains(simulated)
         with steps(len(real) + 2, "verifying suggestions", "run", progress) as step:
-            for candidate, gain in zip(basic + extended, self._simulated_gains(basic) + extended_gains, strict=True):
+            for candidate, gain in zip(simulated, gains, strict=True):
                 verdicts[candidate] = self._judge(candidate, gain, SIMULATED)
             step()
             current = self.session.current_settings()
