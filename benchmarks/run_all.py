@@ -54,7 +54,7 @@ def main() -> None:
         bare = f"bare prepare_fx + calibrate + convert_fx {row['bare_s']:.3f} s"
         print(f"Apply, {case}: {row['apply_s']:.3f} s vs {bare} = {row['ratio']:.2f}x")
     for name in ("resnet18 8x3x224x224", "mlp-blocks 8x128x768"):
-        row = memory.measure(name)
+        row = memory.calibration_row(name)
         print(
             f"Peak memory, {name}: extra {row['extra_mb']:.0f} MB = {row['extra_over_activation']:.2f} x the largest "
             f"activation ({row['largest_activation_mb']:.0f} MB)"

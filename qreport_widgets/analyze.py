@@ -11,6 +11,7 @@ from torch.ao.quantization import QConfigMapping
 
 from .calibration import CalibrationData, calibrate, is_one_shot
 from .detectors import DetectorBase, DynamicStaticDetector, InputWeightEqualizationDetector, OutlierDetector, PerChannelDetector
+from .distributed import calibrated_across, group_of
 from .engine import EngineOptions
 from .engines import engine_named
 from .report import ModelReport
@@ -42,6 +43,7 @@ def analyze(
     quantizer: Any = None,
     format: str | None = None,  # noqa: A002  (the word users know)
     output_fn: Callable[[Any], torch.Tensor] | None = None,
+    process_group: Any = None,
 ) -> ModelReport:
     """Prepare a copy of ``float_model`` (``prepare_fx``, or ``torch.export`` for PT2E), observe it
     during calibration and report.
@@ -71,6 +73,11 @@ def analyze(
             default; ``"int8-weight-only"``, ``"int4-weight-only"``, ``"int8-dynamic-int4-weight"``).
         output_fn: ``output_fn(model_output) -> tensor``: what output SQNR is measured on; default:
             the output, or its first tensor (a Hugging Face ``ModelOutput``'s first field).
+        process_group: calibrate across the processes of this torch.distributed group (default:
+            the default group, when torch.distributed is initialised, e.g. under ``torchrun``): each
+            rank calibrates on the batches it was given, and the observers are merged so every rank
+            holds the report one process would make from all the batches; the session's runs merge
+            their observers likewise. See docs/SCALE.md.
 
     The report's model (``report.model``) is for analysis: ``prepare_fx``'s own observers rest
     while it calibrates, since no detector reads them. To quantize, use ``report.session`` (or
@@ -86,16 +93,20 @@ def analyze(
     observed = chosen.observe(float_copy, example_inputs)
     report = ModelReport(observed.model, detectors, model_name=type(float_model).__name__, graph_of=observed.graph_of)
     instrumented = report.prepare_detailed_calibration()
+    group = group_of(process_group)
+    desc = "calibrating with observers"
     with chosen.observers_paused(instrumented):  # the detectors read only the report's observers
-        calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
+        calibrated_across(group, instrumented, lambda: calibrate(instrumented, calibration_data, desc=desc, progress=progress,
+                                                                 keep=kept), "analyze()", report_observers=True)  # fmt: skip
     report.generate_model_report(remove_inserted_observers=False)
     data = kept if kept is not None else calibration_data
     try:
         session = QuantizationSession._adopt(
-            float_copy, chosen, example_inputs, data, eval_data, eval_fn, observed.modules, output_fn
+            float_copy, chosen, example_inputs, data, eval_data, eval_fn, observed.modules, output_fn, group
         )
     except ValueError as error:  # e.g. a calibration callable without eval_data: the analysis still stands
         report._attach_session(chosen, observed.modules, None, f"{type(error).__name__}: {error}")
     else:
+        session._weights.share(observed.model)  # the report's model: its folded weights are every run's
         report._attach_session(chosen, observed.modules, session)
     return report

@@ -63,6 +63,16 @@ class InvalidSettingsError(QReportError, ValueError):
     """Per-module settings the quantization engine cannot apply to that module."""
 
 
+class ModelReleasedError(QReportError, AttributeError):
+    """A run's quantized model was released to save memory (the session keeps the latest run's and
+    the pinned runs'); its measurements are all still there."""
+
+
+class DistributedCalibrationError(QReportError, RuntimeError):
+    """Calibration across a torch.distributed group failed on a rank, or the ranks' shards differ;
+    raised on every rank of the group."""
+
+
 def warn_user(message: str) -> None:
     """A QReportWarning attributed to the first caller outside this package and torch (the notebook
     cell or script line that called analyze / generate_model_report), however deep it was raised."""

@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from .errors import ModelReleasedError
 from .settings import ModuleSettings
 
 
@@ -24,7 +25,8 @@ class RunResult:
     """
 
     qconfig_mapping: Any  # the FX engine's QConfigMapping (None for another engine)
-    quantized_model: torch.nn.Module | None
+    # the model this run made; a ReleasedModel once a later run replaced it (see ReleasedModel)
+    quantized_model: torch.nn.Module | ReleasedModel | None
     output_sqnr_db: float
     per_layer_sqnr_db: pd.Series
     size_bytes: int
@@ -81,6 +83,45 @@ class RunResult:
     def noted(self, note: str) -> RunResult:
         """A copy with ``note`` added to the run-level notes."""
         return replace(self, notes=(*self.notes, note))
+
+
+class ReleasedModel:
+    """Where a run's quantized model was: a session keeps the quantized models of its latest run and
+    of the runs pinned with ``session.keep(run)``, and releases the others' (their measurements stay).
+
+    Any use of it (an attribute, a call) raises ModelReleasedError saying when it was released and
+    how to keep a model; it is falsy, so ``if run.quantized_model:`` reads as "still here".
+    """
+
+    __slots__ = ("_why",)
+
+    def __init__(self, label: str, why: str) -> None:
+        object.__setattr__(self, "_why", f"the quantized model of {label!r} was released {why}")
+
+    @property
+    def why(self) -> str:
+        return object.__getattribute__(self, "_why")
+
+    def _refuse(self) -> ModelReleasedError:
+        return ModelReleasedError(
+            f"{self.why}. Its measurements are all still in the run; for the model itself, pin the run "
+            "before the next one (session.keep(run), or Pin in the Tune tab) or apply its settings again "
+            "(session.apply(run.settings))"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):  # copy, pickle, pandas probing: not there
+            raise AttributeError(name)
+        raise self._refuse()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refuse()
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<{self.why}>"
 
 
 def conversion_tables(rows: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -26,15 +26,17 @@ import torch
 
 from .calibration import CalibrationData, calibrate, call_with
 from .diagnosis import Diagnosis, ReachPlan
+from .distributed import calibrated_across, group_of
 from .engine import Engine, EngineOptions, Simulation, Variant
 from .engines import engine_named
-from .errors import CalibrationError, InvalidSettingsError, QReportWarning
+from .errors import CalibrationError, InvalidSettingsError, ModelReleasedError, QReportWarning
+from .memory import WeightPool
 from .metrics import output_tensor, sqnr_db
 from .migration import Migration, find_migrations, input_producers, migrated
 from .mixed import SizeFront, fit, size_front
 from .progress import Progress, quiet
 from .records import Suggestion
-from .run import RunResult
+from .run import ReleasedModel, RunResult
 from .settings import FORMATS, ModuleSettings, TunableModule, validate_all, with_suggestions
 from .truth import KERNEL_AGREEMENT_DB, TruthCheck, check_truth
 from .verify import VerifiedSuggestions, Verifier, refusals
@@ -58,6 +60,10 @@ class QuantizationSession:
             ``"eager"``) built from the arguments above; default: FX graph mode from ``qconfig_mapping``.
         output_fn: ``output_fn(model_output) -> tensor``, the tensor output SQNR is measured on;
             default: the output, or its first tensor (``metrics.output_tensor``).
+        process_group: a torch.distributed group whose ranks each calibrate on their own batches
+            and merge the prepared model's observers before every convert (default: the default
+            group when torch.distributed is initialised). Metrics are measured on each rank's
+            ``eval_data``: give every rank the same evaluation batches for the same numbers.
     """
 
     def __init__(
@@ -73,11 +79,13 @@ class QuantizationSession:
         *,
         engine: Engine | str | None = None,
         output_fn: Callable[[Any], torch.Tensor] | None = None,
+        process_group: Any = None,
     ) -> None:
         if not isinstance(engine, Engine):
             engine = engine_named(engine or "fx", EngineOptions(backend, qconfig_mapping, prepare_custom_config))
         self._start(copy.deepcopy(float_model).eval(), engine, example_inputs, calibration_data, eval_data, eval_fn, None)
         self._output_fn = output_fn
+        self._group = group_of(process_group)
 
     @classmethod
     def _adopt(
@@ -90,12 +98,14 @@ class QuantizationSession:
         eval_fn: Callable[[torch.nn.Module], float] | None,
         modules: list[TunableModule],
         output_fn: Callable[[Any], torch.Tensor] | None = None,
+        group: Any = None,
     ) -> QuantizationSession:
         """A session that owns ``float_copy`` (a private copy already) and knows the tunable modules
         from an earlier prepare with the starting configuration, as ``analyze()`` has them."""
         session = cls.__new__(cls)
         session._start(float_copy, engine, example_inputs, calibration_data, eval_data, eval_fn, modules)
         session._output_fn = output_fn
+        session._group = group
         return session
 
     def _start(self, float_copy, engine, example_inputs, calibration_data, eval_data, eval_fn, modules) -> None:
@@ -104,8 +114,11 @@ class QuantizationSession:
         self.example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         self.eval_fn = eval_fn
         self._output_fn: Callable[[Any], torch.Tensor] | None = None
+        self._group: Any = None  # the torch.distributed group the runs calibrate across (distributed.py)
         self.calibration_data, self.eval_data, self.eval_description = _split(calibration_data, eval_data)
         self.history: list[RunResult] = []
+        self._weights = WeightPool()  # weights equal across prepares, held once (memory.py)
+        self._pinned: set[int] = set()  # history positions whose quantized model is kept (keep())
         self._modules: list[TunableModule] | None = None if modules is None else list(modules)
         self._baseline: RunResult | None = None
         self._float_outputs: list[torch.Tensor] | None = None
@@ -125,7 +138,7 @@ class QuantizationSession:
     def modules(self) -> list[TunableModule]:
         """The modules whose settings can be changed, in forward order, with what they do now."""
         if self._modules is None:
-            prepared = self.engine.prepare(self._float, self.engine.base_config(), self.example_inputs)
+            prepared = self._prepare(self._float, self.engine.base_config())
             self._modules = self.engine.tunable_modules(prepared)
         return list(self._modules)
 
@@ -248,6 +261,45 @@ class QuantizationSession:
         raise TypeError (use ``apply(settings)``)."""
         return self._run(self.engine.config_of_mapping(qconfig_mapping, equalization_mapping), label, progress)
 
+    def keep(self, run: int | RunResult, keep: bool = True) -> RunResult:
+        """Pin a run of the history (its position or the run) so its quantized model is kept; the
+        session otherwise keeps only the latest run's and releases the others' when a run is
+        recorded (their measurements stay). ``keep=False`` unpins it (released at the next run)."""
+        index = self._position(run)
+        found = self.history[index]
+        if keep and isinstance(found.quantized_model, ReleasedModel):
+            raise ModelReleasedError(
+                f"{found.quantized_model.why}; pin a run while it is the latest, or apply its settings again "
+                "(session.apply(run.settings)) and pin that run"
+            )
+        (self._pinned.add if keep else self._pinned.discard)(index)
+        return found
+
+    def kept(self, run: int | RunResult) -> bool:
+        """Whether a run of the history is pinned (its quantized model is kept, see ``keep``)."""
+        return self._position(run) in self._pinned
+
+    def _position(self, run: int | RunResult) -> int:
+        if isinstance(run, int):
+            if not -len(self.history) <= run < len(self.history):
+                raise IndexError(f"no run {run} in a history of {len(self.history)} run(s)")
+            return run % len(self.history)
+        for i, recorded in enumerate(self.history):
+            if recorded is run:
+                return i
+        raise ValueError(f"{run.label!r} is not a run of this session's history")
+
+    def _release_older(self) -> None:
+        """Release the quantized models of every run but the latest and the pinned ones."""
+        latest = self.history[-1]
+        for i, run in enumerate(self.history[:-1]):
+            if i in self._pinned or not isinstance(run.quantized_model, torch.nn.Module):
+                continue
+            released = replace(run, quantized_model=ReleasedModel(run.label, f"when {latest.label!r} was recorded"))
+            self.history[i] = released
+            if self._baseline is run:
+                self._baseline = released
+
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         """One row per run (metrics as columns), and per-layer SQNR with one column per run."""
         start = self.current_settings()
@@ -264,8 +316,9 @@ class QuantizationSession:
                 "latency spread (ms)": r.latency_spread_ms,
                 **({"your metric": r.eval_metric} if self.eval_fn is not None else {}),
                 "duration (s)": r.duration_s,
+                "model": _model_state(r, i in self._pinned),
             }
-            for r in self.history
+            for i, r in enumerate(self.history)
         ]
         runs = pd.DataFrame(rows)
         layers = pd.DataFrame({r.label: r.per_layer_sqnr_db for r in self.history})
@@ -277,10 +330,9 @@ class QuantizationSession:
         float without calibrating again (built on first use, then kept)."""
         if self._simulation is None:
             config = self.engine.base_config()
-            prepared = self.engine.prepare(self._float, config, self.example_inputs)
+            prepared = self._prepare(self._float, config)
             if self.engine.calibrates(config):
-                calibrate(prepared, self.calibration_data, desc="sensitivity: calibrating", progress=progress is None,
-                          on_batch=progress)  # fmt: skip
+                self._calibrate(prepared, "sensitivity: calibrating", progress is None, progress)
             self._simulation = self.engine.simulator(
                 prepared, self.modules, self._float, self.example_inputs, self._calibratequietly
             )
@@ -432,8 +484,19 @@ class QuantizationSession:
         return found.detach().float()
 
     # ---- runs ----------------------------------------------------------------------------------
+    def _prepare(self, source: torch.nn.Module, config: Any) -> torch.nn.Module:
+        """The engine's prepare, holding the weights it folds (a batch norm into a conv) once across runs."""
+        return self._weights.share(self.engine.prepare(source, config, self.example_inputs))
+
     def _calibratequietly(self, model: torch.nn.Module) -> None:
-        calibrate(model, self.calibration_data, desc="calibrating a variant", progress=False)
+        self._calibrate(model, "calibrating a variant", False, None)
+
+    def _calibrate(self, model: torch.nn.Module, desc: str, bar: bool, on_batch: Progress | None) -> None:
+        """Calibrate ``model`` on this process's batches, then merge its observers across the
+        session's torch.distributed group (if any) so every rank converts the same model."""
+        calibrated_across(
+            self._group, model, lambda: calibrate(model, self.calibration_data, desc=desc, progress=bar, on_batch=on_batch), desc
+        )
 
     def _config_for(self, settings: Mapping[str, ModuleSettings]) -> Any:
         modules = self.modules
@@ -474,10 +537,9 @@ class QuantizationSession:
         try:
             _require_float32(self._float)
             source = self._float if float_model is None else float_model
-            prepared = engine.prepare(source, config, self.example_inputs)
+            prepared = self._prepare(source, config)
             if engine.calibrates(config):
-                calibrate(prepared, self.calibration_data, desc=f"{label}: calibrating", progress=progress is None,
-                          on_batch=progress)  # fmt: skip
+                self._calibrate(prepared, f"{label}: calibrating", progress is None, progress)
             # before convert changes prepared
             reference = engine.reference_model(prepared) if record and self._checks_kernels(prepared) else None
             quantized = engine.convert(prepared)
@@ -492,6 +554,7 @@ class QuantizationSession:
             )  # fmt: skip
         if result.ok and record:
             self.history.append(result)
+            self._release_older()
         return result
 
     def _checks_kernels(self, prepared: torch.nn.Module) -> bool:
@@ -564,6 +627,13 @@ class QuantizationSession:
             "module_notes": module_notes,
             "kernel_sqnr_db": kernels,
         }
+
+
+def _model_state(run: RunResult, pinned: bool) -> str:
+    """What the history holds of a run's quantized model, in the runs table's words."""
+    if pinned:
+        return "pinned"
+    return "released" if isinstance(run.quantized_model, ReleasedModel) else "kept"
 
 
 def _require_float32(model: torch.nn.Module) -> None:

@@ -36,6 +36,7 @@ from .features import EQUALIZATION_COMP_METRICS, SuggestionKind
 from .frame import ReportFrame
 from .progress import Progress, quiet, steps
 from .records import Suggestion
+from .run import ReleasedModel
 from .settings import ModuleSettings, Setting, TunableModule
 
 if TYPE_CHECKING:
@@ -352,7 +353,10 @@ class Verifier:
         with the settings of one candidate's own trial."""
         key = frozenset(changed.items())
         if key not in self._trials:
-            self._trials[key] = self.session.apply(changed, label=label, progress=quiet, record=False)
+            run = self.session.apply(changed, label=label, progress=quiet, record=False)
+            # its measurements are what a verdict needs: the model goes (a dozen trial runs would hold a dozen)
+            released = ReleasedModel(label, "after its trial run was measured (apply the settings to get a model)")
+            self._trials[key] = replace(run, quantized_model=released) if run.ok else run
         return self._trials[key]
 
     def _simulated_gains(self, candidates: Sequence[Candidate | Sequence[Verdict]]) -> list[float]:

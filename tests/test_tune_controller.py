@@ -23,7 +23,7 @@ from qreport_widgets.run import RunResult
 from qreport_widgets.settings import ModuleSettings, Setting, TunableModule, validate_all, with_suggestions
 from qreport_widgets.truth import TruthCheck
 from qreport_widgets.verify import SIMULATED, Candidate, Verdict, VerifiedSuggestions
-from qreport_widgets.widgets.tune_controller import FAILED_RUN, GREEN, RED, TuneController
+from qreport_widgets.widgets.tune_controller import FAILED_RUN, GREEN, RED, TuneController, time_left
 from qreport_widgets.widgets.tuning import TuningPanel
 
 MODULES = [
@@ -59,6 +59,7 @@ class FakeSession:
         self.fail_with: Exception | None = None
         self.broken_run = ""  # when set, apply() returns a failed run with this error
         self.truth = TruthCheck(BASE_DB, BASE_DB + 0.2)  # the simulation agrees
+        self.pinned: set[int] = set()
 
     @property
     def modules(self) -> list[TunableModule]:
@@ -110,6 +111,13 @@ class FakeSession:
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         runs = pd.DataFrame([{"run": r.label, "output SQNR (dB)": r.output_sqnr_db} for r in self.history])
         return runs, pd.DataFrame({r.label: r.per_layer_sqnr_db for r in self.history})
+
+    def keep(self, run, keep=True) -> RunResult:
+        (self.pinned.add if keep else self.pinned.discard)(run)
+        return self.history[run]
+
+    def kept(self, run) -> bool:
+        return run in self.pinned
 
     def sensitivity(self, progress=None) -> pd.DataFrame:
         for done in range(1, 4):
@@ -279,6 +287,16 @@ def test_reset_restore_and_bulk_edit_the_rows(session):
     panel.restore_from.value = "apply 1"
     panel.restore.click()
     assert panel.rows["fc2"].keep_float.value and "hold the settings of apply 1" in panel.status.value
+    panel.restore_from.value = "baseline"
+    assert panel.pin.description == "Pin its model" and not panel.pin.disabled
+    panel.pin.click()
+    assert (
+        session.kept(0)
+        and panel.pin.description == "Unpin its model"
+        and "baseline: its quantized model is kept" in panel.status.value
+    )
+    panel.pin.click()
+    assert not session.kept(0) and "unpinned" in panel.status.value
     panel.filter.value = "fc"
     assert [row.fqn for row in panel.rows_box.children] == ["fc1", "fc2"] and "2 of 3 shown" in panel.shown.value
     panel.bulk["per-channel"].click()
@@ -354,3 +372,20 @@ def test_the_tune_tab_says_in_red_where_the_real_model_and_its_simulation_disagr
     assert "fc1" in panel.truth.value and "real kernels" in panel.truth.value
     session.truth = TruthCheck(BASE_DB - 12.0, BASE_DB, corrected_db=BASE_DB)  # nothing to blame: unverified
     assert panel.controller.rank() and "Unverified" in panel.controller.ranking_status
+
+
+def test_the_time_left_follows_the_pace_of_the_running_step():
+    assert [time_left(10.0, 1, 5), time_left(10.0, 2, 0), time_left(10.0, 2, 4), time_left(60.0, 2, 4)] == [
+        "", "", "about 20 s left", "about 2 min 00 s left"
+    ]  # fmt: skip
+    ticks = iter(range(0, 1000, 10))  # every report 10 s after the last
+    controller = TuneController(FakeSession(), FakeSource())
+    controller._pace_clock = lambda: float(next(ticks))
+    report = controller._reporter("sensitivity", "simulating")
+    for done in range(3):
+        report(done, 10)
+    assert controller.remaining == "about 1 min 20 s left" and "simulating 2/10 · about 1 min 20 s left" in controller.status
+    report(0, 4)  # the next step (a new total) is timed afresh
+    assert controller.remaining == ""
+    report(1, 4), report(2, 4)
+    assert controller.remaining == "about 20 s left"

@@ -175,7 +175,8 @@ def test_an_activation_observer_choice_reaches_the_converted_model(observer, cac
     (fc1,) = [n for n in prepared.graph.nodes if n.op == "call_module" and n.target == "fc1"]
     (after,) = fc1.users
     assert type(prepared.get_submodule(str(after.target))) is ACTIVATION_OBSERVERS[observer]
-    baseline, run = session.baseline(), session.apply(settings)
+    baseline = session.keep(session.baseline())  # pinned: its quantized model outlives the next run
+    run = session.apply(settings)
     assert run.ok and run.quantized_model.fc1.scale != baseline.quantized_model.fc1.scale
     namespace: dict = {}
     exec(session.settings_as_code(settings), namespace)  # the code to paste builds the same mapping

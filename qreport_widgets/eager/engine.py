@@ -20,6 +20,7 @@ from torch import nn
 from ..calibration import call_with
 from ..engine import Engine, EngineOptions, Observation, RunNotes
 from ..errors import QReportError
+from ..memory import shared_copy
 from ..metrics import sqnr_db
 from ..run import conversion_tables
 from ..settings import GROUPED_FORMATS, ModuleSettings, Setting, TunableModule
@@ -92,7 +93,7 @@ class EagerEngine(Engine[EagerConfig]):
     def observe(self, float_model: nn.Module, example_inputs: tuple[Any, ...]) -> Observation:
         """Observers hooked on a copy's leaf modules (``float_model`` keeps no hook); the tunable
         modules with the starting formats."""
-        observed = observed_modules(copy.deepcopy(float_model), _inputs_of(example_inputs))
+        observed = observed_modules(shared_copy(float_model), _inputs_of(example_inputs))  # hooks read, never write
         modules = self._tunable(float_model, self.base_config().resolved(float_model))
         weights = {m.fqn: True for m in modules if not m.current.keep_float}  # int8 per row, int4 per group
         return Observation(observed, lambda model: eager_graph(model, weights), modules)
@@ -112,8 +113,9 @@ class EagerEngine(Engine[EagerConfig]):
 
     # ---- the workflow ---------------------------------------------------------------------------
     def prepare(self, float_model: nn.Module, config: EagerConfig, example_inputs: tuple[Any, ...]) -> nn.Module:
-        """A copy of ``float_model``; ``convert`` applies ``config``'s formats to it."""
-        model = copy.deepcopy(float_model).eval()
+        """A copy of ``float_model`` (sharing its weights: ``quantize_`` assigns new ones); ``convert``
+        applies ``config``'s formats to it."""
+        model = shared_copy(float_model).eval()
         self._configs[model] = config.resolved(model)
         return model
 

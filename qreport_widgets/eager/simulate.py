@@ -59,7 +59,7 @@ class EagerSimulation(WholePasses):
         self._start = {m.fqn: m.current for m in modules}
         self.tunable = [m.fqn for m in modules if not m.current.keep_float]
         self._modules = {fqn: model.get_submodule(fqn) for fqn in self._start}
-        self._float = {fqn: module.weight.detach().clone() for fqn, module in self._modules.items()}
+        self._float = {fqn: module.weight.detach() for fqn, module in self._modules.items()}  # the shared float weights
         self._weights: dict[tuple[str, FormatKey], torch.Tensor] = {}
         self._inputs: dict[str, bool | None] = dict.fromkeys(self._modules)  # fqn -> symmetric, or None: float input
         for fqn, module in self._modules.items():
@@ -135,7 +135,8 @@ class EagerSimulation(WholePasses):
             for fqn, key in chosen.items():
                 if self._configured is not None and self._configured.get(fqn, ()) == key:
                     continue
-                self._modules[fqn].weight.data = self.weight(fqn, key)
+                # a new Parameter, never written into: the model's float weights may be the session's own
+                self._modules[fqn].weight = nn.Parameter(self.weight(fqn, key), requires_grad=False)
                 dynamic = key is not None and key[0] in (INT8_DYNAMIC, INT8_DYNAMIC_INT4)
                 self._inputs[fqn] = (key[0] == INT8_DYNAMIC) if dynamic else None
         self._configured = {**(self._configured or {}), **chosen}

@@ -14,6 +14,7 @@ from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 from ..calibration import call_with, torch_warnings_hidden
 from ..engine import Engine, EngineOptions, Observation
 from ..graph import ModelGraph
+from ..memory import models_forgotten
 from ..metrics import output_tensor
 from ..settings import ModuleSettings, Setting, TunableModule
 from .kernels import kernel_sqnr, reference_model
@@ -128,7 +129,7 @@ class FxEngine(Engine[FxConfig]):
         quantized: the float output's relative change on ``batch``."""
         from torch.ao.quantization.fx._equalize import _convert_equalization_ref
 
-        with torch_warnings_hidden():
+        with torch_warnings_hidden(), models_forgotten():
             prepared = self.prepare(float_model, config, example_inputs)
             calibrate(prepared)
             equalized = _convert_equalization_ref(prepared)

@@ -10,7 +10,6 @@ input (not the error accumulated from earlier layers), which names the module wh
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pandas as pd
@@ -19,6 +18,7 @@ from torch import nn
 from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
 from ..calibration import call_with, torch_warnings_hidden
+from ..memory import models_forgotten, shared_copy
 from ..metrics import sqnr_db
 
 _KERNEL_NAMESPACES = ("torch.ao.nn.quantized.modules", "torch.ao.nn.intrinsic.quantized.modules")
@@ -26,8 +26,8 @@ _KERNEL_NAMESPACES = ("torch.ao.nn.quantized.modules", "torch.ao.nn.intrinsic.qu
 
 def reference_model(prepared: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The reference quantized model of a calibrated ``prepare_fx`` model (which is not changed)."""
-    with torch_warnings_hidden():
-        return convert_to_reference_fx(copy.deepcopy(prepared))
+    with torch_warnings_hidden(), models_forgotten():
+        return convert_to_reference_fx(shared_copy(prepared))
 
 
 def kernel_sqnr(reference: torch.fx.GraphModule, quantized: nn.Module, batch: Any) -> pd.Series:

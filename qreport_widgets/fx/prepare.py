@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +14,7 @@ from torch.ao.quantization.quantize_fx import prepare_fx
 from ..calibration import torch_warnings_hidden
 from ..errors import QReportWarning, UntraceableModelError
 from ..graph import OBSERVER_CONTAINER, is_quantization_observer
+from ..memory import models_forgotten, shared_copy
 
 
 def prepare(
@@ -26,9 +26,9 @@ def prepare(
     Observers prepare_fx puts on integer or bool tensors (a padding mask, token ids) are taken out:
     torch's observers cannot run on them, and such tensors are never quantized.
     """
-    model = copy.deepcopy(float_model).eval()
+    model = shared_copy(float_model).eval()  # prepare_fx changes modules, never weights: they are shared
     try:
-        with torch_warnings_hidden():  # its observers warn hundreds of times ("Please use quant_min ...")
+        with torch_warnings_hidden(), models_forgotten():  # its observers warn hundreds of times ("Please use quant_min ...")
             warnings.simplefilter("ignore", DeprecationWarning)
             prepared = prepare_fx(model, qconfig_mapping, example_inputs, **kwargs)
     except (torch.fx.proxy.TraceError, TypeError, NotImplementedError, RuntimeError, AttributeError) as error:

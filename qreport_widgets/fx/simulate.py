@@ -28,6 +28,7 @@ from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
 from ..calibration import call_with, torch_warnings_hidden
 from ..engine import Variant, WholePasses
+from ..memory import models_forgotten, shared_copy
 from ..metrics import sqnr_db
 from .lowering import replace_submodule
 from .replay import Replay
@@ -148,8 +149,8 @@ class Simulator(WholePasses):
         calibrated_with: Callable[[Mapping[str, str]], torch.fx.GraphModule] | None = None,
         dynamic_reduce_range: bool = True,
     ) -> None:
-        with torch_warnings_hidden():
-            reference = convert_to_reference_fx(copy.deepcopy(prepared))
+        with torch_warnings_hidden(), models_forgotten():
+            reference = convert_to_reference_fx(shared_copy(prepared))
         self.model = reference
         self._points = _insert_points(reference)
         for point in self._points:
@@ -290,7 +291,7 @@ class Simulator(WholePasses):
         return found
 
     def _read_overrides(self, observers: Mapping[str, str]) -> None:
-        with torch_warnings_hidden():
+        with torch_warnings_hidden(), models_forgotten():
             other = convert_to_reference_fx(self._calibrated_with(observers))
         points = _insert_points(other)
         if [p.producer.name for p in points] != [p.producer.name for p in self._points]:
@@ -329,12 +330,12 @@ class Simulator(WholePasses):
         for name in (name for name in changed if name in self._weights):
             module, quantized = self._weights[name]
             if name in variant.float_modules:
-                weight = module.weight
+                module.get_weight = lambda w=module.weight: w
             elif name in variant.other_weights:
-                weight = self._other_weight(name)
+                other = self._other_weight(name)
+                module.get_weight = lambda w=other: w
             else:
-                weight = quantized
-            module.get_weight = lambda w=weight: w
+                module.get_weight = quantized
         float_nodes = {self._node_of[name] for name in variant.float_modules}
         dynamic = variant.dynamic - variant.float_modules
         dynamic_nodes = {self._node_of[name] for name in dynamic}
@@ -456,7 +457,7 @@ class Simulator(WholePasses):
         weighted, quantized = self._weights.get(name, (None, None))
         kernel = self._kernels.get(name)
         if weighted is not None:
-            weighted.get_weight = lambda w=quantized: w
+            weighted.get_weight = quantized
         if kernel is not None:
             kernel.active = True
         try:
@@ -562,7 +563,21 @@ def _attribute(model: nn.Module, target: str) -> Any:
     return getattr(model.get_submodule(owner) if owner else model, name)
 
 
-def _cache_weights(model: torch.fx.GraphModule) -> dict[str, tuple[nn.Module, torch.Tensor]]:
+class _QuantizedWeight:
+    """A reference module's quantized weight, kept as its integers (a quarter of the float weight's
+    memory) and dequantized when a forward pass asks: what ``get_weight()`` computes, exactly."""
+
+    def __init__(self, module: ReferenceQuantizedModule) -> None:
+        expected = module.get_weight().detach()
+        quantized = module.get_quantized_weight().detach()
+        exact = quantized.is_quantized and torch.equal(quantized.dequantize(), expected)
+        self._stored = quantized if exact else expected  # a layout dequantize() does not match: as floats
+
+    def __call__(self) -> torch.Tensor:
+        return self._stored.dequantize() if self._stored.is_quantized else self._stored
+
+
+def _cache_weights(model: torch.fx.GraphModule) -> dict[str, tuple[nn.Module, _QuantizedWeight]]:
     """Each called reference module (a fused module's weighted first child) with its weight quantized once."""
     found = {}
     for node in model.graph.nodes:
@@ -573,7 +588,7 @@ def _cache_weights(model: torch.fx.GraphModule) -> dict[str, tuple[nn.Module, to
             module = module[0]
         if isinstance(module, ReferenceQuantizedModule):
             with torch.no_grad(), torch_warnings_hidden():  # quantized tensors are deprecated in torch
-                found[str(node.target)] = (module, module.get_weight().detach())
+                found[str(node.target)] = (module, _QuantizedWeight(module))
     return found
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from ..engine import Engine, EngineOptions, Observation, RunNotes
+from ..memory import models_forgotten
 from ..metrics import sqnr_db
 from ..run import conversion_tables
 from ..settings import ModuleSettings, Setting, TunableModule
@@ -106,7 +107,7 @@ class Pt2eEngine(Engine[Pt2eConfig]):
 
     def prepare(self, float_model: torch.nn.Module, config: Pt2eConfig, example_inputs: tuple[Any, ...]) -> torch.fx.GraphModule:
         ao = torchao_pt2e()
-        with pt2e_warnings_hidden():
+        with pt2e_warnings_hidden(), models_forgotten():
             exported = copy.deepcopy(self.export(float_model, example_inputs))
             try:
                 prepared = ao.prepare_pt2e(exported, config.quantizer())
@@ -158,7 +159,7 @@ class Pt2eEngine(Engine[Pt2eConfig]):
         if kept is not None and kept[0]() is float_model:
             return kept[1]
         ao = torchao_pt2e()
-        with pt2e_warnings_hidden():
+        with pt2e_warnings_hidden(), models_forgotten():
             exported = copy.deepcopy(self.export(float_model, example_inputs))
             reference = ao.prepare_pt2e(exported, _Nothing())
         eval_only(reference)

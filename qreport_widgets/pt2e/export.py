@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -10,6 +9,7 @@ import torch.fx
 
 from ..calibration import torch_warnings_hidden
 from ..errors import QReportError, UntraceableModelError
+from ..memory import shared_copy
 
 
 class NothingQuantizedError(QReportError, RuntimeError):
@@ -24,7 +24,7 @@ def export_model(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> tor
     reads only its hidden states still computes its pooler (Linear -> tanh), and torchao's x86
     quantizer fails on a fused pattern without an output (IndexError in
     ``_get_output_nodes_of_partitions``)."""
-    model = copy.deepcopy(model).eval()
+    model = shared_copy(model).eval()  # export lifts the weights, it does not change them
     try:
         with torch_warnings_hidden():
             exported = None

@@ -17,6 +17,7 @@ from torch.fx.node import map_arg
 
 from ..calibration import call_with
 from ..graph import leaf_module_name
+from ..memory import models_forgotten
 from ..settings import ModuleSettings
 from .quantizer import torchao_pt2e
 
@@ -61,7 +62,7 @@ def convert(prepared: torch.nn.Module) -> torch.fx.GraphModule:
     """
     from torchao.quantization.pt2e import quantize_pt2e
 
-    with pt2e_warnings_hidden():
+    with pt2e_warnings_hidden(), models_forgotten():
         if not callable(getattr(quantize_pt2e, "_fold_conv_bn_qat", None)):
             return torchao_pt2e().convert_pt2e(prepared)
         with mock.patch.object(quantize_pt2e, "_fold_conv_bn_qat", _unchanged):

@@ -42,12 +42,14 @@ class SensitivityPane(w.VBox):
         self.progress = w.IntProgress(
             value=0, min=0, max=1, layout={"width": "160px", "visibility": "hidden", "flex": "0 0 auto"}
         )
+        self.remaining = w.HTML(layout={"flex": "0 0 auto", "margin": "0 6px"})
         self.status = w.HTML()
         self.bars, self.bars_figure = _bars()
         self.curve, self.target_line, self.curve_figure = _curve()
         self.curve_axis = self.curve_figure.axes[0]
         controls = w.HBox(
-            [self.compute, self.order, self.target, self.reach, self.progress, self.cancel], layout={"flex_flow": "row wrap"}
+            [self.compute, self.order, self.target, self.reach, self.progress, self.remaining, self.cancel],
+            layout={"flex_flow": "row wrap", "align_items": "center"},
         )
         super().__init__([controls, self.status])
         w.link((controller, "target"), (self.target, "value"))
@@ -57,6 +59,12 @@ class SensitivityPane(w.VBox):
         w.dlink((controller, "cancellable"), (self.cancel.layout, "display"), lambda shown: "" if shown else "none")
         w.dlink((controller, "cancellable"), (self.progress.layout, "visibility"), lambda shown: "visible" if shown else "hidden")
         controller.observe(self._on_progress_change, "progress")
+        w.dlink(
+            (controller, "remaining"),
+            (self.remaining, "value"),
+            lambda text: f"<span style='color:#666'>{text}</span>" if text else "",
+        )
+        w.dlink((controller, "cancellable"), (self.remaining.layout, "display"), lambda shown: "" if shown else "none")
         self.compute.on_click(self._on_compute_click)
         self.reach.on_click(self._on_reach_click)
         self.cancel.on_click(self._on_cancel_click)

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, TypeVar
 
 from traitlets import Bool, Float, HasTraits, Int, Tuple, Unicode
 
-from ..errors import InvalidSettingsError
+from ..errors import InvalidSettingsError, ModelReleasedError
 from ..progress import Progress
+from ..run import ReleasedModel
 from ..settings import ModuleSettings, validate_all
 from ..truth import KERNEL_AGREEMENT_DB
 from ..verify import nan_equalization_metric
@@ -61,12 +62,14 @@ class TuneController(HasTraits):
     busy = Bool(False, help="a long action is running: every long action's button is disabled")
     cancellable = Bool(False, help="the running action stops at its next step when cancel() is called")
     progress = Tuple(Int(), Int(), default_value=(0, 1), help="(done, total) of the running action")
+    remaining = Unicode(help="the running step's time left, estimated from its pace so far ('about 40 s left'; '' early on)")
     target = Float(0.0, help="the output SQNR (dB) Propose aims for; set to the simulated baseline + 3 dB by the first ranking")
     ignored = Int(0, help="clicks dropped because an action was running, since the last Apply began")
 
     def __init__(self, session: TuningSession, source: ReportSource, *, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.session, self.source, self._clock = session, source, clock
+        self._pace_clock: Callable[[], float] = time.monotonic  # times the steps for the time left
         self.table: pd.DataFrame | None = None  # the sensitivity ranking, once computed
         self.curve: pd.DataFrame | None = None  # the trade-off curve, once computed
         self.points: pd.DataFrame | None = None  # the size front, once computed
@@ -217,6 +220,33 @@ class TuneController(HasTraits):
         except InvalidSettingsError as error:
             return f"# these settings cannot be applied: {error}\n"
 
+    def pin(self, label: str) -> None:
+        """Pin the run ``label`` (its quantized model is kept past later runs), or unpin it."""
+        index = next((i for i, r in enumerate(self.session.history) if r.label == label), None)
+        if index is None:
+            return
+        keep = not self.session.kept(index)
+        try:
+            self.session.keep(index, keep)
+        except ModelReleasedError as error:
+            self.error = error_html(str(error), block=False)
+            return
+        self.error = ""
+        where = f"session.history[{index}].quantized_model"
+        self.status = (
+            f"<i>{html.escape(label)}: its quantized model is kept ({where}) until you unpin it.</i>"
+            if keep
+            else f"<i>{html.escape(label)}: unpinned; its quantized model is released when a later run is recorded.</i>"
+        )
+
+    def pin_state(self, label: str | None) -> tuple[bool, bool]:
+        """Whether the run ``label`` can be pinned (its model is still there) and whether it is."""
+        index = next((i for i, r in enumerate(self.session.history) if r.label == label), None)
+        if index is None:
+            return False, False
+        pinned = self.session.kept(index)
+        return pinned or not isinstance(self.session.history[index].quantized_model, ReleasedModel), pinned
+
     def restorable(self) -> list[str]:
         """The labels of the runs whose settings can be put back in the rows."""
         return [r.label for r in self.session.history if r.settings is not None]
@@ -316,12 +346,19 @@ class TuneController(HasTraits):
         line); raises Cancelled once ``cancel()`` was called."""
         if label:
             self.status = f"{html.escape(label)}: {doing}"
+        self.remaining = ""
+        phase = {"total": None, "start": 0.0, "from": 0}  # a new total is a new step (calibrating, then simulating)
 
         def report(done: int, total: int | None) -> None:
             if self._cancel:
                 raise Cancelled
+            now = self._pace_clock()
+            if total != phase["total"] or done < phase["from"]:
+                phase.update(total=total, start=now, **{"from": done})
+            self.remaining = time_left(now - phase["start"], done - phase["from"], (total or done) - done)
             if label:
-                self.status = f"{html.escape(label)}: {doing} {done}/{total or '?'}"
+                left = f" · {self.remaining}" if self.remaining else ""
+                self.status = f"{html.escape(label)}: {doing} {done}/{total or '?'}{left}"
             self.progress = (done, total or max(done, 1))
 
         return report
@@ -384,6 +421,18 @@ def run_status(result: RunResult, history: list[RunResult], sensitivity: pd.Data
     else:
         line += "<br><i>Sensitivity (above) ranks the modules by what keeping each float would gain.</i>"
     return line
+
+
+def time_left(elapsed_s: float, done: int, left: int) -> str:
+    """The time ``left`` more steps take at the pace of the ``done`` steps timed so far, in words
+    ('' until two steps were timed, or when nothing is left)."""
+    if done < 2 or left <= 0:
+        return ""
+    seconds = elapsed_s / done * left
+    if seconds < 60:
+        return f"about {max(1, round(seconds))} s left"
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"about {minutes} min {seconds:02d} s left" if minutes < 60 else f"about {minutes // 60} h {minutes % 60:02d} min left"
 
 
 def verified_status(verified: VerifiedSuggestions) -> str:

@@ -63,6 +63,9 @@ class TuningPanel(w.VBox):
                                        style={"description_width": "30px"})  # fmt: skip
         self.restore = w.Button(description="Restore its settings", icon="history", disabled=True,
                                 layout={"width": "170px", **FIXED})  # fmt: skip
+        self.pin = w.Button(description="Pin its model", icon="thumb-tack", disabled=True, layout={"width": "140px", **FIXED},
+                            tooltip="keep this run's quantized model (session.history[i].quantized_model): the session "
+                            "keeps only the latest run's and the pinned runs' models")  # fmt: skip
         self.history = RunsTable()
         self.layers = LayersChart()
         self.summary = w.HTML()
@@ -88,7 +91,7 @@ class TuningPanel(w.VBox):
         toolbar = w.HBox([self.filter, self.only_suggested, self.all_ops, self.shown, bulk_label, *self.bulk.values()],
                          layout={"align_items": "center", "flex_flow": "row wrap"})  # fmt: skip
         # the status line gets the full width under the buttons: measured results take a few lines
-        buttons = w.HBox([self.accept, self.reset, self.apply, self.progress, self.restore_from, self.restore],
+        buttons = w.HBox([self.accept, self.reset, self.apply, self.progress, self.restore_from, self.restore, self.pin],
                          layout={"align_items": "center", "flex_flow": "row wrap"})  # fmt: skip
         self.results = w.Accordion(
             children=[self.summary, self.code],
@@ -113,6 +116,8 @@ class TuningPanel(w.VBox):
         self.reset.on_click(self._on_reset_click)
         self.apply.on_click(self._on_apply_click)
         self.restore.on_click(self._on_restore_click)
+        self.pin.on_click(self._on_pin_click)
+        self.restore_from.observe(lambda _change: self._show_pin(), "value")
         for name, button in self.bulk.items():
             button.on_click(lambda _b, name=name: self._bulk(name))
         self.filter.observe(self._on_filter_change, "value")
@@ -148,6 +153,15 @@ class TuningPanel(w.VBox):
         settings = self.controller.restore(self.restore_from.value)
         if settings is not None:
             self._set_all(settings)
+
+    def _on_pin_click(self, _button: w.Button) -> None:
+        self.controller.pin(self.restore_from.value)
+        self._show_runs(None)
+
+    def _show_pin(self) -> None:
+        can, pinned = self.controller.pin_state(self.restore_from.value)
+        self.pin.description = "Unpin its model" if pinned else "Pin its model"
+        self.pin.disabled = not can
 
     def _on_filter_change(self, _change: dict) -> None:
         self._refresh_rows()
@@ -234,10 +248,14 @@ class TuningPanel(w.VBox):
             self.history.show(runs)
             self.layers.draw(layers, _kernels_apart(self.session.history))
             self.front.show_runs()
-            restorable = self.controller.restorable()
+            restorable, chosen = self.controller.restorable(), self.restore_from.value
             self.restore_from.options = restorable
-            self.restore_from.value = restorable[-1] if restorable else None
+            # a new run is chosen; otherwise (a pin) the run chosen stays
+            self.restore_from.value = (
+                chosen if latest is None and chosen in restorable else (restorable[-1] if restorable else None)
+            )
             self.restore.disabled = not restorable
+            self._show_pin()
             if self.layers not in self.children:
                 self.children = (*self.children[:-1], self.layers, self.children[-1])  # above the summary
             if latest is not None:

@@ -1,0 +1,153 @@
+"""Calibration across torch.distributed processes (two gloo ranks spawned on this machine): each rank
+analyzes half the batches and ends with the report one process makes from all of them, and a
+baseline run whose output SQNR is one process's; shards of different sizes, or a rank with no
+data, raise a clear error on every rank instead of hanging."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import qreport_widgets as qw
+from qreport_widgets.digits import trained_digits_model
+
+RANKS = 2
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "analyze_with_torchrun.py"
+DEADLINE_S = 240  # a hang fails the test instead of stalling the suite
+SHARDS = {  # case -> each rank's calibration batches, as slices of the batches one process sees
+    "halves": (slice(0, 3), slice(3, 6)),
+    "uneven": (slice(0, 1), slice(1, 6)),
+    "empty": (slice(0, 6), slice(0, 0)),
+}
+
+
+@pytest.fixture(scope="module")
+def cache(digits_cache):
+    return digits_cache
+
+
+def six_batches(data) -> list[tuple[torch.Tensor]]:
+    """The calibration images in six equal batches."""
+    images = torch.cat([batch[0] for batch in data.calibration])
+    size = len(images) // 6
+    return [(images[i * size : (i + 1) * size],) for i in range(6)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_main(rank: int, port: int, cache: str, case: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    try:
+        model, data = trained_digits_model("cnn", cache)
+        shard = six_batches(data)[SHARDS[case][rank]]
+        report = qw.analyze(model, data.calibration[0], shard, eval_data=data.evaluation, progress=False)
+        baseline = report.session.baseline()
+        assert baseline.ok, baseline.error
+        if rank == 0:
+            report.save(os.path.join(out, "report.qreport"))
+        found = {"values": flat(report.generate_model_report()), "sqnr": baseline.output_sqnr_db}
+    except Exception as error:
+        found = {"error": type(error).__name__, "message": str(error), "trace": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    torch.save(found, os.path.join(out, f"rank{rank}.pt"))
+
+
+def flat(reports: dict) -> dict[str, float]:
+    """Every number of a generate_model_report() answer, by detector / module / feature (/ channel)."""
+    values = {}
+    for detector, (_, modules) in reports.items():
+        for fqn, features in modules.items():
+            for feature, value in features.items():
+                if isinstance(value, (bool, str)) or value is None:
+                    continue
+                array = np.asarray(value.numpy() if isinstance(value, torch.Tensor) else value, dtype=float).ravel()
+                for i, number in enumerate(array):
+                    values[f"{detector}/{fqn}/{feature}/{i}"] = float(number)
+    return values
+
+
+def spawn(case: str, cache, tmp_path) -> list[dict]:
+    context = mp.start_processes(rank_main, args=(free_port(), str(cache), case, str(tmp_path)), nprocs=RANKS,
+                                 join=False, start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + DEADLINE_S
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{case}: the ranks did not finish within {DEADLINE_S} s (a rank is waiting in a collective)")
+    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
+
+
+def test_two_ranks_with_half_the_batches_each_make_one_process_report(cache, tmp_path):
+    model, data = trained_digits_model("cnn", cache)
+    whole = six_batches(data)
+    alone = qw.analyze(model, whole[0], whole, eval_data=data.evaluation, progress=False)
+    expected, expected_sqnr = flat(alone.generate_model_report()), alone.session.baseline().output_sqnr_db
+    ranks = spawn("halves", cache, tmp_path)
+    for rank, found in enumerate(ranks):
+        assert "error" not in found, found.get("trace")
+        assert found["values"].keys() == expected.keys()
+        for key, value in expected.items():
+            assert math.isclose(found["values"][key], value, rel_tol=1e-5, abs_tol=1e-5) or (
+                math.isnan(value) and math.isnan(found["values"][key])
+            ), f"rank {rank}: {key} {found['values'][key]} != {value}"
+        assert abs(found["sqnr"] - expected_sqnr) <= 0.05, f"rank {rank}: {found['sqnr']:.3f} vs {expected_sqnr:.3f} dB"
+    assert ranks[0]["sqnr"] == ranks[1]["sqnr"]  # the same merged observers, the same evaluation batches
+    saved = qw.load_report(tmp_path / "report.qreport")  # rank 0's, as a notebook opens it
+    a, b = alone.frame(), saved.frame()
+    for table in ("modules", "channels"):
+        pd.testing.assert_frame_equal(getattr(a, table), getattr(b, table), rtol=1e-5, atol=1e-5)
+    assert list(a.histograms) == list(b.histograms) and a.histograms  # histograms merge exactly
+    for module, (counts, edges) in a.histograms.items():
+        np.testing.assert_array_equal(b.histograms[module][0], counts)
+        np.testing.assert_array_equal(b.histograms[module][1], edges)
+    assert [(s.module_fqn, s.kind) for s in saved.suggestions()] == [(s.module_fqn, s.kind) for s in alone.suggestions()]
+    assert saved.calibration_batches() == alone.calibration_batches()
+
+
+@pytest.mark.parametrize(
+    ("case", "said"),
+    [("uneven", r"different numbers of batches \(rank 0: 1, rank 1: 5\)"), ("empty", r"rank 1: NotCalibratedError")],
+)
+def test_uneven_or_empty_shards_stop_every_rank_with_a_clear_error(cache, tmp_path, case, said):
+    trained_digits_model("cnn", cache)  # trained once here, loaded by the ranks
+    for rank, found in enumerate(spawn(case, cache, tmp_path)):
+        assert found.get("error") == "DistributedCalibrationError", f"rank {rank}: {found}"
+        assert "every rank stops here" in found["message"]
+        assert re.search(said, found["message"]), found["message"]
+
+
+def test_the_torchrun_example_saves_a_report_a_notebook_opens(cache, tmp_path):
+    """examples/analyze_with_torchrun.py as docs/SCALE.md runs it: torchrun, two ranks, rank 0 saves."""
+    trained_digits_model("cnn", cache)
+    out = tmp_path / "digits.qreport"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS), str(EXAMPLE),
+               "--out", str(out), "--cache", str(cache)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == RANKS and len({line.split(": ", 1)[1] for line in lines}) == 1, lines  # same report, same SQNR
+    saved = qw.load_report(out)
+    assert f"report on {saved.calibration_batches()} batches" in lines[0]
+    assert saved.widget() is not None

@@ -1,0 +1,117 @@
+"""What a session keeps alive: the quantized models of the latest run and the pinned runs only (the
+others' measurements stay), no model held by torch's or torchao's caches, no model kept by the
+verifier's trial runs; a released model says when it went and how to keep one."""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+
+import qreport_widgets as qw
+from qreport_widgets import ModelReleasedError, ModuleSettings, QuantizationSession
+from qreport_widgets.digits import trained_digits_model
+
+
+@pytest.fixture(scope="module")
+def cache(digits_cache):
+    return digits_cache
+
+
+def digits_session(cache, engine: str = "fx") -> QuantizationSession:
+    model, data = trained_digits_model("cnn", cache)
+    return QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation, engine=engine)
+
+
+def alive(model: torch.nn.Module) -> weakref.ref:
+    return weakref.ref(model)
+
+
+def test_only_the_latest_run_keeps_its_quantized_model(cache):
+    session = digits_session(cache)
+    first = alive(session.baseline().quantized_model)
+    names = [m.fqn for m in session.modules if not m.current.keep_float]
+    runs = [session.apply({names[i]: ModuleSettings(keep_float=True)}) for i in range(3)]
+    gc.collect()
+    assert first() is None, "the baseline's quantized model is still alive after three more runs"
+    assert isinstance(session.history[-1].quantized_model, torch.nn.Module)
+    for earlier in session.history[:-1]:
+        assert not earlier.quantized_model
+        assert math.isfinite(earlier.output_sqnr_db) and len(earlier.per_layer_sqnr_db)  # measurements stay
+    assert session.baseline() is session.history[0]  # the baseline in the history is the released one
+    with pytest.raises(ModelReleasedError, match=r"'baseline' was released when 'run 2' was recorded.*session\.keep"):
+        session.history[0].quantized_model(torch.zeros(1, 1, 8, 8))
+    with pytest.raises(ModelReleasedError, match="released"):
+        session.history[1].quantized_model.fc1  # noqa: B018
+    assert "released" in repr(session.history[2].quantized_model)
+    assert runs[-1] is session.history[-1]
+    assert session.compare()[0]["output SQNR (dB)"].notna().all()
+
+
+def test_a_pinned_run_keeps_its_model_until_unpinned(cache):
+    session = digits_session(cache)
+    baseline = session.keep(session.baseline())
+    assert session.kept(0) and session.kept(baseline)
+    session.apply({"fc1": ModuleSettings(keep_float=True)})
+    session.apply({"fc1": ModuleSettings(per_channel=False)})
+    assert isinstance(session.history[0].quantized_model, torch.nn.Module)  # pinned
+    assert not session.history[1].quantized_model  # neither latest nor pinned
+    with pytest.raises(ModelReleasedError, match="apply its settings again"):
+        session.keep(1)
+    session.keep(0, keep=False)
+    session.apply({"fc1": ModuleSettings(keep_float=False)})
+    assert not session.history[0].quantized_model and not session.kept(0)
+    with pytest.raises(IndexError, match="no run 7 in a history of 4"):
+        session.keep(7)
+
+
+@pytest.mark.parametrize("engine", ["fx", "pt2e"])
+def test_no_model_outlives_its_step_in_torchs_caches(cache, engine):
+    """torch's FX prepare / convert and torchao's PT2E convert cache every model they see (a
+    functools.cache keyed by the module); the session empties those caches after each step."""
+    session = digits_session(cache, engine)
+    session.baseline()
+    prepared = alive(session.engine.prepare(session.float_model, session.engine.base_config(), session.example_inputs))
+    first = alive(session.history[0].quantized_model)
+    session.apply({"fc1": ModuleSettings(keep_float=True)})
+    gc.collect()
+    assert prepared() is None and first() is None
+    from torch.ao.quantization.fx.utils import assert_and_get_unique_device
+
+    assert assert_and_get_unique_device.cache_info().currsize == 0
+
+
+def test_verified_suggestions_keep_no_trial_model(cache):
+    model, data = trained_digits_model("cnn", cache)
+    report = qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, progress=False)
+    session = report.session
+    verified = session.verified_suggestions(report.suggestions())
+    run = verified.accept_all
+    assert run is not None and not run.quantized_model and math.isfinite(run.output_sqnr_db)
+    with pytest.raises(ModelReleasedError, match="trial run"):
+        run.quantized_model.fc1  # noqa: B018
+
+
+def test_folded_weights_are_held_once_and_no_run_writes_into_them():
+    """The report's model, the simulation and every run fold each batch norm into its conv: equal
+    weights, held once; and after runs the session's float copy is still the caller's model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten(), torch.nn.Linear(8 * 12 * 12, 10),
+    ).eval()  # fmt: skip
+    for norm in (model[1], model[4]):
+        norm.running_mean.normal_(), norm.running_var.uniform_(0.5, 2.0), norm.weight.data.uniform_(0.5, 2.0)
+    batches = [(torch.randn(4, 3, 16, 16),) for _ in range(4)]
+    report = qw.analyze(model, batches[0], batches, progress=False)
+    session = report.session
+    simulation = session.simulation(progress=lambda done, total: None)
+    held = {p.data_ptr() for p in (*report.model.parameters(), *session.float_model.parameters())}
+    weights = [p for name, p in simulation.model.named_parameters() if name.endswith("weight") and p.dim() == 4]
+    assert weights and {p.data_ptr() for p in weights} <= held  # the simulation's conv weights are the report's
+    session.apply({m.fqn: ModuleSettings(keep_float=True) for m in session.modules[:1]})
+    for (name, theirs), ours in zip(model.state_dict().items(), session.float_model.state_dict().values(), strict=True):
+        assert torch.equal(theirs, ours), name
