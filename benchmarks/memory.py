@@ -134,8 +134,7 @@ def steps_child(layout: str, batch_count: int, skip: set[str], batch_size: int) 
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         return value
 
-    report = step("analyze", lambda: analyze(model, (batches[0],) if not isinstance(batches[0], dict) else (), batches,
-                                             progress=False, **kwargs))  # fmt: skip
+    report = step("analyze", lambda: analyze(model, batches[0], batches, progress=False, **kwargs))
     session = report.session
     step("widget", lambda: report.widget() and None)
     step("baseline", session.baseline)
@@ -195,7 +194,9 @@ def calibration_row(case_name: str, batches: int = 8) -> dict[str, float]:
 def steps_table(layout: str, batches: int, skip: list[str], batch_size: int = 8) -> dict:
     command = [sys.executable, __file__, "--child-steps", layout, "--batches", str(batches), "--batch-size", str(batch_size),
                "--skip", *skip]  # fmt: skip
-    out = subprocess.run(command, check=True, capture_output=True, text=True)
+    out = subprocess.run(command, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{layout}: the measuring process failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -14,6 +14,7 @@ from .detectors import DetectorBase, DynamicStaticDetector, InputWeightEqualizat
 from .distributed import calibrated_across, group_of
 from .engine import EngineOptions
 from .engines import engine_named
+from .migration import observed_input_ranges
 from .report import ModelReport
 from .session import QuantizationSession
 
@@ -108,5 +109,6 @@ def analyze(
         report._attach_session(chosen, observed.modules, None, f"{type(error).__name__}: {error}")
     else:
         session._weights.share(observed.model)  # the report's model: its folded weights are every run's
+        session._observed_input_ranges = observed_input_ranges(report.frame())
         report._attach_session(chosen, observed.modules, session)
     return report

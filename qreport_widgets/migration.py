@@ -13,16 +13,20 @@ code to paste.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.fx
 from torch import nn
 
 from .calibration import call_with
 from .metrics import output_tensor
+
+if TYPE_CHECKING:
+    from .frame import ReportFrame
 
 OUTLIER_RATIO = 6.0  # a channel whose range is this many times the median channel's is an outlier
 EXACT = 1e-5  # relative output error a migrated float model may show (float rounding)
@@ -82,15 +86,23 @@ class Migration:
 
 
 def find_migrations(
-    model: nn.Module, batches: Sequence[Any], consumers: Iterable[str], ratio: float = OUTLIER_RATIO
+    model: nn.Module,
+    batches: Sequence[Any],
+    consumers: Iterable[str],
+    ratio: float = OUTLIER_RATIO,
+    known_ranges: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Migration]:
     """Consumer name -> the migration for its outlier input channels, for every Linear / Conv in
     ``consumers`` that reads one producer's output alone, measured on ``batches``; each checked
-    to leave the float output as it was (within ``EXACT``) on the first batch."""
+    to leave the float output as it was (within ``EXACT``) on the first batch. ``known_ranges``
+    (consumer -> max |x| per input channel, as the analysis observed them) saves a pass over the
+    batches for the consumers it has."""
     producers = _direct_producers(model, consumers)
     if not producers:
         return {}
-    ranges = _input_channel_ranges(model, batches, list(producers))
+    known = {name: span for name, span in (known_ranges or {}).items() if name in producers}
+    missing = [name for name in producers if name not in known]
+    ranges = {**known, **(_input_channel_ranges(model, batches, missing) if missing else {})}
     found = {}
     for consumer, producer in producers.items():
         span = ranges.get(consumer)
@@ -104,6 +116,22 @@ def find_migrations(
         migration = Migration(producer, consumer, tuple(outliers.tolist()), tuple(scales), typical, float(span.max()))
         if float_error(model, [migration], batches[0]) <= EXACT:
             found[consumer] = migration
+    return found
+
+
+def observed_input_ranges(frame: ReportFrame) -> dict[str, torch.Tensor]:
+    """Module -> max |x| per input channel (a Linear's last dimension, a Conv's dim 1), from the
+    report's per-channel input minima and maxima (the equalization detector's), where it has them."""
+    found = {}
+    wanted = ("input_activation_per_channel_min", "input_activation_per_channel_max")
+    for module in frame.module_names:
+        channel_features, _ = frame.features_of(module)
+        if not all(feature in channel_features for feature in wanted):
+            continue
+        low, high = (frame.channel_values(module, feature) for feature in wanted)
+        span = np.maximum(np.abs(low), np.abs(high))
+        if len(span) and np.isfinite(span).all():
+            found[module] = torch.from_numpy(span).float()
     return found
 
 

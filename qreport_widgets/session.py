@@ -118,6 +118,8 @@ class QuantizationSession:
         self.calibration_data, self.eval_data, self.eval_description = _split(calibration_data, eval_data)
         self.history: list[RunResult] = []
         self._weights = WeightPool()  # weights equal across prepares, held once (memory.py)
+        # module -> max |x| per input channel as analyze() observed them: finding migrations needs no pass then
+        self._observed_input_ranges: dict[str, torch.Tensor] = {}
         self._pinned: set[int] = set()  # history positions whose quantized model is kept (keep())
         self._modules: list[TunableModule] | None = None if modules is None else list(modules)
         self._baseline: RunResult | None = None
@@ -171,11 +173,14 @@ class QuantizationSession:
 
     def migrations(self) -> dict[str, Migration]:
         """Module -> the outlier-channel scale migration its input allows (``ModuleSettings.migrate``),
-        found once on the calibration data; each is exact in float (checked)."""
+        found once on the calibration data (from the input ranges the analysis observed, where it
+        has them); each is exact in float (checked)."""
         if self._migrations is None:
             data = self.calibration_data  # a calibration callable gives no batches: the held-out ones then
             batches = list(self.eval_data) if callable(data) else list(data)
-            self._migrations = find_migrations(self._float, batches, [m.fqn for m in self.modules]) if batches else {}
+            consumers = [m.fqn for m in self.modules]
+            known = self._observed_input_ranges
+            self._migrations = find_migrations(self._float, batches, consumers, known_ranges=known) if batches else {}
         return dict(self._migrations)
 
     def input_producers(self, names: Iterable[str]) -> dict[str, str]:

@@ -154,6 +154,17 @@ def test_outlier_channels_are_found_and_migrated_exactly_in_float():
         session.apply({"fc2": qw.ModuleSettings(migrate=True)})
 
 
+def test_migrations_from_the_observed_input_ranges_are_those_a_pass_over_the_data_finds():
+    """The session reads each Linear's input ranges from the analysis instead of running the data
+    through the model again (seconds on a ViT-B); what it finds is what the pass finds."""
+    from qreport_widgets.migration import find_migrations
+
+    session = planted_outlier_report().session
+    assert {"fc1", "fc2"} <= set(session._observed_input_ranges)
+    consumers = [m.fqn for m in session.modules]
+    assert session.migrations() == find_migrations(session._float, list(session.calibration_data), consumers)
+
+
 def test_accept_all_gains_on_a_block_with_planted_outlier_channels():
     report = planted_outlier_report()
     verified = report.verified_suggestions(progress=lambda done, total: None)
