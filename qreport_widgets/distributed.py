@@ -66,12 +66,12 @@ def calibrated_across(
     states = {} if failure else _states(model, report_observers)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (count, failure, states), group=group)
-    _refuse_uneven(gathered, what, dist.get_rank(group), local)
+    _refuse_uneven(gathered, what, local)
     _merge(model, [states for _, _, states in gathered], report_observers)
     return sum(max(c, 0) for c, _, _ in gathered)
 
 
-def _refuse_uneven(gathered: list[Any], what: str, rank: int, local: Exception | None) -> None:
+def _refuse_uneven(gathered: list[Any], what: str, local: Exception | None) -> None:
     failed = {r: failure for r, (_, failure, _) in enumerate(gathered) if failure}
     if failed:
         said = "; ".join(f"rank {r}: {failure}" for r, failure in failed.items())
@@ -88,7 +88,6 @@ def _refuse_uneven(gathered: list[Any], what: str, rank: int, local: Exception |
             "Give each rank the same number of batches (torch.utils.data.DistributedSampler(dataset, "
             "drop_last=True) over a DataLoader does): an uneven split usually means a rank read the wrong shard."
         )
-    del rank
 
 
 def _states(model: nn.Module, report_observers: bool) -> dict[str, nn.Module]:

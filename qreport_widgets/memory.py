@@ -1,4 +1,5 @@
-"""Keeping the process's memory to what a step needs: models torch would otherwise keep alive."""
+"""Keeping the process's memory to what a step needs: copies that share the weights they only
+read, weights equal across prepares held once, and no model kept alive by torch's own caches."""
 
 from __future__ import annotations
 
