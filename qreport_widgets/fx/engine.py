@@ -22,7 +22,7 @@ from .lowering import convert_fx_keeping_float
 from .numeric_suite import per_layer_sqnr, quantization_summary
 from .prepare import prepare, torch_observers_paused
 from .qconfig import FunctionalOp, FxConfig, build_equalization_mapping, build_qconfig_mapping, qconfig_for, tunable_modules
-from .simulate import Simulator, fixed_qparams_after_float
+from .simulate import Simulator, qparams_after_float
 
 __all__ = ["FxEngine"]
 
@@ -167,5 +167,6 @@ class FxEngine(Engine[FxConfig]):
             calibrate(other)
             return other
 
-        return Simulator(prepared, list(current), fixed_qparams_after_float(float_prepared), other_weights, functional,
+        alternate = qparams_after_float(prepared, float_prepared, calibrate)
+        return Simulator(prepared, list(current), alternate, other_weights, functional,
                          calibrated_with, dynamic_reduce_range=self.backend != "qnnpack")  # fmt: skip

@@ -22,8 +22,8 @@ import torch.fx
 from torch import nn
 from torch.ao.nn.intrinsic import _FusedModule
 from torch.ao.nn.quantized.reference.modules.utils import ReferenceQuantizedModule
-from torch.ao.quantization.fake_quantize import FixedQParamsFakeQuantize
-from torch.ao.quantization.observer import FixedQParamsObserver
+from torch.ao.quantization.fake_quantize import FakeQuantizeBase, FixedQParamsFakeQuantize
+from torch.ao.quantization.observer import FixedQParamsObserver, ObserverBase
 from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
 from ..calibration import call_with, torch_warnings_hidden
@@ -43,7 +43,9 @@ class QuantPoint(nn.Module):
     zero point), which is what the quantized kernels' outputs agree with at ties, but in plain
     tensor ops: that op is some 10x slower on the CPU. ``alternate`` holds the scale and zero point
     FX uses here instead when the producer runs float (the fixed qparams of a consumer such as
-    Hardsigmoid, which FX then puts on its input); ``use_alternate`` selects them.
+    Hardsigmoid, which FX then puts on its input); ``use_alternate`` selects them. ``dynamic`` (with
+    ``reduce_range``) quantizes each call's values with their own range instead, as FX does after an op
+    that follows a dynamic module's float output when a quantized op reads it.
     """
 
     def __init__(self, scale: torch.Tensor, zero_point: torch.Tensor, dtype: torch.dtype) -> None:
@@ -57,6 +59,8 @@ class QuantPoint(nn.Module):
         self.use_alternate = False
         self.override: tuple[torch.Tensor, torch.Tensor, int] | None = None  # another observer's qparams
         self.override_key: tuple[str, str] | None = None  # (module, observer) they come from
+        self.dynamic = False
+        self.reduce_range = True
 
     def active_qparams(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(scale, its reciprocal, zero point) in use now."""
@@ -67,6 +71,8 @@ class QuantPoint(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return x
+        if self.dynamic:
+            return dynamic_fake_quantized(x, self.reduce_range)
         scale, inverse, zero_point = self.active_qparams()
         q = torch.round(x * inverse).add_(zero_point).clamp_(self.quant_min, self.quant_max)
         return q.sub_(zero_point).mul_(scale)
@@ -113,8 +119,8 @@ class _Point:
     def __init__(self, module: QuantPoint, node: torch.fx.Node, producer: torch.fx.Node, consumers: list[torch.fx.Node]) -> None:
         self.module, self.node, self.producer, self.consumers = module, node, producer, consumers
 
-    def state(self) -> tuple[bool, bool, tuple[str, str] | None]:
-        return self.module.enabled, self.module.use_alternate, self.module.override_key
+    def state(self) -> tuple[bool, bool, tuple[str, str] | None, bool]:
+        return self.module.enabled, self.module.use_alternate, self.module.override_key, self.module.dynamic
 
 
 class Simulator(WholePasses):
@@ -347,14 +353,18 @@ class Simulator(WholePasses):
         self._dynamic_now = dynamic
         chosen = {index: (pair, qparams) for pair in variant.observers for index, qparams in self._overrides[pair].items()}
         index_of = {id(point): i for i, point in enumerate(self._points)}
-        for point in points:  # a dynamic module's output stays float: FX gives the ops reading it float inputs
-            enabled = self._source(point.producer) not in dynamic_nodes and (
-                self._is_quantized(point.producer, static) or any(self._is_quantized(c, static) for c in point.consumers)
-            )
+        for point in points:
+            # a dynamic module's output stays float: FX gives the ops reading it float inputs, except after an op
+            # that follows it (a transpose) where a quantized op reads it: there FX quantizes each batch's range
+            after_dynamic = self._source(point.producer) in dynamic_nodes
+            read_quantized = any(self._is_quantized(c, static) for c in point.consumers)
+            moving = after_dynamic and point.producer in self._follows and read_quantized
+            enabled = moving or (not after_dynamic and (self._is_quantized(point.producer, static) or read_quantized))
             alternate = point.producer in float_nodes
             key, qparams = chosen.get(index_of[id(point)], (None, None))
-            if point.state() != (enabled, alternate, key):
-                point.module.enabled, point.module.use_alternate = enabled, alternate
+            if point.state() != (enabled, alternate, key, moving):
+                point.module.enabled, point.module.use_alternate, point.module.dynamic = enabled, alternate, moving
+                point.module.reduce_range = self._reduce_range
                 point.module.override_key, point.module.override = key, qparams
         self._state = variant
 
@@ -592,24 +602,77 @@ def _cache_weights(model: torch.fx.GraphModule) -> dict[str, tuple[nn.Module, _Q
     return found
 
 
-def fixed_qparams_after_float(prepared_all_float: torch.fx.GraphModule) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """From a model prepared with the tunable modules float: the fixed qparams FX then puts after a
-    float module's output, keyed by the producing node's name.
+def qparams_after_float(
+    prepared: torch.fx.GraphModule, prepared_all_float: torch.fx.GraphModule, calibrate: Callable[[nn.Module], None]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The qparams FX puts after a module's output when that module runs float, where they differ
+    from those after it in ``prepared``; keyed by the producing node's name. ``prepared_all_float``
+    is the model prepared with the tunable modules float; it runs the calibration data only when an
+    observer other than the module's own is needed.
 
-    FX gives the input of a fixed-qparams op (Hardsigmoid, Sigmoid, Tanh, ...) that op's fixed output
-    qparams when the producer is float: a squeeze-excitation gate whose conv stays float is then
-    quantized to [0, 1) in steps of 1/256, which costs accuracy. Keeping such a module float in the
-    simulation does the same.
+    A float module's output is quantized by the observer its reader asks for, not by the module's
+    own output observer: the input of a fixed-qparams op (Hardsigmoid, Sigmoid, Tanh, ...) gets that
+    op's fixed output qparams (a squeeze-excitation gate whose conv stays float is then quantized to
+    [0, 1) in steps of 1/256); the input of an op under another qconfig gets that qconfig's observer
+    (x86: a PReLU's output observer uses 8 bits, the global one 7, so a float PReLU's output is
+    quantized with twice the step). Keeping such a module float in the simulation does the same.
     """
-    found = {}
-    for node in prepared_all_float.graph.nodes:
-        if node.op != "call_module" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+    found: dict[str, nn.Module] = {
+        name: observer
+        for name, observer in _observers_after(prepared_all_float)
+        if isinstance(observer, (FixedQParamsObserver, FixedQParamsFakeQuantize))
+    }
+    attributes = prepared.meta.get("_observed_graph_module_attrs")
+    qconfigs = getattr(attributes, "node_name_to_qconfig", None) or {}
+    modules = {n.name: str(n.target) for n in prepared_all_float.graph.nodes if n.op == "call_module"}
+    other: dict[str, nn.Module] = {}
+    for node in prepared.graph.nodes:
+        observer = _observer_at(prepared, node)
+        if observer is None or node.args[0].name in found or node.args[0].name not in modules:
             continue
-        observer = prepared_all_float.get_submodule(str(node.target))
-        if isinstance(observer, (FixedQParamsObserver, FixedQParamsFakeQuantize)):
-            scale, zero_point = observer.calculate_qparams()
-            found[node.args[0].name] = (
-                torch.as_tensor(scale).float().reshape(()),
-                torch.as_tensor(zero_point).reshape(()).to(torch.int32),
-            )
-    return found
+        qconfig = next((qconfigs.get(user.name) for user in node.users if qconfigs.get(user.name) is not None), None)
+        if qconfig is not None and qconfig.activation is not None:
+            theirs = qconfig.activation()
+            if _recipe(theirs) != _recipe(observer):
+                other[node.args[0].name] = theirs
+    if other:
+
+        def observe(name: str) -> Callable[..., None]:
+            def hook(_module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+                other[name](output.detach())
+
+            return hook
+
+        hooks = [prepared_all_float.get_submodule(modules[name]).register_forward_hook(observe(name)) for name in other]
+        try:
+            calibrate(prepared_all_float)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        found.update(other)
+    return {
+        name: (torch.as_tensor(scale).float().reshape(()), torch.as_tensor(zero_point).reshape(()).to(torch.int32))
+        for name, (scale, zero_point) in ((name, observer.calculate_qparams()) for name, observer in found.items())
+    }
+
+
+def _observer_at(prepared: torch.fx.GraphModule, node: torch.fx.Node) -> nn.Module | None:
+    """The activation observer ``node`` calls, if it calls one on another node's value."""
+    if node.op != "call_module" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    module = prepared.get_submodule(str(node.target))
+    return module if isinstance(module, (ObserverBase, FakeQuantizeBase)) else None
+
+
+def _observers_after(prepared: torch.fx.GraphModule) -> Iterator[tuple[str, nn.Module]]:
+    """(the name of the node it observes, the activation observer) for each observer in the graph."""
+    for node in prepared.graph.nodes:
+        observer = _observer_at(prepared, node)
+        if observer is not None:
+            yield node.args[0].name, observer
+
+
+def _recipe(observer: nn.Module) -> tuple[Any, ...]:
+    """What decides an observer's qparams besides the values it sees."""
+    fields = ("dtype", "qscheme", "quant_min", "quant_max", "reduce_range", "bins", "eps", "averaging_constant")
+    return (type(observer), *(repr(getattr(observer, field, None)) for field in fields))
