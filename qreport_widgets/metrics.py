@@ -8,15 +8,27 @@ from typing import Any
 
 import torch
 
+_CHUNK = 1 << 20  # values per step of sqnr_db's float64 sums
+
 
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    """10 log10(signal power / noise power); inf for an exact match, NaN for an all-zero signal."""
-    reference, approximation = reference.double(), approximation.double()
-    signal = float(reference.pow(2).sum())
-    noise = float((reference - approximation).pow(2).sum())
-    if noise == 0:
-        return math.inf if signal > 0 else math.nan
-    return 10 * math.log10(signal / noise) if signal > 0 else math.nan
+    """10 log10(signal power / noise power); inf for an exact match, NaN for an all-zero signal.
+
+    Summed in float64 a million values at a time: float64 copies of whole activations would cost
+    several times their size at once."""
+    reference, approximation = reference.detach().reshape(-1), approximation.detach().reshape(-1)
+    if reference.shape != approximation.shape:
+        raise ValueError(f"cannot compare {reference.numel()} values with {approximation.numel()}")
+    signal = torch.zeros((), dtype=torch.float64, device=reference.device)
+    noise = torch.zeros((), dtype=torch.float64, device=reference.device)
+    for start in range(0, reference.numel(), _CHUNK):
+        part = reference[start : start + _CHUNK].double()
+        signal += part.square().sum()
+        noise += part.sub_(approximation[start : start + _CHUNK].to(part)).square_().sum()
+    signal_f, noise_f = float(signal), float(noise)
+    if noise_f == 0:
+        return math.inf if signal_f > 0 else math.nan
+    return 10 * math.log10(signal_f / noise_f) if signal_f > 0 else math.nan
 
 
 def output_tensor(output: Any) -> torch.Tensor:

@@ -381,27 +381,29 @@ class Simulator(WholePasses):
     def outputs_each(
         self, batches: Sequence[Any], variants: Sequence[Variant | Iterable[str]], step: Callable[[], None] | None = None
     ) -> list[list[Any]]:
-        """``outputs(batches, v)`` for each ``v`` in ``variants``, computed per
-        batch from one run of the starting configuration: a variant recomputes only the modules and
-        quantize points it changes and what depends on them. ``step()`` is called after each
+        """``outputs(batches, v)`` for each ``v`` in ``variants``, computed per batch from one run of
+        the starting configuration: each variant is computed from the first node it changes on,
+        with the values that run holds there (see ``replay.py``). ``step()`` is called after each
         variant on each batch (a progress bar; raising stops the work)."""
         previous, variants = self._state, [Variant.of(v) for v in variants]
         self.prepare_observers(variants)  # one calibration for every observer they ask for
-        changed = [self._replay.affected(self._changed_by(v)) for v in variants]
-        keep = set().union(*(self._replay.inputs_of(nodes) for nodes in changed))
         found: list[list[Any]] = [[] for _ in variants]
+
+        def configure(i: int | None) -> None:
+            self.configure(() if i is None else variants[i])
+
         try:
             with torch.no_grad():
-                for batch in batches:
+                if batches and self._replay.exact:
                     self.configure(())
-                    kept = self._replay.run(batch, keep)
+                    self._replay.learn(batches[0])
+                plans = [self._replay.plan(self._changed_by(v)) for v in variants] if self._replay.exact else []
+                for batch in batches if self._replay.exact else ():
+                    outputs = self._replay.outputs(batch, plans, configure, step)
                     if not self._replay.exact:
                         break
-                    for i, (variant, nodes) in enumerate(zip(variants, changed, strict=True)):
-                        self.configure(variant)
-                        found[i].append(self._replay.rerun(kept, nodes))
-                        if step is not None:
-                            step()
+                    for i, output in enumerate(outputs):
+                        found[i].append(output)
         finally:
             self.configure(previous)
         if self._replay.exact:
@@ -433,11 +435,27 @@ class Simulator(WholePasses):
         self.configure(self.tunable)
         for point in self._points:
             point.module.enabled = False
-        seen: dict[str, torch.Tensor] = {}
+        before = {consumer: p for p in self._points for consumer in p.consumers}  # a module reads one point
+        after = {p.producer: p for p in self._points}
+        result: dict[str, float] = {}
+        busy: set[str] = set()
+
+        def measure(module: nn.Module, args: tuple, name: str) -> None:
+            """On the float model's input to the module, as the forward pass reaches it (nothing is kept)."""
+            if name in busy or not args or not isinstance(args[0], torch.Tensor):
+                return
+            busy.add(name)
+            try:
+                x, node = args[0].detach(), self._node_of[name]
+                expected = module(x.clone())
+                with self._quantized(name):
+                    y = _through(after.get(node), module(_through(before.get(node), x.clone())))
+                result[name] = sqnr_db(expected, y)
+            finally:
+                busy.discard(name)
+
         hooks = [
-            self.model.get_submodule(name).register_forward_pre_hook(
-                lambda module, args, name=name: seen.__setitem__(name, args[0].detach().clone())
-            )
+            self.model.get_submodule(name).register_forward_pre_hook(lambda module, args, name=name: measure(module, args, name))
             for name in self.tunable
         ]
         try:
@@ -446,18 +464,7 @@ class Simulator(WholePasses):
         finally:
             for hook in hooks:
                 hook.remove()
-        before = {consumer: p for p in self._points for consumer in p.consumers}  # a module reads one point
-        after = {p.producer: p for p in self._points}
-        result = {}
-        with torch.no_grad():
-            for name, x in seen.items():
-                node, module = self._node_of[name], self.model.get_submodule(name)
-                expected = module(x)
-                point_in, point_out = before.get(node), after.get(node)
-                with self._quantized(name):
-                    y = _through(point_out, module(_through(point_in, x)))
-                result[name] = sqnr_db(expected, y)
-        self._set(previous, changed=set(self._weights), points=self._points)  # every point was switched off
+            self._set(previous, changed=set(self._weights), points=self._points)  # every point was switched off
         return result
 
     @contextlib.contextmanager
