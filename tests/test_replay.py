@@ -192,3 +192,27 @@ def test_what_is_alive_at_once_is_a_forward_pass_not_every_activation():
         found = replay.outputs(batch, [replay.plan([node(model, name)]) for name in names], scaled(model, names))
     assert replay.exact and len(found) == depth
     assert most[0] <= 4, most[0]
+
+
+def test_an_input_placed_after_the_first_change_is_read_from_the_starting_run():
+    """FX puts an input's quantize right after it, before the next input: a variant starting there reads that input."""
+    torch.manual_seed(0)
+    root = nn.Module()
+    root.conv, root.fc = nn.Conv2d(3, 4, 1), nn.Linear(5, 4)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    conv = graph.call_module("conv", (x,))
+    meta = graph.placeholder("meta")
+    fc = graph.call_module("fc", (meta,))
+    pooled = graph.call_method("mean", (conv, (2, 3)))
+    graph.output(graph.call_function(torch.add, (pooled, fc)))
+    model = torch.fx.GraphModule(root, graph)
+    replay = Replay(model)
+    batch = (torch.randn(2, 3, 4, 4), torch.randn(2, 5))
+    configure = scaled(model, ["conv", "fc"])
+    with torch.no_grad():
+        replay.learn(batch)
+        found = replay.outputs(batch, [replay.plan([node(model, "conv")]), replay.plan([node(model, "fc")])], configure)
+        for i, got in enumerate(found):
+            configure(i)
+            assert torch.equal(got, model(*batch))

@@ -23,7 +23,12 @@ _MULS = {torch.mul, operator.mul, torch.ops.quantized.mul, torch.ops.quantized.m
 
 
 def per_layer_sqnr(float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
-    """Output SQNR of every matched layer, from torch's Numeric Suite FX on one batch."""
+    """Output SQNR of every layer torch's Numeric Suite FX matches between the two models, on one
+    batch (a layer called more than once: its first call).
+
+    The quantized model runs first and each matched layer keeps its first output (quantized: one
+    byte a value); the float model then compares each layer's output with it as the forward pass
+    reaches the layer and lets it go, so no float copy of the batch's activations is ever held."""
     # input-weight equalization adds a float mul before each equalized layer that the float model
     # lacks, so muls are left out of the matching on both sides (squeeze-excitation gates and layer
     # scales become quantized muls that would otherwise pair with the wrong float op)
@@ -32,33 +37,70 @@ def per_layer_sqnr(float_model: torch.nn.Module, quantized: torch.nn.Module, bat
     with torch_warnings_hidden(), _cached_reversed_fusions():
         # add_loggers builds new GraphModules around the same submodules; neither model is changed
         logged_float, logged_quantized = ns.add_loggers(
-            "float", float_model, "quantized", quantized, _CopyingLogger, unmatchable_types_map=unmatchable
+            "float", float_model, "quantized", quantized, _ComparingLogger, unmatchable_types_map=unmatchable
         )
+        kept = {logger.pair: logger for logger in _loggers(logged_quantized)}
+        compared = [logger for logger in _loggers(logged_float) if logger.pair in kept]
+        for logger in compared:
+            logger.partner = kept[logger.pair]
         with torch.no_grad():
-            call_with(logged_float, batch)
+            for logger in kept.values():
+                logger.keeping = True
             call_with(logged_quantized, batch)
-        results = ns.extract_logger_info(logged_float, logged_quantized, _CopyingLogger, "quantized")
-        ns.extend_logger_results_with_comparison(results, "float", "quantized", compute_sqnr, "sqnr")
-        ns.maybe_add_missing_fqns(results)
+            call_with(logged_float, batch)
     modules = {n.name: str(n.target) for n in getattr(quantized, "graph", torch.fx.Graph()).nodes if n.op == "call_module"}
-    values = {}
-    for layer, by_type in results.items():
-        for entries in by_type.values():
-            info = entries["quantized"][0]
-            name = info.get("fqn") or modules.get(info.get("ref_node_name", layer), layer)
-            values[name] = float(torch.as_tensor(info["sqnr"][0]).mean())
+    values, named = {}, set()
+    for logger in compared:  # per layer, its first output as Numeric Suite orders them
+        if logger.ref_name in named or logger.sqnr is None:
+            continue
+        named.add(logger.ref_name)
+        partner = logger.partner
+        name = partner.fqn or logger.fqn or modules.get(partner.ref_node_name, partner.ref_node_name)
+        values[name] = logger.sqnr
     return pd.Series(values, name="SQNR (dB)", dtype=float)
 
 
-class _CopyingLogger(ns.OutputLogger):
-    """Numeric Suite's logger keeps a reference to each layer's output; an in-place op after the layer
-    (``Hardswish(inplace=True)``, ``x.relu_()``) then overwrites what was logged. This one keeps a copy."""
+class _ComparingLogger(ns.OutputLogger):
+    """On the quantized side (``keeping``), keeps a copy of the layer's first output (a copy: an
+    in-place op after the layer, ``Hardswish(inplace=True)`` or ``x.relu_()``, would overwrite it);
+    on the float side, compares the layer's first output with its ``partner``'s and drops that."""
 
-    def forward(self, x):
-        if self.enabled and self.save_activations and isinstance(x, torch.Tensor):
-            self.stats.append(x.detach().clone())
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.keeping = False
+        self.partner: _ComparingLogger | None = None
+        self.first: Any = None
+        self.seen = False
+        self.sqnr: float | None = None
+
+    @property
+    def pair(self) -> tuple[Any, ...]:
+        return self.ref_name, self.results_type, self.index_of_arg, self.index_within_arg
+
+    def forward(self, x: Any) -> Any:
+        if self.seen or not self.enabled:
             return x
-        return super().forward(x)
+        self.seen = True
+        if self.keeping:
+            self.first = _copied(x)
+        elif self.partner is not None and self.partner.first is not None:
+            sqnr = compute_sqnr(_copied(x), self.partner.first)
+            self.partner.first = None
+            if sqnr is not None:
+                self.sqnr = float(torch.as_tensor(sqnr).mean())
+        return x
+
+
+def _loggers(model: torch.nn.Module) -> list[_ComparingLogger]:
+    return [module for module in model.modules() if isinstance(module, _ComparingLogger)]
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copied(v) for v in value)
+    return value
 
 
 @contextlib.contextmanager

@@ -37,8 +37,8 @@ class Plan:
         start: the position of the first node the variant computes differently (the graph's length
             when its output does not change).
         nodes: from ``start`` on, in execution order: the nodes the output depends on, and every node
-            that changes a value in place.
-        copies: values held from before ``start`` that ``nodes`` change in place (read as copies).
+            that changes a value in place (not the inputs: the starting run holds them).
+        copies: values the starting run holds that ``nodes`` change in place (read as copies).
         free_after: node -> the values no later node of ``nodes`` reads.
     """
 
@@ -113,8 +113,9 @@ class Replay:
         for node in reversed(self.nodes[start:]):
             if node in needed:
                 needed.update(source for source in node.all_input_nodes if self._position[source] >= start)
-        nodes = [node for node in self.nodes[start:] if node in needed]
-        held = {source for node in nodes for source in node.all_input_nodes if self._position[source] < start}
+        nodes = [node for node in self.nodes[start:] if node in needed and node.op != "placeholder"]  # inputs: held
+        inside = set(nodes)
+        held = {source for node in nodes for source in node.all_input_nodes if source not in inside}
         changed = set().union(*(self._changes.get(node, set()) for node in nodes))
         last: dict[torch.fx.Node, torch.fx.Node] = {}
         for node in nodes:
@@ -184,7 +185,7 @@ class Replay:
                         self.exact = False
                     copied.update(storages)
                     value = _copy(value)
-                elif self._position[source] < plan.start:
+                else:
                     read_as_is[source] = _versions(value)
                 values[source] = value
             return values[source]
