@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -14,6 +13,7 @@ from .detectors import DetectorBase, DynamicStaticDetector, InputWeightEqualizat
 from .distributed import calibrated_across, group_of
 from .engine import EngineOptions
 from .engines import engine_named
+from .memory import WatchedCopy
 from .migration import observed_input_ranges
 from .report import ModelReport
 from .session import QuantizationSession
@@ -87,9 +87,10 @@ def analyze(
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     detectors = default_detectors(backend) if detectors is None else detectors
     chosen = engine_named(engine, EngineOptions(backend, qconfig_mapping, prepare_custom_config, quantizer, format))
-    # the session's own copy, made before anything runs: later edits to the caller's model do not
-    # leak into tuning, and the analysis prepares from the same copy
-    float_copy = copy.deepcopy(float_model).eval()
+    # the session's own modules around the caller's weights, shared (not held twice); weights changed in
+    # place later are refused with an error, not tuned (memory.WatchedCopy); the analysis prepares from it
+    watched = WatchedCopy(float_model)
+    float_copy = watched.model
     kept = [] if is_one_shot(calibration_data) else None  # a generator is kept for later tuning runs
     observed = chosen.observe(float_copy, example_inputs)
     report = ModelReport(observed.model, detectors, model_name=type(float_model).__name__, graph_of=observed.graph_of)
@@ -103,7 +104,7 @@ def analyze(
     data = kept if kept is not None else calibration_data
     try:
         session = QuantizationSession._adopt(
-            float_copy, chosen, example_inputs, data, eval_data, eval_fn, observed.modules, output_fn, group
+            watched, chosen, example_inputs, data, eval_data, eval_fn, observed.modules, output_fn, group
         )
     except ValueError as error:  # e.g. a calibration callable without eval_data: the analysis still stands
         report._attach_session(chosen, observed.modules, None, f"{type(error).__name__}: {error}")

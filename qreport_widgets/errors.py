@@ -68,6 +68,12 @@ class ModelReleasedError(QReportError, AttributeError):
     the pinned runs'); its measurements are all still there."""
 
 
+class FloatModelChangedError(QReportError, RuntimeError):
+    """The float model's weights were changed in place after ``analyze()`` or the session started:
+    the session shares them instead of holding a copy, so it can no longer tune the model it was
+    given."""
+
+
 class DistributedCalibrationError(QReportError, RuntimeError):
     """Calibration across a torch.distributed group failed on a rank, or the ranks' shards differ;
     raised on every rank of the group."""

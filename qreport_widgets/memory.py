@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import FloatModelChangedError
+
 # functools caches keyed by a module, in torch's FX quantization and in torchao's PT2E: every model
 # prepared or converted would stay alive, weights and all, for the life of the process (measured on
 # a ResNet-50: one baseline run and the simulation left six models' worth of weights held)
@@ -51,6 +53,46 @@ def shared_copy(model: nn.Module) -> nn.Module:
     """
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
     return copy.deepcopy(model, memo)
+
+
+class WatchedCopy:
+    """A shared copy of the user's float model (``shared_copy``: its own modules, the user's
+    weights) that notices when those weights are changed in place afterwards.
+
+    Holding a deep copy for the session would cost the model's size again for its whole life. The
+    weights are shared instead, and each one's version counter (every in-place write, an optimizer
+    step or a batch norm's running statistics in training mode, moves it) is checked whenever the
+    session reads the model: a changed weight raises ``FloatModelChangedError`` naming it, rather
+    than tuning a model that is no longer the one analyzed. Assigning a new tensor to the user's
+    module (``module.weight = ...``) leaves the copy as it was.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = shared_copy(model).eval()
+        self._versions = {name: tensor._version for name, tensor in _weights(self._model)}
+
+    @property
+    def model(self) -> nn.Module:
+        """The copy, after ``check()``."""
+        self.check()
+        return self._model
+
+    def check(self) -> None:
+        """Raises ``FloatModelChangedError`` if a weight was changed in place since the copy was made."""
+        changed = [name for name, tensor in _weights(self._model) if self._versions.get(name) != tensor._version]
+        if changed:
+            shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            raise FloatModelChangedError(
+                f"the float model's weights were changed in place after it was analyzed ({shown}); the session "
+                "shares them rather than holding a copy. Run analyze() again on the model as it is now, or, to "
+                "keep tuning the model as it was, analyze a copy of it (analyze(copy.deepcopy(model), ...)) "
+                "before changing it"
+            )
+
+
+def _weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from ((name, b) for name, b in model.named_buffers(remove_duplicate=False) if b is not None)
 
 
 class WeightPool:

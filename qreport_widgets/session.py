@@ -9,7 +9,6 @@ and never touched.
 
 from __future__ import annotations
 
-import copy
 import io
 import itertools
 import math
@@ -30,7 +29,7 @@ from .distributed import calibrated_across, group_of
 from .engine import Engine, EngineOptions, Simulation, Variant
 from .engines import engine_named
 from .errors import CalibrationError, InvalidSettingsError, ModelReleasedError, QReportWarning
-from .memory import WeightPool
+from .memory import WatchedCopy, WeightPool
 from .metrics import output_tensor, sqnr_db
 from .migration import Migration, find_migrations, input_producers, migrated
 from .mixed import SizeFront, fit, size_front
@@ -83,14 +82,14 @@ class QuantizationSession:
     ) -> None:
         if not isinstance(engine, Engine):
             engine = engine_named(engine or "fx", EngineOptions(backend, qconfig_mapping, prepare_custom_config))
-        self._start(copy.deepcopy(float_model).eval(), engine, example_inputs, calibration_data, eval_data, eval_fn, None)
+        self._start(WatchedCopy(float_model), engine, example_inputs, calibration_data, eval_data, eval_fn, None)
         self._output_fn = output_fn
         self._group = group_of(process_group)
 
     @classmethod
     def _adopt(
         cls,
-        float_copy: torch.nn.Module,
+        float_copy: WatchedCopy,
         engine: Engine,
         example_inputs: tuple[Any, ...],
         calibration_data: CalibrationData,
@@ -100,7 +99,7 @@ class QuantizationSession:
         output_fn: Callable[[Any], torch.Tensor] | None = None,
         group: Any = None,
     ) -> QuantizationSession:
-        """A session that owns ``float_copy`` (a private copy already) and knows the tunable modules
+        """A session that owns ``float_copy`` (a watched copy already) and knows the tunable modules
         from an earlier prepare with the starting configuration, as ``analyze()`` has them."""
         session = cls.__new__(cls)
         session._start(float_copy, engine, example_inputs, calibration_data, eval_data, eval_fn, modules)
@@ -109,7 +108,7 @@ class QuantizationSession:
         return session
 
     def _start(self, float_copy, engine, example_inputs, calibration_data, eval_data, eval_fn, modules) -> None:
-        self._float = float_copy
+        self._watched: WatchedCopy = float_copy  # the user's weights, shared; changed in place -> an error
         self.engine = engine
         self.example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         self.eval_fn = eval_fn
@@ -133,8 +132,13 @@ class QuantizationSession:
 
     @property
     def float_model(self) -> torch.nn.Module:
-        """The session's own float copy (read-only by convention; runs deep-copy it again)."""
-        return self._float
+        """The session's float model: its own modules around the user's weights, which it shares
+        (read-only; ``FloatModelChangedError`` once they were changed in place)."""
+        return self._watched.model
+
+    @property
+    def _float(self) -> torch.nn.Module:
+        return self._watched.model
 
     @property
     def modules(self) -> list[TunableModule]:
@@ -332,7 +336,9 @@ class QuantizationSession:
     # ---- diagnosis (diagnosis.py), on the simulation ------------------------------------------
     def simulation(self, progress: Progress | None = None) -> Simulation:
         """The starting configuration calibrated once, as a simulation in which modules can be kept
-        float without calibrating again (built on first use, then kept)."""
+        float without calibrating again (built on first use, then kept; it shares the float weights,
+        so it is refused like the float model once they were changed in place)."""
+        self._watched.check()
         if self._simulation is None:
             config = self.engine.base_config()
             prepared = self._prepare(self._float, config)
@@ -473,6 +479,7 @@ class QuantizationSession:
 
     def reference_outputs(self) -> list[torch.Tensor]:
         """The float model's outputs on the evaluation batches (computed once)."""
+        self._watched.check()
         if self._float_outputs is None:
             with torch.no_grad():
                 self._float_outputs = [self.output_of(call_with(self._float, b)) for b in self.eval_data]

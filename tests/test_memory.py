@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qreport_widgets as qw
-from qreport_widgets import ModelReleasedError, ModuleSettings, QuantizationSession
+from qreport_widgets import FloatModelChangedError, ModelReleasedError, ModuleSettings, QuantizationSession
 from qreport_widgets.digits import trained_digits_model
 
 
@@ -115,3 +115,24 @@ def test_folded_weights_are_held_once_and_no_run_writes_into_them():
     session.apply({m.fqn: ModuleSettings(keep_float=True) for m in session.modules[:1]})
     for (name, theirs), ours in zip(model.state_dict().items(), session.float_model.state_dict().values(), strict=True):
         assert torch.equal(theirs, ours), name
+
+
+def test_the_session_shares_the_callers_weights_and_refuses_them_once_changed_in_place():
+    """No second float copy: the session's float model is the caller's weights in its own modules;
+    a weight changed in place afterwards is named in a clear error, and assigning a new one is harmless."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    batches = [torch.randn(4, 8) for _ in range(3)]
+    report = qw.analyze(model, batches[0], batches, progress=False)
+    session = report.session
+    assert session.float_model is not model
+    assert [p.data_ptr() for p in session.float_model.parameters()] == [p.data_ptr() for p in model.parameters()]
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach() * 2)  # a new tensor: the session keeps the old one
+    assert session.baseline(progress=lambda done, total: None).ok
+    with torch.no_grad():
+        model[2].bias.add_(1.0)  # in place: the session's weight too
+    run = session.apply({"0": ModuleSettings(keep_float=True)}, progress=lambda done, total: None)
+    assert not run.ok and "FloatModelChangedError" in run.error and "changed in place after it was analyzed (2.bias)" in run.error
+    assert [run.label for run in session.history] == ["baseline"]  # nothing recorded, nothing lost
+    with pytest.raises(FloatModelChangedError, match=r"\(2\.bias\).*Run analyze\(\) again"):
+        session.sensitivity(progress=lambda done, total: None)
