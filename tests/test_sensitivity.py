@@ -224,3 +224,20 @@ def test_reach_tries_fewer_modules_only_where_the_simulation_is_within_its_error
     assert plan.near(1) and not plan.near(0)  # 0.3 dB short may still meet it for real; 2 dB short will not
     assert not plan.near(4)  # beyond the simulated curve
     assert not ReachPlan(20.0, 0.9, ["a"], 1, 20.3, True, [19.9, 20.3]).near(0)  # a metric has no known error
+
+
+def test_a_vit_layout_whose_reshapes_reuse_their_input_qparams_is_simulated():
+    """A transformer's reshapes and transposes read a float module's output with an observer that
+    reuses its input's qparams: no other qparams to calibrate there, and keeping each module float
+    is simulated as a real run measures it."""
+    from qreport_widgets.architectures import VitTiny
+
+    torch.manual_seed(0)
+    model = VitTiny(dim=64, depth=2, heads=2).eval()
+    batches = [torch.randn(2, 3, 224, 224) for _ in range(3)]
+    session = QuantizationSession(model, batches[0], batches)
+    table = session.sensitivity(progress=lambda done, total: None, metric=False)
+    assert len(table) >= 8 and table["simulated_output_sqnr_db"].notna().all()
+    best = table.index[0]
+    real = session.apply({best: ModuleSettings(keep_float=True)}, record=False, progress=lambda done, total: None)
+    assert abs(real.output_sqnr_db - table.loc[best, "simulated_output_sqnr_db"]) <= 0.6

@@ -23,7 +23,13 @@ from torch import nn
 from torch.ao.nn.intrinsic import _FusedModule
 from torch.ao.nn.quantized.reference.modules.utils import ReferenceQuantizedModule
 from torch.ao.quantization.fake_quantize import FakeQuantizeBase, FixedQParamsFakeQuantize
-from torch.ao.quantization.observer import FixedQParamsObserver, ObserverBase
+from torch.ao.quantization.observer import (
+    FixedQParamsObserver,
+    NoopObserver,
+    ObserverBase,
+    PlaceholderObserver,
+    ReuseInputObserver,
+)
 from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
 from ..calibration import call_with, torch_warnings_hidden
@@ -640,7 +646,7 @@ def qparams_after_float(
         qconfig = next((qconfigs.get(user.name) for user in node.users if qconfigs.get(user.name) is not None), None)
         if qconfig is not None and qconfig.activation is not None:
             theirs = qconfig.activation()
-            if _recipe(theirs) != _recipe(observer):
+            if _computes_qparams(theirs) and _recipe(theirs) != _recipe(observer):
                 other[node.args[0].name] = theirs
     if other:
 
@@ -677,6 +683,14 @@ def _observers_after(prepared: torch.fx.GraphModule) -> Iterator[tuple[str, nn.M
         observer = _observer_at(prepared, node)
         if observer is not None:
             yield node.args[0].name, observer
+
+
+def _computes_qparams(observer: nn.Module) -> bool:
+    """Whether the observer gives static integer qparams of its own (not one that reuses its input's,
+    marks a dynamic or float value, or observes nothing)."""
+    if isinstance(observer, (ReuseInputObserver, PlaceholderObserver, NoopObserver)):
+        return False
+    return getattr(observer, "dtype", None) in (torch.quint8, torch.qint8, torch.uint8, torch.int8)
 
 
 def _recipe(observer: nn.Module) -> tuple[Any, ...]:
