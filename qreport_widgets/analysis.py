@@ -35,6 +35,10 @@ class GraphSummary:
     layer_types: Mapping[str, int]
     skipped: Mapping[str, str]
     kind: str = "graph"  # "modules": the leaf modules of a model run eagerly, in call order (no graph)
+    # the dataflow between units (ModelGraph.dataflow): where outputs of several units meet, and
+    # (from, to) edges; empty for report files written before it was recorded
+    joins: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    edges: tuple[tuple[str, str], ...] = ()
 
     def op_counts(self) -> dict[str, int]:
         return dict(self.ops)

@@ -103,6 +103,15 @@ class Diagnosis:
         self._sensitivity: dict[bool, pd.DataFrame] = {}  # with and without the metric
         self._tradeoff: pd.DataFrame | None = None
 
+    def computed(self) -> dict[str, pd.DataFrame]:
+        """What was computed so far, nothing more: ``sensitivity`` and ``tradeoff`` where asked for."""
+        found = {}
+        if self._sensitivity:
+            found["sensitivity"] = self._sensitivity.get(True, next(iter(self._sensitivity.values()))).copy()
+        if self._tradeoff is not None:
+            found["tradeoff"] = self._tradeoff.copy()
+        return found
+
     def simulate(self, float_modules: Variant | Iterable[str] = ()) -> tuple[float, float | None]:
         """Simulated output SQNR (dB) and ``eval_fn`` metric with ``float_modules`` kept float (or in a Variant)."""
         simulation, eval_fn = self.host.simulation(), self.host.eval_fn

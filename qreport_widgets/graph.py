@@ -135,6 +135,54 @@ class ModelGraph:
             counts[unit.type_name] = counts.get(unit.type_name, 0) + 1
         return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
+    def dataflow(self) -> tuple[dict[str, tuple[str, str]], list[tuple[str, str]]]:
+        """Which unit's output reaches which: ``(joins, edges)``.
+
+        Ops outside the units are looked through (observers, reshapes, activations called as
+        functions), except where two or more units' outputs meet (an ``add`` closing a residual, a
+        ``cat``): such a join is a node of its own, named ``<node name>``, with its op and the module
+        whose forward ran it (``joins``: id -> (op, parent module)). Edges are (from, to) pairs of
+        unit names and join ids in forward order. A model run eagerly has edges where a leaf module
+        reads another's output; a leaf that reads a tensor made outside any module follows the leaf
+        called before it.
+        """
+        owner: dict[torch.fx.Node, str] = {}
+        for node in self.model.graph.nodes:
+            name = str(node.target) if node.op == "call_module" else leaf_module_name(node)
+            if name is not None and name in self.units:
+                owner[node] = name
+        joins: dict[str, tuple[str, str]] = {}
+        edges: dict[tuple[str, str], None] = {}
+        reaching: dict[torch.fx.Node, frozenset[str]] = {}
+        previous: str | None = None
+        for node in self.model.graph.nodes:
+            if node.op in ("placeholder", "get_attr", "output"):
+                reaching[node] = frozenset()
+                continue
+            incoming = frozenset().union(*(reaching.get(a, frozenset()) for a in node.all_input_nodes))
+            here = owner.get(node)
+            if here is None and len(incoming) > 1 and not self._is_observer_call(node):
+                here = f"<{node.name}>"
+                joins[here] = (_op_name(node), _parent_module(node, incoming))
+            if here is None:
+                reaching[node] = incoming
+                continue
+            sources = incoming - {here}
+            if not sources and self.kind == "modules" and previous is not None and previous != here and here not in joins:
+                sources = frozenset({previous})
+            for source in sorted(sources, key=self._position):
+                edges[(source, here)] = None
+            reaching[node] = frozenset({here})
+            previous = here if here in self.units else previous
+        return joins, list(edges)
+
+    def _position(self, name: str) -> int:
+        unit = self.units.get(name)
+        return unit.order if unit is not None else -1
+
+    def _is_observer_call(self, node: torch.fx.Node) -> bool:
+        return node.op == "call_module" and _is_instrumentation_target(self.modules, str(node.target))
+
     def input_node(self, unit: Unit) -> torch.fx.Node | None:
         """The tensor a unit reads first, looking through the observers prepare_fx inserted."""
         if unit.input is not None:
@@ -196,6 +244,28 @@ def leaf_module_name(node: torch.fx.Node) -> str | None:
     if not stack:
         return None
     return str(list(stack.values())[-1][0]).split("@")[0]
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    """``add`` for ``operator.add``, ``aten.add.Tensor`` and a ``.add`` method call alike."""
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    return str(name).split(".")[0].strip("_") or str(name)
+
+
+def _parent_module(node: torch.fx.Node, sources: frozenset[str]) -> str:
+    """The module whose forward ran ``node``: its recorded module stack, else the deepest module
+    every source lies in ("" for the model itself)."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return str(list(stack.values())[-1][0]).split("@")[0]
+    parts = [s.split(".")[:-1] for s in sources if not s.startswith("<")]
+    common: list[str] = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
 
 
 def _is_instrumentation_target(modules: dict[str, nn.Module], target: str) -> bool:

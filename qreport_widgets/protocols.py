@@ -118,6 +118,8 @@ class TuningSession(Protocol):
 
     def uniform_points(self, progress: Callable[[int, int | None], None] | None = None) -> pd.DataFrame: ...
 
+    def computed(self) -> dict[str, pd.DataFrame]: ...
+
     def plan_reach(
         self,
         target_sqnr_db: float | None = None,

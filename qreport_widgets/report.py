@@ -351,7 +351,10 @@ class ModelReport:
 
 
 def _summary(graph: ModelGraph) -> GraphSummary:
+    joins, edges = graph.dataflow()
     return GraphSummary(
+        joins=MappingProxyType(joins),
+        edges=tuple(edges),
         units=MappingProxyType({fqn: unit.type_name for fqn, unit in graph.units.items()}),
         ops=MappingProxyType(graph.op_counts()),
         layer_types=MappingProxyType(graph.layer_type_counts()),

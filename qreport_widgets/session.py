@@ -460,6 +460,14 @@ class QuantizationSession:
             raise ValueError("fit() needs max_size_bytes, target_sqnr_db, target_metric or a combination")
         return self._recorded(fit(self, self._size_front(progress), max_size_bytes, target_sqnr_db, target_metric, progress))
 
+    def computed(self) -> dict[str, pd.DataFrame]:
+        """The diagnoses computed so far, without computing any: ``sensitivity``, ``tradeoff`` and
+        ``size_front`` (the ``pareto()`` table), where they were asked for (the HTML export shows them)."""
+        found = self._diagnosis.computed()
+        if self._front is not None:
+            found["size_front"] = self._front.points.copy()
+        return found
+
     def _recorded(self, result: RunResult) -> RunResult:
         """``result``, a copy of a run in the history with notes added, in that run's place."""
         for i, run in enumerate(self.history):

@@ -83,6 +83,8 @@ def save_analysis(analysis: Analysis, path: str | Path) -> Path:
             "layer_type_counts": dict(graph.layer_types),
             "skipped": dict(graph.skipped),
             "kind": graph.kind,
+            "joins": {name: list(op_parent) for name, op_parent in graph.joins.items()},
+            "edges": [list(edge) for edge in graph.edges],
         },  # fmt: skip
         "results": [_encode_result(result, f"r{i}", arrays) for i, result in enumerate(analysis.results.values())],
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -250,6 +252,9 @@ def _check_fields(content: Any) -> None:
     for name in ("units", "op_counts", "layer_type_counts", "skipped"):
         if not isinstance(graph.get(name), dict):
             raise ReportFileError(f"graph.{name} is missing")
+    pairs = [*graph.get("joins", {}).values(), *graph.get("edges", [])]
+    if not isinstance(graph.get("joins", {}), dict) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+        raise ReportFileError("graph.joins and graph.edges must hold pairs")
 
 
 def _decode(content: Mapping[str, Any], arrays: Mapping[str, np.ndarray], path: Path) -> SavedReport:
@@ -271,6 +276,8 @@ def _decode(content: Mapping[str, Any], arrays: Mapping[str, np.ndarray], path: 
             layer_types=MappingProxyType({str(k): int(v) for k, v in graph["layer_type_counts"].items()}),
             skipped=MappingProxyType({str(k): str(v) for k, v in graph["skipped"].items()}),
             kind=str(graph.get("kind", "graph")),  # files written before the eager engine have none
+            joins=MappingProxyType({str(k): (str(v[0]), str(v[1])) for k, v in graph.get("joins", {}).items()}),
+            edges=tuple((str(a), str(b)) for a, b in graph.get("edges", [])),  # none before the Graph tab
         ),
         batches=content["calibration_batches"],
         saved_at=content["saved_at"],

@@ -84,8 +84,8 @@ def test_visualizer_and_widget_from_a_loaded_report(report, saved):
     widget.controls.view.value = "Histogram"
     assert widget.views.histogram.bars.y.sum() == 32
     assert "analyze(" in widget.tuning.status.value and widget.tuning.apply.disabled
-    assert "call_module" in widget.tabs.children[2].value
-    assert len(widget.tabs.children[3].children) == 4
+    assert "call_module" in widget.tabs.children[3].value
+    assert len(widget.tabs.children[4].children) == 4
 
 
 def test_report_without_analyze_round_trips(tmp_path):

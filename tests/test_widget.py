@@ -28,9 +28,9 @@ def test_header_and_model_overview(report):
     widget = report.widget()
     assert "DemoNet" in widget.header.value and "4 detectors" in widget.header.value
     assert "4 calibration batches" in widget.header.value and "dynamic" in widget.header.value
-    model_tab = widget.tabs.children[2].value
+    model_tab = widget.tabs.children[3].value
     assert "call_module" in model_tab and "ConvReLU2d" in model_tab and "Linear" in model_tab
-    assert len(widget.tabs.children[3].children) == 4
+    assert len(widget.tabs.children[4].children) == 4
 
 
 def test_module_dropdown_lists_modules_in_forward_order(report):

@@ -1,4 +1,4 @@
-"""ReportWidget: the report as one ipywidget (header, Explore / Tune / Model / Reports tabs)."""
+"""ReportWidget: the report as one ipywidget (header, Explore / Tune / Graph / Model / Reports tabs)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import pandas as pd
 
 from ..protocols import ReportSource, TuningSession
 from .controls import ExploreControls
+from .graph_view import GraphPane
 from .tuning import TuningPanel
 from .views import ExploreViews, ModuleCard
+
+TABS = ("Explore", "Tune", "Graph", "Model", "Reports")
 
 
 class ReportWidget(w.VBox):
@@ -40,16 +43,29 @@ class ReportWidget(w.VBox):
         # the card goes under the figure when the tab is too narrow for both side by side
         explore = w.VBox([self.controls, w.HBox([self.views, self.card], layout={"width": "100%", "flex_flow": "row wrap"})])
         self.tuning = TuningPanel(source, session, unavailable=tuning_unavailable, error=tuning_error)
-        self.tabs = w.Tab(children=[explore, self.tuning, w.HTML(self._model_html()), self._reports_accordion()])
-        for i, title in enumerate(("Explore", "Tune", "Model", "Reports")):
-            self.tabs.set_title(i, title)
+        self.graph = GraphPane(source, session, on_pick=self._on_graph_pick, hidden=True)
+        panes = [explore, self.tuning, self.graph, w.HTML(self._model_html()), self._reports_accordion()]
+        self.tabs = w.Tab(children=panes, titles=TABS)
         super().__init__([self.header, self.tabs])
         self.controls.observe(self._on_selection_change, names="selection")
+        self.tabs.observe(self._on_tab_change, names="selected_index")
         self._refresh()
 
     # ---- handlers ------------------------------------------------------------------------------
     def _on_selection_change(self, change: dict) -> None:
         self._refresh()
+
+    def _on_tab_change(self, change: dict) -> None:
+        if change["new"] == TABS.index("Graph"):
+            self.graph.show()  # runs made and sensitivity computed since it was last shown
+
+    def _on_graph_pick(self, fqn: str) -> str:
+        """A module clicked in the Graph tab: selected in Explore, first among the Tune rows."""
+        said = []
+        said.append("Selected in Explore." if self.controls.show_module(fqn) else "No detector measured it (Explore).")
+        if self.tuning.rows:
+            said.append("First in the Tune rows." if self.tuning.focus(fqn) else "Not among the modules tuned.")
+        return " ".join(said)
 
     def _refresh(self) -> None:
         selection = self.controls.selection

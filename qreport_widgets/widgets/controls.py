@@ -169,6 +169,15 @@ class ExploreControls(w.HBox):
             raise traitlets.TraitError(f"{selection.module or 'all modules'} has no feature {selection.feature!r} to show")
         return selection
 
+    def show_module(self, fqn: str) -> bool:
+        """Select ``fqn`` (clearing a Find text that hides it); False when no detector measured it."""
+        if fqn not in measured_modules(self.frame):
+            return False
+        if fqn not in [value for _, value in self.module.options]:
+            self.prefix.value = ""
+        self.module.value = fqn
+        return True
+
     def _on_module_change(self, _change: dict) -> None:
         with self.hold_trait_notifications():  # the feature list follows; listeners see the end state only
             self._offer_features()

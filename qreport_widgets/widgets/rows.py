@@ -91,6 +91,12 @@ class SettingsRow(w.VBox):
         self._reasons, self.suggested = reasons, suggested
         self._render_why()
 
+    def mark(self, picked: bool) -> None:
+        """Highlight the module's name (picked in the Graph tab) or not."""
+        name = f"<b>{html.escape(self.fqn)}</b> <span style='color:#666'>{html.escape(self.module.type_name)}</span>"
+        self._name = f"<span style='background:#fff3b0;padding:0 3px'>▶ {name}</span>" if picked else name
+        self._render_why()
+
     def matches(self, text: str) -> bool:
         """Whether ``text`` is part of the module's name or type (case ignored)."""
         return text.lower() in self._search

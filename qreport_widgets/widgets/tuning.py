@@ -190,6 +190,26 @@ class TuningPanel(w.VBox):
         self._order = list(order)
         self._refresh_rows()
 
+    def focus(self, fqn: str) -> bool:
+        """Put ``fqn``'s row first among the rows shown, highlighted, widening the filters that hide
+        it; False when the module has no row (the session does not tune it)."""
+        row = self.rows.get(fqn)
+        if row is None:
+            return False
+        with self.hold_sync():
+            if self.filter.value.strip() and not row.matches(self.filter.value.strip()):
+                self.filter.value = ""
+            if self.only_suggested.value and not row.suggested:
+                self.only_suggested.value = False
+            if not row.module.weighted:
+                self.all_ops.value = True
+            for other in self.rows.values():
+                if other is not row and other._name.startswith("<span style='background"):
+                    other.mark(False)
+            row.mark(True)
+            self._order_rows([fqn, *[name for name in self._order if name != fqn]])
+        return True
+
     def _visible_rows(self) -> list[SettingsRow]:
         ranked = [self.rows[name] for name in self._order if name in self.rows]
         ordered = ranked + [row for name, row in self.rows.items() if name not in set(self._order)]
