@@ -1,6 +1,7 @@
 """Cost of one interaction in the kernel: time and bytes sent. A module dropdown change to a
 4096-channel module; and on a model of 250 modules (50 transformer MLP blocks, 100 Tune rows) the
-Explore module dropdown, the Tune filter (typed, then cleared) and the "with a suggestion" toggle.
+Explore module dropdown, the Tune filter (typed, then cleared), the "with a suggestion" toggle, and
+the Graph tab: first shown (layout and figure), coloured by another number, a folded module opened.
 
 Messages are counted by a comm that records what ipywidgets would send to the browser
 (JSON state plus binary buffers), so no browser is needed.
@@ -20,6 +21,7 @@ from common import median, setup
 from torch import nn
 
 from qreport_widgets import analyze
+from qreport_widgets.graph_layout import NODE_LIMIT
 
 WIDE = 4096
 
@@ -89,6 +91,24 @@ def measure_large(repeats: int = 5) -> dict[str, object]:
         "rows": len(tuning.rows),
         "first_state_s": first_state,
     }
+    start = time.perf_counter()
+    widget.tabs.selected_index = 2  # the Graph tab, first shown: the layout, the figure, its colours
+    found["graph_first_s"] = time.perf_counter() - start
+    graph = widget.graph
+    found["graph_units"] = len(report.analysis().graph.units)
+    found["graph_nodes"] = len(graph.layout_.shown)
+    graph.limit = 10_000  # every node drawn, nothing folded: the largest layout
+    start = time.perf_counter()
+    graph.fold()
+    found["graph_unfolded_s"] = time.perf_counter() - start
+    found["graph_unfolded_nodes"] = len(graph.layout_.shown)
+    graph.limit = NODE_LIMIT
+    graph.fold()
+    folded = next((n.id for n in graph.layout_.shown if n.kind == "folded"), None)
+    options = list(graph.colour_by.options)
+    actions["Graph colour by another number"] = [lambda o=o: setattr(graph.colour_by, "value", o) for o in options[:2]]
+    if folded is not None:
+        actions["Graph click on a folded module / fold again"] = [lambda: graph.pick(folded), graph.fold]
     for name, steps in actions.items():
         times, sizes = [], []
         for _ in range(repeats):
@@ -111,6 +131,10 @@ def main() -> None:
     )
     large = measure_large()
     print(f"{large['modules']} modules, {large['rows']} Tune rows: widget built in {large['first_state_s']:.2f} s")
+    print(
+        f"  Graph tab first shown ({large['graph_units']} observed modules, {large['graph_nodes']} nodes drawn): "
+        f"{large['graph_first_s']:.3f} s; unfolded ({large['graph_unfolded_nodes']} nodes) {large['graph_unfolded_s']:.3f} s"
+    )
     for name, value in large.items():
         if isinstance(value, tuple):
             print(f"  {name}: {value[0]:.1f} ms in the kernel (median), {value[1]:.1f} KB sent (largest)")

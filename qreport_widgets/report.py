@@ -287,6 +287,14 @@ class ModelReport:
             "qreport_widgets.analyze(model, example_inputs, calibration_data).",
         )
 
+    def save_html(self, path: str | Path, runs: bool = True) -> Path:
+        """The report as one self-contained HTML file that opens offline, with no kernel: the
+        detectors' reports and suggestions, the flagged modules' figures, the graph and, with
+        ``runs`` and a session, every run, the diagnoses computed so far and the settings as code."""
+        from .widgets.html_export import write_html
+
+        return write_html(self.analysis(), path, self._session if runs else None)
+
     def text_reports(self) -> dict[str, str]:
         """Each detector's text report of the last generated report."""
         return self.analysis().text_reports()

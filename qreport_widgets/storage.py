@@ -56,6 +56,13 @@ class SavedReport(Analysis):
     def save(self, path: str | Path) -> Path:
         return save_analysis(self, path)
 
+    def save_html(self, path: str | Path, runs: bool = True) -> Path:
+        """This report as one self-contained HTML file that opens offline (a report file holds no
+        runs: ``runs`` is accepted for the same call as ``ModelReport.save_html``)."""
+        from .widgets.html_export import write_html
+
+        return write_html(self, path)
+
     def widget(self) -> Any:
         from .widgets import ReportWidget
 

@@ -10,6 +10,7 @@ import pandas as pd
 from ..protocols import ReportSource, TuningSession
 from .controls import ExploreControls
 from .graph_view import GraphPane
+from .tune_controller import error_html
 from .tuning import TuningPanel
 from .views import ExploreViews, ModuleCard
 
@@ -46,7 +47,18 @@ class ReportWidget(w.VBox):
         self.graph = GraphPane(source, session, on_pick=self._on_graph_pick, hidden=True)
         panes = [explore, self.tuning, self.graph, w.HTML(self._model_html()), self._reports_accordion()]
         self.tabs = w.Tab(children=panes, titles=TABS)
-        super().__init__([self.header, self.tabs])
+        self.session = session
+        name = "".join(c if c.isalnum() or c in "-_" else "_" for c in source.model_name) or "model"
+        self.export_path = w.Text(value=f"{name}-qreport.html", layout={"width": "260px", "flex": "0 0 auto"},
+                                  tooltip="where the HTML report is written (relative to the notebook's folder)")  # fmt: skip
+        self.export = w.Button(description="Export HTML", icon="download", layout={"width": "130px", "flex": "0 0 auto"},
+                               tooltip="one HTML file that opens in any browser, offline, with no Python: the report, "
+                               "its figures, the graph, the runs and the settings as code")  # fmt: skip
+        self.exported = w.HTML()
+        bar = w.HBox([self.header, self.export_path, self.export, self.exported],
+                     layout={"align_items": "center", "flex_flow": "row wrap"})  # fmt: skip
+        super().__init__([bar, self.tabs])
+        self.export.on_click(self._on_export_click)
         self.controls.observe(self._on_selection_change, names="selection")
         self.tabs.observe(self._on_tab_change, names="selected_index")
         self._refresh()
@@ -54,6 +66,20 @@ class ReportWidget(w.VBox):
     # ---- handlers ------------------------------------------------------------------------------
     def _on_selection_change(self, change: dict) -> None:
         self._refresh()
+
+    def _on_export_click(self, _button: w.Button) -> None:
+        from .html_export import page_size, write_html
+
+        self.export.disabled = True
+        self.exported.value = "<i>writing…</i>"
+        try:
+            path = write_html(self.source, self.export_path.value.strip(), self.session)
+        except Exception as error:  # shown where the user clicked; the widget stays as it was
+            self.exported.value = error_html(f"Export failed: {type(error).__name__}: {error}", block=False)
+        else:
+            self.exported.value = f"Wrote <code>{html.escape(str(path))}</code> ({page_size(path)})"
+        finally:
+            self.export.disabled = False
 
     def _on_tab_change(self, change: dict) -> None:
         if change["new"] == TABS.index("Graph"):

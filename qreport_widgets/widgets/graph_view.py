@@ -24,7 +24,7 @@ from ..protocols import ReportSource, TuningSession
 
 GOOD, MIDDLE, BAD = "#1a9850", "#fee08b", "#d73027"
 NO_VALUE, JOIN = "#d9d9d9", "#ffffff"
-LAYER_PX, NODE_PX, MARGIN = 40, 100, {"top": 50, "bottom": 20, "left": 20, "right": 20}
+LAYER_PX, NODE_PX, NODE_WIDTH, MARGIN = 40, 100, 92, {"top": 50, "bottom": 20, "left": 20, "right": 20}
 NO_COLOUR = "nothing (module type in the tooltip)"
 LOG_DECADES = 2.0
 
@@ -114,7 +114,7 @@ class GraphPane(w.VBox):
         self.key = w.HTML()
         self.picked = w.HTML()
         self.scale = bq.ColorScale(colors=[BAD, MIDDLE, GOOD], min=0.0, max=1.0)
-        self.colour_axis = bq.ColorAxis(scale=self.scale, side="top", orientation="horizontal", label="",
+        self.colour_axis = bq.ColorAxis(scale=self.scale, side="top", label="",
                                         num_ticks=5, tick_format=".3g")  # fmt: skip
         x, y = bq.LinearScale(), bq.LinearScale(reverse=True)
         tooltip = bq.Tooltip(fields=["name", "type", "shown"], labels=["module", "type", "value"])
@@ -203,11 +203,13 @@ class GraphPane(w.VBox):
         ys = np.array([n.y for n in laid.nodes], dtype=np.float64)
         low = float(xs.min()) if len(xs) else 0.0
         high = float(xs.max()) if len(xs) else 1.0
-        across = max(high - low, 1.0)
-        height = max(laid.layers, 2) * LAYER_PX + MARGIN["top"] + MARGIN["bottom"]
-        width = int((across + 1) * NODE_PX) + MARGIN["left"] + MARGIN["right"]
+        across = high - low
+        # bqplot keeps half a node's width free on every side of the graph (its view padding)
+        inset = 2 * (NODE_WIDTH // 2 + 1)
+        height = max(laid.layers, 2) * LAYER_PX + MARGIN["top"] + MARGIN["bottom"] + inset
+        width = int((across + 1) * NODE_PX) + MARGIN["left"] + MARGIN["right"] + inset
         with self.hold_sync(), self.mark.hold_sync():
-            self.mark.scales["x"].min, self.mark.scales["x"].max = low - 0.5, low + across + 0.5
+            self.mark.scales["x"].min, self.mark.scales["x"].max = low - 0.5, high + 0.5
             self.mark.scales["y"].min, self.mark.scales["y"].max = -0.5, max(laid.layers, 2) - 0.5
             self.mark.selected = None
             self.mark.node_data = nodes
@@ -224,7 +226,12 @@ class GraphPane(w.VBox):
             return {"label": node.type[:5], "shape": "circle", "shape_attrs": {"r": 11}, "name": node.id,
                     "type": f"{node.type} (outputs meet)", "shown": ""}  # fmt: skip
         label = node.label if len(node.label) <= 14 else "…" + node.label[-13:]
-        shape = {"width": 92, "height": 22, "rx": 11 if node.kind == "folded" else 3, "ry": 11 if node.kind == "folded" else 3}
+        shape = {
+            "width": NODE_WIDTH,
+            "height": 22,
+            "rx": 11 if node.kind == "folded" else 3,
+            "ry": 11 if node.kind == "folded" else 3,
+        }
         return {"label": label, "shape": "rect", "shape_attrs": shape, "name": node.id, "type": node.type, "shown": ""}
 
     def _colour(self) -> None:
