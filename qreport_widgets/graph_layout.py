@@ -34,7 +34,7 @@ class LaidNode:
     @property
     def label(self) -> str:
         if self.kind == "folded":
-            return f"{self.id} +{len(self.members)}"
+            return f"▸ {self.id} ({len(self.members)})"
         if self.kind == "join":
             return self.type
         parts = self.id.split(".")

@@ -30,3 +30,4 @@ def test_readme_snippets_run_as_written(order, tmp_path, monkeypatch):
     assert "report" in namespace
     if 3 in order:
         assert (tmp_path / "demo.qreport").exists()
+        assert "widget-view+json" in (tmp_path / "demo.html").read_text()

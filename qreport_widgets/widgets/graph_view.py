@@ -24,7 +24,7 @@ from ..protocols import ReportSource, TuningSession
 
 GOOD, MIDDLE, BAD = "#1a9850", "#fee08b", "#d73027"
 NO_VALUE, JOIN = "#d9d9d9", "#ffffff"
-LAYER_PX, NODE_PX, NODE_WIDTH, MARGIN = 40, 100, 92, {"top": 50, "bottom": 20, "left": 20, "right": 20}
+LAYER_PX, NODE_PX, NODE_WIDTH, MARGIN = 40, 118, 106, {"top": 50, "bottom": 20, "left": 20, "right": 20}
 NO_COLOUR = "nothing (module type in the tooltip)"
 LOG_DECADES = 2.0
 
@@ -103,8 +103,10 @@ class GraphPane(w.VBox):
     """The Graph tab. ``on_pick(module)`` is called when a module's node is clicked."""
 
     def __init__(self, source: ReportSource, session: TuningSession | None = None,
-                 on_pick: Callable[[str], str] | None = None, limit: int = NODE_LIMIT, hidden: bool = False) -> None:  # fmt: skip
+                 on_pick: Callable[[str], str] | None = None, limit: int = NODE_LIMIT, hidden: bool = False,
+                 clickable: bool = True) -> None:  # fmt: skip
         self.source, self.session, self.on_pick, self.limit = source, session, on_pick, limit
+        self.clickable = clickable  # False in a page with no kernel behind it (the HTML export)
         self.expanded: set[str] = set()
         self.metrics: dict[str, Metric] = {}
         self.colour_by = w.Dropdown(description="Colour by", layout={"width": "430px"}, style={"description_width": "70px"})
@@ -130,10 +132,15 @@ class GraphPane(w.VBox):
         # a figure laid out in a hidden tab has no size: it joins when the tab is first shown
         self.canvas = w.Box([] if hidden else [self.figure], layout={"max_height": "640px", "overflow": "auto", "width": "100%"})
         self.layout_: GraphLayout | None = None
+        self._nodes: list[dict] = []  # each node's drawing, before the numbers
+        self._links: list[dict] = []
+        self._sent = 0
+        self._refreshing = False
+        self._chosen = False  # the user picked a number: a new run does not take its place
         super().__init__([w.HBox([self.colour_by, self.fold_all], layout={"align_items": "center"}), self.folding, self.key,
                           self.canvas, self.picked])  # fmt: skip
         self.refresh()
-        self.colour_by.observe(lambda _change: self._colour(), "value")
+        self.colour_by.observe(self._on_colour_change, "value")
         self.mark.observe(self._on_selected, "selected")
         self.fold_all.on_click(lambda _button: self.fold())
 
@@ -142,10 +149,14 @@ class GraphPane(w.VBox):
         """Offer the numbers there are now (a new run, sensitivity computed), keeping the choice."""
         self.metrics = graph_metrics(self.source, self.session)
         options = [*self.metrics, NO_COLOUR]
-        keep = self.colour_by.value if self.colour_by.value in options else options[0]
-        with self.hold_sync():
-            self.colour_by.options = options
-            self.colour_by.value = keep
+        keep = self.colour_by.value if self._chosen and self.colour_by.value in options else options[0]
+        self._refreshing = True
+        try:
+            with self.hold_sync():
+                self.colour_by.options = options
+                self.colour_by.value = keep
+        finally:
+            self._refreshing = False
         if self.layout_ is None:
             self._draw()
         else:
@@ -192,7 +203,8 @@ class GraphPane(w.VBox):
         folded = [n for n in shown if n.kind == "folded"]
         parts = [f"{len(shown)} nodes in {laid.layers} layers"]
         if folded:
-            parts.append(f"{len(folded)} modules folded to stay under {self.limit} nodes: click one to open it")
+            how = "click one to open it" if self.clickable else "the notebook's Graph tab opens them"
+            parts.append(f"{len(folded)} modules folded to stay under {self.limit} nodes: {how}")
         if laid.note:
             parts.append(laid.note)
         self.folding.value = "<span style='color:#555'>" + "; ".join(html.escape(p) for p in parts) + "</span>"
@@ -212,12 +224,11 @@ class GraphPane(w.VBox):
             self.mark.scales["x"].min, self.mark.scales["x"].max = low - 0.5, high + 0.5
             self.mark.scales["y"].min, self.mark.scales["y"].max = -0.5, max(laid.layers, 2) - 0.5
             self.mark.selected = None
-            self.mark.node_data = nodes
-            self.mark.link_data = links
+            self._nodes, self._links = nodes, links
             self.mark.x, self.mark.y = xs, ys
             self.figure.layout.height = f"{height}px"
             self.figure.layout.min_width = f"{width}px"
-        self._colour()
+            self._colour()
 
     def _node_data(self, node: LaidNode) -> dict:
         if node.kind == "waypoint":
@@ -225,7 +236,7 @@ class GraphPane(w.VBox):
         if node.kind == "join":
             return {"label": node.type[:5], "shape": "circle", "shape_attrs": {"r": 11}, "name": node.id,
                     "type": f"{node.type} (outputs meet)", "shown": ""}  # fmt: skip
-        label = node.label if len(node.label) <= 14 else "…" + node.label[-13:]
+        label = node.label if len(node.label) <= 16 else "…" + node.label[-15:]
         shape = {
             "width": NODE_WIDTH,
             "height": 22,
@@ -254,13 +265,17 @@ class GraphPane(w.VBox):
             else:
                 colours.append(colour_of(value, low, high, metric.lower_is_worse))
         data = []
-        for node, item, value in zip(laid.nodes, self.mark.node_data, values, strict=True):
+        for node, item, value in zip(laid.nodes, self._nodes, values, strict=True):
             shown = metric.text(value) if metric is not None and node.kind in ("unit", "folded") else ""
             if node.kind == "folded":
                 shown = f"{shown} (worst of {len(node.members)})" if metric is not None else f"{len(node.members)} parts"
             data.append({**item, "shown": shown})
         with self.hold_sync(), self.mark.hold_sync():
             self.mark.node_data = data
+            # the links go with every new node list, as new objects: bqplot resolves a link's ends to
+            # the node objects of the list it came with, and kept links would point at the old ones
+            self._sent += 1
+            self.mark.link_data = [{**link, "sent": self._sent} for link in self._links]
             self.mark.colors = colours
             self.scale.min, self.scale.max = (low, high) if high > low else (low - 0.5, low + 0.5)
             self.scale.colors = [BAD, MIDDLE, GOOD] if (metric is None or metric.lower_is_worse) else [GOOD, MIDDLE, BAD]
@@ -278,6 +293,11 @@ class GraphPane(w.VBox):
                 f"({measured} of {len(laid.shown)} nodes have one); white circles: where outputs meet "
                 "(add, cat)</span>"
             )
+
+    def _on_colour_change(self, _change: dict) -> None:
+        if not self._refreshing:
+            self._chosen = True
+            self._colour()
 
     def _on_selected(self, change: dict) -> None:
         selected, laid = change["new"], self.layout_

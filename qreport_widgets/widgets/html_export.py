@@ -152,7 +152,7 @@ class _Page:
         )
 
     def _graph(self) -> str:
-        pane = GraphPane(self.source, self.session)
+        pane = GraphPane(self.source, self.session, clickable=False)
         return (
             "<h2>Graph</h2>"
             f"<div class='muted'>{pane.folding.value}. {pane.key.value}. "
