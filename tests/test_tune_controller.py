@@ -142,6 +142,9 @@ class FakeSession:
         return pd.DataFrame({"size_bytes": [1000], "simulated_output_sqnr_db": [20.0], "formats": ["3 int8"],
                              "settings": [{}]}, index=pd.Index(["baseline"], name="choice"))  # fmt: skip
 
+    def computed(self) -> dict[str, pd.DataFrame]:
+        return {}  # the fake keeps no diagnosis
+
     def plan_reach(self, target_sqnr_db=None, target_metric=None, *, progress=None) -> ReachPlan:
         curve = [20.0, 22.0, 23.0, 23.1]
         count = next((i for i, db in enumerate(curve) if db >= target_sqnr_db), None)
