@@ -10,6 +10,7 @@ deepest module names up, until it fits; a folded module named in ``expanded`` sh
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,19 @@ class GraphLayout:
     @property
     def shown(self) -> list[LaidNode]:
         return [node for node in self.nodes if node.kind != "waypoint"]
+
+    def labels(self) -> list[str]:
+        """Each node's label, a module's made longer (more of its name) where two would read alike."""
+        found = [node.label for node in self.nodes]
+        for _ in range(max((n.id.count(".") for n in self.nodes), default=0)):
+            counts = Counter(label for label, node in zip(found, self.nodes, strict=True) if node.kind == "unit")
+            alike = [i for i, node in enumerate(self.nodes) if node.kind == "unit" and counts[found[i]] > 1]
+            if not alike:
+                break
+            for i in alike:
+                parts = self.nodes[i].id.split(".")
+                found[i] = ".".join(parts[-(found[i].count(".") + 2) :])
+        return found
 
     @property
     def layers(self) -> int:

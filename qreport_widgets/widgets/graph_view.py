@@ -128,7 +128,7 @@ class GraphPane(w.VBox):
                                       default_size=0, visible=False)  # fmt: skip
         self.figure = bq.Figure(marks=[self.mark, self.legend_mark], axes=[self.colour_axis], fig_margin=MARGIN,
                                 layout={"width": "100%", "height": "400px"}, min_aspect_ratio=0.01, max_aspect_ratio=100,
-                                padding_x=0.0, padding_y=0.0)  # fmt: skip
+                                padding_x=0.0, padding_y=0.0, display_toolbar=False)  # fmt: skip
         # a figure laid out in a hidden tab has no size: it joins when the tab is first shown
         self.canvas = w.Box([] if hidden else [self.figure], layout={"max_height": "640px", "overflow": "auto", "width": "100%"})
         self.layout_: GraphLayout | None = None
@@ -209,7 +209,7 @@ class GraphPane(w.VBox):
             parts.append(laid.note)
         self.folding.value = "<span style='color:#555'>" + "; ".join(html.escape(p) for p in parts) + "</span>"
         self.fold_all.layout.display = "" if self.expanded else "none"
-        nodes = [self._node_data(n) for n in laid.nodes]
+        nodes = [self._node_data(n, label) for n, label in zip(laid.nodes, laid.labels(), strict=True)]
         links = [{"source": a, "target": b} for a, b in laid.edges]
         xs = np.array([n.x for n in laid.nodes], dtype=np.float64)
         ys = np.array([n.y for n in laid.nodes], dtype=np.float64)
@@ -230,13 +230,13 @@ class GraphPane(w.VBox):
             self.figure.layout.min_width = f"{width}px"
             self._colour()
 
-    def _node_data(self, node: LaidNode) -> dict:
+    def _node_data(self, node: LaidNode, label: str) -> dict:
         if node.kind == "waypoint":
             return {"label": " ", "shape": "circle", "shape_attrs": {"r": 0.5}, "name": "", "type": "", "shown": ""}
         if node.kind == "join":
             return {"label": node.type[:5], "shape": "circle", "shape_attrs": {"r": 11}, "name": node.id,
                     "type": f"{node.type} (outputs meet)", "shown": ""}  # fmt: skip
-        label = node.label if len(node.label) <= 16 else "…" + node.label[-15:]
+        label = label if len(label) <= 16 else "…" + label[-15:]
         shape = {
             "width": NODE_WIDTH,
             "height": 22,

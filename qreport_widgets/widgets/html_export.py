@@ -191,6 +191,7 @@ class _Page:
             views = ExploreViews(frame)
             views.show(module, feature, View.POINTS)
             views.line.figure.layout.width = "100%"
+            views.line.figure.display_toolbar = False  # its icons need a font the page does not carry
             figures.append(self.embed(views))
         left = len(flagged) - len(shown)
         more = f"<p class='muted'>{left} more flagged modules are in the tables above.</p>" if left > 0 else ""
@@ -211,6 +212,7 @@ class _Page:
         table.show(runs)
         chart = LayersChart()
         chart.draw(layers)
+        chart.figure.display_toolbar = False
         latest = next((run for run in reversed(session.history) if run.settings is not None), None)
         latest_code = session.settings_as_code(latest.settings) if latest is not None and latest.settings is not None else ""
         code = []

@@ -305,3 +305,22 @@ def test_the_size_front_a_budget_and_apply_at_1400_and_1024(lab):
             _assert_nothing_spills(widget)
             _assert_looks_right(widget)
         assert page.locator(".jupyter-widgets-error-widget").all_inner_texts() == []
+
+
+def test_the_graph_tab_hover_and_a_click_to_explore(lab):
+    """The Graph tab in the browser: a node's tooltip names it, a click selects it in Explore."""
+    with _notebook_ran(lab, NOTEBOOK, "quickstart_graph") as (page, widget, _console_errors):
+        widget.locator(".lm-TabBar-tab", has_text="Graph").first.click()
+        node = widget.locator(".bqplot .network .node", has_text="head").first
+        node.wait_for(timeout=60_000)
+        node.hover()
+        page.locator(".bqplot_tooltip_div", has_text="Linear").first.wait_for(timeout=30_000)
+        node.click()
+        widget.get_by_text("Selected in Explore").first.wait_for(timeout=60_000)
+        widget.screenshot(path=str(SCREENSHOTS / "quickstart_graph.png"))
+        _assert_looks_right(widget)
+        _assert_nothing_spills(widget)
+        widget.locator(".lm-TabBar-tab", has_text="Explore").first.click()
+        module = page.locator(".widget-dropdown", has=page.locator("label", has_text="Module")).first.locator("select")
+        chosen = module.evaluate("s => s.options[s.selectedIndex].text").replace("\xa0", " ")
+        assert chosen.startswith("head (Linear"), chosen
