@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .analysis import GraphSummary
 
 NODE_LIMIT = 150  # above this many nodes, modules are folded
+LABEL_CHARS = 16  # what a node's box holds
 _SWEEPS = 6
 
 
@@ -70,7 +71,7 @@ class GraphLayout:
             for i in alike:
                 parts = self.nodes[i].id.split(".")
                 found[i] = ".".join(parts[-(found[i].count(".") + 2) :])
-        return found
+        return [_short(label) if node.kind == "unit" else label for label, node in zip(found, self.nodes, strict=True)]
 
     @property
     def layers(self) -> int:
@@ -131,6 +132,20 @@ def lay_out(graph: GraphSummary, expanded: Collection[str] = (), limit: int = NO
         else:
             laid.append(LaidNode(name, "join", graph.joins[name][0], (name,), x[i], float(level)))
     return GraphLayout(tuple(laid), tuple(links), depth, note)
+
+
+def _short(label: str, limit: int = LABEL_CHARS) -> str:
+    """``label`` in ``limit`` characters, keeping its first and last parts, where it tells modules
+    apart and says what they are: "0.attention.self.query" -> "0.att.sel.query"."""
+    parts = label.split(".")
+    for i in range(1, len(parts) - 1):
+        if len(".".join(parts)) <= limit:
+            break
+        parts[i] = parts[i][:3]
+    short = ".".join(parts)
+    if len(short) > limit and len(parts) > 2:
+        short = f"{parts[0]}.….{parts[-1]}"
+    return short if len(short) <= limit else "…" + short[-(limit - 1) :]
 
 
 def _items_and_edges(graph: GraphSummary) -> tuple[list[str], list[tuple[str, str]], str]:

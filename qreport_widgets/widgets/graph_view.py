@@ -236,7 +236,6 @@ class GraphPane(w.VBox):
         if node.kind == "join":
             return {"label": node.type[:5], "shape": "circle", "shape_attrs": {"r": 11}, "name": node.id,
                     "type": f"{node.type} (outputs meet)", "shown": ""}  # fmt: skip
-        label = label if len(label) <= 16 else "…" + label[-15:]
         shape = {
             "width": NODE_WIDTH,
             "height": 22,
