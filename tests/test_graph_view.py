@@ -158,6 +158,9 @@ def test_a_join_or_an_unknown_node_says_what_it_is(mixer_widget):
         assert "meet" in pane.picked.value and widget.controls.module.value == before
     with pytest.raises(KeyError, match="not a node"):
         pane.pick("no.such.module")
+    for waypoint in [n.id for n in pane.layout_.nodes if n.kind == "waypoint"][:1]:  # a bend of an edge: nothing to pick
+        with pytest.raises(KeyError, match="not a node"):
+            pane.pick(waypoint)
 
 
 class _Block(nn.Module):
@@ -211,3 +214,23 @@ def test_export_html_writes_the_file_or_says_why_not(mixer_widget, tmp_path):
     assert "Export failed" in widget.exported.value and ".html" in widget.exported.value
     assert not (tmp_path / "mixer.txt").exists() and widget.controls.module.value == selected
     assert not widget.export.disabled
+
+
+def test_exporting_sends_no_widget_to_the_notebook(mixer_widget, tmp_path, monkeypatch):
+    """The page's hundreds of widgets exist only for their state: none is opened in the browser."""
+    import comm
+    from comm.base_comm import BaseComm
+
+    published: list[str] = []
+
+    class Recording(BaseComm):
+        def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
+            published.append(msg_type)
+
+    monkeypatch.setattr(comm, "create_comm", Recording)
+    _, widget = mixer_widget
+    widget.export_path.value = str(tmp_path / "unsent.html")
+    widget.export.click()
+    assert "Wrote" in widget.exported.value
+    assert "comm_open" not in published  # only the button's and the status line's updates went out
+    assert comm.create_comm is Recording  # put back

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import bqplot as bq
 import ipywidgets as w
 import numpy as np
-import pandas as pd
 
 from .. import features as F
 from ..graph_layout import NODE_LIMIT, GraphLayout, LaidNode, lay_out
@@ -172,7 +171,7 @@ class GraphPane(w.VBox):
         """What a click on ``node_id`` does: a folded module opens, a module is shown in Explore and Tune."""
         laid = self.layout_
         index = laid.index(node_id) if laid is not None else None
-        if laid is None or index is None:
+        if laid is None or index is None or laid.nodes[index].kind == "waypoint":
             raise KeyError(f"{node_id!r} is not a node of the graph as drawn")
         node = laid.nodes[index]
         if node.kind == "folded":
@@ -305,9 +304,3 @@ class GraphPane(w.VBox):
         index = int(selected[-1])
         if 0 <= index < len(laid.nodes) and laid.nodes[index].kind != "waypoint":
             self.pick(laid.nodes[index].id)
-
-
-def pd_metric_table(metric: Metric) -> pd.DataFrame:
-    """A metric as a table, worst first (the HTML export lists it beside the graph)."""
-    series = pd.Series(dict(metric.values), dtype=float).sort_values(ascending=metric.lower_is_worse)
-    return series.rename(metric.label).to_frame()

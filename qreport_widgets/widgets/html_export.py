@@ -13,17 +13,21 @@ in the browser by a few lines of this page's script (``DecompressionStream``).
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import functools
 import gzip
 import html
 import json
 import os
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
+import comm
 import ipywidgets as w
 import pandas as pd
+from comm.base_comm import BaseComm
 from ipywidgets.embed import dependency_state, embed_data
 from jupyter_core.paths import jupyter_path
 
@@ -90,13 +94,49 @@ def write_html(source: ReportSource, path: str | os.PathLike, session: TuningSes
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"{path}: an HTML report's name ends in .html")
-    page = _Page(source, session)
-    text = page.render()
+    with _unsent_widgets():
+        text = _Page(source, session).render()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(text, encoding="utf-8")
     partial.replace(path)
     return path
+
+
+class _UnsentComm(BaseComm):
+    """A widget's comm that sends nothing: the page's widgets exist only to give it their state."""
+
+    made: list[_UnsentComm] | None = None
+    owner: w.Widget | None = None
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if _UnsentComm.made is not None:
+            _UnsentComm.made.append(self)
+
+    def publish_msg(self, msg_type: str, data=None, metadata=None, buffers=None, **keys) -> None:
+        return None
+
+    def on_msg(self, callback) -> None:
+        self.owner = getattr(callback, "__self__", None)  # the widget this comm carries
+        super().on_msg(callback)
+
+
+@contextlib.contextmanager
+def _unsent_widgets() -> Iterator[None]:
+    """The widgets made inside are never sent to a notebook's browser (writing a page from the
+    Export button would otherwise open a model there for each of the page's hundreds of widgets)
+    and are closed at the end."""
+    made: list[_UnsentComm] = []
+    create, _UnsentComm.made = comm.create_comm, made
+    comm.create_comm = _UnsentComm
+    try:
+        yield
+    finally:
+        comm.create_comm, _UnsentComm.made = create, None
+        for carried in made:
+            if carried.owner is not None:
+                carried.owner.close()
 
 
 class _Page:
