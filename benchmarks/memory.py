@@ -2,8 +2,11 @@
 
 A thread samples the process's resident set every 2 ms. Each step's row gives its peak and what
 stays held after it (after garbage collection and ``malloc_trim``, so memory the C allocator kept
-for reuse is not counted as held), both above the process's size with the float model loaded,
-and as a multiple of the float model's size (its parameters and buffers).
+for reuse is not counted as held), as a multiple of the float model's size (its parameters and
+buffers): above the process with the float model loaded and the tool's code imported (a small
+model of the same family is taken through the same steps first: importing torch's quantization,
+FX and torchao and their caches cost the same for any model), and, "with imports", above the
+process with only the float model loaded.
 
     python benchmarks/memory.py [--layouts resnet50 vit-b16 bert-base] [--batches 4] [--skip "verified suggestions"]
     python benchmarks/memory.py --calibration [--case "resnet18 8x3x224x224"]   # the instrumented pass alone
@@ -93,6 +96,39 @@ def build(layout: str, batches: int, size: int = 8) -> tuple[torch.nn.Module, li
     raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
 
 
+def small_twin(layout: str) -> tuple[torch.nn.Module, list, dict]:
+    """A small model of the layout's family, on the same engine: run once before measuring, so that
+    the tool's own code and caches (imports of torch's quantization, FX, torchao; the same for any
+    model) are in the process already and the multiples are what the model's size costs."""
+    generator = torch.Generator().manual_seed(1)
+    if layout == "resnet50":
+        from qreport_widgets.architectures import resnet50
+
+        return resnet50(width=8, classes=10).eval(), [torch.randn(2, 3, 64, 64, generator=generator) for _ in range(3)], {}
+    if layout == "vit-b16":
+        from qreport_widgets.architectures import VitTiny
+
+        return VitTiny(dim=32, depth=1, heads=2).eval(), [torch.randn(2, 3, 224, 224, generator=generator) for _ in range(3)], {}
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, attn_implementation="eager"
+    )
+    ids = [{"input_ids": torch.randint(0, 30522, (2, 16), generator=generator)} for _ in range(3)]
+    return BertModel(config).eval(), ids, {"engine": "eager"}
+
+
+def warm_up(layout: str) -> None:
+    model, batches, kwargs = small_twin(layout)
+    report = analyze(model, batches[0], batches, progress=False, **kwargs)
+    session = report.session
+    report.widget()
+    session.baseline()
+    session.sensitivity()
+    first = next(m.fqn for m in session.modules if not m.current.keep_float)
+    session.apply({first: ModuleSettings(keep_float=True)})
+
+
 def model_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
@@ -116,7 +152,9 @@ def steps_child(layout: str, batch_count: int, skip: set[str], batch_size: int) 
     model, batches, kwargs = build(layout, batch_count, batch_size)
     size = model_bytes(model)
     plain_s = plain_pass_seconds(model, batches)
-    base = settle()
+    loaded = settle()
+    warm_up(layout)
+    base = settle()  # the model loaded and the tool's code imported
     probe = RssProbe()
     rows = []
 
@@ -130,7 +168,8 @@ def steps_child(layout: str, batch_count: int, skip: set[str], batch_size: int) 
         seconds = time.perf_counter() - start
         peak_bytes = peak()
         held = settle()
-        rows.append({"step": name, "seconds": seconds, "peak": (peak_bytes - base) / size, "held": (held - base) / size})
+        rows.append({"step": name, "seconds": seconds, "peak": (peak_bytes - base) / size, "held": (held - base) / size,
+                     "peak_cold": (peak_bytes - loaded) / size, "held_cold": (held - loaded) / size})  # fmt: skip
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         return value
 
@@ -143,7 +182,8 @@ def steps_child(layout: str, batch_count: int, skip: set[str], batch_size: int) 
     modules = [m.fqn for m in session.modules if not m.current.keep_float]
     for i in range(3):
         step(f"apply {i + 1}", lambda i=i: session.apply({modules[i]: ModuleSettings(keep_float=True)}))
-    print(json.dumps({"layout": layout, "model_mb": size / 2**20, "plain_pass_s": plain_s, "rows": rows}))
+    fixed = (base - loaded) / 2**20
+    print(json.dumps({"layout": layout, "model_mb": size / 2**20, "plain_pass_s": plain_s, "fixed_mb": fixed, "rows": rows}))
 
 
 def calibration_child(case_name: str, variant: str, batches: int) -> None:
@@ -226,15 +266,19 @@ def main() -> None:
         )
         return
     print(f"torch {torch.__version__}, {args.batches} batches of {args.batch_size}; x = multiples of the float model's "
-          "size above the process with it loaded")  # fmt: skip
+          "size above the process with it loaded and the tool's code imported (a small model of the same family run "
+          "first); 'with imports': above the process with only the model loaded")  # fmt: skip
     for layout in args.layouts:
         table = steps_table(layout, args.batches, args.skip, args.batch_size)
         analyzed = table["rows"][0]["seconds"]
         print(f"\n{layout}: {table['model_mb']:.0f} MB of weights; one plain forward pass over the batches "
-              f"{table['plain_pass_s']:.1f} s; analyze() {analyzed:.1f} s = {analyzed / table['plain_pass_s']:.2f}x")  # fmt: skip
-        print(f"  {'step':22s} {'seconds':>8s} {'peak x':>7s} {'held x':>7s}")
+              f"{table['plain_pass_s']:.1f} s; analyze() {analyzed:.1f} s = {analyzed / table['plain_pass_s']:.2f}x; "
+              f"the tool's code and caches {table['fixed_mb']:.0f} MB = {table['fixed_mb'] / table['model_mb']:.2f}x "
+              "the model")  # fmt: skip
+        print(f"  {'step':22s} {'seconds':>8s} {'peak x':>7s} {'held x':>7s}   with imports: {'peak x':>7s} {'held x':>7s}")
         for row in table["rows"]:
-            print(f"  {row['step']:22s} {row['seconds']:8.1f} {row['peak']:7.2f} {row['held']:7.2f}", flush=True)
+            print(f"  {row['step']:22s} {row['seconds']:8.1f} {row['peak']:7.2f} {row['held']:7.2f}   "
+                  f"{'':14s}{row['peak_cold']:7.2f} {row['held_cold']:7.2f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
