@@ -15,21 +15,11 @@ from pathlib import Path
 
 import torch
 from common import setup
-from torch import nn
 
 from qreport_widgets import analyze
-from qreport_widgets.architectures import mobilenet_v3_small
+from qreport_widgets.architectures import linear_chains, mobilenet_v3_small
 from qreport_widgets.digits import trained_digits_model
 from qreport_widgets.widgets import html_export
-
-
-class _Block(nn.Module):
-    def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
-
-    def forward(self, x):
-        return x + self.layers(x)
 
 
 def _notebook_model():
@@ -45,7 +35,7 @@ def _digits(folder: Path):
 
 
 def _deep():
-    model = nn.Sequential(*[_Block(8, 10) for _ in range(25)]).eval()
+    model = linear_chains()
     batches = [(torch.randn(4, 8),) for _ in range(3)]
     return analyze(model, batches[0], batches[:2], eval_data=batches[2:], progress=False)
 

@@ -235,6 +235,23 @@ def _divisible(value: int, divisor: int = 8) -> int:
     return max(divisor, (value + divisor // 2) // divisor * divisor)
 
 
+class LinearChainBlock(nn.Module):
+    """``depth`` Linear layers in a row around a residual add: a deep graph of tiny layers."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.layers(x)
+
+
+def linear_chains(blocks: int = 25, depth: int = 10, width: int = 8) -> nn.Sequential:
+    """``blocks * depth`` Linear layers (250 by default) in residual blocks: a model past the Graph
+    tab's node limit that costs nothing to run."""
+    return nn.Sequential(*[LinearChainBlock(width, depth) for _ in range(blocks)]).eval()
+
+
 class OutlierMlpBlock(nn.Module):
     """A pre-norm transformer MLP block on (batch, tokens, hidden) with planted outlier channels.
 

@@ -77,14 +77,6 @@ class GraphLayout:
     def layers(self) -> int:
         return int(max((node.y for node in self.nodes), default=-1)) + 1
 
-    @property
-    def width(self) -> int:
-        """Most nodes side by side in one layer (waypoints included)."""
-        counts: dict[float, int] = {}
-        for node in self.nodes:
-            counts[node.y] = counts.get(node.y, 0) + 1
-        return max(counts.values(), default=0)
-
 
 def lay_out(graph: GraphSummary, expanded: Collection[str] = (), limit: int = NODE_LIMIT) -> GraphLayout:
     """The layout of ``graph``'s units and joins, folded past ``limit`` nodes except ``expanded`` modules."""

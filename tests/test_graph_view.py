@@ -8,10 +8,9 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 from qreport_widgets import analyze, load_report
-from qreport_widgets.architectures import resnet18
+from qreport_widgets.architectures import linear_chains, resnet18
 from qreport_widgets.digits import trained_digits_model
 from qreport_widgets.graph_layout import NODE_LIMIT, lay_out
 from qreport_widgets.widgets.graph_view import BAD, GOOD, JOIN, NO_COLOUR, NO_VALUE
@@ -163,22 +162,8 @@ def test_a_join_or_an_unknown_node_says_what_it_is(mixer_widget):
             pane.pick(waypoint)
 
 
-class _Block(nn.Module):
-    def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
-
-    def forward(self, x):
-        return x + self.layers(x)
-
-
-def deep_model(blocks: int = 25, depth: int = 10, width: int = 8) -> nn.Module:
-    """``blocks * depth`` Linear layers (250 by default) in residual blocks."""
-    return nn.Sequential(*[_Block(width, depth) for _ in range(blocks)]).eval()
-
-
 def test_past_the_node_limit_modules_are_folded_and_a_click_opens_one():
-    model = deep_model()
+    model = linear_chains()
     data = [(torch.randn(4, 8),) for _ in range(2)]
     report = analyze(model, data[0], data, eval_data=data[:1])
     assert len(report.analysis().graph.units) == 250

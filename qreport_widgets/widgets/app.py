@@ -87,8 +87,7 @@ class ReportWidget(w.VBox):
 
     def _on_graph_pick(self, fqn: str) -> str:
         """A module clicked in the Graph tab: selected in Explore, first among the Tune rows."""
-        said = []
-        said.append("Selected in Explore." if self.controls.show_module(fqn) else "No detector measured it (Explore).")
+        said = ["Selected in Explore." if self.controls.show_module(fqn) else "No detector measured it (Explore)."]
         if self.tuning.rows:
             said.append("First in the Tune rows." if self.tuning.focus(fqn) else "Not among the modules tuned.")
         return " ".join(said)

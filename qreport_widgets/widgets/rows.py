@@ -9,7 +9,7 @@ import ipywidgets as w
 from ipywidgets.widgets.widget_bool import CheckboxStyle
 from ipywidgets.widgets.widget_description import DescriptionStyle
 from ipywidgets.widgets.widget_string import HTMLStyle
-from traitlets import Instance, Unicode, observe
+from traitlets import Bool, Instance, Unicode, observe
 
 from ..errors import InvalidSettingsError
 from ..settings import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, Setting, TunableModule, validate
@@ -29,6 +29,7 @@ class SettingsRow(w.VBox):
 
     settings = Instance(ModuleSettings, args=(), help="the module's settings, as its controls show them")
     run_note = Unicode("", help="what the last run did not carry out of these settings ('' when it did all)")
+    picked = Bool(False, help="the module picked in the Graph tab: its name is highlighted")
 
     def __init__(self, module: TunableModule, reasons: list[str], migration: str = "", parts: RowParts | None = None) -> None:
         self.fqn = fqn = module.fqn
@@ -91,12 +92,6 @@ class SettingsRow(w.VBox):
         self._reasons, self.suggested = reasons, suggested
         self._render_why()
 
-    def mark(self, picked: bool) -> None:
-        """Highlight the module's name (picked in the Graph tab) or not."""
-        name = f"<b>{html.escape(self.fqn)}</b> <span style='color:#666'>{html.escape(self.module.type_name)}</span>"
-        self._name = f"<span style='background:#fff3b0;padding:0 3px'>▶ {name}</span>" if picked else name
-        self._render_why()
-
     def matches(self, text: str) -> bool:
         """Whether ``text`` is part of the module's name or type (case ignored)."""
         return text.lower() in self._search
@@ -125,6 +120,10 @@ class SettingsRow(w.VBox):
                 if size in dict(self.group.options).values():
                     self.group.value = size
                 self.group.disabled = self.format.value not in GROUPED_FORMATS
+        self._render_why()
+
+    @observe("picked")
+    def _on_picked_change(self, _change: dict) -> None:
         self._render_why()
 
     @observe("run_note")
@@ -158,9 +157,10 @@ class SettingsRow(w.VBox):
         if self.run_note:
             problem += f"<div style='color:#a60'>last run: {html.escape(self.run_note)}</div>"
         why = f"<span style='font-size:11px;line-height:1.3;color:#444' title='{tip}'>{problem}{tip}</span>"
+        name = f"<span style='background:#fff3b0;padding:0 3px'>▶ {self._name}</span>" if self.picked else self._name
         self.why.value = (
             "<div style='display:flex;flex-wrap:wrap;align-items:baseline;column-gap:12px'>"
-            f"<span style='white-space:nowrap' title='{tip}'>{self._name}</span>{why}</div>"
+            f"<span style='white-space:nowrap' title='{tip}'>{name}</span>{why}</div>"
         )
 
 

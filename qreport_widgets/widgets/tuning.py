@@ -203,10 +203,8 @@ class TuningPanel(w.VBox):
                 self.only_suggested.value = False
             if not row.module.weighted:
                 self.all_ops.value = True
-            for other in self.rows.values():
-                if other is not row and other._name.startswith("<span style='background"):
-                    other.mark(False)
-            row.mark(True)
+            for other in self.rows.values():  # one picked row: only the ones that change are redrawn
+                other.picked = other is row
             self._order_rows([fqn, *[name for name in self._order if name != fqn]])
         return True
 
