@@ -324,3 +324,22 @@ def test_the_graph_tab_hover_and_a_click_to_explore(lab):
         module = page.locator(".widget-dropdown", has=page.locator("label", has_text="Module")).first.locator("select")
         chosen = module.evaluate("s => s.options[s.selectedIndex].text").replace("\xa0", " ")
         assert chosen.startswith("head (Linear"), chosen
+
+
+@pytest.mark.parametrize("width", [1400, 1024])
+def test_the_graph_tab_of_the_54_layer_model_after_an_apply(lab, width):
+    """The Graph tab after a run, wide and narrow: coloured by the run, nothing clipped, overlapping or spilling."""
+    with _notebook_ran(lab, "06_a_54_layer_model.ipynb", f"graph_{width}", width=width) as (page, widget, _errors):
+        widget.locator(".lm-TabBar-tab", has_text="Tune").first.click()
+        widget.locator("button", has_text="Apply").first.click()
+        widget.get_by_text("apply 1: output SQNR").first.wait_for(timeout=180_000)
+        widget.locator(".lm-TabBar-tab", has_text="Graph").first.click()
+        widget.locator(".widget-html b", has_text="per-layer SQNR · run 1 apply 1").first.wait_for(timeout=60_000)
+        nodes = widget.locator(".bqplot .network .node")
+        nodes.first.wait_for(timeout=60_000)
+        assert nodes.count() >= 54
+        colours = nodes.locator(".element").evaluate_all("els => new Set(els.map(e => getComputedStyle(e).fill)).size")
+        assert colours > 3  # coloured by the run's per-layer SQNR, not one grey
+        widget.screenshot(path=str(SCREENSHOTS / f"graph_tab_{width}.png"))
+        _assert_looks_right(widget)
+        _assert_nothing_spills(widget)
