@@ -168,7 +168,7 @@ class ModelGraph:
                 reaching[node] = incoming
                 continue
             sources = incoming - {here}
-            if not sources and self.kind == "modules" and previous is not None and previous != here and here not in joins:
+            if not sources and self.kind == "modules" and previous is not None and previous != here:
                 sources = frozenset({previous})
             for source in sorted(sources, key=self._position):
                 edges[(source, here)] = None
@@ -240,7 +240,12 @@ class ModelGraph:
 
 def leaf_module_name(node: torch.fx.Node) -> str | None:
     """The innermost module an exported graph's op ran in (``nn_module_stack``), None outside any."""
-    stack = node.meta.get("nn_module_stack") if node.op == "call_function" else None
+    return _innermost_module(node) if node.op == "call_function" else None
+
+
+def _innermost_module(node: torch.fx.Node) -> str | None:
+    """The innermost module of the stack the tracer recorded for ``node``, None without one."""
+    stack = node.meta.get("nn_module_stack")
     if not stack:
         return None
     return str(list(stack.values())[-1][0]).split("@")[0]
@@ -256,9 +261,9 @@ def _op_name(node: torch.fx.Node) -> str:
 def _parent_module(node: torch.fx.Node, sources: frozenset[str]) -> str:
     """The module whose forward ran ``node``: its recorded module stack, else the deepest module
     every source lies in ("" for the model itself)."""
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        return str(list(stack.values())[-1][0]).split("@")[0]
+    recorded = _innermost_module(node)
+    if recorded is not None:
+        return recorded
     parts = [s.split(".")[:-1] for s in sources if not s.startswith("<")]
     common: list[str] = []
     for level in zip(*parts, strict=False):

@@ -50,7 +50,6 @@ class LaidNode:
 class GraphLayout:
     nodes: tuple[LaidNode, ...]
     edges: tuple[tuple[int, int], ...]  # indices into nodes, top to bottom
-    folded_depth: int | None  # modules deeper than this many name parts are folded; None: nothing is
     note: str = ""  # how the edges were found, where that is not the graph itself
 
     def index(self, node_id: str) -> int | None:
@@ -96,9 +95,7 @@ def lay_out(graph: GraphSummary, expanded: Collection[str] = (), limit: int = NO
     joined = sorted({(shown[a], shown[b]) for a, b in edges if shown[a] != shown[b]}, key=lambda e: (order[e[0]], order[e[1]]))
     forward = [(a, b) for a, b in joined if order[a] < order[b]]
     layer = dict.fromkeys(members, 0)
-    for a, b in sorted(forward, key=lambda e: order[e[1]]):
-        layer[b] = max(layer[b], layer[a] + 1)
-    for a, b in sorted(forward, key=lambda e: order[e[1]]):  # edges met out of order: settle once more
+    for a, b in sorted(forward, key=lambda e: order[e[1]]):  # every edge into a node before any out of it
         layer[b] = max(layer[b], layer[a] + 1)
     nodes: list[tuple[str, int]] = [(name, layer[name]) for name in members]
     links: list[tuple[int, int]] = []
@@ -123,7 +120,7 @@ def lay_out(graph: GraphSummary, expanded: Collection[str] = (), limit: int = NO
             laid.append(LaidNode(name, "unit", graph.units[name], (name,), x[i], float(level)))
         else:
             laid.append(LaidNode(name, "join", graph.joins[name][0], (name,), x[i], float(level)))
-    return GraphLayout(tuple(laid), tuple(links), depth, note)
+    return GraphLayout(tuple(laid), tuple(links), note)
 
 
 def _short(label: str, limit: int = LABEL_CHARS) -> str:

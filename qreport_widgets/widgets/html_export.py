@@ -147,7 +147,7 @@ class _Page:
     def embed(self, widget: w.Widget, css: str = "figure") -> str:
         """A place in the page where ``widget`` is drawn."""
         self.views.append(widget)
-        spec = json.dumps({"version_major": 2, "version_minor": 0, "model_id": widget.model_id})
+        spec = json.dumps(widget.get_view_spec())
         return f"<div class='{css}'><script type='application/vnd.jupyter.widget-view+json'>{spec}</script></div>"
 
     def render(self) -> str:
