@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/zoo.py
 
 import qreport_widgets as qw
-from qreport_widgets.architectures import VitTiny
-from qreport_widgets.digits import trained_digits_model
+from qreport_widgets.demo.architectures import VitTiny
+from qreport_widgets.demo.digits import trained_digits_model
 
 THREADS = 2
 ZOO = ("text_encoder", "efficientnet", "mobilenet_v3", "prelu_net")

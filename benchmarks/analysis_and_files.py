@@ -18,7 +18,7 @@ import torch
 from common import CASES, batches_for, median, our_model, seconds_per_batch, setup
 
 import qreport_widgets as qw
-from qreport_widgets.fx.prepare import torch_observers_paused
+from qreport_widgets.engines.fx.prepare import torch_observers_paused
 
 
 def measure_pause(repeats: int = 5, case_name: str = "resnet18 8x3x224x224") -> dict[str, float]:

@@ -17,7 +17,7 @@ from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 from qreport_widgets import demo
-from qreport_widgets.session import QuantizationSession
+from qreport_widgets.tune.session import QuantizationSession
 
 
 def bare(model, mapping, batches) -> float:

@@ -14,8 +14,8 @@ from torch.ao.quantization.fx._model_report import detector as upstream_detector
 from torch.ao.quantization.fx._model_report.model_report import ModelReport as UpstreamReport
 
 from qreport_widgets import ModelReport, default_detectors
-from qreport_widgets.architectures import TinyConvNet, TransformerMlp, resnet18, resnet50
-from qreport_widgets.fx.prepare import prepare
+from qreport_widgets.demo.architectures import TinyConvNet, TransformerMlp, resnet18, resnet50
+from qreport_widgets.engines.fx.prepare import prepare
 
 THREADS = 2
 

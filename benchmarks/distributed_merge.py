@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import qreport_widgets as qw
-from qreport_widgets.digits import trained_digits_model
+from qreport_widgets.demo.digits import trained_digits_model
 
 RANKS = 2
 

@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny Hugging Face models
 
 import qreport_widgets as qw
-from qreport_widgets.calibration import call_with
-from qreport_widgets.digits import trained_digits_model
-from qreport_widgets.engine import Variant
-from qreport_widgets.settings import FORMATS, ModuleSettings
+from qreport_widgets.core.calibration import call_with
+from qreport_widgets.demo.digits import trained_digits_model
+from qreport_widgets.engines.contract import Variant
+from qreport_widgets.engines.settings import FORMATS, ModuleSettings
 
 THREADS = 2
 

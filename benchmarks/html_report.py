@@ -17,8 +17,8 @@ import torch
 from common import setup
 
 from qreport_widgets import analyze
-from qreport_widgets.architectures import linear_chains, mobilenet_v3_small
-from qreport_widgets.digits import trained_digits_model
+from qreport_widgets.demo.architectures import linear_chains, mobilenet_v3_small
+from qreport_widgets.demo.digits import trained_digits_model
 from qreport_widgets.widgets import html_export
 
 

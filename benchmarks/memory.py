@@ -79,11 +79,11 @@ def build(layout: str, batches: int, size: int = 8) -> tuple[torch.nn.Module, li
     """The float model (random weights), its calibration batches and analyze()'s keyword arguments."""
     generator = torch.Generator().manual_seed(0)
     if layout == "resnet50":
-        from qreport_widgets.architectures import resnet50
+        from qreport_widgets.demo.architectures import resnet50
 
         return resnet50().eval(), [torch.randn(size, 3, 224, 224, generator=generator) for _ in range(batches)], {}
     if layout == "vit-b16":
-        from qreport_widgets.architectures import VitTiny
+        from qreport_widgets.demo.architectures import VitTiny
 
         model = VitTiny(dim=768, depth=12, heads=12).eval()  # ViT-B/16: 86M parameters
         return model, [torch.randn(size, 3, 224, 224, generator=generator) for _ in range(batches)], {}
@@ -102,11 +102,11 @@ def small_twin(layout: str) -> tuple[torch.nn.Module, list, dict]:
     model) are in the process already and the multiples are what the model's size costs."""
     generator = torch.Generator().manual_seed(1)
     if layout == "resnet50":
-        from qreport_widgets.architectures import resnet50
+        from qreport_widgets.demo.architectures import resnet50
 
         return resnet50(width=8, classes=10).eval(), [torch.randn(2, 3, 64, 64, generator=generator) for _ in range(3)], {}
     if layout == "vit-b16":
-        from qreport_widgets.architectures import VitTiny
+        from qreport_widgets.demo.architectures import VitTiny
 
         return VitTiny(dim=32, depth=1, heads=2).eval(), [torch.randn(2, 3, 224, 224, generator=generator) for _ in range(3)], {}
     from transformers import BertConfig, BertModel
@@ -134,7 +134,7 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 
 def plain_pass_seconds(model: torch.nn.Module, batches: list) -> float:
-    from qreport_widgets.calibration import call_with
+    from qreport_widgets.core.calibration import call_with
 
     with torch.no_grad():
         call_with(model, batches[0])

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny Hugging Face models
 
 from qreport_widgets import ModuleSettings, QuantizationSession
-from qreport_widgets.digits import trained_digits_model
+from qreport_widgets.demo.digits import trained_digits_model
 
 THREADS = 2
 CHECKED_POINTS = 10  # front points run for real to compare with the simulation (evenly spread)

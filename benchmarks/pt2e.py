@@ -19,9 +19,9 @@ import torch
 from common import CASES, batches_for, median, seconds_per_batch, setup
 
 from qreport_widgets import ModelReport, QuantizationSession, default_detectors
-from qreport_widgets.graph import ModelGraph
-from qreport_widgets.pt2e import Pt2eEngine, export_model, torchao_pt2e
-from qreport_widgets.pt2e.numerics import convert, pt2e_warnings_hidden
+from qreport_widgets.engines.pt2e import Pt2eEngine, export_model, torchao_pt2e
+from qreport_widgets.engines.pt2e.numerics import convert, pt2e_warnings_hidden
+from qreport_widgets.observe.graph import ModelGraph
 
 
 def plain_pt2e(model: torch.nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:

@@ -11,7 +11,7 @@ import time
 from common import CASES, batches_for, median, setup
 
 from qreport_widgets import ModelReport, default_detectors
-from qreport_widgets.fx.prepare import prepare
+from qreport_widgets.engines.fx.prepare import prepare
 
 
 def measure(repeats: int = 5) -> dict[str, float]:

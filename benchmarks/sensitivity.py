@@ -21,8 +21,8 @@ import torch
 from common import setup
 
 from qreport_widgets import ModuleSettings, QuantizationSession
-from qreport_widgets.architectures import mobilenet_v3_small
-from qreport_widgets.digits import trained_digits_model
+from qreport_widgets.demo.architectures import mobilenet_v3_small
+from qreport_widgets.demo.digits import trained_digits_model
 
 
 def keep_one_float_sweep(session: QuantizationSession) -> pd.DataFrame:

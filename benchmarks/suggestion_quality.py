@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import zoo  # noqa: E402
 
 from qreport_widgets import analyze  # noqa: E402
-from qreport_widgets.architectures import OutlierMlpBlock  # noqa: E402
-from qreport_widgets.digits import trained_digits_model  # noqa: E402
+from qreport_widgets.demo.architectures import OutlierMlpBlock  # noqa: E402
+from qreport_widgets.demo.digits import trained_digits_model  # noqa: E402
 
 MODELS = [*zoo.ARCHITECTURES, "digits-cnn", "digits-mixer", "digits-prelu", "outlier-block"]
 STARTS = ("x86", "per-tensor")

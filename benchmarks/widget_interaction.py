@@ -21,7 +21,7 @@ from common import median, setup
 from torch import nn
 
 from qreport_widgets import analyze
-from qreport_widgets.graph_layout import NODE_LIMIT
+from qreport_widgets.observe.graph_layout import NODE_LIMIT
 
 WIDE = 4096
 
@@ -67,7 +67,7 @@ def measure(repeats: int = 5) -> dict[str, float]:
 
 def measure_large(repeats: int = 5) -> dict[str, object]:
     """Median kernel time (ms) and largest message total (KB) per interaction on a 250-module model."""
-    from qreport_widgets.architectures import TransformerMlp
+    from qreport_widgets.demo.architectures import TransformerMlp
 
     comm.create_comm = RecordingComm
     torch.manual_seed(0)

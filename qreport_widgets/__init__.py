@@ -3,16 +3,8 @@
 from __future__ import annotations
 
 from ._version import __version__ as __version__
-from .analysis import Analysis
 from .analyze import analyze, default_detectors
-from .detectors import (
-    DetectorBase,
-    DynamicStaticDetector,
-    InputWeightEqualizationDetector,
-    OutlierDetector,
-    PerChannelDetector,
-    QReportWarning,
-)
+from .engines.settings import ModuleSettings
 from .errors import (
     AlreadyPreparedError,
     CalibrationError,
@@ -29,11 +21,19 @@ from .errors import (
     ReportNotGeneratedError,
     UntraceableModelError,
 )
-from .observer import ModelReportObserver
-from .report import ModelReport
-from .session import QuantizationSession, RunResult
-from .settings import ModuleSettings
-from .storage import SavedReport, load_report
+from .observe.analysis import Analysis
+from .observe.detectors import (
+    DetectorBase,
+    DynamicStaticDetector,
+    InputWeightEqualizationDetector,
+    OutlierDetector,
+    PerChannelDetector,
+    QReportWarning,
+)
+from .observe.observer import ModelReportObserver
+from .report.model_report import ModelReport
+from .share.storage import SavedReport, load_report
+from .tune.session import QuantizationSession, RunResult
 
 __all__ = [
     "AlreadyPreparedError",

@@ -8,15 +8,21 @@ from typing import Any
 import torch
 from torch.ao.quantization import QConfigMapping
 
-from .calibration import CalibrationData, calibrate, is_one_shot
-from .detectors import DetectorBase, DynamicStaticDetector, InputWeightEqualizationDetector, OutlierDetector, PerChannelDetector
-from .distributed import calibrated_across, group_of
-from .engine import EngineOptions
+from .core.calibration import CalibrationData, calibrate, is_one_shot
+from .core.memory import WatchedCopy
 from .engines import engine_named
-from .memory import WatchedCopy
-from .migration import observed_input_ranges
-from .report import ModelReport
-from .session import QuantizationSession
+from .engines.contract import EngineOptions
+from .observe.detectors import (
+    DetectorBase,
+    DynamicStaticDetector,
+    InputWeightEqualizationDetector,
+    OutlierDetector,
+    PerChannelDetector,
+)
+from .observe.distributed import calibrated_across, group_of
+from .report.model_report import ModelReport
+from .tune.migration import observed_input_ranges
+from .tune.session import QuantizationSession
 
 
 def default_detectors(backend: str = "x86") -> list[DetectorBase]:

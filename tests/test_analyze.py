@@ -6,7 +6,7 @@ from conftest import assert_unchanged, fingerprint
 
 import qreport_widgets as qw
 from qreport_widgets import demo
-from qreport_widgets.features import DetectorName, SuggestionKind
+from qreport_widgets.core.features import DetectorName, SuggestionKind
 
 
 def test_analyze_never_mutates_the_float_model():

@@ -21,8 +21,8 @@ from torch.ao.quantization.quantize_fx import prepare_fx
 from zoo import ARCHITECTURES
 
 import qreport_widgets as qw
-from qreport_widgets import features as F
-from qreport_widgets.frame import MODULE
+from qreport_widgets.core import features as F
+from qreport_widgets.observe.frame import MODULE
 
 NAMES = list(ARCHITECTURES)
 

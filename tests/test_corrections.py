@@ -17,7 +17,7 @@ from torch.ao.quantization.fx._model_report.model_report_observer import ModelRe
 from torch.ao.quantization.quantize_fx import convert_fx
 
 import qreport_widgets as qw
-from qreport_widgets import features as F
+from qreport_widgets.core import features as F
 
 
 def our_report(model, batches, detectors, mapping=None):

@@ -9,7 +9,7 @@ import numpy as np
 
 import qreport_widgets as qw
 from qreport_widgets import demo
-from qreport_widgets.detectors import DetectorResult
+from qreport_widgets.observe.detectors import DetectorResult
 
 
 def _notebook_code() -> dict:

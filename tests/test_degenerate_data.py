@@ -12,7 +12,7 @@ from conftest import assert_unchanged, fingerprint
 from models import Mixed
 
 import qreport_widgets as qw
-from qreport_widgets import features as F
+from qreport_widgets.core import features as F
 from qreport_widgets.widgets.views import ALL_MODULES
 
 
@@ -120,7 +120,7 @@ def test_batches_on_another_device_are_named():
 
 
 def test_modules_sharing_a_problem_share_one_warning():
-    from qreport_widgets.report import _warn_grouped
+    from qreport_widgets.report.model_report import _warn_grouped
 
     pending = [(f"layer{i}", "output range is zero") for i in range(10)] + [("head", "input holds NaN")]
     with warnings.catch_warnings(record=True) as caught:

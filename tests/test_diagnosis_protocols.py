@@ -9,15 +9,15 @@ from dataclasses import replace
 import pandas as pd
 import torch
 
-from qreport_widgets.diagnosis import Diagnosis
-from qreport_widgets.engine import Variant
-from qreport_widgets.features import SuggestionKind
-from qreport_widgets.metrics import sqnr_db
-from qreport_widgets.records import Suggestion
-from qreport_widgets.run import RunResult
-from qreport_widgets.settings import ModuleSettings, Setting, TunableModule
-from qreport_widgets.truth import TruthCheck
-from qreport_widgets.verify import KERNEL_CHECK, REAL_RUN, SIMULATED, Verifier
+from qreport_widgets.core.features import SuggestionKind
+from qreport_widgets.core.metrics import sqnr_db
+from qreport_widgets.engines.contract import Variant
+from qreport_widgets.engines.settings import ModuleSettings, Setting, TunableModule
+from qreport_widgets.observe.records import Suggestion
+from qreport_widgets.tune.diagnosis import Diagnosis
+from qreport_widgets.tune.run import RunResult
+from qreport_widgets.tune.truth import TruthCheck
+from qreport_widgets.tune.verify import KERNEL_CHECK, REAL_RUN, SIMULATED, Verifier
 
 NOISE = {"a": 0.10, "b": 0.30, "c": 0.01}  # each quantized module adds this much error to the output
 BATCHES = [torch.linspace(-1.0, 1.0, 64).reshape(8, 8) + i for i in range(3)]

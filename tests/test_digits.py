@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qreport_widgets.digits import MODELS, build_digits_model, trained_digits_model
+from qreport_widgets.demo.digits import MODELS, build_digits_model, trained_digits_model
 
 
 @pytest.mark.parametrize("name", MODELS)

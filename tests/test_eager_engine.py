@@ -15,15 +15,15 @@ from hf_models import MODELS, mean_pooled_bert, tiny_bert, tiny_llama
 from torch import nn
 
 import qreport_widgets as qw
-from qreport_widgets import features as F
-from qreport_widgets.calibration import call_with
-from qreport_widgets.digits import trained_digits_model
-from qreport_widgets.eager import EagerConfig, EagerEngine, FormatError
-from qreport_widgets.eager.formats import ao_config, torchao_eager
-from qreport_widgets.engine import Variant
+from qreport_widgets.core import features as F
+from qreport_widgets.core.calibration import call_with
+from qreport_widgets.core.metrics import output_tensor, sqnr_db
+from qreport_widgets.demo.digits import trained_digits_model
+from qreport_widgets.engines.contract import Variant
+from qreport_widgets.engines.eager import EagerConfig, EagerEngine, FormatError
+from qreport_widgets.engines.eager.formats import ao_config, torchao_eager
+from qreport_widgets.engines.settings import FORMATS, ModuleSettings
 from qreport_widgets.errors import InvalidSettingsError, UntraceableModelError
-from qreport_widgets.metrics import output_tensor, sqnr_db
-from qreport_widgets.settings import FORMATS, ModuleSettings
 
 QUANTIZED = FORMATS[1:]
 

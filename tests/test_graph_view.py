@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from qreport_widgets import analyze, load_report
-from qreport_widgets.architectures import linear_chains, resnet18
-from qreport_widgets.digits import trained_digits_model
-from qreport_widgets.graph_layout import NODE_LIMIT, lay_out
+from qreport_widgets.demo.architectures import linear_chains, resnet18
+from qreport_widgets.demo.digits import trained_digits_model
+from qreport_widgets.observe.graph_layout import NODE_LIMIT, lay_out
 from qreport_widgets.widgets.graph_view import BAD, GOOD, JOIN, NO_COLOUR, NO_VALUE
 
 

@@ -16,11 +16,11 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 from zoo import ARCHITECTURES
 
 import qreport_widgets as qw
-from qreport_widgets.digits import trained_digits_model
-from qreport_widgets.engine import Variant
-from qreport_widgets.metrics import sqnr_db
-from qreport_widgets.truth import KERNEL_AGREEMENT_DB, SIMULATION_ERROR_DB
-from qreport_widgets.verify import KERNEL_CHECK, MIN_GAIN_DB, SIMULATED
+from qreport_widgets.core.metrics import sqnr_db
+from qreport_widgets.demo.digits import trained_digits_model
+from qreport_widgets.engines.contract import Variant
+from qreport_widgets.tune.truth import KERNEL_AGREEMENT_DB, SIMULATION_ERROR_DB
+from qreport_widgets.tune.verify import KERNEL_CHECK, MIN_GAIN_DB, SIMULATED
 
 PRELUS = ["prelu1", "prelu2", "prelu3", "prelu4"]
 QUIET = lambda done, total: None  # noqa: E731
@@ -205,8 +205,8 @@ def test_a_functional_add_is_an_op_that_can_be_kept_float():
 
 
 def test_a_simulation_that_cannot_run_the_real_kernels_says_its_numbers_are_unverified(trained, monkeypatch):
+    from qreport_widgets.engines.fx.simulate import Simulator
     from qreport_widgets.errors import QReportWarning
-    from qreport_widgets.fx.simulate import Simulator
 
     monkeypatch.setattr(Simulator, "run_real_kernels", lambda self, quantized, names: [])
     model, data = trained

@@ -83,23 +83,28 @@ def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     graph = import_graph()
-    graph["qreport_widgets.features"] = graph["qreport_widgets.features"] | {"qreport_widgets.widgets.app"}
+    graph["qreport_widgets.core.features"] = graph["qreport_widgets.core.features"] | {"qreport_widgets.widgets.app"}
     assert find_cycle(graph) is not None
 
 
 def test_the_graph_sees_function_level_and_relative_imports():
     graph = import_graph()
     # report.widget() imports the widgets inside the method; storage reads the version module
-    assert "qreport_widgets.widgets" in graph["qreport_widgets.report"]
-    assert "qreport_widgets._version" in graph["qreport_widgets.storage"]
-    assert "qreport_widgets.features" in graph["qreport_widgets.detectors.outlier"]  # from .. import features as F
+    assert "qreport_widgets.widgets" in graph["qreport_widgets.report.model_report"]
+    assert "qreport_widgets._version" in graph["qreport_widgets.share.storage"]
+    assert "qreport_widgets.core.features" in graph["qreport_widgets.observe.detectors.outlier"]  # from .. import features as F
 
 
 def test_core_modules_do_not_import_the_widgets():
     graph = import_graph()
     widget_side = {name for name in graph if name.startswith("qreport_widgets.widgets")}
     # the core may reach the widgets only from the methods that build them
-    allowed = {"qreport_widgets.report", "qreport_widgets.storage", "qreport_widgets.visualizer", "qreport_widgets"}
+    allowed = {
+        "qreport_widgets.report.model_report",
+        "qreport_widgets.share.storage",
+        "qreport_widgets.observe.visualizer",
+        "qreport_widgets",
+    }
     offenders = {name for name, targets in graph.items() if name not in widget_side and targets & widget_side} - allowed
     assert not offenders
 
@@ -144,7 +149,7 @@ def test_the_core_runs_without_ipywidgets_bqplot_and_traitlets(tmp_path):
     assert "core ok" in done.stdout and "widget: ipywidgets is blocked" in done.stdout
 
 
-ENGINE_PACKAGES = ("qreport_widgets.fx", "qreport_widgets.pt2e")
+ENGINE_PACKAGES = ("qreport_widgets.engines.fx", "qreport_widgets.engines.pt2e", "qreport_widgets.engines.eager")
 REGISTRY = "qreport_widgets.engines"
 
 
@@ -161,9 +166,9 @@ def engine_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
 def test_only_the_registry_imports_an_engine_package():
     graph = import_graph()
     assert not engine_imports(graph)
-    for importer in ("qreport_widgets.session", "qreport_widgets.diagnosis", "qreport_widgets.widgets.tuning"):
-        broken = {**graph, importer: graph[importer] | {"qreport_widgets.fx.engine"}}
-        assert engine_imports(broken) == {importer: ["qreport_widgets.fx.engine"]}
+    for importer in ("qreport_widgets.tune.session", "qreport_widgets.tune.diagnosis", "qreport_widgets.widgets.tuning"):
+        broken = {**graph, importer: graph[importer] | {"qreport_widgets.engines.fx.engine"}}
+        assert engine_imports(broken) == {importer: ["qreport_widgets.engines.fx.engine"]}
 
 
 def test_no_engine_is_probed_or_named_outside_the_engines():
@@ -185,11 +190,11 @@ def test_no_engine_is_probed_or_named_outside_the_engines():
 
 
 def test_every_registered_engine_is_a_package_with_an_engine_module():
-    from qreport_widgets.engine import Engine
     from qreport_widgets.engines import ENGINES
+    from qreport_widgets.engines.contract import Engine
 
     for name, load in ENGINES.items():
         engine = load()
         assert issubclass(engine, Engine) and engine.name == name
-        assert engine.__module__ == f"qreport_widgets.{name}.engine"
-        assert (PACKAGE / name / "__init__.py").exists()
+        assert engine.__module__ == f"qreport_widgets.engines.{name}.engine"
+        assert (PACKAGE / "engines" / name / "__init__.py").exists()

@@ -13,7 +13,7 @@ import torch
 
 import qreport_widgets as qw
 from qreport_widgets import FloatModelChangedError, ModelReleasedError, ModuleSettings, QuantizationSession
-from qreport_widgets.digits import trained_digits_model
+from qreport_widgets.demo.digits import trained_digits_model
 
 
 @pytest.fixture(scope="module")

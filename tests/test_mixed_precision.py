@@ -13,7 +13,7 @@ import torch
 from hf_models import tiny_llama
 
 from qreport_widgets import ModuleSettings, QuantizationSession
-from qreport_widgets.digits import trained_digits_model
+from qreport_widgets.demo.digits import trained_digits_model
 
 quiet = lambda done, total: None  # noqa: E731
 AGREEMENT_DB = 0.5  # a front point's simulated output SQNR and a real run of its settings

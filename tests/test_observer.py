@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qreport_widgets import ModelReportObserver
-from qreport_widgets.features import Stat
-from qreport_widgets.observer import percentile_rank
+from qreport_widgets.core.features import Stat
+from qreport_widgets.observe.observer import percentile_rank
 
 ALL = [Stat.RANGE, Stat.CHANNEL_MINMAX, Stat.PERCENTILE, Stat.HISTOGRAM]
 

@@ -13,7 +13,7 @@ from torch.ao.quantization.fx._model_report import detector as upstream_detector
 from torch.ao.quantization.fx._model_report.model_report import ModelReport as UpstreamReport
 
 import qreport_widgets as qw
-from qreport_widgets import features as F
+from qreport_widgets.core import features as F
 
 CASES = [
     pytest.param(ConvNet, conv_batches, id="conv-net"),

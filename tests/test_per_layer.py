@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from qreport_widgets.session import QuantizationSession
+from qreport_widgets.tune.session import QuantizationSession
 
 
 class InPlaceNet(nn.Module):

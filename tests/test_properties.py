@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import qreport_widgets as qw
-from qreport_widgets import features as F
+from qreport_widgets.core import features as F
 
 KINDS = {2: "linear", 3: "token_linear", 4: "conv2d", -3: "conv1d"}  # -3: (batch, channels, length)
 

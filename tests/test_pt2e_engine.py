@@ -12,12 +12,12 @@ from torch import nn
 from zoo import ARCHITECTURES, ViT, image_batches
 
 import qreport_widgets as qw
-from qreport_widgets import features as F
-from qreport_widgets.digits import trained_digits_model
-from qreport_widgets.engine import Variant
-from qreport_widgets.pt2e import Pt2eEngine, converted_layers, torchao_pt2e
-from qreport_widgets.settings import ModuleSettings
-from qreport_widgets.verify import FOUND_GAIN_DB, MIN_GAIN_DB
+from qreport_widgets.core import features as F
+from qreport_widgets.demo.digits import trained_digits_model
+from qreport_widgets.engines.contract import Variant
+from qreport_widgets.engines.pt2e import Pt2eEngine, converted_layers, torchao_pt2e
+from qreport_widgets.engines.settings import ModuleSettings
+from qreport_widgets.tune.verify import FOUND_GAIN_DB, MIN_GAIN_DB
 
 
 def quiet(done, total):
@@ -193,7 +193,7 @@ def test_the_quantizer_as_code_runs_and_does_what_the_settings_asked(cache):
 def test_a_quantizer_of_your_own_is_the_start_and_settings_override_it(cache):
     ao = torchao_pt2e()
     model, data = trained_digits_model("cnn", cache)
-    from qreport_widgets.pt2e.quantizer import quantization_config
+    from qreport_widgets.engines.pt2e.quantizer import quantization_config
 
     start = ao.X86InductorQuantizer().set_global(quantization_config(False, dynamic=False))  # per-tensor weights
     report = qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, engine="pt2e",

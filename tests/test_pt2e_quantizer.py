@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from qreport_widgets.pt2e import build_quantizer, converted_layers, torchao_pt2e
-from qreport_widgets.settings import ModuleSettings
+from qreport_widgets.engines.pt2e import build_quantizer, converted_layers, torchao_pt2e
+from qreport_widgets.engines.settings import ModuleSettings
 
 
 class ConvMlp(nn.Module):
@@ -70,7 +70,7 @@ def test_missing_torchao_names_the_extra(monkeypatch):
             raise ImportError(f"No module named {name!r}")
         return real_import(name, *args, **kwargs)
 
-    from qreport_widgets.pt2e import MissingExtraError
+    from qreport_widgets.engines.pt2e import MissingExtraError
 
     torchao_pt2e.cache_clear()  # imported once per process: import it again, without torchao
     monkeypatch.setattr(builtins, "__import__", no_torchao)
@@ -99,13 +99,13 @@ def _fx_converted(model: nn.Module, example, calibration) -> nn.Module:
 
 def _session(model: nn.Module, calibration, held_out=None):
     from qreport_widgets import QuantizationSession
-    from qreport_widgets.pt2e import Pt2eEngine
+    from qreport_widgets.engines.pt2e import Pt2eEngine
 
     return QuantizationSession(model, calibration[0], calibration, eval_data=held_out, engine=Pt2eEngine())
 
 
 def test_pt2e_run_matches_fx_on_the_same_model_and_frees_the_batch_size():
-    from qreport_widgets.metrics import sqnr_db
+    from qreport_widgets.core.metrics import sqnr_db
 
     torch.manual_seed(0)
     model = ConvMlp().eval()

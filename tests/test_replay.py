@@ -9,7 +9,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from qreport_widgets.fx.replay import Replay
+from qreport_widgets.engines.fx.replay import Replay
 
 
 class Residual(nn.Module):

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import qreport_widgets.observer
-from qreport_widgets import selection
+import qreport_widgets.observe.observer
+from qreport_widgets.observe import selection
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +66,12 @@ def test_rank_out_of_range():
 @pytest.mark.parametrize("n", [1000, 300_000, (1 << 24) + 5])
 def test_the_percentile_observer_is_exact_and_takes_more_than_16m_values(n):
     """torch.quantile refuses more than 2**24 values; the observer selects, so it has no limit."""
-    from qreport_widgets.fx.observers import PercentileObserver
+    from qreport_widgets.engines.fx.observers import PercentileObserver
 
     x = torch.randn(n, generator=torch.Generator().manual_seed(n))
     observer = PercentileObserver(percentile=99.9)
     observer(x)
-    m = n - qreport_widgets.observer.percentile_rank(0.999, n) + 1  # the same count clipped at each end
+    m = n - qreport_widgets.observe.observer.percentile_rank(0.999, n) + 1  # the same count clipped at each end
     ordered = x.sort().values
     assert float(observer.max_val) == float(ordered[n - m]) and float(observer.min_val) == float(ordered[m - 1])
     scale, _ = observer.calculate_qparams()

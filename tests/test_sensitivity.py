@@ -15,7 +15,7 @@ import zoo
 from conftest import assert_unchanged, fingerprint
 
 from qreport_widgets import ModuleSettings, QuantizationSession
-from qreport_widgets.digits import trained_digits_model
+from qreport_widgets.demo.digits import trained_digits_model
 
 MODELS = ("digits cnn", "digits mixer", "mobilenet_v3")
 AGREEMENT_DB = 0.5  # simulated and real output SQNR agree within this (per module kept float)
@@ -218,7 +218,7 @@ def test_cancel_stops_a_running_sensitivity_and_a_later_one_completes(digits_cac
 
 
 def test_reach_tries_fewer_modules_only_where_the_simulation_is_within_its_error():
-    from qreport_widgets.diagnosis import SIMULATION_ERROR_DB, ReachPlan
+    from qreport_widgets.tune.diagnosis import SIMULATION_ERROR_DB, ReachPlan
 
     plan = ReachPlan(20.0, None, ["a", "b", "c"], 2, 20.3, True, [18.0, 20.0 - SIMULATION_ERROR_DB / 2, 20.3, 20.1])
     assert plan.near(1) and not plan.near(0)  # 0.3 dB short may still meet it for real; 2 dB short will not
@@ -230,7 +230,7 @@ def test_a_vit_layout_whose_reshapes_reuse_their_input_qparams_is_simulated():
     """A transformer's reshapes and transposes read a float module's output with an observer that
     reuses its input's qparams: no other qparams to calibrate there, and keeping each module float
     is simulated as a real run measures it."""
-    from qreport_widgets.architectures import VitTiny
+    from qreport_widgets.demo.architectures import VitTiny
 
     torch.manual_seed(0)
     model = VitTiny(dim=64, depth=2, heads=2).eval()

@@ -12,9 +12,9 @@ from conftest import assert_unchanged, fingerprint
 
 import qreport_widgets as qw
 from qreport_widgets import demo
-from qreport_widgets.fx.qconfig import mapping_as_code
-from qreport_widgets.session import QuantizationSession
-from qreport_widgets.settings import InvalidSettingsError, ModuleSettings, validate
+from qreport_widgets.engines.fx.qconfig import mapping_as_code
+from qreport_widgets.engines.settings import InvalidSettingsError, ModuleSettings, validate
+from qreport_widgets.tune.session import QuantizationSession
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,7 @@ def test_failing_apply_keeps_the_previous_results_on_screen(analyzed):
 def test_run_survives_numeric_suite_failing_to_pair_the_graphs(analyzed, monkeypatch):
     from torch.ao.ns.fx.graph_matcher import GraphMatchingException
 
-    from qreport_widgets.fx import engine as fx
+    from qreport_widgets.engines.fx import engine as fx
 
     def unmatched(*args, **kwargs):
         raise GraphMatchingException("subgraphs of different types")
@@ -267,7 +267,7 @@ def test_a_session_built_by_hand_finds_its_tunable_modules():
 
 
 def test_the_widget_gets_an_analysis_and_a_session_through_their_protocols(analyzed, tmp_path):
-    from qreport_widgets.protocols import ReportSource, TuningSession
+    from qreport_widgets.widgets.protocols import ReportSource, TuningSession
 
     _, _, report = analyzed
     analysis = report.analysis()
@@ -300,14 +300,14 @@ def test_runs_state_their_change_honest_types_and_no_torch_warnings(analyzed, re
     assert all(runs["latency (ms, 1 thread)"] > 0)
     conversions = session.baseline().conversions.set_index("module")
     assert conversions.loc["stem.conv", "converted type"].startswith("quantized ")  # not the float class's name
-    from qreport_widgets.run import RunResult  # a run's changes in words
+    from qreport_widgets.tune.run import RunResult  # a run's changes in words
 
     assert "stem.conv: per_channel" in RunResult(None, None, 0.0, None, 0, 0.0, 0.0, settings={
         "stem.conv": ModuleSettings(per_channel=True)}).changes({"stem.conv": ModuleSettings()})  # fmt: skip
 
 
 def test_tune_rows_at_scale_filter_bulk_and_refuse_on_the_row():
-    from qreport_widgets.architectures import mobilenet_v3_small
+    from qreport_widgets.demo.architectures import mobilenet_v3_small
 
     model = mobilenet_v3_small(size=64)
     generator = torch.Generator().manual_seed(0)

@@ -17,8 +17,8 @@ from models import ConvNet, conv_batches
 
 import qreport_widgets as qw
 from qreport_widgets import demo
-from qreport_widgets import features as F
-from qreport_widgets.storage import _digest
+from qreport_widgets.core import features as F
+from qreport_widgets.share.storage import _digest
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qreport_widgets.diagnosis import ReachPlan
+from qreport_widgets.core.features import SuggestionKind
+from qreport_widgets.engines.settings import ModuleSettings, Setting, TunableModule, validate_all, with_suggestions
 from qreport_widgets.errors import InvalidSettingsError
-from qreport_widgets.features import SuggestionKind
-from qreport_widgets.frame import ReportFrame
-from qreport_widgets.protocols import ReportSource, TuningSession
-from qreport_widgets.records import Suggestion
-from qreport_widgets.run import RunResult
-from qreport_widgets.settings import ModuleSettings, Setting, TunableModule, validate_all, with_suggestions
-from qreport_widgets.truth import TruthCheck
-from qreport_widgets.verify import SIMULATED, Candidate, Verdict, VerifiedSuggestions
+from qreport_widgets.observe.frame import ReportFrame
+from qreport_widgets.observe.records import Suggestion
+from qreport_widgets.tune.diagnosis import ReachPlan
+from qreport_widgets.tune.run import RunResult
+from qreport_widgets.tune.truth import TruthCheck
+from qreport_widgets.tune.verify import SIMULATED, Candidate, Verdict, VerifiedSuggestions
+from qreport_widgets.widgets.protocols import ReportSource, TuningSession
 from qreport_widgets.widgets.tune_controller import FAILED_RUN, GREEN, RED, TuneController, time_left
 from qreport_widgets.widgets.tuning import TuningPanel
 

@@ -18,9 +18,9 @@ from torch.ao.quantization.observer import default_weight_observer
 
 import qreport_widgets as qw
 from qreport_widgets import ModuleSettings
-from qreport_widgets.digits import trained_digits_model
-from qreport_widgets.truth import SIMULATION_ERROR_DB
-from qreport_widgets.verify import MIN_GAIN_DB, NOT_TRIED, Candidate, Verifier, refusals
+from qreport_widgets.demo.digits import trained_digits_model
+from qreport_widgets.tune.truth import SIMULATION_ERROR_DB
+from qreport_widgets.tune.verify import MIN_GAIN_DB, NOT_TRIED, Candidate, Verifier, refusals
 
 
 def start(name: str):
@@ -126,7 +126,7 @@ def test_the_tune_tab_accept_all_shows_what_each_suggestion_measured(cache):
 
 
 def planted_outlier_report() -> qw.ModelReport:
-    from qreport_widgets.architectures import OutlierMlpBlock
+    from qreport_widgets.demo.architectures import OutlierMlpBlock
 
     generator = torch.Generator().manual_seed(0)
     batches = [(torch.randn(8, 16, 64, generator=generator),) for _ in range(8)]
@@ -134,7 +134,7 @@ def planted_outlier_report() -> qw.ModelReport:
 
 
 def test_outlier_channels_are_found_and_migrated_exactly_in_float():
-    from qreport_widgets.migration import float_error, migrated
+    from qreport_widgets.tune.migration import float_error, migrated
 
     report = planted_outlier_report()
     session = report.session
@@ -157,7 +157,7 @@ def test_outlier_channels_are_found_and_migrated_exactly_in_float():
 def test_migrations_from_the_observed_input_ranges_are_those_a_pass_over_the_data_finds():
     """The session reads each Linear's input ranges from the analysis instead of running the data
     through the model again (seconds on a ViT-B); what it finds is what the pass finds."""
-    from qreport_widgets.migration import find_migrations
+    from qreport_widgets.tune.migration import find_migrations
 
     session = planted_outlier_report().session
     assert {"fc1", "fc2"} <= set(session._observed_input_ranges)
@@ -176,8 +176,8 @@ def test_accept_all_gains_on_a_block_with_planted_outlier_channels():
 
 @pytest.mark.parametrize("observer", ["minmax", "percentile"])
 def test_an_activation_observer_choice_reaches_the_converted_model(observer, cache):
-    from qreport_widgets.fx.observers import PercentileObserver
-    from qreport_widgets.fx.qconfig import ACTIVATION_OBSERVERS
+    from qreport_widgets.engines.fx.observers import PercentileObserver
+    from qreport_widgets.engines.fx.qconfig import ACTIVATION_OBSERVERS
 
     report = digits_report("cnn", "x86", cache)
     session = report.session
@@ -256,7 +256,7 @@ def test_observer_and_dynamic_candidates_are_simulated_as_real_runs_measure_them
     """Another activation observer's qparams come from one extra calibration of every candidate
     observer at once; dynamic activations quantize each batch's range as torch's dynamic Linear
     does (7 bits on x86) and leave the ops that only they read float, as FX does."""
-    from qreport_widgets.engine import Variant
+    from qreport_widgets.engines.contract import Variant
 
     model, data = trained_digits_model(name, cache)
     session = qw.QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation)

@@ -13,8 +13,8 @@ from torch import nn
 from torch.ao.quantization.fx._model_report.model_report_visualizer import ModelReportVisualizer as UpstreamVisualizer
 
 import qreport_widgets as qw
-from qreport_widgets import features as F
-from qreport_widgets.visualizer import TABLE_CHANNEL_KEY as F_CHANNEL
+from qreport_widgets.core import features as F
+from qreport_widgets.observe.visualizer import TABLE_CHANNEL_KEY as F_CHANNEL
 
 
 class EqualWidth(nn.Module):

@@ -11,8 +11,8 @@ from models import ConvNet, conv_batches
 
 import qreport_widgets as qw
 from qreport_widgets import demo
-from qreport_widgets import features as F
-from qreport_widgets.frame import ReportFrame
+from qreport_widgets.core import features as F
+from qreport_widgets.observe.frame import ReportFrame
 from qreport_widgets.widgets.controls import ExploreControls, Selection, feature_options, opening_feature
 from qreport_widgets.widgets.plots import AxisScale, HistogramView, LineView, axis_scale
 from qreport_widgets.widgets.views import ACTIVATION_VALUES, ALL_MODULES, ExploreViews, View

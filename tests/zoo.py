@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as fn
 
-from qreport_widgets.architectures import PReLUNet, conv_bn, resnet18
+from qreport_widgets.demo.architectures import PReLUNet, conv_bn, resnet18
 
 
 def zero_init_resnet(width: int = 8, classes: int = 10) -> nn.Module:

@@ -104,7 +104,7 @@ FX_WORKFLOW = [
         "from qreport_widgets import (DynamicStaticDetector, InputWeightEqualizationDetector, ModelReport,\n"
         "                             OutlierDetector, PerChannelDetector)\n"
         "from qreport_widgets.demo import build_demo_model, demo_batches\n"
-        "from qreport_widgets.metrics import sqnr_db\n\n"
+        "from qreport_widgets.core.metrics import sqnr_db\n\n"
         "model = build_demo_model()\n"
         "batches = demo_batches(8)\n"
         "calibration, held_out = batches[:6], batches[6:]\n"
@@ -175,7 +175,7 @@ TRANSFORMER = [
         "code",
         "import torch\n"
         "from qreport_widgets import analyze\n"
-        "from qreport_widgets.architectures import TransformerMlp\n"
+        "from qreport_widgets.demo.architectures import TransformerMlp\n"
         "\n"
         "torch.manual_seed(0)\n"
         "model = TransformerMlp(hidden=64, blocks=2, ratio=4).eval()\n"
@@ -237,7 +237,7 @@ TRANSFORMER = [
     ),
     (
         "code",
-        "from qreport_widgets.architectures import OutlierMlpBlock\n"
+        "from qreport_widgets.demo.architectures import OutlierMlpBlock\n"
         "\n"
         "block = OutlierMlpBlock().eval()\n"
         "generator = torch.Generator().manual_seed(0)\n"
@@ -292,8 +292,8 @@ import torch
 from torch import nn
 
 import qreport_widgets as qw
-from qreport_widgets.detectors import DetectorResult, ObservationRequest
-from qreport_widgets.features import Side, Stat
+from qreport_widgets.observe.detectors import DetectorResult, ObservationRequest
+from qreport_widgets.core.features import Side, Stat
 
 
 class ZeroFraction(nn.Module):
@@ -392,7 +392,7 @@ WHICH_LAYER = [
     (
         "code",
         "from qreport_widgets import analyze\n"
-        "from qreport_widgets.digits import trained_digits_model\n\n"
+        "from qreport_widgets.demo.digits import trained_digits_model\n\n"
         "model, data = trained_digits_model('cnn')  # fixed seed\n"
         "report = analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy,\n"
         "                 progress=False)\n"
@@ -447,7 +447,7 @@ LARGE_MODEL = [
         "md",
         "# A 54-layer model in the widget\n"
         "\n"
-        "MobileNetV3-Small's layout (`qreport_widgets.architectures.mobilenet_v3_small`: depthwise convs, "
+        "MobileNetV3-Small's layout (`qreport_widgets.demo.architectures.mobilenet_v3_small`: depthwise convs, "
         "Hardswish, squeeze-excitation; random weights, BatchNorm statistics from random images), as a real "
         "architecture looks in the widget: 54 Tune rows to filter and sort, Accept all measuring every "
         "suggestion, and the per-layer chart showing the 20 layers with the lowest SQNR.",
@@ -456,7 +456,7 @@ LARGE_MODEL = [
         "code",
         "import torch\n"
         "from qreport_widgets import analyze\n"
-        "from qreport_widgets.architectures import mobilenet_v3_small\n"
+        "from qreport_widgets.demo.architectures import mobilenet_v3_small\n"
         "\n"
         "model = mobilenet_v3_small(size=64)\n"
         "generator = torch.Generator().manual_seed(0)\n"
@@ -496,7 +496,7 @@ ENGINES = [
         "code",
         "import pandas as pd\n"
         "from qreport_widgets import analyze\n"
-        "from qreport_widgets.digits import trained_digits_model\n"
+        "from qreport_widgets.demo.digits import trained_digits_model\n"
         "\n"
         "model, data = trained_digits_model('mixer')\n"
         "reports = {\n"
@@ -579,7 +579,7 @@ KERNEL_TRUTH = [
     (
         "code",
         "from qreport_widgets import ModuleSettings, analyze\n"
-        "from qreport_widgets.digits import trained_digits_model\n"
+        "from qreport_widgets.demo.digits import trained_digits_model\n"
         "\n"
         "model, data = trained_digits_model('prelu')\n"
         "report = analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation,\n"
@@ -655,7 +655,7 @@ TRANSFORMER_EAGER = [
     (
         "code",
         "from qreport_widgets import ModuleSettings, analyze\n"
-        "from qreport_widgets.digits import trained_digits_model\n"
+        "from qreport_widgets.demo.digits import trained_digits_model\n"
         "\n"
         "model, data = trained_digits_model('bert')\n"
         "report = analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation,\n"
@@ -676,7 +676,7 @@ TRANSFORMER_EAGER = [
     ),
     (
         "code",
-        "from qreport_widgets.engine import Variant\n"
+        "from qreport_widgets.engines.contract import Variant\n"
         "\n"
         "linears = [m.fqn for m in session.modules if m.type_name == 'Linear']\n"
         "simulated = {}\n"
@@ -743,7 +743,7 @@ SIZE_BUDGET = [
     (
         "code",
         "from qreport_widgets import analyze\n"
-        "from qreport_widgets.digits import trained_digits_model\n"
+        "from qreport_widgets.demo.digits import trained_digits_model\n"
         "\n"
         "quiet = lambda done, total: None\n"
         "model, data = trained_digits_model('bert')\n"

@@ -7,9 +7,9 @@ import html
 import ipywidgets as w
 import pandas as pd
 
-from ..protocols import ReportSource, TuningSession
 from .controls import ExploreControls
 from .graph_view import GraphPane
+from .protocols import ReportSource, TuningSession
 from .tune_controller import error_html
 from .tuning import TuningPanel
 from .views import ExploreViews, ModuleCard

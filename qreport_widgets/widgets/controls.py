@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 import traitlets
 
-from .. import features as F
-from ..frame import ReportFrame
+from ..core import features as F
+from ..observe.frame import ReportFrame
 from .views import ACTIVATION_VALUES, ALL_MODULES, View, flagged_modules, readable
 
 

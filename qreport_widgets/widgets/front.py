@@ -12,8 +12,8 @@ import ipywidgets as w
 import numpy as np
 import pandas as pd
 
-from ..run import RunResult
-from ..settings import ModuleSettings
+from ..engines.settings import ModuleSettings
+from ..tune.run import RunResult
 from .tune_controller import TuneController
 
 SQNR, METRIC = "output SQNR", "your metric"

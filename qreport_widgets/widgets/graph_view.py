@@ -17,9 +17,9 @@ import bqplot as bq
 import ipywidgets as w
 import numpy as np
 
-from .. import features as F
-from ..graph_layout import NODE_LIMIT, GraphLayout, LaidNode, lay_out
-from ..protocols import ReportSource, TuningSession
+from ..core import features as F
+from ..observe.graph_layout import NODE_LIMIT, GraphLayout, LaidNode, lay_out
+from .protocols import ReportSource, TuningSession
 
 GOOD, MIDDLE, BAD = "#1a9850", "#fee08b", "#d73027"
 NO_VALUE, JOIN = "#d9d9d9", "#ffffff"

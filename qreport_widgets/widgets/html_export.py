@@ -31,13 +31,13 @@ from comm.base_comm import BaseComm
 from ipywidgets.embed import dependency_state, embed_data
 from jupyter_core.paths import jupyter_path
 
-from .. import features as F
 from .._version import __version__
+from ..core import features as F
 from ..errors import QReportError
-from ..frame import MODULE
-from ..protocols import ReportSource, TuningSession
+from ..observe.frame import MODULE
 from .controls import feature_options, preferred_feature
 from .graph_view import GraphPane
+from .protocols import ReportSource, TuningSession
 from .runs import LayersChart, RunsTable, number
 from .views import ExploreViews, View
 

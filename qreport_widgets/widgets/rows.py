@@ -11,8 +11,8 @@ from ipywidgets.widgets.widget_description import DescriptionStyle
 from ipywidgets.widgets.widget_string import HTMLStyle
 from traitlets import Bool, Instance, Unicode, observe
 
+from ..engines.settings import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, Setting, TunableModule, validate
 from ..errors import InvalidSettingsError
-from ..settings import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, Setting, TunableModule, validate
 
 STATIC, DYNAMIC = "static", "dynamic"
 PER_TENSOR, PER_CHANNEL = "per-tensor", "per-channel"

@@ -19,21 +19,21 @@ from typing import TYPE_CHECKING, TypeVar
 
 from traitlets import Bool, Float, HasTraits, Int, Tuple, Unicode
 
+from ..core.progress import Progress
+from ..engines.settings import ModuleSettings, validate_all
 from ..errors import InvalidSettingsError, ModelReleasedError
-from ..progress import Progress
-from ..run import ReleasedModel
-from ..settings import ModuleSettings, validate_all
-from ..truth import KERNEL_AGREEMENT_DB
-from ..verify import nan_equalization_metric
+from ..tune.run import ReleasedModel
+from ..tune.truth import KERNEL_AGREEMENT_DB
+from ..tune.verify import nan_equalization_metric
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ..diagnosis import ReachPlan
-    from ..protocols import ReportSource, TuningSession
-    from ..run import RunResult
-    from ..truth import TruthCheck
-    from ..verify import VerifiedSuggestions
+    from ..tune.diagnosis import ReachPlan
+    from ..tune.run import RunResult
+    from ..tune.truth import TruthCheck
+    from ..tune.verify import VerifiedSuggestions
+    from .protocols import ReportSource, TuningSession
 
 RED, GREEN, GREY = "#b00", "#070", "#444"
 UNVERIFIED = f"<span style='color:{RED}'>Unverified: the simulation differs from the real model here.</span>"

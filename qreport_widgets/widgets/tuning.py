@@ -10,13 +10,13 @@ from dataclasses import replace
 import ipywidgets as w
 import pandas as pd
 
-from ..protocols import ReportSource, TuningSession
-from ..run import RunResult
-from ..settings import ModuleSettings, Setting, kept_float
-from ..truth import KERNEL_AGREEMENT_DB
-from ..verify import VerifiedSuggestions
+from ..engines.settings import ModuleSettings, Setting, kept_float
+from ..tune.run import RunResult
+from ..tune.truth import KERNEL_AGREEMENT_DB
+from ..tune.verify import VerifiedSuggestions
 from .front import SizeFrontPane
 from .plots import scrolling_table
+from .protocols import ReportSource, TuningSession
 from .rows import SettingsRow, row_parts
 from .runs import LayersChart, RunsTable
 from .sensitivity import SensitivityPane

@@ -13,8 +13,8 @@ import ipywidgets as w
 import numpy as np
 import pandas as pd
 
-from .. import features as F
-from ..frame import MODULE, ReportFrame
+from ..core import features as F
+from ..observe.frame import MODULE, ReportFrame
 from .plots import HistogramView, LineView, scrolling_table, trimmed_histogram
 
 ALL_MODULES = ""

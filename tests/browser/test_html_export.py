@@ -13,7 +13,7 @@ import pytest
 from test_quickstart_browser import CHROME_ARGS, CHROMIUM
 
 from qreport_widgets import analyze, load_report
-from qreport_widgets.digits import trained_digits_model
+from qreport_widgets.demo.digits import trained_digits_model
 
 DRAWN = "() => !document.getElementById('qreport-figures-note') && document.querySelectorAll('.bqplot').length > 0"
 

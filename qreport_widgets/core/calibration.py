@@ -1,0 +1,141 @@
+"""Running calibration data through a model: one loop, a progress bar, errors that name the batch."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import CalibrationError, NotCalibratedError
+
+CalibrationData = Union[Iterable[Any], Callable[[torch.nn.Module], Any]]
+
+
+@contextmanager
+def torch_warnings_hidden() -> Iterator[None]:
+    """torch's own warnings hidden for the duration (its observers warn "Please use quant_min and
+    quant_max" hundreds of times per run); the package's own warnings still show."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"torch(\.|$)")
+        yield
+
+
+def call_with(model: torch.nn.Module, batch: Any) -> Any:
+    """A batch is a tuple of positional inputs, a dict of keyword inputs, or one input."""
+    if isinstance(batch, tuple):
+        return model(*batch)
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    return model(batch)
+
+
+def calibrate(
+    model: torch.nn.Module,
+    data: CalibrationData,
+    *,
+    desc: str = "calibrating",
+    progress: bool = True,
+    on_batch: Callable[[int, int | None], None] | None = None,
+    keep: list[Any] | None = None,
+) -> int:
+    """Run every batch through ``model`` without gradients; return how many batches ran.
+
+    ``on_batch(done, total)`` is called after each batch (a widget's progress bar, say); each
+    batch that ran is appended to ``keep`` when one is given (for data that can be read once).
+    """
+    model.eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if callable(data):
+            try:
+                data(model)
+            except Exception as error:  # user code: re-raise with the step named
+                raise CalibrationError(f"{desc}: the calibration callable raised {type(error).__name__}: {error}") from error
+            return -1
+        try:
+            total = len(data)  # type: ignore[arg-type]
+        except TypeError:
+            total = None
+        count = 0
+        iterator = iter(data)
+        bar = tqdm(total=total, desc=desc, unit="batch", disable=not progress, leave=False)
+        try:
+            while True:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    break
+                except Exception as error:
+                    raise CalibrationError(
+                        f"{desc}: the calibration data iterator raised {type(error).__name__} while producing "
+                        f"batch {count}: {error}"
+                    ) from error
+                try:
+                    call_with(model, batch)
+                except Exception as error:
+                    hints = _labels_hint(batch, count) + _non_finite_hint(batch, count) + _device_hint(model, batch, count)
+                    raise CalibrationError(
+                        f"{desc}: batch {count} failed in the model's forward ({type(error).__name__}: {error}). "
+                        f"{hints}Check that batch {count} has the shape and dtype the model expects; a tuple is "
+                        "passed as positional inputs, a dict as keyword inputs."
+                    ) from error
+                count += 1
+                if keep is not None:
+                    keep.append(batch)
+                bar.update()
+                if on_batch is not None:
+                    on_batch(count, total)
+        finally:
+            bar.close()
+    if count == 0:
+        raise NotCalibratedError(f"{desc}: the calibration data produced no batch; pass a non-empty iterable")
+    return count
+
+
+def _labels_hint(batch: Any, count: int) -> str:
+    """A DataLoader of a labelled data set yields [inputs, labels]: say so, and how to drop the labels."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2 or not all(isinstance(b, torch.Tensor) for b in batch):
+        return ""
+    inputs, labels = batch
+    if labels.is_floating_point() or labels.dim() > 1 or (labels.dim() == 1 and len(labels) != len(inputs)):
+        return ""
+    kind = "list" if isinstance(batch, list) else "tuple"
+    return (
+        f"Batch {count} looks like (inputs, labels): a {kind} of a {tuple(inputs.shape)} tensor and "
+        f"{tuple(labels.shape)} integer labels, and the whole {kind} reaches the model. Pass the inputs only, "
+        "e.g. `[(images,) for images, _labels in loader]`. "
+    )
+
+
+def is_one_shot(data: Any) -> bool:
+    """Whether ``data`` is an iterator (a generator, say) that is used up by reading it once."""
+    return not callable(data) and iter(data) is data
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else [batch]
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _device_hint(model: torch.nn.Module, batch: Any, index: int) -> str:
+    weights = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    inputs = {t.device for t in _tensors(batch)}
+    if len(weights) == 1 and inputs and inputs != weights:
+        (device,) = weights
+        on = ", ".join(sorted(str(d) for d in inputs))
+        return f"Batch {index} is on {on} but the model is on {device}; move the batch there with .to('{device}'). "
+    return ""
+
+
+def _non_finite_hint(batch: Any, index: int) -> str:
+    for value in _tensors(batch):
+        if value.is_floating_point() and not value.is_meta and not bool(torch.isfinite(value).all()):
+            return (
+                f"Batch {index} contains NaN or inf values, which torch's quantization observers cannot take; "
+                "qreport_widgets.analyze() reports on such data, but quantizing needs finite calibration data. "
+            )
+    return ""

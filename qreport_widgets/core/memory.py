@@ -1,0 +1,129 @@
+"""Keeping the process's memory to what a step needs: copies that share the weights they only
+read, weights equal across prepares held once, and no model kept alive by torch's own caches."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import FloatModelChangedError
+
+# functools caches keyed by a module, in torch's FX quantization and in torchao's PT2E: every model
+# prepared or converted would stay alive, weights and all, for the life of the process (measured on
+# a ResNet-50: one baseline run and the simulation left six models' worth of weights held)
+_MODEL_CACHES = (
+    ("torch.ao.quantization.fx.utils", "assert_and_get_unique_device"),
+    ("torchao.utils", "_assert_and_get_unique_device"),
+)
+
+
+@contextlib.contextmanager
+def models_forgotten() -> Iterator[None]:
+    """Makes torch's and torchao's prepare and convert forget the models they saw in the block."""
+    try:
+        yield
+    finally:
+        forget_models()
+
+
+def forget_models() -> None:
+    """Empties the caches that keep prepared and converted models alive (those already imported)."""
+    for module_name, function in _MODEL_CACHES:
+        module = sys.modules.get(module_name)
+        clear = getattr(getattr(module, function, None), "cache_clear", None)
+        if clear is not None:
+            clear()
+
+
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are the original's own tensors.
+
+    For a step that builds a new model around the weights without writing to them (``prepare_fx``
+    and ``convert_fx``, ``torch.export``, torchao's ``quantize_``: each assigns new tensors where it
+    changes a weight): the modules are new, so attributes set on them (a qconfig, a replaced child,
+    a new weight) leave ``model`` alone, and the weights are not held twice. Nothing may write into
+    the copy's weights in place (``weight.data = ...``, ``weight.mul_()``): that would change ``model``.
+    """
+    memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+class WatchedCopy:
+    """A shared copy of the user's float model (``shared_copy``: its own modules, the user's
+    weights) that notices when those weights are changed in place afterwards.
+
+    Holding a deep copy for the session would cost the model's size again for its whole life. The
+    weights are shared instead, and each one's version counter (every in-place write, an optimizer
+    step or a batch norm's running statistics in training mode, moves it) is checked whenever the
+    session reads the model: a changed weight raises ``FloatModelChangedError`` naming it, rather
+    than tuning a model that is no longer the one analyzed. Assigning a new tensor to the user's
+    module (``module.weight = ...``) leaves the copy as it was.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = shared_copy(model).eval()
+        self._versions = {name: tensor._version for name, tensor in _weights(self._model)}
+
+    @property
+    def model(self) -> nn.Module:
+        """The copy, after ``check()``."""
+        self.check()
+        return self._model
+
+    def check(self) -> None:
+        """Raises ``FloatModelChangedError`` if a weight was changed in place since the copy was made."""
+        changed = [name for name, tensor in _weights(self._model) if self._versions.get(name) != tensor._version]
+        if changed:
+            shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            raise FloatModelChangedError(
+                f"the float model's weights were changed in place after it was analyzed ({shown}); the session "
+                "shares them rather than holding a copy. Run analyze() again on the model as it is now, or, to "
+                "keep tuning the model as it was, analyze a copy of it (analyze(copy.deepcopy(model), ...)) "
+                "before changing it"
+            )
+
+
+def _weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from ((name, b) for name, b in model.named_buffers(remove_duplicate=False) if b is not None)
+
+
+class WeightPool:
+    """Weights held once: a model added to the pool has each parameter replaced by an equal one
+    (same name, shape, dtype and values) that an earlier model already holds.
+
+    Each ``prepare_fx`` folds batch norms into new conv weights, equal from one prepare to the
+    next: the report's model, the simulation's and each run's would otherwise hold a copy each.
+    The pool refers to the weights weakly: it keeps nothing alive by itself.
+    """
+
+    def __init__(self) -> None:
+        self._by_name: weakref.WeakValueDictionary[str, nn.Parameter] = weakref.WeakValueDictionary()
+
+    def share(self, model: nn.Module) -> nn.Module:
+        """Replace ``model``'s parameters by the pool's equal ones, and add the others; returns ``model``."""
+        with torch.no_grad():
+            for prefix, module in model.named_modules(remove_duplicate=False):
+                for name, parameter in list(module._parameters.items()):
+                    if parameter is None:
+                        continue
+                    key = f"{prefix}.{name}" if prefix else name
+                    held = self._by_name.get(key)
+                    if held is parameter:
+                        continue
+                    if held is not None and _same(held, parameter):
+                        module._parameters[name] = held
+                    else:
+                        self._by_name[key] = parameter
+        return model
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))

@@ -1,0 +1,299 @@
+"""The contract between the engine-neutral core and one quantization workflow.
+
+An engine is one package (``fx/``, ``pt2e/``) with one ``Engine`` subclass, registered by name in
+``engines.py``. The analysis asks it what to observe (``observe``); the session asks it to prepare,
+convert and measure; nothing outside the engine's package names its workflow. The abstract
+methods are what every engine must do; the others have a default body that says what an engine
+without that ability does, so the core never probes an engine or compares its name.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+
+import pandas as pd
+import torch
+import torch.fx
+
+from ..core.calibration import call_with
+from .settings import ModuleSettings, Setting, TunableModule
+from .sizes import packed_bytes, weight_bytes
+
+if TYPE_CHECKING:
+    from ..observe.graph import ModelGraph
+
+ConfigT = TypeVar("ConfigT")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What ``analyze()`` and ``QuantizationSession`` pass to the engine they name; each engine takes
+    the options of its workflow and refuses the others' (``Engine.from_options``)."""
+
+    backend: str = "x86"
+    qconfig_mapping: Any = None  # FX: the starting QConfigMapping
+    prepare_custom_config: Any = None  # FX: passed to every prepare_fx
+    quantizer: Any = None  # PT2E: the starting torchao quantizer
+    format: str | None = None  # eager: the starting format of every Linear layer
+
+    def given(self) -> set[str]:
+        """The workflow options that were set (``backend`` aside: an engine reads it or has none)."""
+        names = ("qconfig_mapping", "prepare_custom_config", "quantizer", "format")
+        return {name for name in names if getattr(self, name) is not None}
+
+    def refuse(self, engine: str, allowed: Iterable[str], instead: str) -> None:
+        """A ValueError naming ``engine`` when an option outside ``allowed`` was set."""
+        foreign = sorted(self.given() - set(allowed))
+        if foreign:
+            names = " and ".join(f"{name}=" for name in foreign)
+            raise ValueError(f"{names} {'is' if len(foreign) == 1 else 'are'} not for engine={engine!r}; {instead}")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the analysis instruments: ``model`` (a GraphModule the report's observers go into, or a
+    model run eagerly whose ``graph`` maps its modules' tensors, observed by hooks), ``graph_of``
+    (how its units and channel axes are read) and the tunable modules of the start."""
+
+    model: torch.nn.Module
+    graph_of: Callable[[Any], ModelGraph]
+    modules: list[TunableModule]
+
+
+@dataclass(frozen=True)
+class RunNotes:
+    """What a run's numbers need said: run-level lines, and per module what it did not carry out."""
+
+    notes: tuple[str, ...] = ()
+    module_notes: Mapping[str, str] = field(default_factory=dict)
+
+
+class Engine(ABC, Generic[ConfigT]):
+    """prepare -> (calibrate, done by the session) -> convert, what a run measures, and a simulation.
+
+    ``ConfigT`` is the engine's own configuration (FX: a QConfigMapping and an equalization
+    mapping; PT2E: a quantizer set-up); the core only passes it back to the engine.
+    """
+
+    name: ClassVar[str]  # the name analyze(engine=...) takes
+
+    @classmethod
+    @abstractmethod
+    def from_options(cls, options: EngineOptions) -> Engine[ConfigT]:
+        """The engine for ``options``; a ValueError naming the engine for options it does not take."""
+
+    # ---- observation ----------------------------------------------------------------------------
+    @abstractmethod
+    def observe(self, float_model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> Observation:
+        """What the analysis instruments for ``float_model`` (which it must not change)."""
+
+    # ---- configuration --------------------------------------------------------------------------
+    @abstractmethod
+    def base_config(self) -> ConfigT:
+        """The starting configuration (what the baseline run uses)."""
+
+    @abstractmethod
+    def config_for(self, settings: Mapping[str, ModuleSettings], modules: Sequence[TunableModule]) -> ConfigT:
+        """The starting configuration with ``settings`` (already validated) applied to those modules."""
+
+    @abstractmethod
+    def config_as_code(self, config: ConfigT) -> str:
+        """Python that rebuilds ``config``, to paste into a pipeline."""
+
+    def config_of_mapping(self, qconfig_mapping: Any, equalization_mapping: Any = None) -> ConfigT:
+        """A configuration from a hand-written QConfigMapping (``session.run``). Default: refused,
+        for engines that are not configured by QConfigMappings."""
+        raise TypeError(f"run(qconfig_mapping) is for the FX engine; this session uses {self.name}: use apply(settings)")
+
+    def qconfig_mapping_of(self, config: ConfigT) -> Any:
+        """The QConfigMapping in ``config`` (``RunResult.qconfig_mapping``). Default: None."""
+        return None
+
+    def equalization_mapping_of(self, config: ConfigT) -> Any:
+        """The equalization mapping in ``config`` (``RunResult.equalization_mapping``). Default: None."""
+        return None
+
+    # ---- the workflow ---------------------------------------------------------------------------
+    @abstractmethod
+    def prepare(self, float_model: torch.nn.Module, config: ConfigT, example_inputs: tuple[Any, ...]) -> torch.nn.Module:
+        """A copy of ``float_model`` with observers, ready for calibration (``float_model`` is unchanged)."""
+
+    @abstractmethod
+    def tunable_modules(self, prepared: torch.nn.Module) -> list[TunableModule]:
+        """The modules whose settings can be changed, in forward order, with what they do now."""
+
+    @abstractmethod
+    def convert(self, prepared: torch.nn.Module) -> torch.nn.Module:
+        """The quantized model of a calibrated prepared model."""
+
+    def calibrates(self, config: ConfigT) -> bool:
+        """Whether a run with ``config`` needs the calibration data before ``convert``. Default:
+        True (static activations observe it); an engine whose formats need none says False."""
+        return True
+
+    def observers_paused(self, prepared: torch.nn.Module) -> AbstractContextManager[None]:
+        """The engine's own observers pass tensors through untouched while the context is open.
+        Default: nothing to pause."""
+        return nullcontext()
+
+    # ---- what a run measures --------------------------------------------------------------------
+    @abstractmethod
+    def per_layer_sqnr(self, float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
+        """SQNR (dB) of each layer's output, quantized model against float, on one batch."""
+
+    @abstractmethod
+    def conversions(self, prepared: torch.nn.Module, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """(per layer type: total / quantized / float, per module: float type -> converted type)."""
+
+    def deployed_bytes(self, quantized: torch.nn.Module) -> int:
+        """The quantized model as a deployed (packed) layout stores it (``RunResult.deployed_bytes``).
+        Default: its state dict counted by ``sizes.packed_bytes`` (int8 one byte, scales four)."""
+        return packed_bytes(quantized)
+
+    # ---- mixed precision (mixed.py) -------------------------------------------------------------
+    def size_choices(self, module: TunableModule) -> list[ModuleSettings]:
+        """What the size front may give ``module``, its starting settings first: each changes its
+        deployed size. Default (int8 engines): a quantized module with weights stays as it starts,
+        or is kept float, or where it starts per-tensor takes per-channel weights; nothing for the
+        others."""
+        start = module.current
+        if start.keep_float or not module.weighted:
+            return []
+        found = [start]
+        if module.allows(Setting.KEEP_FLOAT):
+            found.append(ModuleSettings(keep_float=True))
+        if not start.per_channel and module.allows(Setting.PER_CHANNEL):
+            found.append(replace(start, per_channel=True))
+        return found if len(found) > 1 else []
+
+    def module_bytes(self, float_module: torch.nn.Module, choice: ModuleSettings) -> int:
+        """``float_module``'s weight as deployed with ``choice``, counted as ``deployed_bytes``
+        counts it; only differences between choices matter. Default: ``sizes.weight_bytes``."""
+        return weight_bytes(float_module, choice)
+
+    def reference_model(self, prepared: torch.nn.Module) -> torch.nn.Module | None:
+        """The reference quantized model of the calibrated ``prepared`` (float ops between quantize
+        and dequantize, what the simulation follows), taken before ``convert``; ``prepared`` is not
+        changed. Default: None, for an engine whose ``convert`` gives reference ops already."""
+        return None
+
+    def kernel_sqnr(self, reference: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
+        """SQNR (dB) of each quantized module's real kernel against ``reference``'s module on the
+        same quantized input, on one batch: low where a kernel computes something else than its
+        reference. Default: empty (``reference_model`` gave None)."""
+        return pd.Series(dtype=float, name="kernel SQNR (dB)")
+
+    def per_layer_failure(self, error: Exception) -> str:
+        """Why per-layer SQNR is missing when ``per_layer_sqnr`` raised ``error``, in words."""
+        return f"the layers could not be read ({type(error).__name__})"
+
+    def run_notes(self, config: ConfigT, quantized: torch.nn.Module) -> RunNotes:
+        """What ``config`` asked that ``quantized`` does not do, per module (a silent no-op shown),
+        and anything else the run's numbers need said. Default: nothing (an engine that carries
+        out its configuration or raises)."""
+        return RunNotes()
+
+    def equalization_float_error(
+        self,
+        float_model: torch.nn.Module,
+        config: ConfigT,
+        example_inputs: tuple[Any, ...],
+        calibrate: Callable[[torch.nn.Module], None],
+        batch: Any,
+    ) -> float:
+        """How far input-weight equalization under ``config`` moves the float model's output
+        (relative error on ``batch``; 0 when exact). Default: NaN, for engines without equalization."""
+        return math.nan
+
+    # ---- the simulation -------------------------------------------------------------------------
+    @abstractmethod
+    def simulator(
+        self,
+        prepared: torch.nn.Module,
+        modules: Sequence[TunableModule],
+        float_model: torch.nn.Module,
+        example_inputs: tuple[Any, ...],
+        calibrate: Callable[[torch.nn.Module], None],
+    ) -> Simulation:
+        """From ``prepared`` (``float_model`` prepared with the starting configuration, calibrated): a
+        simulation in which any set of ``modules`` can be kept float without calibrating again
+        (``calibrate(model)`` runs the calibration data, for variants that observe something new)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration to simulate, relative to the starting one: modules kept float, modules
+    whose weights are quantized with the other scheme (per channel where they start per tensor, or
+    the reverse), on an engine with formats modules given other settings (module, settings), and
+    where the engine offers them, modules with another activation observer or dynamic activations."""
+
+    float_modules: frozenset[str] = frozenset()
+    other_weights: frozenset[str] = frozenset()
+    settings: frozenset[tuple[str, ModuleSettings]] = frozenset()
+    observers: frozenset[tuple[str, str]] = frozenset()  # (module, activation observer of its output)
+    dynamic: frozenset[str] = frozenset()  # modules whose input is quantized per batch (dynamic activations)
+
+    @staticmethod
+    def of(variant: Variant | Iterable[str]) -> Variant:
+        """A Variant as is; any other iterable as the names of the modules kept float."""
+        return variant if isinstance(variant, Variant) else Variant(frozenset(variant))
+
+
+class WholePasses:
+    """``outputs`` and ``outputs_each`` of a simulation whose ``configure(variant)`` makes ``model``
+    the variant's model, run as whole forward passes (PT2E, eager)."""
+
+    model: torch.nn.Module
+
+    def configure(self, variant: Variant | Iterable[str] = ()) -> None:
+        raise NotImplementedError
+
+    def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]:
+        self.configure(variant)
+        with torch.no_grad():
+            return [call_with(self.model, batch) for batch in batches]
+
+    def outputs_each(
+        self, batches: Sequence[Any], variants: Sequence[Variant | Iterable[str]], step: Callable[[], None] | None = None
+    ) -> list[list[Any]]:
+        found = []
+        for variant in variants:
+            self.configure(variant)
+            outputs = []
+            with torch.no_grad():
+                for batch in batches:
+                    outputs.append(call_with(self.model, batch))
+                    if step is not None:
+                        step()
+            found.append(outputs)
+        return found
+
+
+class Simulation(Protocol):
+    """The starting configuration calibrated once, in which modules can be switched per Variant."""
+
+    model: torch.nn.Module  # the simulated model as last configured
+    tunable: Sequence[str]  # the modules diagnosis ranks, in forward order (a Variant may keep any tunable module float)
+
+    def configure(self, variant: Variant | Iterable[str] = ()) -> None:
+        """Make ``model`` the simulated model of ``variant``."""
+
+    def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]:
+        """The simulated model's outputs on ``batches`` under ``variant``."""
+
+    def outputs_each(
+        self, batches: Sequence[Any], variants: Sequence[Variant | Iterable[str]], step: Callable[[], None] | None = None
+    ) -> list[list[Any]]:
+        """``outputs(batches, v)`` for each variant; ``step()`` after each variant and batch."""
+
+    def local_sqnr(self, batch: Any) -> dict[str, float]:
+        """Each tunable module's own error (dB): quantized, on the float model's input to it."""
+
+    def run_real_kernels(self, quantized: torch.nn.Module, names: Iterable[str]) -> list[str]:
+        """Compute the modules ``names`` with ``quantized``'s kernels instead of their reference
+        (where the real kernels disagree with it); the names it now runs real kernels for."""

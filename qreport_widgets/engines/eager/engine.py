@@ -1,0 +1,284 @@
+"""torchao's eager API (``quantize_``) as an engine: no graph, no tracing, no calibration.
+
+The analysis hooks observers on the float model's leaf modules (``trace.py``); a run deep-copies
+the float model and applies every module's format with one ``quantize_(copy, FqnToConfig(...))``.
+The formats (``formats.py``) are what transformers are quantized to today: int8 dynamic activations
+with int8 weights, int8 or group-wise int4 weight-only, dynamic int8 with int4 weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+from ...core.calibration import call_with
+from ...core.memory import shared_copy
+from ...core.metrics import sqnr_db
+from ...errors import QReportError
+from ...tune.run import conversion_tables
+from ..contract import Engine, EngineOptions, Observation, RunNotes
+from ..settings import GROUPED_FORMATS, ModuleSettings, Setting, TunableModule
+from .formats import (
+    INT4_WEIGHT_ONLY,
+    INT8_DYNAMIC,
+    INT8_DYNAMIC_INT4,
+    INT8_WEIGHT_ONLY,
+    QUANTIZED_FORMATS,
+    EagerConfig,
+    deployed_bytes,
+    is_quantized_weight,
+    offered,
+    torchao_eager,
+)
+from .simulate import EagerSimulation
+from .trace import eager_graph, observed_modules
+
+__all__ = ["EagerConfig", "EagerEngine", "FormatError"]
+
+WEIGHTED = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)  # the modules whose weights a format can take
+FORMAT_ONLY = "on engine='eager' the format says it (int8-dynamic quantizes activations per token at run time)"
+UNAVAILABLE = {
+    Setting.DYNAMIC: FORMAT_ONLY,
+    Setting.PER_CHANNEL: "torchao's formats quantize int8 weights per row and int4 weights per group: choose the format",
+    Setting.EQUALIZE: "input-weight equalization is FX only",
+    Setting.OBSERVER: "torchao's formats observe nothing: weights are quantized as they are, activations per token",
+}
+INT4_NOTE = (
+    "int4 weights: torchao keeps them unpacked in int8 on an x86 CPU (IntxUnpackedToInt8Tensor) and runs a "
+    "reference kernel (dequantize, then a float matmul); latency is of that kernel, the size in this process "
+    "counts them as int8, 'deployed' as 4 bits"
+)
+INT8_WEIGHT_ONLY_NOTE = "int8 weight-only: torchao's CPU kernel converts the int8 weights to float on each call"
+INT8_DYNAMIC_NOTE = (
+    "int8 dynamic: torchao's CPU kernel (torch._int_mm on each batch's int8 activations) is written for "
+    "torch.compile to fuse; run eagerly, as here, it can be many times slower than int8 weight-only: its "
+    "latency here is not a deployed one"
+)
+
+
+class FormatError(QReportError, RuntimeError):
+    """torchao could not apply a format to a module."""
+
+
+class EagerEngine(Engine[EagerConfig]):
+    """``quantize_(copy, FqnToConfig({module: config}))`` per run.
+
+    Args:
+        format: the starting format of every ``nn.Linear`` (the baseline's); other modules start
+            float. Default ``"int8-dynamic"``, torchao's int8 dynamic activation, int8 weight format.
+    """
+
+    name = "eager"
+
+    def __init__(self, format: str = INT8_DYNAMIC) -> None:  # noqa: A002  (the word users know)
+        torchao_eager()  # a clear error naming the extra, before anything else
+        if format not in QUANTIZED_FORMATS:
+            raise ValueError(f"format must be one of {', '.join(QUANTIZED_FORMATS)}, got {format!r}")
+        self.start_format = format
+        self._configs: weakref.WeakKeyDictionary[nn.Module, EagerConfig] = weakref.WeakKeyDictionary()
+        self._sizes: dict[tuple, int] = {}  # module_bytes, per module shape and choice
+
+    @classmethod
+    def from_options(cls, options: EngineOptions) -> EagerEngine:
+        options.refuse("eager", ("format",), "with engine='eager' pass format= (the starting format of Linear layers)")
+        return cls(options.format or INT8_DYNAMIC)
+
+    # ---- observation ----------------------------------------------------------------------------
+    def observe(self, float_model: nn.Module, example_inputs: tuple[Any, ...]) -> Observation:
+        """Observers hooked on a copy's leaf modules (``float_model`` keeps no hook); the tunable
+        modules with the starting formats."""
+        observed = observed_modules(shared_copy(float_model), _inputs_of(example_inputs))  # hooks read, never write
+        modules = self._tunable(float_model, self.base_config().resolved(float_model))
+        weights = {m.fqn: True for m in modules if not m.current.keep_float}  # int8 per row, int4 per group
+        return Observation(observed, lambda model: eager_graph(model, weights), modules)
+
+    # ---- configuration --------------------------------------------------------------------------
+    def base_config(self) -> EagerConfig:
+        return EagerConfig(linears=self.start_format)
+
+    def config_for(self, settings: Mapping[str, ModuleSettings], modules: Sequence[TunableModule]) -> EagerConfig:
+        return EagerConfig.of({m.fqn: settings.get(m.fqn, m.current) for m in modules})
+
+    def config_as_code(self, config: EagerConfig) -> str:
+        return config.as_code()
+
+    def calibrates(self, config: EagerConfig) -> bool:
+        return False  # weight-only formats observe nothing; dynamic ones quantize each batch as it comes
+
+    # ---- the workflow ---------------------------------------------------------------------------
+    def prepare(self, float_model: nn.Module, config: EagerConfig, example_inputs: tuple[Any, ...]) -> nn.Module:
+        """A copy of ``float_model`` (sharing its weights: ``quantize_`` assigns new ones); ``convert``
+        applies ``config``'s formats to it."""
+        model = shared_copy(float_model).eval()
+        self._configs[model] = config.resolved(model)
+        return model
+
+    def tunable_modules(self, prepared: nn.Module) -> list[TunableModule]:
+        return self._tunable(prepared, self._config_of(prepared))
+
+    def convert(self, prepared: nn.Module) -> nn.Module:
+        config = self._config_of(prepared)
+        if not config.formats:
+            raise FormatError("every module is float: the result would be the float model. Choose a format for a Linear layer.")
+        try:
+            torchao_eager().quantize_(prepared, config.fqn_to_config(), filter_fn=None)
+        except Exception as error:  # name the module and format torchao failed on
+            raise FormatError(_failure(prepared, config, error)) from error
+        return prepared
+
+    # ---- what a run measures --------------------------------------------------------------------
+    def per_layer_sqnr(self, float_model: nn.Module, quantized: nn.Module, batch: Any) -> pd.Series:
+        """SQNR (dB) at each Linear / Embedding / Conv module's output, quantized against float."""
+        names = [fqn for fqn, module in float_model.named_modules() if isinstance(module, WEIGHTED)]
+        expected, found = module_outputs(float_model, names, batch), module_outputs(quantized, names, batch)
+        values = {fqn: sqnr_db(expected[fqn], found[fqn]) for fqn in names if fqn in expected and fqn in found}
+        return pd.Series(values, name="SQNR (dB)", dtype=float)
+
+    def conversions(self, prepared: nn.Module, quantized: nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
+        config = self._configs.get(prepared) or self._configs.get(quantized) or EagerConfig()
+        rows = []
+        for fqn, module in quantized.named_modules():
+            if not isinstance(module, WEIGHTED):
+                continue
+            weight = module.weight
+            chosen = config.formats.get(fqn)
+            described = "float" if chosen is None else _format_words(*chosen)
+            converted = f"{type(weight).__name__} ({described})" if is_quantized_weight(weight) else type(module).__name__
+            rows.append({"module": fqn, "float type": type(module).__name__, "converted type": converted,
+                         "quantized": is_quantized_weight(weight)})  # fmt: skip
+        return conversion_tables(rows)
+
+    def deployed_bytes(self, quantized: nn.Module) -> int:
+        return deployed_bytes(quantized)
+
+    def size_choices(self, module: TunableModule) -> list[ModuleSettings]:
+        """Float and every format the module takes, with each group size its rows divide into."""
+        found = [module.current]
+        for name in ("float", *QUANTIZED_FORMATS):
+            if not module.format_allowed(name):
+                continue
+            groups = module.group_sizes if name in GROUPED_FORMATS else (0,)
+            found += [c for g in groups if (c := ModuleSettings(format=name, group_size=g)) != module.current]
+        return found if len(found) > 1 else []
+
+    def module_bytes(self, float_module: nn.Module, choice: ModuleSettings) -> int:
+        """The module alone quantized by torchao in ``choice`` and counted as ``deployed_bytes``."""
+        weight, bias = float_module.weight, getattr(float_module, "bias", None)
+        key = (type(float_module), tuple(weight.shape), weight.dtype, bias is not None, choice)  # all the size depends on
+        if key not in self._sizes:
+            holder = nn.Sequential(copy.deepcopy(float_module))
+            if not choice.keep_float:
+                torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}).fqn_to_config(), filter_fn=None)
+            self._sizes[key] = deployed_bytes(holder)
+        return self._sizes[key]
+
+    def run_notes(self, config: EagerConfig, quantized: nn.Module) -> RunNotes:
+        """Which kernels torchao ran on this CPU, and per module a format it did not carry out."""
+        modules = dict(quantized.named_modules())
+        undone = {
+            fqn: f"asked {_format_words(*chosen)}, its weight stayed float"
+            for fqn, chosen in config.formats.items()
+            if not is_quantized_weight(getattr(modules.get(fqn), "weight", None))
+        }
+        used = {name for name, _ in config.formats.values()}
+        notes = [INT4_NOTE] if used & {INT4_WEIGHT_ONLY, INT8_DYNAMIC_INT4} else []
+        notes += [INT8_WEIGHT_ONLY_NOTE] if INT8_WEIGHT_ONLY in used else []
+        notes += [INT8_DYNAMIC_NOTE] if INT8_DYNAMIC in used else []
+        return RunNotes(tuple(notes), undone)
+
+    def per_layer_failure(self, error: Exception) -> str:
+        return f"the modules' outputs could not be read ({type(error).__name__}: {error})"
+
+    def simulator(
+        self,
+        prepared: nn.Module,
+        modules: Sequence[TunableModule],
+        float_model: nn.Module,
+        example_inputs: tuple[Any, ...],
+        calibrate: Callable[[nn.Module], None],
+    ) -> EagerSimulation:
+        return EagerSimulation(prepared, modules)
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _config_of(self, prepared: nn.Module) -> EagerConfig:
+        config = self._configs.get(prepared)
+        if config is None:
+            raise ValueError("this model was not prepared by this engine (EagerEngine.prepare)")
+        return config
+
+    def _tunable(self, model: nn.Module, config: EagerConfig) -> list[TunableModule]:
+        modules = []
+        for fqn, module in model.named_modules():
+            if not fqn or not isinstance(module, WEIGHTED) or next(module.children(), None) is not None:
+                continue
+            formats, groups = offered(module)
+            chosen = config.formats.get(fqn)
+            current = (
+                ModuleSettings(format="float")
+                if chosen is None
+                else ModuleSettings(format=chosen[0], group_size=chosen[1] if chosen[0] in GROUPED_FORMATS else 0)
+            )
+            unavailable = dict(UNAVAILABLE)
+            if not any(why == "" for name, why in formats.items() if name != "float"):
+                unavailable[Setting.MIGRATE] = "no quantized format applies to this module"
+            modules.append(TunableModule(fqn, type(module).__name__, current, unavailable, native=chosen,
+                                         formats=formats, group_sizes=groups))  # fmt: skip
+        return modules
+
+
+def module_outputs(model: nn.Module, names: Sequence[str], batch: Any) -> dict[str, torch.Tensor]:
+    """The first output of each named module on ``batch``."""
+    found: dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules())
+
+    def keep(name: str) -> Callable:
+        def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                found.setdefault(name, output.detach())
+
+        return hook
+
+    handles = [modules[n].register_forward_hook(keep(n)) for n in names if n in modules]
+    try:
+        with torch.no_grad():
+            call_with(model, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def _format_words(name: str, group: int) -> str:
+    return f"{name} (group {group})" if group else name
+
+
+def _failure(prepared: nn.Module, config: EagerConfig, error: Exception) -> str:
+    """Which module's format torchao failed on, tried one at a time on copies of the modules it had
+    not quantized yet."""
+    ao = torchao_eager()
+    modules = dict(prepared.named_modules())
+    for fqn, (name, group) in config.formats.items():
+        if is_quantized_weight(modules[fqn].weight):
+            continue
+        single = nn.Sequential(copy.deepcopy(modules[fqn]))
+        try:
+            ao.quantize_(single, EagerConfig({"0": (name, group)}).fqn_to_config(), filter_fn=None)
+        except Exception as cause:
+            return (
+                f"torchao could not apply {_format_words(name, group)} to {fqn} ({type(modules[fqn]).__name__}): "
+                f"{type(cause).__name__}: {cause}. Choose another format for it, or keep it float."
+            )
+    return f"torchao's quantize_ failed ({type(error).__name__}: {error}); every format applies to its module alone"
+
+
+def _inputs_of(example_inputs: Any) -> Any:
+    """One example batch as ``call_with`` takes it: a tuple of positional inputs, or a dict."""
+    if isinstance(example_inputs, tuple) and len(example_inputs) == 1 and isinstance(example_inputs[0], Mapping):
+        return example_inputs[0]
+    return example_inputs

@@ -1,0 +1,220 @@
+"""The formats of the eager engine, as torchao configs: which module can take which, the
+configuration of a run (one ``FqnToConfig``), its code, and a model's size as deployed.
+
+Facts from torchao 0.18 (checked on this package's test models): ``Int8Tensor`` implements
+linear and embedding, not convolution; ``IntxWeightOnlyConfig`` takes 2-d and 4-d weights (Linear,
+Embedding, Conv2d) whose rows divide into groups; ``Int8DynamicActivationIntxWeightConfig`` takes
+Linear weights only. On an x86 CPU, int4 weights stay unpacked in int8 (``IntxUnpackedToInt8Tensor``)
+and run as dequantize-then-float-matmul; the packed layouts need ARM KleidiAI, torchao's low-bit
+C++ kernels or CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import logging
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import MissingExtraError
+from ..settings import DEFAULT_GROUP_SIZE, FORMATS, GROUP_SIZES, GROUPED_FORMATS, ModuleSettings
+
+INT8_DYNAMIC, INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY, INT8_DYNAMIC_INT4 = FORMATS[1:]
+QUANTIZED_FORMATS = FORMATS[1:]
+NO_CONV_INT8 = "torchao's int8 tensors have no convolution (int4-weight-only applies to a Conv2d)"
+
+
+@functools.cache
+def torchao_eager() -> types.SimpleNamespace:
+    """torchao's ``quantize_`` and the configs of the formats, imported once; a clear error naming
+    the extra when torchao is missing."""
+    pytree_log = logging.getLogger("torch.utils._pytree")  # torchao registers an Enum torch now handles
+    level = pytree_log.level
+    try:
+        pytree_log.setLevel(logging.ERROR)
+        # torchao prints a line per optional CUDA kernel it cannot load on a CPU machine
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            from torchao.quantization import (
+                FqnToConfig,
+                Int8DynamicActivationInt8WeightConfig,
+                Int8DynamicActivationIntxWeightConfig,
+                Int8WeightOnlyConfig,
+                IntxWeightOnlyConfig,
+                quantize_,
+            )
+            from torchao.quantization.granularity import PerGroup, PerRow
+            from torchao.quantization.quant_primitives import MappingType
+            from torchao.quantization.quantize_.workflows import Int8Tensor, IntxUnpackedToInt8Tensor
+            from torchao.utils import TorchAOBaseTensor
+    except ImportError as error:
+        raise MissingExtraError(
+            f"the eager engine needs torchao ({error}); install it with: pip install 'qreport-widgets[eager]'"
+        ) from error
+    finally:
+        pytree_log.setLevel(level)
+    return types.SimpleNamespace(
+        quantize_=quantize_, FqnToConfig=FqnToConfig, PerGroup=PerGroup, PerRow=PerRow, MappingType=MappingType,
+        Int8DynamicActivationInt8WeightConfig=Int8DynamicActivationInt8WeightConfig,
+        Int8DynamicActivationIntxWeightConfig=Int8DynamicActivationIntxWeightConfig,
+        Int8WeightOnlyConfig=Int8WeightOnlyConfig, IntxWeightOnlyConfig=IntxWeightOnlyConfig,
+        Int8Tensor=Int8Tensor, IntxUnpackedToInt8Tensor=IntxUnpackedToInt8Tensor, TorchAOBaseTensor=TorchAOBaseTensor,
+    )  # fmt: skip
+
+
+def ao_config(name: str, group_size: int = 0) -> Any:
+    """The torchao config of one format (not "float")."""
+    ao = torchao_eager()
+    group = group_size or DEFAULT_GROUP_SIZE
+    if name == INT8_DYNAMIC:
+        return ao.Int8DynamicActivationInt8WeightConfig()
+    if name == INT8_WEIGHT_ONLY:
+        return ao.Int8WeightOnlyConfig()
+    if name == INT4_WEIGHT_ONLY:
+        return ao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=ao.PerGroup(group))
+    if name == INT8_DYNAMIC_INT4:
+        return ao.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=ao.PerGroup(group))
+    raise ValueError(f"no torchao config for format {name!r}")
+
+
+def config_code(name: str, group_size: int = 0) -> str:
+    """``ao_config(name, group_size)`` as Python (the names ``CODE_IMPORTS`` imports)."""
+    group = group_size or DEFAULT_GROUP_SIZE
+    return {
+        INT8_DYNAMIC: "Int8DynamicActivationInt8WeightConfig()",
+        INT8_WEIGHT_ONLY: "Int8WeightOnlyConfig()",
+        INT4_WEIGHT_ONLY: f"IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup({group}))",
+        INT8_DYNAMIC_INT4: (
+            f"Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup({group}))"
+        ),
+    }[name]
+
+
+CODE_IMPORTS = (
+    "import torch\n"
+    "from torchao.quantization import (\n"
+    "    FqnToConfig,\n"
+    "    Int8DynamicActivationInt8WeightConfig,\n"
+    "    Int8DynamicActivationIntxWeightConfig,\n"
+    "    Int8WeightOnlyConfig,\n"
+    "    IntxWeightOnlyConfig,\n"
+    "    quantize_,\n"
+    ")\n"
+    "from torchao.quantization.granularity import PerGroup\n"
+)
+
+
+def offered(module: nn.Module) -> tuple[dict[str, str], tuple[int, ...]]:
+    """What torchao can apply to ``module``: format -> why not ("" where it applies; "float" always),
+    and the group sizes its weight's rows divide into (for the int4 formats)."""
+    weight = getattr(module, "weight", None)
+    width = int(weight.shape[1]) if isinstance(weight, torch.Tensor) and weight.dim() >= 2 else 0
+    groups = tuple(g for g in GROUP_SIZES if width and width % g == 0)
+    sizes = ", ".join(map(str, GROUP_SIZES))
+    no_groups = f"int4 weights are grouped along rows of {width}, which no group size ({sizes}) divides"
+    int4 = "" if groups else no_groups
+    if isinstance(module, nn.Linear):
+        return {"float": "", INT8_DYNAMIC: "", INT8_WEIGHT_ONLY: "", INT4_WEIGHT_ONLY: int4, INT8_DYNAMIC_INT4: int4}, groups
+    if isinstance(module, nn.Embedding):
+        no_activation = "an embedding looks rows up: it has no activations to quantize (use a weight-only format)"
+        return {"float": "", INT8_DYNAMIC: no_activation, INT8_WEIGHT_ONLY: "", INT4_WEIGHT_ONLY: int4,
+                INT8_DYNAMIC_INT4: no_activation}, groups  # fmt: skip
+    if isinstance(module, nn.Conv2d):
+        dynamic_int4 = "torchao's dynamic int8 + int4 format takes Linear weights only"
+        return {"float": "", INT8_DYNAMIC: NO_CONV_INT8, INT8_WEIGHT_ONLY: NO_CONV_INT8, INT4_WEIGHT_ONLY: int4,
+                INT8_DYNAMIC_INT4: dynamic_int4}, groups  # fmt: skip
+    kind = type(module).__name__
+    why = f"torchao's formats take Linear, Embedding and Conv2d weights, not a {kind}"
+    return {"float": "", **dict.fromkeys(QUANTIZED_FORMATS, why)}, ()
+
+
+@dataclass(frozen=True)
+class EagerConfig:
+    """One run's formats: module -> (format, group size) for the modules quantized (the rest float),
+    applied by one ``quantize_(copy, FqnToConfig(...))``. ``linears``: a format for every Linear not
+    named (the start, before a model is known; ``resolved`` names them)."""
+
+    formats: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    linears: str = ""
+
+    def resolved(self, model: nn.Module) -> EagerConfig:
+        """Every module named: ``linears``' format given to each Linear it applies to."""
+        if not self.linears:
+            return self
+        group = DEFAULT_GROUP_SIZE if self.linears in GROUPED_FORMATS else 0
+        chosen = {
+            fqn: (self.linears, group)
+            for fqn, module in model.named_modules()
+            if isinstance(module, nn.Linear) and offered(module)[0].get(self.linears) == ""
+        }
+        return EagerConfig({**chosen, **self.formats})
+
+    @classmethod
+    def of(cls, settings: Mapping[str, ModuleSettings]) -> EagerConfig:
+        """The quantized modules of ``settings`` with their formats (group size only where it counts)."""
+        chosen = {}
+        for fqn, choice in settings.items():
+            if choice.keep_float or not choice.format:
+                continue
+            group = (choice.group_size or DEFAULT_GROUP_SIZE) if choice.format in GROUPED_FORMATS else 0
+            chosen[fqn] = (choice.format, group)
+        return cls(chosen)
+
+    def fqn_to_config(self) -> Any:
+        ao = torchao_eager()
+        return ao.FqnToConfig({fqn: ao_config(name, group) for fqn, (name, group) in self.formats.items()})
+
+    def as_code(self) -> str:
+        entries = "".join(f"    {fqn!r}: {config_code(name, group)},\n" for fqn, (name, group) in self.formats.items())
+        return (
+            f"{CODE_IMPORTS}\n"
+            "# module -> format (modules not named stay float); quantize_ changes model in place\n"
+            f"config = FqnToConfig({{\n{entries}}})\n"
+            "quantize_(model, config, filter_fn=None)\n"
+        )
+
+
+def deployed_bytes(model: nn.Module) -> int:
+    """The model's weights as a packed layout stores them: int8 one byte per value, int4 half a
+    byte, plus each scale and zero point in its own dtype; float tensors as they are."""
+    ao = torchao_eager()
+    total = 0
+    seen: set[int] = set()
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if isinstance(tensor, ao.IntxUnpackedToInt8Tensor):
+            bits = _bits(tensor.target_dtype)
+            total += (tensor.qdata.numel() * bits + 7) // 8 + _bytes(tensor.scale) + _zero_point_bytes(tensor)
+        elif isinstance(tensor, ao.Int8Tensor):
+            total += tensor.qdata.numel() + _bytes(tensor.scale) + _zero_point_bytes(tensor)
+        else:
+            total += _bytes(tensor)
+    return total
+
+
+def _bits(dtype: torch.dtype) -> int:
+    name = str(dtype).removeprefix("torch.")
+    return int(name.removeprefix("int").removeprefix("uint")) if name.startswith(("int", "uint")) else torch.finfo(dtype).bits
+
+
+def _zero_point_bytes(tensor: Any) -> int:
+    """A symmetric format's zero points are all 0 and a packed layout leaves them out."""
+    zero_point = getattr(tensor, "zero_point", None)
+    return _bytes(zero_point) if isinstance(zero_point, torch.Tensor) and bool(zero_point.any()) else 0
+
+
+def _bytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def is_quantized_weight(weight: Any) -> bool:
+    """Whether a module's weight is one of torchao's quantized tensors."""
+    return isinstance(weight, torchao_eager().TorchAOBaseTensor)

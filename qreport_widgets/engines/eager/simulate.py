@@ -1,0 +1,146 @@
+"""The eager engine's simulation: a float copy whose weights are swapped for their quantized-then-
+dequantized values and whose dynamic formats fake-quantize each token of the input.
+
+Weight-only formats are exact: torchao's own quantized weight (``quantize_`` on a copy of the
+module alone) dequantized, in a float module, is what torchao's CPU kernels multiply with (int4:
+they dequantize too; int8 weight-only: they convert the int8 values and scale the output). Dynamic
+formats quantize each token of the input as torchao's kernel does (``Int8Tensor.from_hp`` per row:
+symmetric for int8-dynamic, asymmetric for int8-dynamic-int4-weight), then multiply in float; the
+kernel's integer matmul differs only by float rounding. Nothing needs calibrating.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.calibration import call_with
+from ...core.metrics import sqnr_db
+from ..contract import Variant, WholePasses
+from ..settings import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
+from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, ao_config, torchao_eager
+
+FormatKey = tuple[str, int]  # (format, group size; 0 where none)
+
+
+def format_key(choice: ModuleSettings) -> FormatKey | None:
+    """The (format, group size) a setting quantizes with; None for float."""
+    if choice.keep_float or not choice.format:
+        return None
+    return choice.format, (choice.group_size or DEFAULT_GROUP_SIZE) if choice.format in GROUPED_FORMATS else 0
+
+
+def dequantized_weight(module: nn.Module, key: FormatKey) -> torch.Tensor:
+    """``module``'s weight as torchao quantizes it in format ``key``, dequantized to float."""
+    ao = torchao_eager()
+    holder = nn.Sequential(copy.deepcopy(module))
+    ao.quantize_(holder, ao.FqnToConfig({"0": ao_config(*key)}), filter_fn=None)
+    return holder[0].weight.dequantize().detach().to(module.weight.dtype)
+
+
+def fake_quantized_tokens(x: torch.Tensor, symmetric: bool) -> torch.Tensor:
+    """``x`` with each row of its last dimension quantized to int8 as torchao's dynamic kernels do,
+    then dequantized."""
+    ao = torchao_eager()
+    mapping = ao.MappingType.SYMMETRIC if symmetric else ao.MappingType.ASYMMETRIC
+    return ao.Int8Tensor.from_hp(x, ao.PerRow(), mapping_type=mapping).dequantize().to(x.dtype)
+
+
+class EagerSimulation(WholePasses):
+    """The starting formats on a float copy; a Variant keeps modules float or gives them other
+    formats (``Variant.settings``), by swapping weights and input fake-quantization, no calibration."""
+
+    def __init__(self, model: nn.Module, modules: Sequence[TunableModule]) -> None:
+        self.model = model.eval()
+        self._start = {m.fqn: m.current for m in modules}
+        self.tunable = [m.fqn for m in modules if not m.current.keep_float]
+        self._modules = {fqn: model.get_submodule(fqn) for fqn in self._start}
+        self._float = {fqn: module.weight.detach() for fqn, module in self._modules.items()}  # the shared float weights
+        self._weights: dict[tuple[str, FormatKey], torch.Tensor] = {}
+        self._inputs: dict[str, bool | None] = dict.fromkeys(self._modules)  # fqn -> symmetric, or None: float input
+        for fqn, module in self._modules.items():
+            module.register_forward_pre_hook(self._input_hook(fqn))
+        self._configured: dict[str, FormatKey | None] | None = None
+        self.configure(())
+
+    def _input_hook(self, fqn: str) -> Callable:
+        def hook(_module: nn.Module, args: tuple) -> tuple | None:
+            symmetric = self._inputs[fqn]
+            if symmetric is None or not args or not isinstance(args[0], torch.Tensor):
+                return None
+            return (fake_quantized_tokens(args[0], symmetric), *args[1:])
+
+        return hook
+
+    def weight(self, fqn: str, key: FormatKey | None) -> torch.Tensor:
+        """Module ``fqn``'s weight in format ``key`` (float for None), computed once."""
+        if key is None:
+            return self._float[fqn]
+        if (fqn, key) not in self._weights:
+            float_module = copy.copy(self._modules[fqn])
+            float_module.weight = nn.Parameter(self._float[fqn], requires_grad=False)
+            self._weights[fqn, key] = dequantized_weight(float_module, key)
+        return self._weights[fqn, key]
+
+    def formats_of(self, variant: Variant | Iterable[str] = ()) -> dict[str, FormatKey | None]:
+        """Each module's format under ``variant`` (None: float)."""
+        variant = Variant.of(variant)
+        chosen = {fqn: format_key(choice) for fqn, choice in self._start.items()}
+        for fqn, choice in variant.settings:
+            chosen[fqn] = format_key(choice)
+        for fqn in variant.float_modules:
+            chosen[fqn] = None
+        return chosen
+
+    def configure(self, variant: Variant | Iterable[str] = ()) -> None:
+        variant = Variant.of(variant)
+        if variant.observers or variant.dynamic or variant.other_weights:
+            raise KeyError("the eager simulation takes formats (Variant.settings) and float modules only")
+        self._apply(self.formats_of(variant))
+
+    def local_sqnr(self, batch: Any) -> dict[str, float]:
+        """Each quantized module's own error: its starting format on the float model's input to it."""
+        seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def keep(fqn: str) -> Callable:
+            def hook(_module: nn.Module, args: tuple, output: Any) -> None:
+                if fqn not in seen and args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+                    seen[fqn] = (args[0].detach(), output.detach())
+
+            return hook
+
+        self.configure(Variant(frozenset(self._modules)))
+        handles = [self._modules[fqn].register_forward_hook(keep(fqn)) for fqn in self.tunable]
+        try:
+            with torch.no_grad():
+                call_with(self.model, batch)
+        finally:
+            for handle in handles:
+                handle.remove()
+        local = {}
+        with torch.no_grad():
+            for fqn, (given, expected) in seen.items():
+                self._apply({**dict.fromkeys(self._modules), fqn: format_key(self._start[fqn])})
+                local[fqn] = sqnr_db(expected, self._modules[fqn](given))
+        self.configure(())
+        return local
+
+    def _apply(self, chosen: dict[str, FormatKey | None]) -> None:
+        """Each module's weight and input quantization as ``chosen`` says (only what changed)."""
+        with torch.no_grad():
+            for fqn, key in chosen.items():
+                if self._configured is not None and self._configured.get(fqn, ()) == key:
+                    continue
+                # a new Parameter, never written into: the model's float weights may be the session's own
+                self._modules[fqn].weight = nn.Parameter(self.weight(fqn, key), requires_grad=False)
+                dynamic = key is not None and key[0] in (INT8_DYNAMIC, INT8_DYNAMIC_INT4)
+                self._inputs[fqn] = (key[0] == INT8_DYNAMIC) if dynamic else None
+        self._configured = {**(self._configured or {}), **chosen}
+
+    def run_real_kernels(self, quantized: nn.Module, names: Iterable[str]) -> list[str]:
+        """The simulation multiplies with torchao's own dequantized weights: no kernel to adopt."""
+        return []

@@ -1,0 +1,330 @@
+"""Mixed precision: per-module choices by deployed size and simulated quality, and a verified fit.
+
+``size_front`` finds the front without a real run per candidate. In the simulation (calibrated
+once) each module alone takes each choice its engine offers (``Engine.size_choices``: on the eager
+engine float and every format with its group sizes; on FX and PT2E int8 or float); the output noise
+power a choice adds to the start's, and the bytes it adds, are taken as additive over modules.
+Per module, the choices on the lower convex hull of (bytes, noise) are the ones worth taking;
+walking every module's hull steps in order of noise removed per byte, from every module at its
+smallest, gives a chain from the smallest model to the best. Up to ``MAX_SIMULATED`` points of the
+chain are then simulated whole (the modules' interactions included) beside the uniform choices
+(all float, all int8, all int4 ...), and the front is the simulated points each better than every
+smaller one, every module float aside (that is the float model, not a quantization of it).
+``fit`` confirms a point with a real run, and steps along the front when it misses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ..core.progress import Progress
+from ..engines.contract import Engine, Variant
+from ..engines.settings import DEFAULT_GROUP_SIZE, ModuleSettings, TunableModule
+from ..errors import QReportError
+from .diagnosis import MAX_EXTRA_RUNS, meets_target, target_words
+from .truth import SIMULATION_ERROR_DB
+
+if TYPE_CHECKING:
+    from .run import RunResult
+
+MAX_SIMULATED = 40  # points of the chain simulated whole (evenly spread over its sizes)
+BASELINE = "baseline"
+
+
+class FrontHost(Protocol):
+    """What the size front needs from a session."""
+
+    engine: Engine[Any]
+    eval_fn: Callable[[torch.nn.Module], float] | None
+
+    @property
+    def modules(self) -> list[TunableModule]: ...
+
+    @property
+    def float_model(self) -> torch.nn.Module: ...
+
+    def baseline(self, progress: Progress | None = None) -> RunResult: ...
+
+    def simulate_each(
+        self, variants: Sequence[Variant], progress: Progress | None = None, desc: str = "", metric: bool = True
+    ) -> list[tuple[float, float | None]]: ...
+
+    def apply(
+        self, settings: Mapping[str, ModuleSettings], *, label: str | None = None, progress: Progress | None = None
+    ) -> RunResult: ...
+
+
+@dataclass(frozen=True)
+class Option:
+    """One module's choice: its deployed bytes and the output noise it adds to the start's, alone."""
+
+    choice: ModuleSettings
+    bytes: int
+    noise: float  # relative output noise power (10^(-SQNR/10)) added with this choice alone; 0 at the start
+
+
+@dataclass(frozen=True)
+class SizeFront:
+    """The front (sorted by size, each point better than every smaller one) and the uniform
+    choices (one row each, labelled ``all <choice>``, and the baseline), all simulated."""
+
+    points: pd.DataFrame
+    uniform: pd.DataFrame
+
+
+def choice_words(choice: ModuleSettings) -> str:
+    """A choice as the front's ``formats`` column counts it: "float", a format, "int8 per-channel"."""
+    if choice.keep_float:
+        return "float"
+    if choice.format:
+        return choice.quantized_format
+    return "int8 " + ("dynamic" if choice.dynamic else "per-channel" if choice.per_channel else "per-tensor")
+
+
+def variant_of(settings: Mapping[str, ModuleSettings], start: Mapping[str, ModuleSettings]) -> Variant:
+    """The simulation's Variant of ``settings`` (module -> choice) against the start."""
+    float_modules, other, formats = set(), set(), set()
+    for fqn, choice in settings.items():
+        first = start[fqn]
+        if choice == first:
+            continue
+        if choice.keep_float:
+            float_modules.add(fqn)
+        elif choice.format:
+            formats.add((fqn, choice))
+        elif choice.per_channel != first.per_channel:
+            other.add(fqn)
+    return Variant(frozenset(float_modules), frozenset(other), frozenset(formats))
+
+
+def size_front(host: FrontHost, progress: Progress | None = None) -> SizeFront:
+    """The size front of ``host``'s modules; see the module's docstring."""
+    engine, modules = host.engine, host.modules
+    choices = {m.fqn: engine.size_choices(m) for m in modules}
+    choices = {fqn: found for fqn, found in choices.items() if found}
+    if not choices:
+        raise QReportError("no module can change its size on this engine's configuration (nothing quantized has weights)")
+    baseline = host.baseline(progress)
+    if not baseline.ok:
+        raise QReportError(f"the size front is anchored to the baseline's real size, and the baseline failed: {baseline.error}")
+    start = {fqn: found[0] for fqn, found in choices.items()}
+    singles = [(fqn, c) for fqn, found in choices.items() for c in found[1:]]
+    variants = [Variant(), *(variant_of({fqn: c}, start) for fqn, c in singles)]
+    (start_db, _), *alone = host.simulate_each(variants, progress, "size front: each choice alone", metric=False)
+    start_noise = _noise(start_db)
+    float_model = host.float_model
+    sizes = {fqn: {c: engine.module_bytes(float_model.get_submodule(fqn), c) for c in found} for fqn, found in choices.items()}
+    options = {fqn: [Option(found[0], sizes[fqn][found[0]], 0.0)] for fqn, found in choices.items()}
+    for (fqn, c), (sqnr, _) in zip(singles, alone, strict=True):
+        if not math.isnan(sqnr):
+            options[fqn].append(Option(c, sizes[fqn][c], _noise(sqnr) - start_noise))
+    chain = _chain({fqn: _hull(found) for fqn, found in options.items()})
+    picked = _spread(chain, MAX_SIMULATED)
+    uniform = _uniform(choices)
+    pool = [chain[i] for i in picked] + list(uniform.values())
+    metric = host.eval_fn is not None
+    simulated = host.simulate_each([variant_of(p, start) for p in pool], progress, "size front: points", metric=metric)
+    start_model = baseline.deployed_bytes - sum(sizes[fqn][c] for fqn, c in start.items())
+
+    def row(point: Mapping[str, ModuleSettings], result: tuple[float, float | None]) -> dict[str, Any]:
+        sqnr, value = result
+        return {
+            "size_bytes": int(start_model + sum(sizes[fqn][c] for fqn, c in point.items())),
+            "simulated_output_sqnr_db": sqnr,
+            **({"simulated_metric": value} if metric else {}),
+            "formats": _formats(point),
+            "settings": dict(point),
+        }
+
+    rows = [row(p, r) for p, r in zip(pool, simulated, strict=True)]
+    uniform_rows = rows[len(picked) :]
+    table = pd.DataFrame(uniform_rows, index=pd.Index(list(uniform), name="choice"))
+    quantized = [r for r in rows if not all(c.keep_float for c in r["settings"].values())]  # the float model is no point
+    return SizeFront(_front(quantized), table)
+
+
+def fit(
+    host: FrontHost,
+    front: SizeFront,
+    max_size_bytes: float | None = None,
+    target_sqnr_db: float | None = None,
+    target_metric: float | None = None,
+    progress: Progress | None = None,
+) -> RunResult:
+    """The best front point under ``max_size_bytes``, or the smallest that meets the target (within
+    the budget when both are given), confirmed by a real run; see ``QuantizationSession.fit`` (which
+    checks the arguments)."""
+    points = front.points
+    label = "fit " + _goal_words(max_size_bytes, target_sqnr_db, target_metric)
+    fitting = points if max_size_bytes is None else points[points["size_bytes"] <= max_size_bytes]
+    if fitting.empty:
+        smallest = points.iloc[0]
+        result = host.apply(smallest["settings"], label=label, progress=progress)
+        return result.noted(f"out of reach: the smallest point of the front takes {_kb(smallest['size_bytes'])}, "
+                              f"more than the {_kb(max_size_bytes)} budget; this run is that point")  # fmt: skip
+    targeted = target_sqnr_db is not None or target_metric is not None
+
+    def meets(sqnr: float, metric: float | None) -> bool:
+        return meets_target(sqnr, metric, target_sqnr_db, target_metric)
+
+    def fits(run: RunResult) -> bool:
+        return max_size_bytes is None or run.deployed_bytes <= max_size_bytes
+
+    metrics = fitting["simulated_metric"] if "simulated_metric" in fitting else pd.Series(None, index=fitting.index)
+    simulated_ok = [meets(s, m) for s, m in zip(fitting["simulated_output_sqnr_db"], metrics, strict=True)]
+    if targeted and not any(simulated_ok):
+        best = fitting.iloc[-1]
+        result = host.apply(best["settings"], label=label, progress=progress)
+        where = f" within {_kb(max_size_bytes)}" if max_size_bytes is not None else ""
+        target = target_words(target_sqnr_db, target_metric)
+        return result.noted(f"{target} is out of reach{where}: even in simulation the best is {_point_words(best)}; "
+                            f"this run is that point, {_run_words(result, target_sqnr_db)}")  # fmt: skip
+    at = simulated_ok.index(True) if targeted else len(fitting) - 1  # smallest meeting, or the largest that fits
+    runs = 0
+    result = host.apply(fitting.iloc[at]["settings"], label=label, progress=progress)
+    while runs < MAX_EXTRA_RUNS and result.ok:  # the real run misses: step along the front
+        if not fits(result) and at > 0:
+            at -= 1
+        elif targeted and not meets(result.output_sqnr_db, result.eval_metric) and at + 1 < len(fitting):
+            at += 1
+        else:
+            break
+        runs += 1
+        result = host.apply(fitting.iloc[at]["settings"], label=label, progress=progress)
+    if targeted and result.ok and meets(result.output_sqnr_db, result.eval_metric) and at > 0 and target_metric is None:
+        smaller = fitting.iloc[at - 1]  # within the simulation's error of the target: it may meet it for real
+        if smaller["simulated_output_sqnr_db"] >= target_sqnr_db - SIMULATION_ERROR_DB:
+            run = host.apply(smaller["settings"], label=label, progress=progress)
+            if run.ok and meets(run.output_sqnr_db, run.eval_metric) and fits(run):
+                result, at = run, at - 1
+    if not result.ok:
+        return result
+    point = fitting.iloc[at]
+    verdicts = []
+    if max_size_bytes is not None:
+        verdicts.append(f"fits: {_kb(result.deployed_bytes)} of {_kb(max_size_bytes)}" if fits(result)
+                        else f"does not fit: {_kb(result.deployed_bytes)} for {_kb(max_size_bytes)}")  # fmt: skip
+    if targeted:
+        ok = meets(result.output_sqnr_db, result.eval_metric)
+        verdicts.append(f"{target_words(target_sqnr_db, target_metric)} {'met' if ok else 'not met by the real run'}")
+    said = "; ".join(verdicts)
+    return result.noted(f"{said}, {_run_words(result, target_sqnr_db)} (simulated {point['simulated_output_sqnr_db']:.2f} dB); "
+                          f"point {at + 1} of {len(points)} on the front: {point['formats']}")  # fmt: skip
+
+
+# ---- the search -------------------------------------------------------------------------------------
+def _noise(sqnr_db: float) -> float:
+    """Output noise power relative to the reference's, from an SQNR in dB."""
+    return 0.0 if math.isinf(sqnr_db) and sqnr_db > 0 else 10.0 ** (-sqnr_db / 10.0)
+
+
+def _hull(options: Sequence[Option]) -> list[Option]:
+    """The options worth taking, smallest first: least noise per size, each less noisy than the one
+    before, on the lower convex hull of (bytes, noise) so that the noise each byte removes falls."""
+    least: dict[int, Option] = {}
+    for option in options:  # the start first: it wins ties of size and noise
+        if option.bytes not in least or option.noise < least[option.bytes].noise:
+            least[option.bytes] = option
+    hull: list[Option] = []
+    for option in sorted(least.values(), key=lambda o: o.bytes):
+        if hull and option.noise >= hull[-1].noise:
+            continue
+        while len(hull) >= 2 and _gain(hull[-2], hull[-1]) <= _gain(hull[-1], option):
+            hull.pop()
+        hull.append(option)
+    return hull
+
+
+def _gain(smaller: Option, larger: Option) -> float:
+    """Noise removed per byte added from ``smaller`` to ``larger``."""
+    return (smaller.noise - larger.noise) / max(larger.bytes - smaller.bytes, 1)
+
+
+def _chain(hulls: Mapping[str, list[Option]]) -> list[dict[str, ModuleSettings]]:
+    """Every module at its smallest, then each hull step in order of noise removed per byte."""
+    steps = [(_gain(h[i], h[i + 1]), order, i, fqn) for order, (fqn, h) in enumerate(hulls.items()) for i in range(len(h) - 1)]
+    point = {fqn: h[0].choice for fqn, h in hulls.items()}
+    chain = [dict(point)]
+    for _, _, i, fqn in sorted(steps, key=lambda s: (-s[0], s[1], s[2])):
+        point[fqn] = hulls[fqn][i + 1].choice
+        chain.append(dict(point))
+    return chain
+
+
+def _spread(chain: Sequence[Any], most: int) -> list[int]:
+    """Up to ``most`` indices of ``chain``, evenly spread, the first and last among them."""
+    if len(chain) <= most:
+        return list(range(len(chain)))
+    return sorted({int(round(i)) for i in np.linspace(0, len(chain) - 1, most)})
+
+
+def _uniform(choices: Mapping[str, list[ModuleSettings]]) -> dict[str, dict[str, ModuleSettings]]:
+    """The baseline, and for each choice the modules offer (int4 with its default group size), every
+    module that offers it taking it (the others as they start)."""
+    start = {fqn: found[0] for fqn, found in choices.items()}
+    found: dict[str, dict[str, ModuleSettings]] = {BASELINE: start}
+    kinds = {}
+    for options in choices.values():
+        for choice in options:
+            if choice.group_size in (0, DEFAULT_GROUP_SIZE):
+                kinds.setdefault(choice_words(choice), choice)
+    for words, choice in kinds.items():
+        point = {fqn: choice if choice in options else start[fqn] for fqn, options in choices.items()}
+        if point != start:
+            found[f"all {words}"] = point
+    return found
+
+
+def _formats(point: Mapping[str, ModuleSettings]) -> str:
+    counts = Counter(choice_words(c) for c in point.values())
+    return ", ".join(f"{n} {words}" for words, n in sorted(counts.items(), key=lambda item: -item[1]))
+
+
+def _front(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The rows each better than every smaller one, smallest first."""
+    ordered = sorted(rows, key=lambda r: (r["size_bytes"], -_finite(r["simulated_output_sqnr_db"])))
+    kept, best = [], -math.inf
+    for row in ordered:
+        sqnr = _finite(row["simulated_output_sqnr_db"])
+        if sqnr > best:
+            kept.append(row)
+            best = sqnr
+    table = pd.DataFrame(kept)
+    table.index.name = "point"
+    return table
+
+
+def _finite(value: float) -> float:
+    return -math.inf if math.isnan(value) else value
+
+
+# ---- words -------------------------------------------------------------------------------------------
+def _kb(size: float | None) -> str:
+    return "?" if size is None else f"{size / 1024:,.1f} KB"
+
+
+def _goal_words(max_size_bytes: float | None, target_sqnr_db: float | None, target_metric: float | None) -> str:
+    parts = [f"<= {_kb(max_size_bytes)}"] if max_size_bytes is not None else []
+    target = target_words(target_sqnr_db, target_metric)
+    return " and ".join(parts + ([target] if target else []))
+
+
+def _point_words(point: pd.Series) -> str:
+    metric = f", metric {point['simulated_metric']:.4g}" if "simulated_metric" in point else ""
+    return f"{point['simulated_output_sqnr_db']:.2f} dB{metric} at {_kb(point['size_bytes'])}"
+
+
+def _run_words(result: RunResult, target_sqnr_db: float | None) -> str:
+    short = ""
+    if target_sqnr_db is not None and result.ok and result.output_sqnr_db < target_sqnr_db:
+        short = f", {target_sqnr_db - result.output_sqnr_db:.2f} dB short"
+    metric = f", metric {result.eval_metric:.4g}" if result.eval_metric is not None else ""
+    return f"real {result.output_sqnr_db:.2f} dB{metric} at {_kb(result.deployed_bytes)}{short}"

@@ -1,0 +1,137 @@
+"""RunResult: one prepare -> calibrate -> convert run and what it measured."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import pandas as pd
+import torch
+
+from ..engines.settings import ModuleSettings
+from ..errors import ModelReleasedError
+
+
+@dataclass(frozen=True, eq=False)
+class RunResult:
+    """One prepare -> calibrate -> convert run and what it measured (field names are public API).
+
+    Built once, never changed: a relabelled or annotated copy is ``dataclasses.replace(run, ...)``.
+    Two runs are equal only when they are the same run (their tables do not compare as values).
+    ``notes`` are about the run as a whole; ``module_notes`` say per module what the run did not
+    carry out of its settings.
+    """
+
+    qconfig_mapping: Any  # the FX engine's QConfigMapping (None for another engine)
+    # the model this run made; a ReleasedModel once a later run replaced it (see ReleasedModel)
+    quantized_model: torch.nn.Module | ReleasedModel | None
+    output_sqnr_db: float
+    per_layer_sqnr_db: pd.Series
+    size_bytes: int
+    latency_ms: float  # median time per evaluation batch on one thread, after a warm-up, in ms
+    duration_s: float
+    error: str | None = None
+    label: str = ""
+    mean_batch_sqnr_db: float = math.nan
+    quantized_layers: int = 0
+    eval_metric: float | None = None
+    eval_batches: str = ""
+    summary: pd.DataFrame = field(default_factory=pd.DataFrame)
+    conversions: pd.DataFrame = field(default_factory=pd.DataFrame)
+    equalization_mapping: Any = None
+    notes: tuple[str, ...] = ()  # what could not be measured, and why; what the numbers need said
+    settings: Mapping[str, ModuleSettings] | None = None  # what apply() was given (None for run())
+    config: Any = None  # the engine's configuration of this run
+    latency_spread_ms: float = math.nan  # slowest minus fastest evaluation batch, in ms
+    module_notes: Mapping[str, str] = field(default_factory=dict)  # module -> what the run did not carry out
+    # module -> its quantized kernel's SQNR against its reference on the same input (truth.py); empty where
+    # the run did not check (a run after a baseline whose kernels all agree, quantizing nothing new)
+    kernel_sqnr_db: pd.Series = field(default_factory=lambda: pd.Series(dtype=float, name="kernel SQNR (dB)"))
+    # the weights as a deployed (packed) layout stores them: int4 at 4 bits where this process keeps
+    # them unpacked in int8 (eager engine), one byte per int8 value and four per scale (sizes.py). 0 for a failed run
+    deployed_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        # a run's own copies: nothing a caller keeps changes it later
+        object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "module_notes", dict(self.module_notes))
+        if self.settings is not None:
+            object.__setattr__(self, "settings", dict(self.settings))
+
+    def changes(self, start: Mapping[str, ModuleSettings]) -> str:
+        """What this run's settings change from ``start`` (each module's starting settings), in words."""
+        if self.settings is None:
+            return "a hand-written mapping"
+        changed = []
+        for fqn, choice in self.settings.items():
+            before = start.get(fqn)
+            if before is None or choice == before:
+                continue
+            values = {f.name: getattr(choice, f.name) for f in fields(choice)}
+            words = [name if value is True else f"{name}={value}" for name, value in values.items()
+                     if value != getattr(before, name) and value not in (False, "")]  # fmt: skip
+            undone = [f"no {name}" for name, value in values.items() if value in (False, "") and getattr(before, name)]
+            changed.append(f"{fqn}: {', '.join(words + undone)}")
+        return "; ".join(changed) or "the starting settings"
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def noted(self, note: str) -> RunResult:
+        """A copy with ``note`` added to the run-level notes."""
+        return replace(self, notes=(*self.notes, note))
+
+
+class ReleasedModel:
+    """Where a run's quantized model was: a session keeps the quantized models of its latest run and
+    of the runs pinned with ``session.keep(run)``, and releases the others' (their measurements stay).
+
+    Any use of it (an attribute, a call) raises ModelReleasedError saying when it was released and
+    how to keep a model; it is falsy, so ``if run.quantized_model:`` reads as "still here".
+    """
+
+    __slots__ = ("_why",)
+
+    def __init__(self, label: str, why: str) -> None:
+        object.__setattr__(self, "_why", f"the quantized model of {label!r} was released {why}")
+
+    @property
+    def why(self) -> str:
+        return object.__getattribute__(self, "_why")
+
+    def _refuse(self) -> ModelReleasedError:
+        return ModelReleasedError(
+            f"{self.why}. Its measurements are all still in the run; for the model itself, pin the run "
+            "before the next one (session.keep(run), or Pin in the Tune tab) or apply its settings again "
+            "(session.apply(run.settings))"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):  # copy, pickle, pandas probing: not there
+            raise AttributeError(name)
+        raise self._refuse()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refuse()
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<{self.why}>"
+
+
+def conversion_tables(rows: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """From one row per layer ("module", "float type", "converted type", "quantized"): per float
+    type the layers in all, quantized and left float; and the rows as a table."""
+    conversions = pd.DataFrame(rows, columns=["module", "float type", "converted type", "quantized"])
+    summary = (
+        conversions.groupby("float type", sort=False)["quantized"]
+        .agg(total="size", quantized="sum")
+        .assign(float=lambda df: df["total"] - df["quantized"])
+        .reset_index()
+    )
+    return summary, conversions
