@@ -10,8 +10,7 @@ from torch.ao.quantization import QConfigMapping
 
 from .core.calibration import CalibrationData, calibrate, is_one_shot
 from .core.memory import WatchedCopy
-from .engines import engine_named
-from .engines.contract import EngineOptions
+from .engines import build_engine
 from .observe.detectors import (
     DetectorBase,
     DynamicStaticDetector,
@@ -22,6 +21,7 @@ from .observe.detectors import (
 from .observe.distributed import calibrated_across, group_of
 from .report.model_report import ModelReport
 from .tune.migration import observed_input_ranges
+from .tune.parts import Analyzed
 from .tune.session import QuantizationSession
 
 
@@ -49,6 +49,7 @@ def analyze(
     engine: str = "fx",
     quantizer: Any = None,
     format: str | None = None,  # noqa: A002  (the word users know)
+    group_size: int | None = None,
     output_fn: Callable[[Any], torch.Tensor] | None = None,
     process_group: Any = None,
 ) -> ModelReport:
@@ -78,6 +79,7 @@ def analyze(
             with its default config); Tune settings override it per module.
         format: eager only: the starting format of every ``nn.Linear`` (``"int8-dynamic"`` by
             default; ``"int8-weight-only"``, ``"int4-weight-only"``, ``"int8-dynamic-int4-weight"``).
+        group_size: eager only: the group size of a starting int4 format (32, 64 or 128; default 32).
         output_fn: ``output_fn(model_output) -> tensor``: what output SQNR is measured on; default:
             the output, or its first tensor (a Hugging Face ``ModelOutput``'s first field).
         process_group: calibrate across the processes of this torch.distributed group (default:
@@ -92,30 +94,40 @@ def analyze(
     """
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     detectors = default_detectors(backend) if detectors is None else detectors
-    chosen = engine_named(engine, EngineOptions(backend, qconfig_mapping, prepare_custom_config, quantizer, format))
+    options = {"qconfig_mapping": qconfig_mapping, "prepare_custom_config": prepare_custom_config}
+    chosen = build_engine(engine, backend=backend, quantizer=quantizer, format=format, group_size=group_size, **options)
     # the session's own modules around the caller's weights, shared (not held twice); weights changed in
     # place later are refused with an error, not tuned (memory.WatchedCopy); the analysis prepares from it
     watched = WatchedCopy(float_model)
-    float_copy = watched.model
     kept = [] if is_one_shot(calibration_data) else None  # a generator is kept for later tuning runs
-    observed = chosen.observe(float_copy, example_inputs)
-    report = ModelReport(observed.model, detectors, model_name=type(float_model).__name__, graph_of=observed.graph_of)
+    observed = chosen.observe(watched.model, example_inputs)
+    name = type(float_model).__name__
+    report = ModelReport(
+        observed.model, detectors, model_name=name, graph_of=observed.graph_of, engine=chosen, tunable_modules=observed.modules
+    )
     instrumented = report.prepare_detailed_calibration()
-    group = group_of(process_group)
-    desc = "calibrating with observers"
+
+    def calibrated_here() -> None:
+        calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
+
     with chosen.observers_paused(instrumented):  # the detectors read only the report's observers
-        calibrated_across(group, instrumented, lambda: calibrate(instrumented, calibration_data, desc=desc, progress=progress,
-                                                                 keep=kept), "analyze()", report_observers=True)  # fmt: skip
+        calibrated_across(group_of(process_group), instrumented, calibrated_here, "analyze()", report_observers=True)
     report.generate_model_report(remove_inserted_observers=False)
-    data = kept if kept is not None else calibration_data
+    analyzed = Analyzed(watched, observed.modules, observed.model, observed_input_ranges(report.frame()))
     try:
-        session = QuantizationSession._adopt(
-            watched, chosen, example_inputs, data, eval_data, eval_fn, observed.modules, output_fn, group
+        session = QuantizationSession(
+            float_model,
+            example_inputs,
+            kept if kept is not None else calibration_data,
+            eval_data,
+            eval_fn=eval_fn,
+            engine=chosen,
+            output_fn=output_fn,
+            process_group=process_group,
+            analyzed=analyzed,
         )
     except ValueError as error:  # e.g. a calibration callable without eval_data: the analysis still stands
-        report._attach_session(chosen, observed.modules, None, f"{type(error).__name__}: {error}")
+        report.attach_session(None, f"{type(error).__name__}: {error}")
     else:
-        session._weights.share(observed.model)  # the report's model: its folded weights are every run's
-        session._observed_input_ranges = observed_input_ranges(report.frame())
-        report._attach_session(chosen, observed.modules, session)
+        report.attach_session(session)
     return report

@@ -1,4 +1,5 @@
-"""The package's structure: no import cycles, and a core that works without the widget libraries."""
+"""The package's structure: its folders are its layers, no import cycles, no private names read
+across packages, and a core that works without the widget libraries."""
 
 from __future__ import annotations
 
@@ -95,16 +96,117 @@ def test_the_graph_sees_function_level_and_relative_imports():
     assert "qreport_widgets.core.features" in graph["qreport_widgets.observe.detectors.outlier"]  # from .. import features as F
 
 
+# the package's folders, lowest first: a module imports only from its own folder and those below it
+LAYERS = ("core", "observe", "share", "engines", "tune", "report", "widgets")
+BELOW_EVERYTHING = {"qreport_widgets.errors", "qreport_widgets._version"}
+ENTRY_POINTS = {"qreport_widgets", "qreport_widgets.analyze", "qreport_widgets.demo"}  # above every layer
+AT_THE_ROOT = {"__init__.py", "analyze.py", "errors.py", "_version.py"}
+# a core module may build the widgets' views inside the methods that return them (widget(), save_html(), plots)
+BUILDS_VIEWS = {"qreport_widgets.report.model_report", "qreport_widgets.share.storage", "qreport_widgets.observe.visualizer"}
+
+
+def layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for name, targets in graph.items():
+        here = layer_of(name)
+        if here is None:
+            continue
+        for target in sorted(targets - BELOW_EVERYTHING):
+            there = layer_of(target)
+            views = target.startswith("qreport_widgets.widgets") and name in BUILDS_VIEWS
+            if (there is None or there > here) and not views:
+                found.append(f"{name} -> {target}")
+    return found
+
+
+def test_the_folders_are_layers_and_imports_point_down():
+    graph = import_graph()
+    assert not upward_imports(graph)
+    broken = {**graph, "qreport_widgets.observe.graph": graph["qreport_widgets.observe.graph"] | {"qreport_widgets.tune.run"}}
+    assert upward_imports(broken) == ["qreport_widgets.observe.graph -> qreport_widgets.tune.run"]
+    root = {path.name for path in PACKAGE.glob("*.py")}
+    assert root == AT_THE_ROOT, f"modules at the package root: {sorted(root - AT_THE_ROOT)}"
+    assert {path.name for path in PACKAGE.iterdir() if path.is_dir() and (path / "__init__.py").exists()} == {*LAYERS, "demo"}
+    for package in (*LAYERS, "demo"):  # each says what it owns and what it may import
+        docstring = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text()))
+        assert docstring and (package == "demo" or "import" in docstring), package
+    entry = {name for name in graph if layer_of(name) is None and name not in BELOW_EVERYTHING}
+    assert entry <= ENTRY_POINTS | {n for n in graph if n.startswith("qreport_widgets.demo.")}, entry
+
+
+def private_names_defined() -> dict[str, set[str]]:
+    """``_name`` -> the packages (``qreport_widgets.tune`` ...) whose code defines it (an attribute
+    set on ``self``, a method, a module-level name)."""
+    found: dict[str, set[str]] = {}
+    for name, path in package_modules().items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            defined = None
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined = node.name
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and ast.unparse(node.value) == "self":
+                defined = node.attr
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined = node.id
+            if defined and defined.startswith("_") and not defined.startswith("__"):
+                found.setdefault(defined, set()).add(package)
+    return found
+
+
+def private_reads_across_packages() -> list[str]:
+    """Reads of another package's ``_private`` names: ``from .x import _name`` and ``obj._name``
+    where ``obj`` is not ``self`` / ``cls`` and no module of the reader's own package defines ``_name``."""
+    defined, found = private_names_defined(), []
+    for name, path in package_modules().items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("qreport_widgets")):
+                found += [f"{name}:{node.lineno} imports {a.name}" for a in node.names if foreign(package, a.name, defined)]
+            elif isinstance(node, ast.Attribute) and ast.unparse(node.value) not in ("self", "cls"):
+                if foreign(package, node.attr, defined):
+                    found.append(f"{name}:{node.lineno} {ast.unparse(node.value)}.{node.attr}")
+    return found
+
+
+def foreign(package: str, attribute: str, defined: dict[str, set[str]]) -> bool:
+    """Whether ``attribute`` is a private name of this package's code that ``package`` does not define."""
+    private = attribute.startswith("_") and not attribute.startswith("__")
+    return private and attribute in defined and package not in defined[attribute]
+
+
+def test_no_module_reads_another_packages_private_names():
+    assert not private_reads_across_packages()
+    defined = private_names_defined()  # what analyze() once did: session._weights.share(...)
+    assert foreign("qreport_widgets", "_weights", defined) and not foreign("qreport_widgets.tune", "_weights", defined)
+    assert not foreign("qreport_widgets", "_parameters", defined)  # torch's own: not this package's business
+
+
+def test_no_protocol_restates_the_session():
+    """The parts of tune/ are given values; the widgets see a session through one protocol."""
+    found = set()
+    for name, path in package_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and any(ast.unparse(base) == "Protocol" for base in node.bases):
+                found.add(f"{name}.{node.name}")
+    assert found == {
+        "qreport_widgets.engines.contract.Simulation",  # what an engine's simulation offers
+        "qreport_widgets.observe.records.ReportRecord",  # what a detector's record offers
+        "qreport_widgets.widgets.protocols.GraphView",
+        "qreport_widgets.widgets.protocols.ReportSource",
+        "qreport_widgets.widgets.protocols.TuningSession",
+    }
+
+
 def test_core_modules_do_not_import_the_widgets():
     graph = import_graph()
     widget_side = {name for name in graph if name.startswith("qreport_widgets.widgets")}
     # the core may reach the widgets only from the methods that build them
-    allowed = {
-        "qreport_widgets.report.model_report",
-        "qreport_widgets.share.storage",
-        "qreport_widgets.observe.visualizer",
-        "qreport_widgets",
-    }
+    allowed = BUILDS_VIEWS | {"qreport_widgets"}
     offenders = {name for name, targets in graph.items() if name not in widget_side and targets & widget_side} - allowed
     assert not offenders
 

@@ -163,6 +163,7 @@ class FakeSession:
             None, None, BASE_DB + sum(s.per_channel - 10 * s.keep_float for s in settings.values()),
             pd.Series(layers, dtype=float), 1000, 1.0, 0.1, label=label, settings=settings,
             notes=("latency: of a fake",), module_notes=self.module_notes if label != "baseline" else {},
+            baseline=label == "baseline",
         )  # fmt: skip
 
 

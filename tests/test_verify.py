@@ -84,7 +84,8 @@ def test_equalization_that_changes_the_float_model_is_not_tried(cache):
     session = report.session
     assert session.equalization_float_error("fc1") < 1e-4
     assert session.equalization_float_error("fc2") > 0.5
-    verifier = Verifier(session)
+    parts = session.parts
+    verifier = Verifier(parts.runner, parts.real, parts.diagnosis, parts.migrations)
     verified = verifier.verify([Candidate("fc2", "equalize", "test")], progress=lambda done, total: None)
     (verdict,) = verified.verdicts
     assert verdict.measured == NOT_TRIED and not verdict.offered and "float model's output" in verdict.note
@@ -141,10 +142,10 @@ def test_outlier_channels_are_found_and_migrated_exactly_in_float():
     (migration,) = session.migrations().values()
     assert (migration.producer, migration.consumer, migration.channels) == ("norm", "fc1", (0, 1, 2, 3))
     batch = session.eval_data[0]
-    assert float_error(session._float, [migration], batch) < 1e-5
-    moved = migrated(session._float, [migration])
+    assert float_error(session.float_model, [migration], batch) < 1e-5
+    moved = migrated(session.float_model, [migration])
     assert float(moved.norm.weight[:4].abs().max()) < 2 * float(moved.norm.weight[4:].abs().max())
-    namespace = {"torch": torch, "model": __import__("copy").deepcopy(session._float)}  # the code to paste does the same
+    namespace = {"torch": torch, "model": __import__("copy").deepcopy(session.float_model)}  # the code to paste does the same
     exec(migration.as_code(), namespace)
     assert torch.equal(namespace["model"].fc1.weight, moved.fc1.weight)
     assert torch.equal(namespace["model"].norm.bias, moved.norm.bias)
@@ -160,9 +161,9 @@ def test_migrations_from_the_observed_input_ranges_are_those_a_pass_over_the_dat
     from qreport_widgets.tune.migration import find_migrations
 
     session = planted_outlier_report().session
-    assert {"fc1", "fc2"} <= set(session._observed_input_ranges)
+    assert {"fc1", "fc2"} <= set(session.parts.migrations.known_ranges)
     consumers = [m.fqn for m in session.modules]
-    assert session.migrations() == find_migrations(session._float, list(session.calibration_data), consumers)
+    assert session.migrations() == find_migrations(session.float_model, list(session.calibration_data), consumers)
 
 
 def test_accept_all_gains_on_a_block_with_planted_outlier_channels():
@@ -182,7 +183,7 @@ def test_an_activation_observer_choice_reaches_the_converted_model(observer, cac
     report = digits_report("cnn", "x86", cache)
     session = report.session
     settings = {"fc1": qw.ModuleSettings(observer=observer)}
-    prepared = session.engine.prepare(session._float, session._config_for(settings), session.example_inputs)
+    prepared = session.engine.prepare(session.float_model, session.runner.config_for(settings), session.example_inputs)
     (fc1,) = [n for n in prepared.graph.nodes if n.op == "call_module" and n.target == "fc1"]
     (after,) = fc1.users
     assert type(prepared.get_submodule(str(after.target))) is ACTIVATION_OBSERVERS[observer]

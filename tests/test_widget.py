@@ -174,12 +174,14 @@ def test_reports_are_collapsed_per_detector_with_a_summary_in_each_title(report)
 
 
 def test_runs_table_shows_a_long_change_list_short_with_all_of_it_on_hover():
+    from qreport_widgets.tune.run import Change
     from qreport_widgets.widgets.runs import short_changes
 
-    cell = short_changes("fc1: per_channel; fc2: keep_float; <head>: dynamic")
+    cell = short_changes([Change("fc1", ("per_channel",)), Change("fc2", ("keep_float",)), Change("<head>", ("dynamic",))])
     assert ">fc1: per_channel; fc2: keep_float; +1 more<" in cell
     assert "title='fc1: per_channel; fc2: keep_float; &lt;head&gt;: dynamic'" in cell
-    assert ">the starting settings<" in short_changes("the starting settings")
+    assert ">the starting settings<" in short_changes(())
+    assert ">a hand-written mapping<" in short_changes(None)
 
 
 def test_line_joins_the_points_and_keeps_the_flagged_ones_red(report):

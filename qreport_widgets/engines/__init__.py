@@ -1,15 +1,26 @@
-"""The engine registry: the one place that names every engine package.
+"""Engines: the contract every quantization workflow implements, and the registry that names them.
 
-``engine_named("fx", options)`` builds an engine; a new engine is a package beside ``fx/``,
-``pt2e/`` and ``eager/`` with an ``Engine`` subclass, and one entry in ``ENGINES``. Engines are imported when
-first named, so an engine whose extra is not installed costs nothing until it is asked for.
+``contract`` (``Engine``, ``Observation``, ``Simulation``, ``Variant``), ``settings`` (what a module
+can be set to, engine-neutral), ``sizes`` (deployed bytes), and one package per engine: ``fx/``
+(FX graph mode), ``pt2e/`` (torchao's PT2E), ``eager/`` (torchao's ``quantize_``), each owning its
+options (``FxOptions``, ``Pt2eOptions``, ``EagerOptions``) and configuration. This module is the
+registry: the one place that names every engine package. ``build_engine(name, ...)`` builds an
+engine from ``analyze()``'s and the session's arguments, ``engine_named(name, options)`` from its
+own options. Engines are imported when first named, so an engine whose extra is not installed
+costs nothing until it is asked for; a new engine is a package here with an ``Engine`` subclass,
+its options type, and one entry in ``ENGINES`` (and a keyword of ``build_engine`` for each new
+option).
+
+May import: ``observe``, ``core``, ``errors``. Nothing outside an engine's package names its workflow.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
 
-from .contract import Engine, EngineOptions
+from .contract import Engine
 
 
 def _fx() -> type[Engine]:
@@ -37,9 +48,52 @@ ENGINES: dict[str, Callable[[], type[Engine]]] = {
 }
 
 
-def engine_named(name: str, options: EngineOptions | None = None) -> Engine:
-    """The engine registered as ``name``, built from ``options``."""
+def build_engine(
+    name: str,
+    *,
+    backend: str = "x86",
+    qconfig_mapping: Any = None,
+    prepare_custom_config: Any = None,
+    quantizer: Any = None,
+    format: str | None = None,  # noqa: A002  (the word users know)
+    group_size: int | None = None,
+) -> Engine:
+    """The engine registered as ``name``, built from its own options among these arguments.
+
+    ``backend`` goes to the engines whose options have one; any other argument given (not None)
+    must be one of the engine's options, else a ValueError names it, the engine and what the
+    engine takes instead.
+    """
+    engine = _engine_class(name)
+    arguments = {"qconfig_mapping": qconfig_mapping, "prepare_custom_config": prepare_custom_config,
+                 "quantizer": quantizer, "format": format, "group_size": group_size}  # fmt: skip
+    given = {key: value for key, value in arguments.items() if value is not None}
+    own = {option.name for option in fields(engine.options_type)}
+    foreign = sorted(set(given) - own)
+    if foreign:
+        names = " and ".join(f"{key}=" for key in foreign)
+        raise ValueError(f"{names} {'is' if len(foreign) == 1 else 'are'} not for engine={name!r}; {engine.options_hint}")
+    if "backend" in own:
+        given["backend"] = backend
+    return engine.from_options(engine.options_type(**given))
+
+
+def engine_named(name: str, options: Any = None) -> Engine:
+    """The engine registered as ``name``, built from ``options``: an instance of its
+    ``options_type`` (``FxOptions``, ``Pt2eOptions``, ``EagerOptions``), or None for its defaults."""
+    engine = _engine_class(name)
+    if options is None:
+        options = engine.options_type()
+    elif not isinstance(options, engine.options_type):
+        kind = type(options).__name__
+        owner = next((other for other, load in ENGINES.items() if load().options_type is type(options)), None)
+        whose = f" (the options of engine={owner!r})" if owner else ""
+        raise TypeError(f"engine={name!r} takes {engine.options_type.__name__}, not {kind}{whose}")
+    return engine.from_options(options)
+
+
+def _engine_class(name: str) -> type[Engine]:
     if name not in ENGINES:
         known = " or ".join(repr(n) for n in ENGINES)
         raise ValueError(f"engine must be {known}, got {name!r}")
-    return ENGINES[name]().from_options(options or EngineOptions())
+    return ENGINES[name]()

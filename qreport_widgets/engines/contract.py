@@ -1,10 +1,11 @@
 """The contract between the engine-neutral core and one quantization workflow.
 
-An engine is one package (``fx/``, ``pt2e/``) with one ``Engine`` subclass, registered by name in
-``engines.py``. The analysis asks it what to observe (``observe``); the session asks it to prepare,
-convert and measure; nothing outside the engine's package names its workflow. The abstract
-methods are what every engine must do; the others have a default body that says what an engine
-without that ability does, so the core never probes an engine or compares its name.
+An engine is one package (``fx/``, ``pt2e/``, ``eager/``) with one ``Engine`` subclass and its own
+options type (``Engine.options_type``), registered by name in the registry (``engines/__init__.py``).
+The analysis asks it what to observe (``observe``); the session asks it to prepare, convert and
+measure; nothing outside the engine's package names its workflow. The abstract methods are what
+every engine must do; the others have a default body that says what an engine without that
+ability does, so the core never probes an engine or compares its name.
 """
 
 from __future__ import annotations
@@ -30,30 +31,7 @@ if TYPE_CHECKING:
 ConfigT = TypeVar("ConfigT")
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    """What ``analyze()`` and ``QuantizationSession`` pass to the engine they name; each engine takes
-    the options of its workflow and refuses the others' (``Engine.from_options``)."""
-
-    backend: str = "x86"
-    qconfig_mapping: Any = None  # FX: the starting QConfigMapping
-    prepare_custom_config: Any = None  # FX: passed to every prepare_fx
-    quantizer: Any = None  # PT2E: the starting torchao quantizer
-    format: str | None = None  # eager: the starting format of every Linear layer
-
-    def given(self) -> set[str]:
-        """The workflow options that were set (``backend`` aside: an engine reads it or has none)."""
-        names = ("qconfig_mapping", "prepare_custom_config", "quantizer", "format")
-        return {name for name in names if getattr(self, name) is not None}
-
-    def refuse(self, engine: str, allowed: Iterable[str], instead: str) -> None:
-        """A ValueError naming ``engine`` when an option outside ``allowed`` was set."""
-        foreign = sorted(self.given() - set(allowed))
-        if foreign:
-            names = " and ".join(f"{name}=" for name in foreign)
-            raise ValueError(f"{names} {'is' if len(foreign) == 1 else 'are'} not for engine={engine!r}; {instead}")
-
-
+# the old bag of every engine's options, to be removed once callers use build_engine:
 @dataclass(frozen=True)
 class Observation:
     """What the analysis instruments: ``model`` (a GraphModule the report's observers go into, or a
@@ -81,11 +59,13 @@ class Engine(ABC, Generic[ConfigT]):
     """
 
     name: ClassVar[str]  # the name analyze(engine=...) takes
+    options_type: ClassVar[type[Any]]  # the engine's own options: a frozen dataclass (FxOptions, ...)
+    options_hint: ClassVar[str]  # what build_engine says after refusing another engine's argument
 
     @classmethod
     @abstractmethod
-    def from_options(cls, options: EngineOptions) -> Engine[ConfigT]:
-        """The engine for ``options``; a ValueError naming the engine for options it does not take."""
+    def from_options(cls, options: Any) -> Engine[ConfigT]:
+        """The engine built from ``options``, an instance of ``options_type``."""
 
     # ---- observation ----------------------------------------------------------------------------
     @abstractmethod
@@ -297,3 +277,16 @@ class Simulation(Protocol):
     def run_real_kernels(self, quantized: torch.nn.Module, names: Iterable[str]) -> list[str]:
         """Compute the modules ``names`` with ``quantized``'s kernels instead of their reference
         (where the real kernels disagree with it); the names it now runs real kernels for."""
+
+
+def conversion_tables(rows: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """From one row per layer ("module", "float type", "converted type", "quantized"): per float
+    type the layers in all, quantized and left float; and the rows as a table."""
+    conversions = pd.DataFrame(rows, columns=["module", "float type", "converted type", "quantized"])
+    summary = (
+        conversions.groupby("float type", sort=False)["quantized"]
+        .agg(total="size", quantized="sum")
+        .assign(float=lambda df: df["total"] - df["quantized"])
+        .reset_index()
+    )
+    return summary, conversions

@@ -160,11 +160,21 @@ def _validate_format(module: TunableModule, settings: ModuleSettings) -> None:
     if not module.format_allowed(name):
         raise InvalidSettingsError(f"{module.fqn}: {module.formats.get(name) or name + ' is not offered here'}")
     if settings.group_size and name not in GROUPED_FORMATS:
-        raise InvalidSettingsError(f"{module.fqn}: a group size is for the int4 formats ({', '.join(GROUPED_FORMATS)})")
+        raise InvalidSettingsError(f"{module.fqn}: {group_size_problem(name, settings.group_size)}")
     size = settings.group_size or DEFAULT_GROUP_SIZE
     if name in GROUPED_FORMATS and size not in module.group_sizes:
         offered = ", ".join(map(str, module.group_sizes)) or "none"
         raise InvalidSettingsError(f"{module.fqn}: group size {size} does not divide its rows (group sizes that do: {offered})")
+
+
+def group_size_problem(name: str, size: int) -> str:
+    """Why format ``name`` cannot take group size ``size`` on any module ("" when it can); whether a
+    module's rows divide into it is the module's own (``TunableModule.group_sizes``)."""
+    if name not in GROUPED_FORMATS:
+        return f"a group size is for the int4 formats ({', '.join(GROUPED_FORMATS)})"
+    if not isinstance(size, int) or isinstance(size, bool) or size not in GROUP_SIZES:
+        return f"a group size is one of {', '.join(map(str, GROUP_SIZES))}"
+    return ""
 
 
 def validate_all(modules: Iterable[TunableModule], settings: Mapping[str, ModuleSettings]) -> None:

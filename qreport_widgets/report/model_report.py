@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
@@ -14,8 +14,8 @@ import torch.fx
 from torch.ao.quantization import QConfigMapping
 
 from ..core.features import DetectorName
-from ..engines import engine_named
-from ..engines.contract import Engine, EngineOptions
+from ..engines import build_engine
+from ..engines.contract import Engine
 from ..engines.settings import ModuleSettings, TunableModule, with_suggestions
 from ..errors import (
     AlreadyPreparedError,
@@ -62,6 +62,9 @@ class ModelReport:
     immutable :class:`~qreport_widgets.observe.analysis.Analysis` (``report.analysis()``); the tables, report
     files and the widget read that. A report made by ``analyze()`` also carries the
     ``QuantizationSession`` for tuning (``report.session``).
+
+    ``engine`` and ``tunable_modules``: the engine that prepared ``model`` and the modules it can
+    tune (``analyze()`` gives them; without them FX's rules read the prepared model).
     """
 
     def __init__(
@@ -71,6 +74,8 @@ class ModelReport:
         *,
         model_name: str | None = None,
         graph_of: Callable[[torch.fx.GraphModule], ModelGraph] = ModelGraph.of,
+        engine: Engine | None = None,
+        tunable_modules: Sequence[TunableModule] | None = None,
     ) -> None:
         if not isinstance(model, torch.fx.GraphModule) and graph_of == ModelGraph.of:  # an eager map comes with its reader
             raise TypeError(
@@ -99,8 +104,8 @@ class ModelReport:
         self._graph_of = graph_of  # how units are read: prepare_fx's modules, or an exported graph's
         self._session: QuantizationSession | None = None
         self._session_problem = ""
-        self._engine: Engine | None = None  # analyze()'s engine and the tunable modules it read
-        self._modules: list[TunableModule] | None = None
+        self._engine = engine  # analyze()'s engine and the tunable modules it read
+        self._modules = None if tunable_modules is None else list(tunable_modules)
 
     # ------------------------------------------------------------------ PyTorch-compatible API
     def get_desired_reports_names(self) -> set[str]:
@@ -318,12 +323,9 @@ class ModelReport:
 
         return ModelReportVisualizer(self.frame())
 
-    def _attach_session(
-        self, engine: Engine, modules: list[TunableModule], session: QuantizationSession | None, problem: str = ""
-    ) -> None:
-        """analyze(): its engine and the tunable modules it read, the session tuning runs use, or
-        why none could be built."""
-        self._engine, self._modules = engine, list(modules)
+    def attach_session(self, session: QuantizationSession | None, problem: str = "") -> None:
+        """The session tuning runs use (``report.session``, the widget's Tune tab), or why none
+        could be built (``problem``, shown in the Tune tab)."""
         self._session, self._session_problem = session, problem
 
     def _settings(self, include) -> dict[str, ModuleSettings]:
@@ -386,7 +388,7 @@ def _warn_grouped(pending: list[tuple[str, str]], shown: int = 8) -> None:
 def _upstream_engine(base: QConfigMapping | None = None) -> Engine:
     """FX over ``base`` (default: an empty mapping): torch's API speaks QConfigMappings, whichever
     engine analyzed the model."""
-    return engine_named("fx", EngineOptions(qconfig_mapping=base if base is not None else QConfigMapping()))
+    return build_engine("fx", qconfig_mapping=base if base is not None else QConfigMapping())
 
 
 def _equalization_mapping(settings: Mapping[str, ModuleSettings]) -> QConfigMapping:

@@ -1,28 +1,31 @@
 """Which module hurts, and the fewest float modules that meet a target: the session's diagnosis.
 
-``Diagnosis`` works for a host (``DiagnosisHost``: the session) that gives it the simulation, the
-float outputs, the evaluation data and real runs. Everything here is estimated in the engine's
-simulation (calibrated once, forward passes only) except ``reach()``, which confirms with a real run.
+``Diagnosis`` is given the runner (modules, data, the user's metric), the simulation and the real
+runs. Everything here is estimated in the engine's simulation (calibrated once, forward passes
+only), after the baseline checked it against the real model, except ``reach()``, which confirms
+with a real run.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import pandas as pd
-import torch
 
-from ..core.metrics import sqnr_db
-from ..core.progress import Progress, steps
-from ..engines.settings import ModuleSettings
+from ..core.progress import Progress
+from ..engines.contract import Variant
+from ..engines.settings import FORMATS, ModuleSettings
 from .truth import SIMULATION_ERROR_DB
 
 if TYPE_CHECKING:
-    from ..engines.contract import Simulation, Variant
+    from ..engines.contract import Simulation
+    from .real import RealRuns
     from .run import RunResult
+    from .runner import Runner
+    from .simulation import Simulated
 
 
 MAX_EXTRA_RUNS = 3  # real runs reach() may spend on fewer modules than the simulation asked for
@@ -73,33 +76,11 @@ def target_words(target_sqnr_db: float | None, target_metric: float | None) -> s
     return " and ".join(parts + ([f"metric >= {target_metric:g}"] if target_metric is not None else []))
 
 
-class DiagnosisHost(Protocol):
-    """What diagnosis needs from a session."""
-
-    eval_fn: Callable[[torch.nn.Module], float] | None
-    eval_data: list[Any]
-
-    def simulation(self, progress: Progress | None = None) -> Simulation: ...
-
-    def reference_outputs(self) -> list[torch.Tensor]: ...
-
-    def output_of(self, output: Any) -> torch.Tensor:
-        """A model output as the one tensor SQNR compares (the user's ``output_fn``)."""
-        ...
-
-    def baseline(self, progress: Progress | None = None) -> RunResult: ...
-
-    def apply(
-        self, settings: Mapping[str, ModuleSettings], *, label: str | None = None, progress: Progress | None = None
-    ) -> RunResult: ...
-
-
 class Diagnosis:
-    """Sensitivity, trade-off and reach for one host; the rankings are computed once, since the
-    simulation never changes."""
+    """Sensitivity, trade-off and reach; the rankings are computed once, since the simulation never changes."""
 
-    def __init__(self, host: DiagnosisHost) -> None:
-        self.host = host
+    def __init__(self, runner: Runner, simulated: Simulated, real: RealRuns) -> None:
+        self.runner, self.simulated, self.real = runner, simulated, real
         self._sensitivity: dict[bool, pd.DataFrame] = {}  # with and without the metric
         self._tradeoff: pd.DataFrame | None = None
 
@@ -112,15 +93,26 @@ class Diagnosis:
             found["tradeoff"] = self._tradeoff.copy()
         return found
 
-    def simulate(self, float_modules: Variant | Iterable[str] = ()) -> tuple[float, float | None]:
-        """Simulated output SQNR (dB) and ``eval_fn`` metric with ``float_modules`` kept float (or in a Variant)."""
-        simulation, eval_fn = self.host.simulation(), self.host.eval_fn
-        sqnr = self._output_sqnr(simulation.outputs(self.host.eval_data, float_modules))
-        metric = None
-        if eval_fn is not None:
-            with torch.no_grad():
-                metric = float(eval_fn(simulation.model))
-        return sqnr, metric
+    def simulation(self, progress: Progress | None = None) -> Simulation:
+        """The simulation, once the baseline checked it against the real model."""
+        self.real.checked(progress)
+        return self.simulated.simulation(progress)
+
+    def simulate(self, variant: Variant | Iterable[str] = ()) -> tuple[float, float | None]:
+        """Simulated output SQNR (dB) and ``eval_fn`` metric of ``variant`` (or with those modules kept float)."""
+        self.simulation()
+        return self.simulated.simulate(variant)
+
+    def simulate_each(
+        self,
+        variants: Sequence[Variant | Iterable[str]],
+        progress: Progress | None = None,
+        desc: str = "simulating",
+        metric: bool = True,
+    ) -> list[tuple[float, float | None]]:
+        """``simulate(v)`` for each variant; see ``Simulated.simulate_each``."""
+        self.simulation(progress)
+        return self.simulated.simulate_each(variants, progress, desc, metric)
 
     def sensitivity(self, progress: Progress | None = None, *, metric: bool = True) -> pd.DataFrame:
         """Which module hurts: for each tunable module, the output SQNR gained when only it stays
@@ -132,12 +124,11 @@ class Diagnosis:
         advances (calibration batches, then simulated steps). ``metric=False`` leaves ``eval_fn``
         out: each module then costs a replayed part of a pass instead of a whole pass.
         """
-        metric = metric and self.host.eval_fn is not None
+        metric = metric and self.runner.eval_fn is not None
         if metric in self._sensitivity or (not metric and True in self._sensitivity):
             return self._sensitivity.get(metric, self._sensitivity.get(True)).copy()
-        simulation = self.host.simulation(progress)
-        names = list(simulation.tunable)
-        local = simulation.local_sqnr(self.host.eval_data[0])
+        names = list(self.simulation(progress).tunable)
+        local = self.simulated.local_sqnr()
         variants = [[]] + [[name] for name in names]
         (base_sqnr, base_metric), *each = self.simulate_each(variants, progress, "sensitivity", metric=metric)
         rows = [
@@ -155,6 +146,33 @@ class Diagnosis:
         table = table.set_index("module").sort_values("output_sqnr_gain_db", ascending=False, kind="stable")
         self._sensitivity[metric] = table
         return table.copy()
+
+    def format_sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
+        """What each format costs where: for each module the start quantizes, on an engine with
+        formats (eager), the simulated output SQNR (dB) when it alone takes each format it allows
+        (the others as they start); NaN where a format does not apply. Sorted by ``cost_db``, what
+        its starting format costs (float minus start: the gain of keeping it float), most first.
+        Empty on engines without formats. Computed in the simulation, no real run."""
+        modules = [m for m in self.runner.modules if m.formats and not m.current.keep_float]
+        columns = ["float", *FORMATS[1:]]
+        if not modules:
+            return pd.DataFrame(columns=[*columns, "start", "cost_db"], dtype=float)
+        variants: list[Variant] = [Variant()]
+        cells: list[tuple[str, str]] = []
+        for module in modules:
+            for name in columns:
+                if module.format_allowed(name) and (name == "float" or name != module.current.format):
+                    variants.append(Variant(settings=frozenset({(module.fqn, ModuleSettings(format=name))})))
+                    cells.append((module.fqn, name))
+        (start, _), *each = self.simulate_each(variants, progress, "format sensitivity", metric=False)
+        table = pd.DataFrame(math.nan, index=pd.Index([m.fqn for m in modules], name="module"), columns=columns)
+        for (fqn, name), (sqnr, _) in zip(cells, each, strict=True):
+            table.loc[fqn, name] = sqnr
+        for module in modules:
+            table.loc[module.fqn, module.current.format] = start
+        table["start"] = [m.current.quantized_format for m in modules]
+        table["cost_db"] = table["float"] - start
+        return table.sort_values("cost_db", ascending=False, kind="stable")
 
     def tradeoff(self, progress: Progress | None = None) -> pd.DataFrame:
         """The trade-off curve: keeping the most harmful modules float one after the other (the
@@ -179,39 +197,6 @@ class Diagnosis:
         self._tradeoff = pd.DataFrame(rows).set_index("float_modules")
         return self._tradeoff.copy()
 
-    def simulate_each(
-        self,
-        variants: Sequence[Variant | Iterable[str]],
-        progress: Progress | None = None,
-        desc: str = "simulating",
-        metric: bool = True,
-    ) -> list[tuple[float, float | None]]:
-        """``simulate(v)`` for each ``v`` in ``variants`` (a Variant, or the modules kept float),
-        without the metric unless ``metric``. For
-        the output SQNR alone each variant recomputes only what its float modules change (one step
-        per variant and batch); ``eval_fn`` needs the whole model, so with it each variant is a whole
-        pass (one step per variant)."""
-        simulation, eval_data = self.host.simulation(), self.host.eval_data
-        whole = metric and self.host.eval_fn is not None
-        total = len(variants) * (1 if whole else len(eval_data))
-        try:
-            with steps(total, desc, "step", progress) as step:
-                if whole:
-                    found = []
-                    for variant in variants:
-                        found.append(self.simulate(variant))
-                        step()
-                    return found
-                outputs = simulation.outputs_each(eval_data, variants, step)
-                return [(self._output_sqnr(each), None) for each in outputs]
-        finally:
-            simulation.configure(())
-
-    def _output_sqnr(self, outputs: Sequence[Any]) -> float:
-        reference = self.host.reference_outputs()
-        found = torch.cat([self.host.output_of(o).flatten() for o in outputs])
-        return sqnr_db(torch.cat([r.flatten() for r in reference]), found)
-
     def reach(
         self,
         target_sqnr_db: float | None = None,
@@ -232,9 +217,11 @@ class Diagnosis:
         label = f"reach {target}"
         if not plan.met:
             result = self._float_run(order[:count], label, progress)
-            return result.noted(
-                f"{target} is out of reach: even in simulation the best is {plan.simulated_sqnr_db:.2f} dB "
-                f"with {count} module(s) float; this run keeps those float",
+            return self._unverified(
+                result.noted(
+                    f"{target} is out of reach: even in simulation the best is {plan.simulated_sqnr_db:.2f} dB "
+                    f"with {count} module(s) float; this run keeps those float",
+                )
             )
         result = self._float_run(order[:count], label, progress)
         for _ in range(3):  # the real run may fall short of the simulated one: add the next module
@@ -251,7 +238,14 @@ class Diagnosis:
                     break
         verdict = "met" if result.ok and meets(result.output_sqnr_db, result.eval_metric) else "not met by the real run"
         floats = ", ".join(order[:count]) or "none"
-        return result.noted(f"{target}: {verdict} with {count} of {len(order)} modules float ({floats})")
+        return self._unverified(result.noted(f"{target}: {verdict} with {count} of {len(order)} modules float ({floats})"))
+
+    def _unverified(self, result: RunResult) -> RunResult:
+        """``result`` with a note when the simulation does not match the real model, in its run's place."""
+        status = self.real.unverified_note()
+        if status is not None:
+            result = result.noted(f"{status}: the plan was simulated, each step is a real run")
+        return self.real.annotated(result)
 
     def plan_reach(
         self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
@@ -260,7 +254,7 @@ class Diagnosis:
         float for the target, or the best point of the trade-off curve when none meets it."""
         if target_sqnr_db is None and target_metric is None:
             raise ValueError("reach() needs target_sqnr_db, target_metric or both")
-        if target_metric is not None and self.host.eval_fn is None:
+        if target_metric is not None and self.runner.eval_fn is None:
             raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
         ranking = self.sensitivity(progress, metric=target_metric is not None)
         order = list(ranking.index)
@@ -287,7 +281,7 @@ class Diagnosis:
 
     def _float_run(self, float_modules: Sequence[str], label: str, progress: Progress | None) -> RunResult:
         if not float_modules:  # the starting configuration: its run is known
-            baseline = self.host.baseline(progress)
-            return replace(baseline, label=label, settings={}) if baseline.ok else baseline
+            baseline = self.real.baseline(progress)
+            return replace(baseline, label=label, settings={}, baseline=False) if baseline.ok else baseline
         keep = {name: ModuleSettings(keep_float=True) for name in float_modules}
-        return self.host.apply(keep, label=label, progress=progress)
+        return self.real.apply(keep, label=label, progress=progress)

@@ -24,9 +24,12 @@ from torch import nn
 
 from ..core.calibration import call_with
 from ..core.metrics import output_tensor
+from ..engines.settings import ModuleSettings
+from ..errors import InvalidSettingsError
 
 if TYPE_CHECKING:
     from ..observe.frame import ReportFrame
+    from .runner import Runner
 
 OUTLIER_RATIO = 6.0  # a channel whose range is this many times the median channel's is an outlier
 EXACT = 1e-5  # relative output error a migrated float model may show (float rounding)
@@ -205,3 +208,52 @@ def _input_channel_ranges(model: nn.Module, batches: Sequence[Any], consumers: l
         for handle in handles:
             handle.remove()
     return ranges
+
+
+class Migrations:
+    """The outlier-channel migrations ``runner``'s float model allows (``ModuleSettings.migrate``),
+    found once on the calibration data, from the input ranges an analysis observed where it has
+    them (``known_ranges``: module -> max |x| per input channel); each is exact in float (checked)."""
+
+    def __init__(self, runner: Runner, known_ranges: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.runner = runner
+        self._known = dict(known_ranges or {})
+        self._found: dict[str, Migration] | None = None
+
+    @property
+    def known_ranges(self) -> dict[str, torch.Tensor]:
+        """The input ranges given (module -> max |x| per input channel), read instead of a pass."""
+        return dict(self._known)
+
+    def found(self) -> dict[str, Migration]:
+        """Module -> the migration its input allows."""
+        if self._found is None:
+            runner = self.runner
+            batches = runner.batches.for_searching()
+            consumers = [m.fqn for m in runner.modules]
+            found = find_migrations(runner.float_model, batches, consumers, known_ranges=self._known) if batches else {}
+            self._found = found
+        return dict(self._found)
+
+    def for_settings(self, settings: Mapping[str, ModuleSettings]) -> list[Migration]:
+        """The migrations ``settings`` ask for; InvalidSettingsError naming the modules that have none."""
+        wanted = [fqn for fqn, choice in settings.items() if choice.migrate and not choice.keep_float]
+        if not wanted:
+            return []
+        found = self.found()
+        missing = [fqn for fqn in wanted if fqn not in found]
+        if missing:
+            raise InvalidSettingsError(
+                f"{', '.join(missing)}: no outlier input channels to migrate (or no exact migration: its input "
+                "must come from one LayerNorm / BatchNorm / Linear / Conv that nothing else reads)"
+            )
+        return [found[fqn] for fqn in wanted]
+
+    def model_for(self, settings: Mapping[str, ModuleSettings]) -> nn.Module | None:
+        """The float model with the migrations ``settings`` ask for applied (a copy), or None for none."""
+        moves = self.for_settings(settings)
+        return migrated(self.runner.float_model, moves) if moves else None
+
+    def as_code(self, settings: Mapping[str, ModuleSettings]) -> str:
+        """The migrations ``settings`` ask for as Python to run on the float model before prepare."""
+        return "".join(m.as_code() for m in self.for_settings(settings))

@@ -19,47 +19,26 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import torch
 
 from ..core.progress import Progress
-from ..engines.contract import Engine, Variant
-from ..engines.settings import DEFAULT_GROUP_SIZE, ModuleSettings, TunableModule
+from ..engines.contract import Variant
+from ..engines.settings import DEFAULT_GROUP_SIZE, ModuleSettings
 from ..errors import QReportError
 from .diagnosis import MAX_EXTRA_RUNS, meets_target, target_words
 from .truth import SIMULATION_ERROR_DB
 
 if TYPE_CHECKING:
+    from .real import RealRuns
     from .run import RunResult
+    from .runner import Runner
+    from .simulation import Simulated
 
 MAX_SIMULATED = 40  # points of the chain simulated whole (evenly spread over its sizes)
 BASELINE = "baseline"
-
-
-class FrontHost(Protocol):
-    """What the size front needs from a session."""
-
-    engine: Engine[Any]
-    eval_fn: Callable[[torch.nn.Module], float] | None
-
-    @property
-    def modules(self) -> list[TunableModule]: ...
-
-    @property
-    def float_model(self) -> torch.nn.Module: ...
-
-    def baseline(self, progress: Progress | None = None) -> RunResult: ...
-
-    def simulate_each(
-        self, variants: Sequence[Variant], progress: Progress | None = None, desc: str = "", metric: bool = True
-    ) -> list[tuple[float, float | None]]: ...
-
-    def apply(
-        self, settings: Mapping[str, ModuleSettings], *, label: str | None = None, progress: Progress | None = None
-    ) -> RunResult: ...
 
 
 @dataclass(frozen=True)
@@ -105,22 +84,54 @@ def variant_of(settings: Mapping[str, ModuleSettings], start: Mapping[str, Modul
     return Variant(frozenset(float_modules), frozenset(other), frozenset(formats))
 
 
-def size_front(host: FrontHost, progress: Progress | None = None) -> SizeFront:
-    """The size front of ``host``'s modules; see the module's docstring."""
-    engine, modules = host.engine, host.modules
+class MixedPrecision:
+    """The size front of ``runner``'s modules, found once in ``simulated``, and fits confirmed by ``real`` runs."""
+
+    def __init__(self, runner: Runner, simulated: Simulated, real: RealRuns) -> None:
+        self.runner, self.simulated, self.real = runner, simulated, real
+        self._front: SizeFront | None = None
+
+    def front(self, progress: Progress | None = None) -> SizeFront:
+        if self._front is None:
+            self._front = size_front(self.runner, self.simulated, self.real, progress)
+        return self._front
+
+    def computed(self) -> dict[str, pd.DataFrame]:
+        """The front's table where it was asked for, nothing computed."""
+        return {} if self._front is None else {"size_front": self._front.points.copy()}
+
+    def fit(
+        self,
+        max_size_bytes: float | None = None,
+        target_sqnr_db: float | None = None,
+        target_metric: float | None = None,
+        progress: Progress | None = None,
+    ) -> RunResult:
+        """``fit()`` on the front, the run in its place in the history with the notes added."""
+        if target_metric is not None and self.runner.eval_fn is None:
+            raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
+        if max_size_bytes is None and target_sqnr_db is None and target_metric is None:
+            raise ValueError("fit() needs max_size_bytes, target_sqnr_db, target_metric or a combination")
+        found = fit(self.real.apply, self.front(progress), max_size_bytes, target_sqnr_db, target_metric, progress)
+        return self.real.annotated(found)
+
+
+def size_front(runner: Runner, simulated: Simulated, real: RealRuns, progress: Progress | None = None) -> SizeFront:
+    """The size front of ``runner``'s modules, anchored to the baseline's real size; see the module's docstring."""
+    engine, modules = runner.engine, runner.modules
     choices = {m.fqn: engine.size_choices(m) for m in modules}
     choices = {fqn: found for fqn, found in choices.items() if found}
     if not choices:
         raise QReportError("no module can change its size on this engine's configuration (nothing quantized has weights)")
-    baseline = host.baseline(progress)
+    baseline = real.baseline(progress)
     if not baseline.ok:
         raise QReportError(f"the size front is anchored to the baseline's real size, and the baseline failed: {baseline.error}")
     start = {fqn: found[0] for fqn, found in choices.items()}
     singles = [(fqn, c) for fqn, found in choices.items() for c in found[1:]]
     variants = [Variant(), *(variant_of({fqn: c}, start) for fqn, c in singles)]
-    (start_db, _), *alone = host.simulate_each(variants, progress, "size front: each choice alone", metric=False)
+    (start_db, _), *alone = simulated.simulate_each(variants, progress, "size front: each choice alone", metric=False)
     start_noise = _noise(start_db)
-    float_model = host.float_model
+    float_model = runner.float_model
     sizes = {fqn: {c: engine.module_bytes(float_model.get_submodule(fqn), c) for c in found} for fqn, found in choices.items()}
     options = {fqn: [Option(found[0], sizes[fqn][found[0]], 0.0)] for fqn, found in choices.items()}
     for (fqn, c), (sqnr, _) in zip(singles, alone, strict=True):
@@ -130,8 +141,8 @@ def size_front(host: FrontHost, progress: Progress | None = None) -> SizeFront:
     picked = _spread(chain, MAX_SIMULATED)
     uniform = _uniform(choices)
     pool = [chain[i] for i in picked] + list(uniform.values())
-    metric = host.eval_fn is not None
-    simulated = host.simulate_each([variant_of(p, start) for p in pool], progress, "size front: points", metric=metric)
+    metric = runner.eval_fn is not None
+    simulated = simulated.simulate_each([variant_of(p, start) for p in pool], progress, "size front: points", metric=metric)
     start_model = baseline.deployed_bytes - sum(sizes[fqn][c] for fqn, c in start.items())
 
     def row(point: Mapping[str, ModuleSettings], result: tuple[float, float | None]) -> dict[str, Any]:
@@ -152,7 +163,7 @@ def size_front(host: FrontHost, progress: Progress | None = None) -> SizeFront:
 
 
 def fit(
-    host: FrontHost,
+    apply: Callable[..., RunResult],
     front: SizeFront,
     max_size_bytes: float | None = None,
     target_sqnr_db: float | None = None,
@@ -161,13 +172,13 @@ def fit(
 ) -> RunResult:
     """The best front point under ``max_size_bytes``, or the smallest that meets the target (within
     the budget when both are given), confirmed by a real run; see ``QuantizationSession.fit`` (which
-    checks the arguments)."""
+    checks the arguments); ``apply(settings, label=, progress=)`` is a real run."""
     points = front.points
     label = "fit " + _goal_words(max_size_bytes, target_sqnr_db, target_metric)
     fitting = points if max_size_bytes is None else points[points["size_bytes"] <= max_size_bytes]
     if fitting.empty:
         smallest = points.iloc[0]
-        result = host.apply(smallest["settings"], label=label, progress=progress)
+        result = apply(smallest["settings"], label=label, progress=progress)
         return result.noted(f"out of reach: the smallest point of the front takes {_kb(smallest['size_bytes'])}, "
                               f"more than the {_kb(max_size_bytes)} budget; this run is that point")  # fmt: skip
     targeted = target_sqnr_db is not None or target_metric is not None
@@ -182,14 +193,14 @@ def fit(
     simulated_ok = [meets(s, m) for s, m in zip(fitting["simulated_output_sqnr_db"], metrics, strict=True)]
     if targeted and not any(simulated_ok):
         best = fitting.iloc[-1]
-        result = host.apply(best["settings"], label=label, progress=progress)
+        result = apply(best["settings"], label=label, progress=progress)
         where = f" within {_kb(max_size_bytes)}" if max_size_bytes is not None else ""
         target = target_words(target_sqnr_db, target_metric)
         return result.noted(f"{target} is out of reach{where}: even in simulation the best is {_point_words(best)}; "
                             f"this run is that point, {_run_words(result, target_sqnr_db)}")  # fmt: skip
     at = simulated_ok.index(True) if targeted else len(fitting) - 1  # smallest meeting, or the largest that fits
     runs = 0
-    result = host.apply(fitting.iloc[at]["settings"], label=label, progress=progress)
+    result = apply(fitting.iloc[at]["settings"], label=label, progress=progress)
     while runs < MAX_EXTRA_RUNS and result.ok:  # the real run misses: step along the front
         if not fits(result) and at > 0:
             at -= 1
@@ -198,11 +209,11 @@ def fit(
         else:
             break
         runs += 1
-        result = host.apply(fitting.iloc[at]["settings"], label=label, progress=progress)
+        result = apply(fitting.iloc[at]["settings"], label=label, progress=progress)
     if targeted and result.ok and meets(result.output_sqnr_db, result.eval_metric) and at > 0 and target_metric is None:
         smaller = fitting.iloc[at - 1]  # within the simulation's error of the target: it may meet it for real
         if smaller["simulated_output_sqnr_db"] >= target_sqnr_db - SIMULATION_ERROR_DB:
-            run = host.apply(smaller["settings"], label=label, progress=progress)
+            run = apply(smaller["settings"], label=label, progress=progress)
             if run.ok and meets(run.output_sqnr_db, run.eval_metric) and fits(run):
                 result, at = run, at - 1
     if not result.ok:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -12,6 +12,19 @@ import torch
 
 from ..engines.settings import ModuleSettings
 from ..errors import ModelReleasedError
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a run changed on one module, against its starting settings: ``what`` names each
+    setting turned on (``per_channel``, ``format=int4-weight-only``) or off (``no dynamic``)."""
+
+    module: str
+    what: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        return f"{self.module}: {', '.join(self.what)}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,7 +37,7 @@ class RunResult:
     carry out of its settings.
     """
 
-    qconfig_mapping: Any  # the FX engine's QConfigMapping (None for another engine)
+    config: Any  # the engine's configuration of this run
     # the model this run made; a ReleasedModel once a later run replaced it (see ReleasedModel)
     quantized_model: torch.nn.Module | ReleasedModel | None
     output_sqnr_db: float
@@ -40,10 +53,8 @@ class RunResult:
     eval_batches: str = ""
     summary: pd.DataFrame = field(default_factory=pd.DataFrame)
     conversions: pd.DataFrame = field(default_factory=pd.DataFrame)
-    equalization_mapping: Any = None
     notes: tuple[str, ...] = ()  # what could not be measured, and why; what the numbers need said
     settings: Mapping[str, ModuleSettings] | None = None  # what apply() was given (None for run())
-    config: Any = None  # the engine's configuration of this run
     latency_spread_ms: float = math.nan  # slowest minus fastest evaluation batch, in ms
     module_notes: Mapping[str, str] = field(default_factory=dict)  # module -> what the run did not carry out
     # module -> its quantized kernel's SQNR against its reference on the same input (truth.py); empty where
@@ -52,6 +63,7 @@ class RunResult:
     # the weights as a deployed (packed) layout stores them: int4 at 4 bits where this process keeps
     # them unpacked in int8 (eager engine), one byte per int8 value and four per scale (sizes.py). 0 for a failed run
     deployed_bytes: int = 0
+    baseline: bool = False  # the starting configuration's run (session.baseline())
 
     def __post_init__(self) -> None:
         # a run's own copies: nothing a caller keeps changes it later
@@ -60,21 +72,40 @@ class RunResult:
         if self.settings is not None:
             object.__setattr__(self, "settings", dict(self.settings))
 
-    def changes(self, start: Mapping[str, ModuleSettings]) -> str:
-        """What this run's settings change from ``start`` (each module's starting settings), in words."""
+    @property
+    def qconfig_mapping(self) -> Any:
+        """The FX engine's QConfigMapping of this run, None for another engine (``config`` is the
+        whole configuration; FX's carries its mappings under these names)."""
+        return getattr(self.config, "qconfig_mapping", None)
+
+    @property
+    def equalization_mapping(self) -> Any:
+        """The FX engine's input-weight equalization mapping of this run, if any."""
+        return getattr(self.config, "equalization_mapping", None)
+
+    def changed(self, start: Mapping[str, ModuleSettings]) -> tuple[Change, ...] | None:
+        """What this run's settings change from ``start`` (each module's starting settings), one
+        Change per module changed; None for a run of a hand-written configuration (``run()``)."""
         if self.settings is None:
-            return "a hand-written mapping"
-        changed = []
+            return None
+        found = []
         for fqn, choice in self.settings.items():
             before = start.get(fqn)
             if before is None or choice == before:
                 continue
             values = {f.name: getattr(choice, f.name) for f in fields(choice)}
-            words = [name if value is True else f"{name}={value}" for name, value in values.items()
-                     if value != getattr(before, name) and value not in (False, "")]  # fmt: skip
+            words = [
+                name if value is True else f"{name}={value}"
+                for name, value in values.items()
+                if value != getattr(before, name) and value not in (False, "")
+            ]
             undone = [f"no {name}" for name, value in values.items() if value in (False, "") and getattr(before, name)]
-            changed.append(f"{fqn}: {', '.join(words + undone)}")
-        return "; ".join(changed) or "the starting settings"
+            found.append(Change(fqn, (*words, *undone)))
+        return tuple(found)
+
+    def changes(self, start: Mapping[str, ModuleSettings]) -> str:
+        """``changed(start)`` in words, as the runs table shows it."""
+        return changes_text(self.changed(start))
 
     @property
     def ok(self) -> bool:
@@ -124,14 +155,12 @@ class ReleasedModel:
         return f"<{self.why}>"
 
 
-def conversion_tables(rows: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """From one row per layer ("module", "float type", "converted type", "quantized"): per float
-    type the layers in all, quantized and left float; and the rows as a table."""
-    conversions = pd.DataFrame(rows, columns=["module", "float type", "converted type", "quantized"])
-    summary = (
-        conversions.groupby("float type", sort=False)["quantized"]
-        .agg(total="size", quantized="sum")
-        .assign(float=lambda df: df["total"] - df["quantized"])
-        .reset_index()
-    )
-    return summary, conversions
+def changes_text(changed: Sequence[Change] | None) -> str:
+    """A run's changes in words: "fc1: per_channel; fc2: keep_float"."""
+    if changed is None:
+        return HAND_WRITTEN
+    return "; ".join(c.text for c in changed) or NO_CHANGE
+
+
+HAND_WRITTEN = "a hand-written mapping"
+NO_CHANGE = "the starting settings"

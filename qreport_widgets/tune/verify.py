@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -37,24 +38,51 @@ from ..engines.contract import Variant
 from ..engines.settings import ModuleSettings, Setting, TunableModule
 from ..observe.frame import ReportFrame
 from ..observe.records import Suggestion
+from .migration import input_producers
 from .run import ReleasedModel
 
 if TYPE_CHECKING:
-    from .migration import Migration
+    from .diagnosis import Diagnosis
+    from .migration import Migrations
+    from .real import RealRuns
     from .run import RunResult
-    from .truth import TruthCheck
+    from .runner import Runner
 
 MIN_GAIN_DB = 0.1  # a detector's candidate must gain this much to be offered
 FOUND_GAIN_DB = 0.5  # a setting the simulation found without a detector must gain this much
 EXACT_FLOAT = 1e-4  # relative output error an equalized float model may show (float rounding)
 
-SIMULATED, REAL_RUN, NOT_TRIED = "simulated", "real run", "not tried"
 TRADE = (
     "keeping it float trades size and latency for it, so Accept all leaves it out: tick keep float here, "
     "or let a target or a size budget decide (reach, fit, the size front)"
 )
-SEARCH = "search"
-KERNEL_CHECK = "kernel check"  # keep float where the quantized kernel differs from its reference (truth.py)
+
+
+class Measured(str, Enum):
+    """How a verdict's gain was measured."""
+
+    SIMULATED = "simulated"
+    REAL_RUN = "real run"
+    NOT_TRIED = "not tried"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Origin(str, Enum):
+    """Where a candidate came from."""
+
+    DETECTOR = "detector"  # a detector's suggestion (``Candidate.detector`` names it)
+    SEARCH = "search"  # tried on every module where it applies
+    KERNEL_CHECK = "kernel check"  # keep float where the quantized kernel differs from its reference (truth.py)
+    OUTLIER_CHANNELS = "outlier channels"  # a migration of outlier input channels the float model allows
+
+    def __str__(self) -> str:
+        return self.value
+
+
+SIMULATED, REAL_RUN, NOT_TRIED = Measured.SIMULATED, Measured.REAL_RUN, Measured.NOT_TRIED
+SEARCH, KERNEL_CHECK = Origin.SEARCH, Origin.KERNEL_CHECK
 
 _SETTING_OF = {
     SuggestionKind.PER_CHANNEL: Setting.PER_CHANNEL,
@@ -68,57 +96,35 @@ SIMULATED_SETTINGS = frozenset({Setting.PER_CHANNEL, Setting.KEEP_FLOAT, Setting
 CALIBRATING_SETTINGS = frozenset({Setting.OBSERVER, Setting.DYNAMIC})  # simulated where the engine's simulation can
 
 
-class VerifiableSession(Protocol):
-    """What verification needs from a session: its modules and starting settings, what it found
-    in the data, the simulation's gains and real runs."""
-
-    @property
-    def modules(self) -> list[TunableModule]: ...
-
-    def current_settings(self) -> dict[str, ModuleSettings]: ...
-
-    def input_producers(self, names: Iterable[str]) -> dict[str, str]: ...
-
-    def migrations(self) -> dict[str, Migration]: ...
-
-    def sensitivity(self, progress: Progress | None = None, *, metric: bool = True) -> pd.DataFrame: ...
-
-    def simulate_each(
-        self, variants: Sequence[Variant], progress: Progress | None = None, desc: str = "", metric: bool = True
-    ) -> list[tuple[float, float | None]]: ...
-
-    def baseline(self, progress: Progress | None = None) -> RunResult: ...
-
-    def apply(
-        self,
-        settings: Mapping[str, ModuleSettings],
-        *,
-        label: str | None = None,
-        progress: Progress | None = None,
-        record: bool = True,
-    ) -> RunResult: ...
-
-    def equalization_float_error(self, fqn: str) -> float: ...
-
-    def truth_check(self, progress: Progress | None = None) -> TruthCheck: ...
-
-
 @dataclass(frozen=True)
 class Candidate:
     """One module's setting switched on, and where the idea came from."""
 
     module_fqn: str
     setting: Setting
-    origin: str  # the detector's name, or SEARCH (tried on every module where it applies)
+    origin: Origin | str  # an Origin; a detector's name is taken as Origin.DETECTOR with ``detector`` set
     reason: str = ""
     value: Any = True  # what the setting is set to (an observer's name for ``observer``)
+    detector: str = ""  # the detector whose suggestion this is
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "setting", Setting(self.setting))  # a field's name is taken too
+        if not isinstance(self.origin, Origin):
+            known = {o.value: o for o in Origin}
+            if self.origin in known:
+                object.__setattr__(self, "origin", known[self.origin])
+            else:
+                object.__setattr__(self, "detector", self.detector or str(self.origin))
+                object.__setattr__(self, "origin", Origin.DETECTOR)
 
     @property
     def searched(self) -> bool:
-        return self.origin == SEARCH
+        return self.origin is Origin.SEARCH
+
+    @property
+    def source(self) -> str:
+        """Where it came from, in the candidates table's words: the detector's name, else the origin."""
+        return self.detector if self.origin is Origin.DETECTOR else self.origin.value
 
     def applied_to(self, current: ModuleSettings) -> ModuleSettings:
         changed = replace(current, **{self.setting.value: self.value})
@@ -131,7 +137,7 @@ class Verdict:
 
     candidate: Candidate
     gain_db: float  # NaN when it was not tried or its run failed
-    measured: str  # SIMULATED, REAL_RUN or NOT_TRIED
+    measured: Measured
     offered: bool
     note: str = ""  # why it was not tried or not offered
 
@@ -141,7 +147,7 @@ class Verdict:
         words = self.candidate.setting.words
         if self.candidate.setting is Setting.OBSERVER:
             words = f"{words} {self.candidate.value}"
-        if self.measured == NOT_TRIED or math.isnan(self.gain_db):
+        if self.measured is Measured.NOT_TRIED or math.isnan(self.gain_db):
             return f"{words}: not suggested, {self.note}"
         effect = f"{words}: {self.gain_db:+.2f} dB ({self.measured})"
         return effect if self.offered else f"{effect}, not suggested: {self.note}"
@@ -183,7 +189,7 @@ class VerifiedSuggestions:
         """One row per candidate: module, setting, origin, gain_db, measured, offered, note."""
         rows = [
             {
-                "module": v.candidate.module_fqn, "setting": v.candidate.setting, "origin": v.candidate.origin,
+                "module": v.candidate.module_fqn, "setting": v.candidate.setting, "origin": v.candidate.source,
                 "gain_db": v.gain_db, "measured": v.measured, "offered": v.offered, "note": v.note,
             }
             for v in self.verdicts
@@ -192,19 +198,52 @@ class VerifiedSuggestions:
         return pd.DataFrame(rows, columns=columns).sort_values(["offered", "gain_db"], ascending=[False, False])
 
 
+class Verification:
+    """A session's suggestions verified once: the verdicts do not change, the simulation and the
+    starting configuration being fixed."""
+
+    def __init__(self, runner: Runner, real: RealRuns, diagnosis: Diagnosis, migrations: Migrations) -> None:
+        self.runner, self.real, self.diagnosis, self.migrations = runner, real, diagnosis, migrations
+        self._found: VerifiedSuggestions | None = None
+
+    def verified(
+        self, suggestions: Iterable[Suggestion], nan_metric: Iterable[str] = (), progress: Progress | None = None
+    ) -> VerifiedSuggestions:
+        """``suggestions`` and what the simulation finds by itself, each measured before it is
+        offered; ``nan_metric`` names the modules whose equalization metric is NaN."""
+        if self._found is None:
+            refused = refusals(dict(self.runner.float_model.named_modules()), nan_metric)
+            verifier = Verifier(self.runner, self.real, self.diagnosis, self.migrations, refused)
+            self._found = verifier.verify(verifier.candidates(suggestions), progress)
+        return self._found
+
+
 class Verifier:
-    """Measures candidates for one session: simulated where the simulation can, real runs otherwise.
+    """Measures candidates: simulated where the simulation can, real runs otherwise.
 
     Args:
-        session: what it measures with (a QuantizationSession).
+        runner: the modules, their starting settings and the float model.
+        real: the baseline, the truth check and trial runs.
+        diagnosis: the simulation (checked against the real model) and the sensitivity ranking.
+        migrations: the outlier-channel migrations the float model allows.
         refused: (module, setting) -> why that candidate is not tried at all.
     """
 
-    def __init__(self, session: VerifiableSession, refused: Mapping[tuple[str, Setting], str] | None = None) -> None:
-        self.session = session
+    def __init__(
+        self,
+        runner: Runner,
+        real: RealRuns,
+        diagnosis: Diagnosis,
+        migrations: Migrations,
+        refused: Mapping[tuple[str, Setting], str] | None = None,
+    ) -> None:
+        self.runner, self.real, self.diagnosis, self.migrations = runner, real, diagnosis, migrations
         self.refused = dict(refused or {})
-        self.modules: dict[str, TunableModule] = {m.fqn: m for m in session.modules}
+        self.modules: dict[str, TunableModule] = {m.fqn: m for m in runner.modules}
         self._trials: dict[frozenset, RunResult] = {}
+
+    def _producers(self, names: Iterable[str]) -> dict[str, str]:
+        return input_producers(self.runner.float_model, names)
 
     def candidates(self, suggestions: Iterable[Suggestion]) -> list[Candidate]:
         """The detectors' suggestions as candidates (one per module and setting), the
@@ -216,10 +255,9 @@ class Verifier:
         for suggestion in suggestions:
             setting = _SETTING_OF.get(suggestion.kind)
             if setting is not None and (suggestion.module_fqn, setting) not in found:
-                found[suggestion.module_fqn, setting] = Candidate(
-                    suggestion.module_fqn, setting, suggestion.detector, suggestion.reason
-                )
-        producers = self.session.input_producers(list(self.modules))
+                candidate = Candidate(suggestion.module_fqn, setting, Origin.DETECTOR, suggestion.reason)
+                found[suggestion.module_fqn, setting] = replace(candidate, detector=suggestion.detector)
+        producers = self._producers(list(self.modules))
         for consumer, producer in producers.items():  # a dynamic Linear's output is float: its reader would run float
             if producer in self.modules and consumer in self.modules and not self.modules[consumer].current.keep_float:
                 why = f"its output is float when it is dynamic, and {consumer}, which reads it, would run float"
@@ -231,25 +269,26 @@ class Verifier:
                 if not setting.of(module.current) and module.allows(setting):
                     found.setdefault((module.fqn, setting), Candidate(module.fqn, setting, SEARCH))
         outliers = {s.module_fqn: s.detector for s in suggestions if s.kind == SuggestionKind.OUTLIERS}
-        for fqn, producer in self.session.input_producers(outliers).items():  # clip the producer's range
+        for fqn, producer in self._producers(outliers).items():  # clip the producer's range
             if producer in self.modules:
                 reason = f"outliers in the input of {fqn}"
                 candidate = Candidate(producer, Setting.OBSERVER, outliers[fqn], reason, "percentile")
                 found.setdefault((producer, Setting.OBSERVER), candidate)
-        truth = self.session.truth_check(progress=quiet)
+        truth = self.real.truth(quiet)
         for fqn in truth.disagreeing:  # a kernel that computes something else: keeping it float is the fix
             if fqn in self.modules:
                 reason = f"its quantized kernel differs from its reference ({truth.kernels[fqn]:.1f} dB on the same input)"
                 found.setdefault((fqn, Setting.KEEP_FLOAT), Candidate(fqn, Setting.KEEP_FLOAT, KERNEL_CHECK, reason))
-        for fqn, migration in self.session.migrations().items():  # outlier input channels found
-            found.setdefault((fqn, Setting.MIGRATE), Candidate(fqn, Setting.MIGRATE, "outlier channels", migration.summary))
-        table = self.session.sensitivity(progress=quiet, metric=False)
+        for fqn, migration in self.migrations.found().items():  # outlier input channels found
+            candidate = Candidate(fqn, Setting.MIGRATE, Origin.OUTLIER_CHANNELS, migration.summary)
+            found.setdefault((fqn, Setting.MIGRATE), candidate)
+        table = self.diagnosis.sensitivity(quiet, metric=False)
         for fqn in table.index[table["output_sqnr_gain_db"] >= FOUND_GAIN_DB]:
             found.setdefault((fqn, Setting.KEEP_FLOAT), Candidate(fqn, Setting.KEEP_FLOAT, SEARCH))
         return list(found.values())
 
     def verify(self, candidates: Sequence[Candidate], progress: Progress | None = None) -> VerifiedSuggestions:
-        baseline = self.session.baseline(progress=quiet)
+        baseline = self.real.baseline(quiet)
         engine_wide = self._unavailable_everywhere()  # e.g. equalization under PT2E: one note, not a row each
         left_out = [c for c in candidates if c.setting in engine_wide]
         candidates = [c for c in candidates if c.setting not in engine_wide]
@@ -258,7 +297,7 @@ class Verifier:
             for setting in engine_wide
             if (count := sum(c.setting == setting for c in left_out))
         ]
-        truth = self.session.truth_check(progress=quiet)
+        truth = self.real.truth(quiet)
         if not truth.reliable:  # the simulation does not match the real model: real runs measure everything
             skipped.append(f"every candidate measured by a real run: {truth.status}")
         verdicts: dict[Candidate, Verdict] = {}
@@ -281,7 +320,7 @@ class Verifier:
             for candidate, gain in zip(simulated, gains, strict=True):
                 verdicts[candidate] = self._judge(candidate, gain, SIMULATED)
             step()
-            current = self.session.current_settings()
+            current = self.runner.current_settings()
             for candidate, verdict in self._no_ops(real, current, baseline).items():
                 verdicts[candidate] = verdict
             for candidate in real:
@@ -306,7 +345,7 @@ class Verifier:
         """A candidate measured by a real run (kept out of the history)."""
         fqn = candidate.module_fqn
         if candidate.setting is Setting.EQUALIZE:
-            error = self.session.equalization_float_error(fqn)
+            error = self.runner.equalization_float_error({fqn: ModuleSettings(equalize=True)})
             if not error <= EXACT_FLOAT:  # torch's equalization must leave the float model's output as it was
                 why = f"torch's equalization here changes the float model's output ({error:.1%} relative error)"
                 return Verdict(candidate, math.nan, NOT_TRIED, False, why)
@@ -353,7 +392,7 @@ class Verifier:
         with the settings of one candidate's own trial."""
         key = frozenset(changed.items())
         if key not in self._trials:
-            run = self.session.apply(changed, label=label, progress=quiet, record=False)
+            run = self.real.apply(changed, label=label, progress=quiet, record=False)
             # its measurements are what a verdict needs: the model goes (a dozen trial runs would hold a dozen)
             released = ReleasedModel(label, "after its trial run was measured (apply the settings to get a model)")
             self._trials[key] = replace(run, quantized_model=released) if run.ok else run
@@ -362,12 +401,12 @@ class Verifier:
     def _simulated_gains(self, candidates: Sequence[Candidate | Sequence[Verdict]]) -> list[float]:
         """Simulated output SQNR gain of each candidate alone, or of each group of verdicts together."""
         variants = [Variant()] + [_variant([c] if isinstance(c, Candidate) else [v.candidate for v in c]) for c in candidates]
-        base, *each = self.session.simulate_each(variants, quiet, "verifying suggestions", metric=False)
+        base, *each = self.diagnosis.simulate_each(variants, quiet, "verifying suggestions", metric=False)
         return [sqnr - base[0] for sqnr, _ in each]
 
-    def _judge(self, candidate: Candidate, gain: float, measured: str) -> Verdict:
+    def _judge(self, candidate: Candidate, gain: float, measured: Measured) -> Verdict:
         needed = FOUND_GAIN_DB if candidate.searched else MIN_GAIN_DB
-        if gain >= needed and candidate.setting is Setting.KEEP_FLOAT and candidate.origin != KERNEL_CHECK:
+        if gain >= needed and candidate.setting is Setting.KEEP_FLOAT and candidate.origin is not Origin.KERNEL_CHECK:
             return Verdict(candidate, gain, measured, False, TRADE)
         if gain >= needed:
             return Verdict(candidate, gain, measured, True)
@@ -379,16 +418,16 @@ class Verifier:
     ) -> tuple[dict[str, ModuleSettings], RunResult | None, list[str]]:
         """What Accept all applies, its real run and its notes; a verdict Accept all must leave out
         after its real run is replaced in ``verdicts`` (not offered, with why)."""
-        current = self.session.current_settings()
+        current = self.runner.current_settings()
         offered = sorted((v for v in verdicts if v.offered), key=lambda v: -v.gain_db)
         if not offered:
             return current, None, []
-        chosen, notes = self._combine_simulated([v for v in offered if v.measured == SIMULATED])
-        chosen += [v for v in offered if v.measured != SIMULATED]  # each measured alone by a real run
+        chosen, notes = self._combine_simulated([v for v in offered if v.measured is Measured.SIMULATED])
+        chosen += [v for v in offered if v.measured is not Measured.SIMULATED]  # each measured alone by a real run
         combined = _combined(chosen, current)
         run = self._trial_run(_changed(combined, current), "accept all (verified)")
         left = _left_float(run, baseline, combined) if run.ok else []
-        blamed = set(self.session.input_producers(left).values()) | set(left)
+        blamed = set(self._producers(left).values()) | set(left)
         dynamic = [v for v in chosen if v.candidate.setting is Setting.DYNAMIC]
         dropped = [v for v in dynamic if v.candidate.module_fqn in blamed] or (dynamic if left else [])
         if dropped:  # a dynamic Linear's float output can leave the layer it feeds float: those settings out

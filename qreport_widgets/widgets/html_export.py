@@ -38,7 +38,7 @@ from ..observe.frame import MODULE
 from .controls import feature_options, preferred_feature
 from .graph_view import GraphPane
 from .protocols import ReportSource, TuningSession
-from .runs import LayersChart, RunsTable, number
+from .runs import LayersChart, RunsTable, number, run_changes
 from .views import ExploreViews, View
 
 MAX_MODULE_FIGURES = 60  # flagged modules drawn; the rest are named
@@ -249,7 +249,7 @@ class _Page:
             return "<h2>Runs</h2><p class='muted'>No run yet (the Tune tab's Apply, or session.apply()).</p>"
         runs, layers = session.compare()
         table = RunsTable()
-        table.show(runs)
+        table.show(runs, run_changes(session))
         chart = LayersChart()
         chart.draw(layers)
         chart.figure.display_toolbar = False

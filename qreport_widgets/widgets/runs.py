@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 
 import bqplot as bq
 import ipywidgets as w
 import numpy as np
 import pandas as pd
 
+from ..tune.run import Change, changes_text
 from .plots import bar_range, scrolling_table
+from .protocols import TuningSession
 
 TOP_LAYERS = 20  # bars per run in the per-layer chart; the full table is session.compare()
 SQNR_VIEW, DELTA_VIEW = "SQNR per run", "change vs baseline"
@@ -21,12 +24,14 @@ KERNEL_COLOR = "#d62728"  # the kernel check's series: red, used by no run
 class RunsTable(w.HTML):
     """One row per run: its changes shortened (all of them on hover), numbers with three digits."""
 
-    def show(self, runs: pd.DataFrame) -> None:
+    def show(self, runs: pd.DataFrame, changed: Sequence[Sequence[Change] | None] | None = None) -> None:
+        """``runs``: ``session.compare()``'s table; ``changed``: each run's changes as rows
+        (``RunResult.changed``), in the table's order, drawn in the ``changes`` column."""
         shown = runs.assign(
             **{c: runs[c].map(lambda v: html.escape(str(v))) for c in runs.select_dtypes(include=["object", "string"])}
         )
-        if "changes" in runs:
-            shown["changes"] = runs["changes"].map(short_changes)
+        if changed is not None and "changes" in runs:
+            shown["changes"] = [short_changes(rows) for rows in changed]
         if "run" in runs:  # a label is a name: one line
             shown["run"] = shown["run"].map(lambda v: f"<span style='white-space:nowrap'>{v}</span>")
         table = shown.to_html(index=False, float_format=number, border=0, escape=False)
@@ -93,11 +98,20 @@ class LayersChart(w.VBox):
                 self.bars.colors = colors
 
 
-def short_changes(text: str, shown: int = 2) -> str:
-    """A run's changes in the runs table: the first few, the rest counted, all of them on hover."""
-    parts = str(text).split("; ")
-    short = "; ".join(parts[:shown]) + (f"; +{len(parts) - shown} more" if len(parts) > shown else "")
-    return f"<span title='{html.escape(str(text))}' style='display:inline-block;min-width:14em'>{html.escape(short)}</span>"
+def run_changes(session: TuningSession) -> list[tuple[Change, ...] | None]:
+    """Each recorded run's changes from the starting settings, as rows, in the history's order."""
+    start = session.current_settings()
+    return [run.changed(start) for run in session.history]
+
+
+def short_changes(changed: Sequence[Change] | None, shown: int = 2) -> str:
+    """A run's changes in the runs table: the first few modules, the rest counted, all of them on hover."""
+    whole = changes_text(changed)
+    if not changed:
+        short = whole
+    else:
+        short = "; ".join(c.text for c in changed[:shown]) + (f"; +{len(changed) - shown} more" if len(changed) > shown else "")
+    return f"<span title='{html.escape(whole)}' style='display:inline-block;min-width:14em'>{html.escape(short)}</span>"
 
 
 def number(value: float) -> str:

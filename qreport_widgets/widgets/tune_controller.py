@@ -406,7 +406,7 @@ def run_status(result: RunResult, history: list[RunResult], sensitivity: pd.Data
     """The run's output SQNR against the baseline (red when worse) and the best run so far, and
     which module hurts most where the sensitivity ranking has been computed."""
     line = f"{html.escape(result.label)}: output SQNR {result.output_sqnr_db:.2f} dB"
-    baseline = next((r for r in history if r.label == "baseline"), None)
+    baseline = next((r for r in history if r.baseline), None)
     if baseline is not None and baseline is not result:
         delta = result.output_sqnr_db - baseline.output_sqnr_db
         color = RED if delta < -0.05 else GREEN if delta > 0.05 else GREY

@@ -18,7 +18,7 @@ from .front import SizeFrontPane
 from .plots import scrolling_table
 from .protocols import ReportSource, TuningSession
 from .rows import SettingsRow, row_parts
-from .runs import LayersChart, RunsTable
+from .runs import LayersChart, RunsTable, run_changes
 from .sensitivity import SensitivityPane
 from .tune_controller import TuneController, error_html
 
@@ -263,7 +263,7 @@ class TuningPanel(w.VBox):
     def _show_runs(self, latest: RunResult | None) -> None:
         runs, layers = self.session.compare()
         with self.hold_sync():
-            self.history.show(runs)
+            self.history.show(runs, run_changes(self.session))
             self.layers.draw(layers, _kernels_apart(self.session.history))
             self.front.show_runs()
             restorable, chosen = self.controller.restorable(), self.restore_from.value

@@ -6,5 +6,6 @@ Imported by the engine registry when ``engine="eager"`` is first named; needs to
 
 from .engine import EagerEngine, FormatError
 from .formats import EagerConfig
+from .options import EagerOptions
 
-__all__ = ["EagerConfig", "EagerEngine", "FormatError"]
+__all__ = ["EagerConfig", "EagerEngine", "EagerOptions", "FormatError"]

@@ -21,8 +21,7 @@ from ...core.calibration import call_with
 from ...core.memory import shared_copy
 from ...core.metrics import sqnr_db
 from ...errors import QReportError
-from ...tune.run import conversion_tables
-from ..contract import Engine, EngineOptions, Observation, RunNotes
+from ..contract import Engine, Observation, RunNotes, conversion_tables
 from ..settings import GROUPED_FORMATS, ModuleSettings, Setting, TunableModule
 from .formats import (
     INT4_WEIGHT_ONLY,
@@ -36,6 +35,7 @@ from .formats import (
     offered,
     torchao_eager,
 )
+from .options import EagerOptions
 from .simulate import EagerSimulation
 from .trace import eager_graph, observed_modules
 
@@ -72,22 +72,25 @@ class EagerEngine(Engine[EagerConfig]):
     Args:
         format: the starting format of every ``nn.Linear`` (the baseline's); other modules start
             float. Default ``"int8-dynamic"``, torchao's int8 dynamic activation, int8 weight format.
+        group_size: the starting group size of an int4 ``format``; default ``DEFAULT_GROUP_SIZE``.
+            A Linear whose rows it does not divide starts float.
     """
 
     name = "eager"
+    options_type = EagerOptions
+    options_hint = "with engine='eager' pass format= (the starting format of Linear layers)"
 
-    def __init__(self, format: str = INT8_DYNAMIC) -> None:  # noqa: A002  (the word users know)
+    def __init__(self, format: str = INT8_DYNAMIC, group_size: int | None = None) -> None:  # noqa: A002  (the word users know)
         torchao_eager()  # a clear error naming the extra, before anything else
-        if format not in QUANTIZED_FORMATS:
-            raise ValueError(f"format must be one of {', '.join(QUANTIZED_FORMATS)}, got {format!r}")
+        EagerOptions(format, group_size)  # the same ValueError as build_engine for a format or group size refused
         self.start_format = format
+        self.start_group_size = group_size or 0  # 0: DEFAULT_GROUP_SIZE, as in ModuleSettings
         self._configs: weakref.WeakKeyDictionary[nn.Module, EagerConfig] = weakref.WeakKeyDictionary()
         self._sizes: dict[tuple, int] = {}  # module_bytes, per module shape and choice
 
     @classmethod
-    def from_options(cls, options: EngineOptions) -> EagerEngine:
-        options.refuse("eager", ("format",), "with engine='eager' pass format= (the starting format of Linear layers)")
-        return cls(options.format or INT8_DYNAMIC)
+    def from_options(cls, options: EagerOptions) -> EagerEngine:
+        return cls(options.format or INT8_DYNAMIC, options.group_size)
 
     # ---- observation ----------------------------------------------------------------------------
     def observe(self, float_model: nn.Module, example_inputs: tuple[Any, ...]) -> Observation:
@@ -100,7 +103,7 @@ class EagerEngine(Engine[EagerConfig]):
 
     # ---- configuration --------------------------------------------------------------------------
     def base_config(self) -> EagerConfig:
-        return EagerConfig(linears=self.start_format)
+        return EagerConfig(linears=self.start_format, group_size=self.start_group_size)
 
     def config_for(self, settings: Mapping[str, ModuleSettings], modules: Sequence[TunableModule]) -> EagerConfig:
         return EagerConfig.of({m.fqn: settings.get(m.fqn, m.current) for m in modules})

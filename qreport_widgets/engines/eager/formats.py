@@ -138,20 +138,23 @@ def offered(module: nn.Module) -> tuple[dict[str, str], tuple[int, ...]]:
 class EagerConfig:
     """One run's formats: module -> (format, group size) for the modules quantized (the rest float),
     applied by one ``quantize_(copy, FqnToConfig(...))``. ``linears``: a format for every Linear not
-    named (the start, before a model is known; ``resolved`` names them)."""
+    named (the start, before a model is known; ``resolved`` names them), with ``group_size`` when it
+    is an int4 format (0: ``DEFAULT_GROUP_SIZE``)."""
 
     formats: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     linears: str = ""
+    group_size: int = 0
 
     def resolved(self, model: nn.Module) -> EagerConfig:
-        """Every module named: ``linears``' format given to each Linear it applies to."""
+        """Every module named: ``linears``' format given to each Linear it applies to (int4: each
+        whose rows divide into its group size)."""
         if not self.linears:
             return self
-        group = DEFAULT_GROUP_SIZE if self.linears in GROUPED_FORMATS else 0
+        group = (self.group_size or DEFAULT_GROUP_SIZE) if self.linears in GROUPED_FORMATS else 0
         chosen = {
             fqn: (self.linears, group)
             for fqn, module in model.named_modules()
-            if isinstance(module, nn.Linear) and offered(module)[0].get(self.linears) == ""
+            if isinstance(module, nn.Linear) and _takes(module, self.linears, group)
         }
         return EagerConfig({**chosen, **self.formats})
 
@@ -178,6 +181,11 @@ class EagerConfig:
             f"config = FqnToConfig({{\n{entries}}})\n"
             "quantize_(model, config, filter_fn=None)\n"
         )
+
+
+def _takes(module: nn.Module, name: str, group: int) -> bool:
+    formats, groups = offered(module)
+    return formats.get(name) == "" and (not group or group in groups)
 
 
 def deployed_bytes(model: nn.Module) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .engine import FxEngine
+from .options import FxOptions
 from .qconfig import FxConfig
 
-__all__ = ["FxConfig", "FxEngine"]
+__all__ = ["FxConfig", "FxEngine", "FxOptions"]

@@ -15,11 +15,12 @@ from ...core.calibration import call_with, torch_warnings_hidden
 from ...core.memory import models_forgotten
 from ...core.metrics import output_tensor
 from ...observe.graph import ModelGraph
-from ..contract import Engine, EngineOptions, Observation
+from ..contract import Engine, Observation
 from ..settings import ModuleSettings, Setting, TunableModule
 from .kernels import kernel_sqnr, reference_model
 from .lowering import convert_fx_keeping_float
 from .numeric_suite import per_layer_sqnr, quantization_summary
+from .options import FxOptions
 from .prepare import prepare, torch_observers_paused
 from .qconfig import FunctionalOp, FxConfig, build_equalization_mapping, build_qconfig_mapping, qconfig_for, tunable_modules
 from .simulate import Simulator, qparams_after_float
@@ -37,6 +38,8 @@ class FxEngine(Engine[FxConfig]):
     """
 
     name = "fx"
+    options_type = FxOptions
+    options_hint = "FX starts from qconfig_mapping="
 
     def __init__(
         self, backend: str = "x86", qconfig_mapping: QConfigMapping | None = None, prepare_custom_config: Any = None
@@ -46,8 +49,7 @@ class FxEngine(Engine[FxConfig]):
         self.prepare_custom_config = prepare_custom_config
 
     @classmethod
-    def from_options(cls, options: EngineOptions) -> FxEngine:
-        options.refuse("fx", ("qconfig_mapping", "prepare_custom_config"), "FX starts from qconfig_mapping=")
+    def from_options(cls, options: FxOptions) -> FxEngine:
         return cls(options.backend, options.qconfig_mapping, options.prepare_custom_config)
 
     # ---- observation ----------------------------------------------------------------------------

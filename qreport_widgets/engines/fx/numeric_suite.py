@@ -16,7 +16,7 @@ from torch.ao.ns.fx.utils import compute_sqnr
 
 from ...core.calibration import call_with, torch_warnings_hidden
 from ...observe.graph import ModelGraph
-from ...tune.run import conversion_tables
+from ..contract import conversion_tables
 
 _QUANTIZED_NAMESPACES = ("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized", "torch.nn.quantized")
 _MULS = {torch.mul, operator.mul, torch.ops.quantized.mul, torch.ops.quantized.mul_relu}

@@ -8,9 +8,10 @@ from __future__ import annotations
 from .engine import Pt2eEngine
 from .export import NothingQuantizedError, export_model
 from .numerics import ConvertedLayer, converted_layers
+from .options import Pt2eOptions
 from .quantizer import MissingExtraError, Pt2eConfig, build_quantizer, torchao_pt2e
 
 __all__ = [
-    "ConvertedLayer", "MissingExtraError", "NothingQuantizedError", "Pt2eConfig", "Pt2eEngine", "build_quantizer",
-    "converted_layers", "export_model", "torchao_pt2e",
+    "ConvertedLayer", "MissingExtraError", "NothingQuantizedError", "Pt2eConfig", "Pt2eEngine", "Pt2eOptions",
+    "build_quantizer", "converted_layers", "export_model", "torchao_pt2e",
 ]  # fmt: skip

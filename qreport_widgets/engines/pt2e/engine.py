@@ -20,8 +20,7 @@ import torch.fx
 
 from ...core.memory import models_forgotten
 from ...core.metrics import sqnr_db
-from ...tune.run import conversion_tables
-from ..contract import Engine, EngineOptions, Observation, RunNotes
+from ..contract import Engine, Observation, RunNotes, conversion_tables
 from ..settings import ModuleSettings, Setting, TunableModule
 from .export import NothingQuantizedError, export_model, quantizer_failed
 from .graph import exported_graph
@@ -35,6 +34,7 @@ from .numerics import (
     pt2e_warnings_hidden,
     weighted_ops,
 )  # fmt: skip
+from .options import Pt2eOptions
 from .quantizer import Pt2eConfig, torchao_pt2e
 from .simulate import Pt2eSimulation
 
@@ -61,6 +61,8 @@ class Pt2eEngine(Engine[Pt2eConfig]):
     """
 
     name = "pt2e"
+    options_type = Pt2eOptions
+    options_hint = "with PT2E pass quantizer="
 
     def __init__(self, quantizer: Any = None) -> None:
         torchao_pt2e()  # a clear error naming the extra, before anything else
@@ -69,8 +71,7 @@ class Pt2eEngine(Engine[Pt2eConfig]):
         self._references: dict[int, tuple[weakref.ref, torch.fx.GraphModule]] = {}
 
     @classmethod
-    def from_options(cls, options: EngineOptions) -> Pt2eEngine:
-        options.refuse("pt2e", ("quantizer",), "with PT2E pass quantizer=")
+    def from_options(cls, options: Pt2eOptions) -> Pt2eEngine:
         return cls(options.quantizer)
 
     # ---- observation ----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Diagnosis and verification against fakes of the narrow protocols they declare (DiagnosisHost,
-VerifiableSession): no model, no engine; each fake's numbers follow a formula the test knows."""
+"""Diagnosis and verification against fakes of the parts they are given (a runner, real runs, the
+diagnosis the verifier reads): no model, no engine; each fake's numbers follow a formula the test knows.
+The simulation part (``Simulated``) is the real one, over a fake engine's simulation."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from qreport_widgets.engines.settings import ModuleSettings, Setting, TunableMod
 from qreport_widgets.observe.records import Suggestion
 from qreport_widgets.tune.diagnosis import Diagnosis
 from qreport_widgets.tune.run import RunResult
+from qreport_widgets.tune.simulation import Simulated
 from qreport_widgets.tune.truth import TruthCheck
 from qreport_widgets.tune.verify import KERNEL_CHECK, REAL_RUN, SIMULATED, Verifier
 
@@ -60,38 +62,73 @@ class FakeSimulation:
         return []
 
 
-class FakeHost:
-    """A DiagnosisHost: the simulation above, real runs REAL_SHORTFALL_DB below it."""
+class FakeEngine:
+    def simulator(self, prepared, modules, float_model, example_inputs, calibrate):
+        return FakeSimulation()
+
+
+class FakeRunner:
+    """A Runner's face: the data, no metric, a float model without modules, the fake engine."""
 
     eval_fn = None
     eval_data = BATCHES
+    example_inputs = ()
+    float_model = torch.nn.Identity()
+    engine = FakeEngine()
+
+    @property
+    def modules(self):
+        return list(MODULES)
+
+    def current_settings(self):
+        return {m.fqn: m.current for m in MODULES}
+
+    def calibrated_start(self, desc, progress):
+        return torch.nn.Identity()
+
+    def calibrate_quietly(self, model) -> None:
+        pass
+
+    def output_sqnr(self, outputs) -> float:
+        return sqnr_db(torch.cat([b.flatten() for b in BATCHES]), torch.cat([o.flatten() for o in outputs]))
+
+    def equalization_float_error(self, settings) -> float:
+        return math.nan
+
+
+class FakeReal:
+    """Real runs REAL_SHORTFALL_DB below the simulation."""
 
     def __init__(self) -> None:
-        self._simulation = FakeSimulation()
         self.runs: list[frozenset[str]] = []
 
-    def simulation(self, progress=None):
-        return self._simulation
+    def checked(self, progress=None) -> None:
+        pass
 
-    def reference_outputs(self):
-        return BATCHES
+    def unverified_note(self):
+        return None
 
-    def output_of(self, output):
-        return output
+    def annotated(self, result):
+        return result
 
     def baseline(self, progress=None) -> RunResult:
         return self.apply({}, label="baseline")
 
-    def apply(self, settings, *, label=None, progress=None) -> RunResult:
+    def apply(self, settings, *, label=None, progress=None, record=True) -> RunResult:
         floats = frozenset(fqn for fqn, s in settings.items() if s.keep_float)
         self.runs.append(floats)
         real = simulated_db(floats) - REAL_SHORTFALL_DB
         return RunResult(None, None, real, pd.Series(dtype=float), 0, 1.0, 0.0, label=label or "", settings=settings)
 
 
+def diagnosis_of(real: FakeReal) -> Diagnosis:
+    runner = FakeRunner()
+    return Diagnosis(runner, Simulated(runner), real)
+
+
 def test_sensitivity_ranks_by_the_simulated_gain_and_reach_steps_past_a_short_real_run():
-    host = FakeHost()
-    diagnosis = Diagnosis(host)
+    host = FakeReal()
+    diagnosis = diagnosis_of(host)
     table = diagnosis.sensitivity(progress=lambda done, total: None)
     assert list(table.index) == ["b", "a", "c"]  # the noisiest module first
     assert math.isclose(table.at["b", "output_sqnr_gain_db"], simulated_db({"b"}) - simulated_db(()), rel_tol=1e-5)
@@ -108,8 +145,8 @@ def test_sensitivity_ranks_by_the_simulated_gain_and_reach_steps_past_a_short_re
 
 
 def test_a_target_out_of_reach_runs_the_best_point_and_says_so():
-    host = FakeHost()
-    result = Diagnosis(host).reach(500.0, progress=lambda done, total: None)
+    host = FakeReal()
+    result = diagnosis_of(host).reach(500.0, progress=lambda done, total: None)
     assert "out of reach" in result.notes[-1] and host.runs == [frozenset(NOISE)]
 
 
@@ -131,25 +168,13 @@ def gain_of(settings) -> float:
 
 
 class FakeVerifiable:
-    """A VerifiableSession whose gains add up (GAINS), simulated and real alike."""
+    """Real runs and a diagnosis whose gains add up (GAINS), simulated and real alike."""
 
     def __init__(self, truth: TruthCheck | None = None) -> None:
         self.trials: list[dict] = []
-        self.truth = truth or TruthCheck(20.0, 20.2)
+        self.truth_found = truth or TruthCheck(20.0, 20.2)
 
-    @property
-    def modules(self):
-        return list(MODULES)
-
-    def current_settings(self):
-        return {m.fqn: m.current for m in MODULES}
-
-    def input_producers(self, names):
-        return {}
-
-    def migrations(self):
-        return {}
-
+    # the diagnosis' face
     def sensitivity(self, progress=None, *, metric=True):
         gains = {name: GAINS.get((name, Setting.KEEP_FLOAT), 0.0) for name in NOISE}
         return pd.DataFrame({"output_sqnr_gain_db": gains}).sort_values("output_sqnr_gain_db", ascending=False)
@@ -165,6 +190,7 @@ class FakeVerifiable:
             found.append((20.0 + gain_of(settings), None))
         return found
 
+    # real runs' face
     def baseline(self, progress=None):
         return RunResult(None, None, 20.0, pd.Series(dtype=float), 0, 1.0, 0.0, label="baseline")
 
@@ -172,16 +198,22 @@ class FakeVerifiable:
         self.trials.append(dict(settings))
         return replace(self.baseline(), output_sqnr_db=20.0 + gain_of(settings), label=label or "", settings=settings)
 
-    def equalization_float_error(self, fqn):
-        return math.nan
+    def truth(self, progress=None):
+        return self.truth_found
 
-    def truth_check(self, progress=None):
-        return self.truth
+
+class NoMigrations:
+    def found(self):
+        return {}
+
+
+def verifier_of(session: FakeVerifiable) -> Verifier:
+    return Verifier(FakeRunner(), session, session, NoMigrations())
 
 
 def test_the_verifier_offers_what_helps_and_measures_accept_all_as_a_whole():
     session = FakeVerifiable()
-    verifier = Verifier(session)
+    verifier = verifier_of(session)
     suggestions = [Suggestion("b", "DynamicStaticDetector", SuggestionKind.DYNAMIC, "non-stationary")]
     verified = verifier.verify(verifier.candidates(suggestions), progress=lambda done, total: None)
     table = verified.frame().set_index(["module", "setting"])
@@ -200,7 +232,7 @@ def test_the_verifier_offers_what_helps_and_measures_accept_all_as_a_whole():
 def test_a_simulation_that_disagrees_with_the_real_model_hands_every_candidate_to_real_runs():
     unreliable = TruthCheck(5.0, 20.0, corrected_db=20.0)  # 15 dB apart, no kernel to blame
     session = FakeVerifiable(unreliable)
-    verifier = Verifier(session)
+    verifier = verifier_of(session)
     verified = verifier.verify(verifier.candidates([]), progress=lambda done, total: None)
     tried = verified.frame()[lambda t: t["measured"] != "not tried"]
     assert len(tried) and (tried["measured"] == REAL_RUN).all()
@@ -213,7 +245,7 @@ def test_modules_whose_kernels_disagree_are_keep_float_candidates_of_their_own()
     truth = TruthCheck(5.0, 20.0, kernels, real_kernels=("a",), corrected_db=5.2)
     assert truth.disagreeing == ["a"] and truth.reliable and not truth.agrees
     assert any("a (5.0 dB)" in note for note in truth.notes)
-    verifier = Verifier(FakeVerifiable(truth))
+    verifier = verifier_of(FakeVerifiable(truth))
     candidates = {(c.module_fqn, c.setting): c for c in verifier.candidates([])}
     assert candidates["a", Setting.KEEP_FLOAT].origin == KERNEL_CHECK
     assert "kernel differs" in candidates["a", Setting.KEEP_FLOAT].reason

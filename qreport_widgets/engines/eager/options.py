@@ -1,0 +1,32 @@
+"""What the eager engine is built from: ``build_engine("eager", ...)`` or ``engine_named("eager", EagerOptions(...))``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..settings import group_size_problem
+from .formats import INT8_DYNAMIC, QUANTIZED_FORMATS
+
+
+@dataclass(frozen=True)
+class EagerOptions:
+    """The eager engine's options; a ValueError for a format or group size torchao's formats do not take.
+
+    Args:
+        format: the starting format of every ``nn.Linear`` (the baseline's); other modules start
+            float. None: ``"int8-dynamic"``, torchao's int8 dynamic activation, int8 weight format.
+        group_size: the starting group size of an int4 ``format`` (``GROUP_SIZES``: 32, 64 or 128);
+            None: ``DEFAULT_GROUP_SIZE``. A Linear whose rows it does not divide starts float.
+    """
+
+    format: str | None = None
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.format is not None and self.format not in QUANTIZED_FORMATS:
+            raise ValueError(f"format must be one of {', '.join(QUANTIZED_FORMATS)}, got {self.format!r}")
+        if self.group_size is not None:
+            problem = group_size_problem(self.format or INT8_DYNAMIC, self.group_size)
+            if problem:
+                start = repr(self.format) if self.format else f"{INT8_DYNAMIC!r} (the default)"
+                raise ValueError(f"group_size={self.group_size!r} with format={start}: {problem}")

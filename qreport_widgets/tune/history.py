@@ -1,0 +1,106 @@
+"""The runs a session recorded, which of them keep their quantized models, and the runs compared."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+import pandas as pd
+import torch
+
+from ..engines.settings import ModuleSettings
+from ..errors import ModelReleasedError
+from .run import ReleasedModel, RunResult
+
+
+class History:
+    """The recorded runs, in order (``runs``: the list ``session.history`` is).
+
+    The quantized models of the latest run and of pinned runs are kept; recording a run releases
+    the others' (``ReleasedModel``), their measurements staying. The baseline is the run whose
+    ``baseline`` field is set.
+    """
+
+    def __init__(self) -> None:
+        self.runs: list[RunResult] = []
+        self._pinned: set[int] = set()  # positions whose quantized model is kept
+
+    @property
+    def baseline(self) -> RunResult | None:
+        """The starting configuration's run, if one was recorded."""
+        return next((run for run in self.runs if run.baseline), None)
+
+    def next_label(self) -> str:
+        return f"run {len(self.runs) + 1}"
+
+    def record(self, run: RunResult) -> RunResult:
+        """Add a successful run and release the models of every run but it and the pinned ones."""
+        if run.ok:
+            self.runs.append(run)
+            for i, older in enumerate(self.runs[:-1]):
+                if i not in self._pinned and isinstance(older.quantized_model, torch.nn.Module):
+                    released = ReleasedModel(older.label, f"when {run.label!r} was recorded")
+                    self.runs[i] = replace(older, quantized_model=released)
+        return run
+
+    def annotated(self, result: RunResult) -> RunResult:
+        """``result``, a copy of a recorded run with notes added, put in that run's place."""
+        for i, run in enumerate(self.runs):
+            if result.ok and run.quantized_model is result.quantized_model and run.label == result.label:
+                self.runs[i] = result
+        return result
+
+    def keep(self, run: int | RunResult, keep: bool = True) -> RunResult:
+        """Pin a run (its position or the run) so its quantized model is kept; ``keep=False`` unpins
+        it (released at the next run)."""
+        index = self.position(run)
+        found = self.runs[index]
+        if keep and isinstance(found.quantized_model, ReleasedModel):
+            raise ModelReleasedError(
+                f"{found.quantized_model.why}; pin a run while it is the latest, or apply its settings again "
+                "(session.apply(run.settings)) and pin that run"
+            )
+        (self._pinned.add if keep else self._pinned.discard)(index)
+        return found
+
+    def kept(self, run: int | RunResult) -> bool:
+        """Whether a run is pinned."""
+        return self.position(run) in self._pinned
+
+    def position(self, run: int | RunResult) -> int:
+        if isinstance(run, int):
+            if not -len(self.runs) <= run < len(self.runs):
+                raise IndexError(f"no run {run} in a history of {len(self.runs)} run(s)")
+            return run % len(self.runs)
+        for i, recorded in enumerate(self.runs):
+            if recorded is run:
+                return i
+        raise ValueError(f"{run.label!r} is not a run of this session's history")
+
+    def compare(self, start: Mapping[str, ModuleSettings], with_metric: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """One row per run (metrics as columns), and per-layer SQNR with one column per run."""
+        rows = [
+            {
+                "run": r.label,
+                "changes": r.changes(start),
+                "output SQNR (dB)": r.output_sqnr_db,
+                "mean batch SQNR (dB)": r.mean_batch_sqnr_db,
+                "quantized layers": r.quantized_layers,
+                "size (KB)": r.size_bytes / 1024,
+                "deployed size (KB)": r.deployed_bytes / 1024,
+                "latency (ms, 1 thread)": r.latency_ms,
+                "latency spread (ms)": r.latency_spread_ms,
+                **({"your metric": r.eval_metric} if with_metric else {}),
+                "duration (s)": r.duration_s,
+                "model": self._model_state(i, r),
+            }
+            for i, r in enumerate(self.runs)
+        ]
+        layers = pd.DataFrame({r.label: r.per_layer_sqnr_db for r in self.runs})
+        return pd.DataFrame(rows), layers
+
+    def _model_state(self, index: int, run: RunResult) -> str:
+        """What the history holds of a run's quantized model, in the runs table's words."""
+        if index in self._pinned:
+            return "pinned"
+        return "released" if isinstance(run.quantized_model, ReleasedModel) else "kept"

@@ -1,0 +1,87 @@
+"""The parts a session is made of, built once, here, each given the values it needs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.calibration import CalibrationData
+from ..core.memory import WatchedCopy, WeightPool
+from ..engines.contract import Engine
+from ..engines.settings import TunableModule
+from ..observe.distributed import group_of
+from .diagnosis import Diagnosis
+from .history import History
+from .migration import Migrations
+from .mixed import MixedPrecision
+from .real import RealRuns
+from .runner import Batches, Runner
+from .simulation import Simulated
+from .verify import Verification
+
+
+@dataclass(frozen=True)
+class Analyzed:
+    """What ``analyze()`` already found of the float model, so a session need not find it again:
+    the watched copy the analysis prepared from, the tunable modules of the start, the analysis'
+    prepared model (the weights it folded are every run's) and the input ranges it observed
+    (module -> max |x| per input channel; finding migrations then needs no pass)."""
+
+    float_copy: WatchedCopy
+    modules: Sequence[TunableModule]
+    prepared: torch.nn.Module
+    input_ranges: Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """One session's parts. Only ``runner`` touches the engine's workflow; the others are given
+    what they use, so none holds the session and none depends on which was asked first."""
+
+    runner: Runner  # prepare -> calibrate -> convert -> measure one configuration
+    history: History  # the recorded runs, which keep their models
+    simulated: Simulated  # the start calibrated once, variants by forward passes
+    migrations: Migrations  # the outlier-channel migrations the float model allows
+    real: RealRuns  # the baseline and its truth check, applied settings, trial runs
+    diagnosis: Diagnosis  # sensitivity, trade-off, reach
+    mixed: MixedPrecision  # the size front, fit
+    verification: Verification  # suggestions measured before they are offered
+
+
+def build_parts(
+    engine: Engine,
+    float_model: torch.nn.Module,
+    example_inputs: Any,
+    calibration_data: CalibrationData,
+    eval_data: Iterable[Any] | None,
+    *,
+    eval_fn: Callable[[torch.nn.Module], float] | None,
+    output_fn: Callable[[Any], torch.Tensor] | None,
+    process_group: Any,
+    analyzed: Analyzed | None,
+) -> Parts:
+    """A session's parts over ``float_model`` (or the watched copy ``analyzed`` has of it)."""
+    weights = WeightPool()  # weights equal across prepares, held once (core/memory.py)
+    if analyzed is not None:
+        weights.share(analyzed.prepared)
+    runner = Runner(
+        engine,
+        analyzed.float_copy if analyzed is not None else WatchedCopy(float_model),
+        example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
+        Batches.split(calibration_data, eval_data),
+        eval_fn=eval_fn,
+        output_fn=output_fn,
+        group=group_of(process_group),
+        modules=analyzed.modules if analyzed is not None else None,
+        weights=weights,
+    )
+    history, simulated = History(), Simulated(runner)
+    migrations = Migrations(runner, analyzed.input_ranges if analyzed is not None else None)
+    real = RealRuns(runner, history, simulated, migrations)
+    diagnosis = Diagnosis(runner, simulated, real)
+    mixed = MixedPrecision(runner, simulated, real)
+    verification = Verification(runner, real, diagnosis, migrations)
+    return Parts(runner, history, simulated, migrations, real, diagnosis, mixed, verification)

@@ -1,0 +1,146 @@
+"""Real runs that land in the history: the baseline (checked against the simulation), runs of
+settings, trial runs, and which runs check their kernels against their reference."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..core.progress import Progress, quiet
+from ..engines.settings import ModuleSettings
+from ..errors import QReportWarning
+from .history import History
+from .migration import Migrations
+from .run import RunResult
+from .runner import Runner
+from .simulation import Simulated
+from .truth import TruthCheck, check_truth
+
+
+class RealRuns:
+    """Runs of the real quantized model for ``runner``'s float model, recorded in ``history``.
+
+    The baseline is run once (again after a failure) and checked against ``simulated`` right
+    away: the truth check (``truth``) is known before any estimate is shown.
+    """
+
+    def __init__(self, runner: Runner, history: History, simulated: Simulated, migrations: Migrations) -> None:
+        self.runner, self.history, self.simulated, self.migrations = runner, history, simulated, migrations
+        self._truth: TruthCheck | None = None
+        self._failed: RunResult | None = None  # the latest failed baseline (failures are not recorded)
+
+    def baseline(self, progress: Progress | None = None) -> RunResult:
+        """The starting configuration's run, computed once, its notes saying where the simulation disagrees."""
+        found = self.history.baseline
+        if found is not None:
+            return found
+        runner = self.runner
+        run = runner.run(runner.engine.base_config(), "baseline", progress, check_kernels=True,
+                         settings=runner.current_settings(), baseline=True)  # fmt: skip
+        if not run.ok:
+            self._failed = run
+            return run
+        self._failed = None
+        self.history.record(run)
+        self._truth = self._check(run, progress)
+        return self.history.annotated(replace(run, notes=(*run.notes, *self._truth.notes)))
+
+    def truth(self, progress: Progress | None = None) -> TruthCheck:
+        """The simulation against the real model on the starting configuration (runs the baseline if needed)."""
+        baseline = self.baseline(progress)
+        if self._truth is None:  # the baseline run failed: nothing real to compare with
+            return TruthCheck(math.nan, math.nan, error=f"the baseline run failed: {baseline.error}")
+        return self._truth
+
+    def checked(self, progress: Progress | None = None) -> None:
+        """The baseline tried once (and so the truth check made) before anything is estimated."""
+        if self.history.baseline is None and self._failed is None:
+            self.baseline(progress)
+
+    def warn_if_unverified(self) -> None:
+        """A warning when the simulation does not match the real model."""
+        truth = self._truth
+        if truth is not None and not truth.reliable:
+            warnings.warn(f"{truth.status} (session.truth_check() says more)", QReportWarning, stacklevel=4)
+
+    def unverified_note(self) -> str | None:
+        """What a result planned in the simulation must say when the simulation does not match the real model."""
+        truth = self._truth
+        return None if truth is None or truth.reliable else truth.status
+
+    def apply(
+        self,
+        settings: Mapping[str, ModuleSettings],
+        *,
+        label: str | None = None,
+        progress: Progress | None = None,
+        record: bool = True,
+    ) -> RunResult:
+        """A run of ``settings`` (modules left out keep their starting settings); InvalidSettingsError
+        before anything runs for what the engine cannot apply. ``record=False``: a trial, measured at
+        the output only and kept out of the history."""
+        config = self.runner.config_for(settings)
+        source = self.migrations.model_for(settings)
+        return self._run(config, label, progress, record, float_model=source, settings=settings)
+
+    def run_mapping(
+        self, qconfig_mapping: Any, equalization_mapping: Any, label: str | None, progress: Progress | None
+    ) -> RunResult:
+        """A run of a configuration written by hand (FX: a QConfigMapping)."""
+        config = self.runner.engine.config_of_mapping(qconfig_mapping, equalization_mapping)
+        return self._run(config, label, progress, True)
+
+    def annotated(self, result: RunResult) -> RunResult:
+        """``result`` (a recorded run with notes added) in its run's place in the history."""
+        return self.history.annotated(result)
+
+    def as_code(self, settings: Mapping[str, ModuleSettings]) -> str:
+        """Python that builds the engine's configuration for ``settings``, after the code of any
+        outlier-channel migration (which changes the float model first)."""
+        code = self.runner.engine.config_as_code(self.runner.config_for(settings))
+        moved = self.migrations.as_code(settings)
+        return f"import torch\n\n# on the float model, before prepare:\n{moved}\n{code}" if moved else code
+
+    def _run(
+        self,
+        config: Any,
+        label: str | None,
+        progress: Progress | None,
+        record: bool,
+        *,
+        float_model: torch.nn.Module | None = None,
+        settings: Mapping[str, ModuleSettings] | None = None,
+    ) -> RunResult:
+        label = label or self.history.next_label()
+        checks = self._checks_kernels if record else None
+        result = self.runner.run(config, label, progress, per_layer=record, check_kernels=checks,
+                                 float_model=float_model, settings=settings)  # fmt: skip
+        return self.history.record(result) if record else result
+
+    def _checks_kernels(self, prepared: torch.nn.Module) -> bool:
+        """Whether a run checks its kernels against their reference (a reference conversion, about a
+        fifth of a bare run): every run once the baseline found a kernel that differs, and a run that
+        quantizes a module the start keeps float (a kernel not checked yet)."""
+        truth = self._truth
+        if self.history.baseline is None or (truth is not None and truth.disagreeing):
+            return True
+        runner = self.runner
+        checked = {m.fqn for m in runner.modules if not m.current.keep_float}
+        return any(not m.current.keep_float and m.fqn not in checked for m in runner.engine.tunable_modules(prepared))
+
+    def _check(self, baseline: RunResult, progress: Progress | None) -> TruthCheck:
+        try:
+            simulation = self.simulated.simulation(progress)
+        except Exception as error:  # the simulation of an unusual model: say so, keep the session usable
+            found = f"{type(error).__name__}: {error}"
+            return TruthCheck(baseline.output_sqnr_db, math.nan, baseline.kernel_sqnr_db, error=found)
+
+        def simulated() -> float:
+            return self.simulated.simulate_each([()], quiet, "checking the simulation", metric=False)[0][0]
+
+        return check_truth(baseline, simulation, simulated, self.runner.float_model, self.runner.eval_data[0])

@@ -1,0 +1,350 @@
+"""One configuration of the float model, prepared -> calibrated -> converted -> measured, as a RunResult.
+
+``Runner`` owns what every run shares: the engine, the float model (a watched copy sharing the
+user's weights), the batches, the output the SQNR is measured on, the torch.distributed group and
+the weights prepares fold. It records nothing: the history decides what a run leaves behind.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import math
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ..core.calibration import CalibrationData, calibrate, call_with
+from ..core.memory import WatchedCopy, WeightPool
+from ..core.metrics import output_tensor, sqnr_db
+from ..core.progress import Progress
+from ..engines.contract import Engine
+from ..engines.settings import ModuleSettings, TunableModule, validate_all
+from ..errors import CalibrationError
+from ..observe.distributed import calibrated_across
+from .run import RunResult
+from .truth import KERNEL_AGREEMENT_DB
+
+LATENCY_CALLS = (3, 7)  # timed calls per run: at least 3, at most 7 ...
+LATENCY_BUDGET_S = 0.2  # ... stopping after 3 once this long was spent
+
+
+@dataclass(frozen=True)
+class Batches:
+    """The data of every run: what calibrates (batches, or a callable that runs a model on its data)
+    and what the quantized model is measured on, with where the latter came from in words."""
+
+    calibration: CalibrationData
+    eval: list[Any]
+    eval_description: str
+
+    @classmethod
+    def split(cls, calibration_data: CalibrationData, eval_data: Iterable[Any] | None) -> Batches:
+        """``eval_data`` when given, else the last quarter of the calibration batches, held out of
+        calibration (all of them when there is a single batch)."""
+        if callable(calibration_data):
+            if eval_data is None:
+                raise ValueError("with a calibration callable, pass eval_data (batches to measure the quantized model on)")
+            return cls(calibration_data, list(eval_data), "the eval_data you passed")
+        batches = list(calibration_data)
+        if not batches:
+            raise ValueError("calibration_data is empty; pass at least one batch")
+        if eval_data is not None:
+            return cls(batches, list(eval_data), "the eval_data you passed")
+        if len(batches) == 1:
+            return cls(batches, batches, "the single calibration batch (too few batches to hold one out)")
+        held = max(1, len(batches) // 4)
+        words = f"the last {held} of {len(batches)} calibration batches, held out of calibration"
+        return cls(batches[:-held], batches[-held:], words)
+
+    def for_searching(self) -> list[Any]:
+        """Batches to look for outlier channels in: the calibration batches, or the held-out ones
+        when a calibration callable gives none."""
+        return list(self.eval) if callable(self.calibration) else list(self.calibration)
+
+
+class Runner:
+    """Prepare, calibrate, convert and measure one configuration of the float model.
+
+    Args:
+        engine: the quantization workflow.
+        float_copy: the float model, its weights shared with the user's and watched.
+        example_inputs: one input tuple for preparing.
+        batches: calibration and evaluation data.
+        eval_fn: ``eval_fn(model) -> float``, the user's metric, or None.
+        output_fn: the tensor output SQNR is measured on (default: the output or its first tensor).
+        group: the torch.distributed group calibrations merge their observers across, or None.
+        modules: the tunable modules an earlier prepare of the start found (found here when None).
+        weights: weights equal across prepares, held once.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        float_copy: WatchedCopy,
+        example_inputs: tuple[Any, ...],
+        batches: Batches,
+        *,
+        eval_fn: Callable[[torch.nn.Module], float] | None = None,
+        output_fn: Callable[[Any], torch.Tensor] | None = None,
+        group: Any = None,
+        modules: Sequence[TunableModule] | None = None,
+        weights: WeightPool | None = None,
+    ) -> None:
+        self.engine = engine
+        self.example_inputs = example_inputs
+        self.batches = batches
+        self.eval_fn = eval_fn
+        self._watched = float_copy
+        self._output_fn = output_fn
+        self._group = group
+        self._modules = None if modules is None else list(modules)
+        self._weights = weights or WeightPool()
+        self._reference: list[torch.Tensor] | None = None
+
+    @property
+    def float_model(self) -> torch.nn.Module:
+        """The float model, after checking its weights were not changed in place."""
+        return self._watched.model
+
+    @property
+    def eval_data(self) -> list[Any]:
+        return self.batches.eval
+
+    @property
+    def modules(self) -> list[TunableModule]:
+        """The tunable modules in forward order, with what the start does to each."""
+        if self._modules is None:
+            prepared = self.prepare(self.float_model, self.engine.base_config())
+            self._modules = self.engine.tunable_modules(prepared)
+        return list(self._modules)
+
+    def current_settings(self) -> dict[str, ModuleSettings]:
+        return {m.fqn: m.current for m in self.modules}
+
+    def config_for(self, settings: Mapping[str, ModuleSettings]) -> Any:
+        """The engine's configuration of ``settings``; InvalidSettingsError for what it cannot apply."""
+        modules = self.modules
+        validate_all(modules, settings)
+        return self.engine.config_for(settings, modules)
+
+    def prepare(self, source: torch.nn.Module, config: Any) -> torch.nn.Module:
+        """The engine's prepare, holding the weights it folds (a batch norm into a conv) once across runs."""
+        return self._weights.share(self.engine.prepare(source, config, self.example_inputs))
+
+    def calibrate(self, model: torch.nn.Module, desc: str, bar: bool = False, on_batch: Progress | None = None) -> None:
+        """Calibrate ``model`` on this process's batches, then merge its observers across the
+        torch.distributed group (if any) so every rank converts the same model."""
+        data = self.batches.calibration
+
+        def here() -> None:
+            calibrate(model, data, desc=desc, progress=bar, on_batch=on_batch)
+
+        calibrated_across(self._group, model, here, desc)
+
+    def calibrate_quietly(self, model: torch.nn.Module) -> None:
+        self.calibrate(model, "calibrating a variant")
+
+    def calibrated_start(self, desc: str, progress: Progress | None) -> torch.nn.Module:
+        """The starting configuration, prepared and calibrated (not converted)."""
+        config = self.engine.base_config()
+        prepared = self.prepare(self.float_model, config)
+        if self.engine.calibrates(config):
+            self.calibrate(prepared, desc, progress is None, progress)
+        return prepared
+
+    def reference_outputs(self) -> list[torch.Tensor]:
+        """The float model's outputs on the evaluation batches (computed once)."""
+        model = self.float_model
+        if self._reference is None:
+            with torch.no_grad():
+                self._reference = [self.output_of(call_with(model, b)) for b in self.eval_data]
+        return self._reference
+
+    def output_of(self, output: Any) -> torch.Tensor:
+        """A model output as the tensor output SQNR compares: ``output_fn``'s, else the output or its first tensor."""
+        if self._output_fn is None:
+            return output_tensor(output)
+        found = self._output_fn(output)
+        if not isinstance(found, torch.Tensor):
+            raise TypeError(f"output_fn must return a tensor, got {type(found).__name__}")
+        return found.detach().float()
+
+    def output_sqnr(self, outputs: Sequence[Any]) -> float:
+        """Output SQNR (dB) of a model's outputs on the evaluation batches against the float model's."""
+        reference = torch.cat([r.flatten() for r in self.reference_outputs()])
+        return sqnr_db(reference, torch.cat([self.output_of(o).flatten() for o in outputs]))
+
+    def equalization_float_error(self, settings: Mapping[str, ModuleSettings]) -> float:
+        """Relative change of the float model's output when the engine equalizes as ``settings`` ask
+        (0: exact; NaN for an engine without equalization)."""
+        return self.engine.equalization_float_error(
+            self.float_model, self.config_for(settings), self.example_inputs, self.calibrate_quietly, self.eval_data[0]
+        )
+
+    def run(
+        self,
+        config: Any,
+        label: str,
+        progress: Progress | None = None,
+        *,
+        per_layer: bool = True,
+        check_kernels: bool | Callable[[torch.nn.Module], bool] | None = None,
+        float_model: torch.nn.Module | None = None,
+        settings: Mapping[str, ModuleSettings] | None = None,
+        baseline: bool = False,
+    ) -> RunResult:
+        """prepare -> calibrate -> convert -> measure, as one RunResult (built once, here).
+
+        ``float_model``: what to prepare instead of the float model (a migrated copy).
+        ``check_kernels``: whether to check each quantized kernel against its reference (a reference
+        conversion, about a fifth of a bare run), or a function of the prepared model that says.
+        Failures do not raise: the result carries ``error``. ``per_layer=False`` measures the output only."""
+        engine = self.engine
+        start = time.perf_counter()
+        given = {"label": label, "settings": settings, "config": config, "baseline": baseline}
+        try:
+            source = self.float_model if float_model is None else float_model
+            _require_float32(source)
+            prepared = self.prepare(source, config)
+            if engine.calibrates(config):
+                self.calibrate(prepared, f"{label}: calibrating", progress is None, progress)
+            # before convert changes prepared
+            checks = check_kernels(prepared) if callable(check_kernels) else bool(check_kernels)
+            reference = engine.reference_model(prepared) if checks else None
+            quantized = engine.convert(prepared)
+            measured = self._measure(quantized, prepared, config, label, per_layer, source, reference)
+            return RunResult(**given, **measured, duration_s=time.perf_counter() - start)
+        except Exception as error:  # user models and data: report, keep the session usable
+            detail = "".join(traceback.format_exception_only(type(error), error)).strip()
+            return RunResult(
+                **given,
+                quantized_model=None,
+                output_sqnr_db=math.nan,
+                per_layer_sqnr_db=pd.Series(dtype=float),
+                size_bytes=0,
+                latency_ms=math.nan,
+                duration_s=time.perf_counter() - start,
+                error=detail,
+            )
+
+    def _measure(
+        self,
+        quantized: torch.nn.Module,
+        prepared: torch.nn.Module,
+        config: Any,
+        label: str,
+        per_layer: bool,
+        float_model: torch.nn.Module,
+        reference_model: torch.nn.Module | None,
+    ) -> dict[str, Any]:
+        """What a run measured, as RunResult fields: output SQNR against the float model's outputs;
+        per-layer SQNR against ``float_model``, the float model the run was prepared from (a
+        migration rescales some layers' outputs, exactly)."""
+        engine, batch = self.engine, self.eval_data[0]
+        reference = self.reference_outputs()
+        outputs: list[torch.Tensor] = []
+        with torch.no_grad():
+            try:
+                call_with(quantized, batch)  # warm-up: first calls pay for allocations and packing
+                seconds = _timed_calls(quantized, self.eval_data, outputs, self.output_of)
+            except Exception as error:
+                raise CalibrationError(f"{label}: the quantized model failed on the evaluation data: {error}") from error
+        notes, layers = [], pd.Series(dtype=float, name="SQNR (dB)")
+        try:
+            if per_layer:
+                layers = engine.per_layer_sqnr(float_model, quantized, batch)
+        except Exception as error:  # an engine cannot pair every graph; the run itself is fine
+            notes.append(f"per-layer SQNR unavailable: {engine.per_layer_failure(error)}")
+        kernels = pd.Series(dtype=float, name="kernel SQNR (dB)")
+        if reference_model is not None:
+            try:
+                kernels = engine.kernel_sqnr(reference_model, quantized, batch)
+            except Exception as error:  # a module the check cannot call alone; the run itself is fine
+                notes.append(f"kernel check unavailable: {type(error).__name__}: {error}")
+        said = engine.run_notes(config, quantized)  # settings the quantized model did not carry out
+        summary, conversions = engine.conversions(prepared, quantized)
+        everything = torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs])
+        return {
+            "quantized_model": quantized,
+            "output_sqnr_db": sqnr_db(*everything),
+            "per_layer_sqnr_db": layers,
+            "size_bytes": _serialized_size(quantized),
+            "deployed_bytes": engine.deployed_bytes(quantized),
+            "latency_ms": float(np.median(seconds) * 1000),
+            "latency_spread_ms": float((max(seconds) - min(seconds)) * 1000),
+            "mean_batch_sqnr_db": float(np.mean([sqnr_db(r, o) for r, o in zip(reference, outputs, strict=True)])),
+            "quantized_layers": int(conversions["quantized"].sum()) if len(conversions) else 0,
+            "eval_metric": float(self.eval_fn(quantized)) if self.eval_fn is not None else None,
+            "eval_batches": self.batches.eval_description,
+            "summary": summary,
+            "conversions": conversions,
+            "notes": (*notes, *said.notes),
+            "module_notes": _with_kernel_notes(said.module_notes, kernels),
+            "kernel_sqnr_db": kernels,
+        }
+
+
+def _with_kernel_notes(module_notes: Mapping[str, str], kernels: pd.Series) -> dict[str, str]:
+    """The engine's notes per module, with a line for each kernel that differs from its reference."""
+    found = dict(module_notes)
+    for name, value in kernels[kernels < KERNEL_AGREEMENT_DB].items():
+        note = f"its quantized kernel differs from its reference ({value:.1f} dB on the same input): keep it float"
+        found[name] = f"{found[name]}; {note}" if name in found else note
+    return found
+
+
+def _require_float32(model: torch.nn.Module) -> None:
+    """torch's quantized kernels take float32 only; say so before prepare gets far."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} - {torch.float32}
+    if dtypes:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise TypeError(
+            f"the model has {names} parameters, but torch's quantization works on float32 models: quantize "
+            "model.float() with float32 batches (the report of the model as it is stays valid)"
+        )
+
+
+def _serialized_size(model: torch.nn.Module) -> int:
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    return buffer.getbuffer().nbytes
+
+
+def _timed_calls(
+    model: torch.nn.Module, batches: Sequence[Any], outputs: list[torch.Tensor], output_of: Callable[[Any], torch.Tensor]
+) -> list[float]:
+    """Seconds per call of ``model`` on one thread: each evaluation batch once (its output appended
+    to ``outputs``), then more calls cycling through them while LATENCY_CALLS asks for them.
+
+    One thread: on a busy machine (a browser drawing the notebook beside the kernel) torch's
+    thread pool waits on the other threads and a 1 ms model measured 150 ms; one thread measures
+    the model, and is the same on every machine."""
+
+    def timed(batch: Any) -> tuple[Any, float]:
+        start = time.perf_counter()
+        output = call_with(model, batch)
+        return output, time.perf_counter() - start
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds = []
+        for batch in batches:  # the evaluation pass: its outputs and its times
+            output, took = timed(batch)
+            outputs.append(output_of(output))
+            seconds.append(took)
+        fewest, most = LATENCY_CALLS
+        for batch in itertools.cycle(batches):  # more calls while the figure needs them
+            if len(seconds) >= most or (len(seconds) >= fewest and sum(seconds) >= LATENCY_BUDGET_S):
+                break
+            seconds.append(timed(batch)[1])
+        return seconds
+    finally:
+        torch.set_num_threads(threads)

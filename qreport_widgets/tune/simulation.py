@@ -1,0 +1,81 @@
+"""The engine's simulation of the starting configuration, calibrated once, and what variants of it give.
+
+Every estimate (sensitivity, the trade-off, reach's plan, the size front, verified suggestions,
+the truth check) is measured here: a variant keeps some modules float or changes their settings,
+and costs forward passes, no calibration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..core.progress import Progress, steps
+from ..engines.contract import Simulation, Variant
+from .runner import Runner
+
+
+class Simulated:
+    """The simulation of ``runner``'s starting configuration (built on first use, then kept; it
+    shares the float weights, so it is refused like the float model once they were changed in place)."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self._simulation: Simulation | None = None
+
+    def simulation(self, progress: Progress | None = None) -> Simulation:
+        runner = self.runner
+        float_model = runner.float_model  # checks the weights first
+        if self._simulation is None:
+            prepared = runner.calibrated_start("sensitivity: calibrating", progress)
+            engine = runner.engine
+            simulator = engine.simulator(prepared, runner.modules, float_model, runner.example_inputs, runner.calibrate_quietly)
+            self._simulation = simulator
+        return self._simulation
+
+    @property
+    def built(self) -> bool:
+        return self._simulation is not None
+
+    def simulate(self, variant: Variant | Iterable[str] = ()) -> tuple[float, float | None]:
+        """Simulated output SQNR (dB) and ``eval_fn`` metric of ``variant`` (or with those modules kept float)."""
+        simulation, runner = self.simulation(), self.runner
+        sqnr = runner.output_sqnr(simulation.outputs(runner.eval_data, variant))
+        metric = None
+        if runner.eval_fn is not None:
+            with torch.no_grad():
+                metric = float(runner.eval_fn(simulation.model))
+        return sqnr, metric
+
+    def simulate_each(
+        self,
+        variants: Sequence[Variant | Iterable[str]],
+        progress: Progress | None = None,
+        desc: str = "simulating",
+        metric: bool = True,
+    ) -> list[tuple[float, float | None]]:
+        """``simulate(v)`` for each ``v`` in ``variants``, without the metric unless ``metric``.
+
+        For the output SQNR alone each variant recomputes only what it changes (one step per variant
+        and batch); ``eval_fn`` needs the whole model, so with it each variant is a whole pass (one
+        step per variant)."""
+        simulation, runner = self.simulation(), self.runner
+        whole = metric and runner.eval_fn is not None
+        total = len(variants) * (1 if whole else len(runner.eval_data))
+        try:
+            with steps(total, desc, "step", progress) as step:
+                if whole:
+                    found = []
+                    for variant in variants:
+                        found.append(self.simulate(variant))
+                        step()
+                    return found
+                outputs = simulation.outputs_each(runner.eval_data, variants, step)
+                return [(runner.output_sqnr(each), None) for each in outputs]
+        finally:
+            simulation.configure(())
+
+    def local_sqnr(self) -> dict[str, float]:
+        """Each module's own error (dB) on the inputs the float model gives it, on the first evaluation batch."""
+        return self.simulation().local_sqnr(self.runner.eval_data[0])
