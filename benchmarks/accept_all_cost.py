@@ -61,11 +61,17 @@ def measure(name: str, cache_dir: str | None) -> dict:
     seconds = time.perf_counter() - start
     measured = verified.frame()["measured"].value_counts()
     return {
-        "name": name, "weighted": sum(m.weighted for m in session.modules), "seconds": seconds, "runs": len(runs),
-        "candidates": len(verified.verdicts), "simulated": int(measured.get("simulated", 0)),
-        "real": int(measured.get("real run", 0)), "not tried": int(measured.get("not tried", 0)),
-        "offered": len(verified.offered), "gain": verified.accept_all_gain_db,
-    }  # fmt: skip
+        "name": name,
+        "weighted": sum(m.weighted for m in session.modules),
+        "seconds": seconds,
+        "runs": len(runs),
+        "candidates": len(verified.verdicts),
+        "simulated": int(measured.get("simulated", 0)),
+        "real": int(measured.get("real run", 0)),
+        "not tried": int(measured.get("not tried", 0)),
+        "offered": len(verified.offered),
+        "gain": verified.accept_all_gain_db,
+    }
 
 
 def main() -> None:
@@ -78,8 +84,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in ("vit-tiny", *ZOO, "digits-cnn", "digits-mixer"):
         r = measure(name, args.cache_dir)
-        print(f"| {name} | {r['weighted']} | {r['candidates']} | {r['simulated']} | {r['real']} | {r['not tried']} | "
-              f"{r['runs']} | {r['seconds']:.1f} | {r['offered']} | {r['gain']:+.2f} |", flush=True)  # fmt: skip
+        print(
+            f"| {name} | {r['weighted']} | {r['candidates']} | {r['simulated']} | {r['real']} | {r['not tried']} | "
+            f"{r['runs']} | {r['seconds']:.1f} | {r['offered']} | {r['gain']:+.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -62,11 +62,15 @@ def main() -> None:
     args = parser.parse_args()
     setup()
     row = measure_pause(args.repeats)
-    print(f"analyze() calibration, ResNet-18 layout: torch observers running {row['running']:.3f} s/batch, "
-          f"paused {row['paused']:.3f} s/batch ({row['running/paused']:.2f}x)")  # fmt: skip
+    print(
+        f"analyze() calibration, ResNet-18 layout: torch observers running {row['running']:.3f} s/batch, "
+        f"paused {row['paused']:.3f} s/batch ({row['running/paused']:.2f}x)"
+    )
     row = measure_files(args.repeats)
-    print(f"Report file, ResNet-50 layout ({row['rows']} channel rows): save {row['save_s']:.3f} s, "
-          f"load {row['load_s']:.3f} s, {row['mb']:.2f} MB")  # fmt: skip
+    print(
+        f"Report file, ResNet-50 layout ({row['rows']} channel rows): save {row['save_s']:.3f} s, "
+        f"load {row['load_s']:.3f} s, {row['mb']:.2f} MB"
+    )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,10 @@ def main() -> None:
     setup()
     for case in ("demo", "resnet18 8x3x224x224"):
         row = measure(case, args.repeats)
-        print(f"Apply, {case}: {row['apply_s']:.3f} s vs bare {row['bare_s']:.3f} s "
-              f"({row['calibration_batches']} calibration batches) = {row['ratio']:.2f}x")  # fmt: skip
+        print(
+            f"Apply, {case}: {row['apply_s']:.3f} s vs bare {row['bare_s']:.3f} s "
+            f"({row['calibration_batches']} calibration batches) = {row['ratio']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -76,8 +76,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {RANKS} gloo ranks with 3 batches each vs one process with all 6, 1 thread each")
-    print(f"{'model':8s} {'report: largest rel. diff.':>28s} {'baseline SQNR, one process':>27s} "
-          f"{'rank 0':>8s} {'rank 1':>8s} {'difference':>11s} {'one process, 3 batch orders':>28s}")  # fmt: skip
+    print(
+        f"{'model':8s} {'report: largest rel. diff.':>28s} {'baseline SQNR, one process':>27s} "
+        f"{'rank 0':>8s} {'rank 1':>8s} {'difference':>11s} {'one process, 3 batch orders':>28s}"
+    )
     for name in args.models:
         model, data = trained_digits_model(name, args.cache)
         whole = batches_of(data)
@@ -99,8 +101,10 @@ def main() -> None:
             qw.QuantizationSession(model, order[0], order, eval_data=data.evaluation).baseline(progress=quiet).output_sqnr_db
             for order in (whole, whole[::-1], whole[3:] + whole[:3])
         ]
-        line = (f"{name:8s} {gap:28.2e} {sqnr:24.3f} dB {ranks[0]['sqnr']:8.3f} {ranks[1]['sqnr']:8.3f} {worst:8.3f} dB "
-                f"{min(orders):16.3f} - {max(orders):.3f} dB")  # fmt: skip
+        line = (
+            f"{name:8s} {gap:28.2e} {sqnr:24.3f} dB {ranks[0]['sqnr']:8.3f} {ranks[1]['sqnr']:8.3f} {worst:8.3f} dB "
+            f"{min(orders):16.3f} - {max(orders):.3f} dB"
+        )
         print(line, flush=True)
 
 

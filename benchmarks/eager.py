@@ -89,12 +89,20 @@ def measure(name: str, model: torch.nn.Module, calibration, evaluation) -> list[
         }
         run = session.apply(settings, label=fmt, record=False)
         simulated, _ = session.simulate(Variant(settings=frozenset(settings.items())))
-        rows.append({
-            "model": name, "format": fmt, "output SQNR (dB)": run.output_sqnr_db, "simulated (dB)": simulated,
-            "|sim - real| (dB)": abs(simulated - run.output_sqnr_db), "float MB": float_bytes / 1e6,
-            "in process MB": run.size_bytes / 1e6, "deployed MB": run.deployed_bytes / 1e6, "latency ms": run.latency_ms,
-            "analyze / plain pass": analyzed / plain,
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": name,
+                "format": fmt,
+                "output SQNR (dB)": run.output_sqnr_db,
+                "simulated (dB)": simulated,
+                "|sim - real| (dB)": abs(simulated - run.output_sqnr_db),
+                "float MB": float_bytes / 1e6,
+                "in process MB": run.size_bytes / 1e6,
+                "deployed MB": run.deployed_bytes / 1e6,
+                "latency ms": run.latency_ms,
+                "analyze / plain pass": analyzed / plain,
+            }
+        )
         if run.error:
             print(f"{name} {fmt}: {run.error}", file=sys.stderr)
     return rows
@@ -112,9 +120,12 @@ def main() -> None:
     import pandas as pd
 
     builders = {
-        "bert": lambda: tiny("bert"), "llama": lambda: tiny("llama"), "vit": lambda: tiny("vit"),
-        "digits-bert": lambda: digits("bert", args.cache_dir), "digits-mixer": lambda: digits("mixer", args.cache_dir),
-    }  # fmt: skip
+        "bert": lambda: tiny("bert"),
+        "llama": lambda: tiny("llama"),
+        "vit": lambda: tiny("vit"),
+        "digits-bert": lambda: digits("bert", args.cache_dir),
+        "digits-mixer": lambda: digits("mixer", args.cache_dir),
+    }
     chosen = [m for m in args.models.split(",") if m]
     rows = []
     for name in chosen + (["minilm"] if args.minilm else []):

@@ -57,8 +57,11 @@ def main() -> None:
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
-        cases = [("54-layer notebook model", _notebook_model), ("digits MobileNet (trained)", lambda: _digits(folder)),
-                 ("250 Linear layers in 25 residual blocks", _deep)]  # fmt: skip
+        cases = [
+            ("54-layer notebook model", _notebook_model),
+            ("digits MobileNet (trained)", lambda: _digits(folder)),
+            ("250 Linear layers in 25 residual blocks", _deep),
+        ]
         for name, build in cases:
             report = build()
             for with_runs in (False, True):

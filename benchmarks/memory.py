@@ -168,8 +168,16 @@ def steps_child(layout: str, batch_count: int, skip: set[str], batch_size: int) 
         seconds = time.perf_counter() - start
         peak_bytes = peak()
         held = settle()
-        rows.append({"step": name, "seconds": seconds, "peak": (peak_bytes - base) / size, "held": (held - base) / size,
-                     "peak_cold": (peak_bytes - loaded) / size, "held_cold": (held - loaded) / size})  # fmt: skip
+        rows.append(
+            {
+                "step": name,
+                "seconds": seconds,
+                "peak": (peak_bytes - base) / size,
+                "held": (held - base) / size,
+                "peak_cold": (peak_bytes - loaded) / size,
+                "held_cold": (held - loaded) / size,
+            }
+        )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         return value
 
@@ -217,8 +225,10 @@ def calibration_row(case_name: str, batches: int = 8) -> dict[str, float]:
     for variant in ("plain", "ours"):
         out = subprocess.run(
             [sys.executable, __file__, "--child-calibration", variant, "--case", case_name, "--batches", str(batches)],
-            check=True, capture_output=True, text=True,
-        )  # fmt: skip
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     extra = (results["ours"]["peak_kb"] - results["plain"]["peak_kb"]) * 1024
     largest = results["plain"]["largest_activation_bytes"]
@@ -232,8 +242,18 @@ def calibration_row(case_name: str, batches: int = 8) -> dict[str, float]:
 
 
 def steps_table(layout: str, batches: int, skip: list[str], batch_size: int = 8) -> dict:
-    command = [sys.executable, __file__, "--child-steps", layout, "--batches", str(batches), "--batch-size", str(batch_size),
-               "--skip", *skip]  # fmt: skip
+    command = [
+        sys.executable,
+        __file__,
+        "--child-steps",
+        layout,
+        "--batches",
+        str(batches),
+        "--batch-size",
+        str(batch_size),
+        "--skip",
+        *skip,
+    ]
     out = subprocess.run(command, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{layout}: the measuring process failed:\n{out.stderr[-3000:]}")
@@ -265,20 +285,27 @@ def main() -> None:
             f"({row['largest_activation_mb']:.0f} MB)"
         )
         return
-    print(f"torch {torch.__version__}, {args.batches} batches of {args.batch_size}; x = multiples of the float model's "
-          "size above the process with it loaded and the tool's code imported (a small model of the same family run "
-          "first); 'with imports': above the process with only the model loaded")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {args.batches} batches of {args.batch_size}; x = multiples of the float model's "
+        "size above the process with it loaded and the tool's code imported (a small model of the same family run "
+        "first); 'with imports': above the process with only the model loaded"
+    )
     for layout in args.layouts:
         table = steps_table(layout, args.batches, args.skip, args.batch_size)
         analyzed = table["rows"][0]["seconds"]
-        print(f"\n{layout}: {table['model_mb']:.0f} MB of weights; one plain forward pass over the batches "
-              f"{table['plain_pass_s']:.1f} s; analyze() {analyzed:.1f} s = {analyzed / table['plain_pass_s']:.2f}x; "
-              f"the tool's code and caches {table['fixed_mb']:.0f} MB = {table['fixed_mb'] / table['model_mb']:.2f}x "
-              "the model")  # fmt: skip
+        print(
+            f"\n{layout}: {table['model_mb']:.0f} MB of weights; one plain forward pass over the batches "
+            f"{table['plain_pass_s']:.1f} s; analyze() {analyzed:.1f} s = {analyzed / table['plain_pass_s']:.2f}x; "
+            f"the tool's code and caches {table['fixed_mb']:.0f} MB = {table['fixed_mb'] / table['model_mb']:.2f}x "
+            "the model"
+        )
         print(f"  {'step':22s} {'seconds':>8s} {'peak x':>7s} {'held x':>7s}   with imports: {'peak x':>7s} {'held x':>7s}")
         for row in table["rows"]:
-            print(f"  {row['step']:22s} {row['seconds']:8.1f} {row['peak']:7.2f} {row['held']:7.2f}   "
-                  f"{'':14s}{row['peak_cold']:7.2f} {row['held_cold']:7.2f}", flush=True)  # fmt: skip
+            print(
+                f"  {row['step']:22s} {row['seconds']:8.1f} {row['peak']:7.2f} {row['held']:7.2f}   "
+                f"{'':14s}{row['peak_cold']:7.2f} {row['held_cold']:7.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,9 @@ def session_of(name: str, cache_dir: str | None) -> QuantizationSession:
         kind = name.removeprefix("digits-")
         model, data = trained_digits_model(kind, cache_dir=cache_dir)
         engine = "eager" if kind == "bert" else "fx"
-        return QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation,
-                                   eval_fn=data.accuracy, engine=engine)  # fmt: skip
+        return QuantizationSession(
+            model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy, engine=engine
+        )
     if name == "minilm":
         from eager import minilm
 
@@ -93,11 +94,23 @@ def measure(name: str, cache_dir: str | None) -> dict:
             gaps.append(abs(run.output_sqnr_db - point["simulated_output_sqnr_db"]))
         size_gaps.append(abs(run.deployed_bytes - point["size_bytes"]) / run.deployed_bytes)
     return {
-        "name": name, "engine": session.engine.name, "modules": len(modules), "points": len(front), "front_s": front_s,
-        "front_runs": front_runs, "large": (large_label, large_run), "small": (small_label, small_run), "halfway": halfway,
-        "fitted": fitted, "fit_s": fit_s, "fit_runs": fit_runs, "naive": naive, "gap": max(gaps, default=float("nan")),
-        "checked": len(checked), "size_gap": max(size_gaps),
-    }  # fmt: skip
+        "name": name,
+        "engine": session.engine.name,
+        "modules": len(modules),
+        "points": len(front),
+        "front_s": front_s,
+        "front_runs": front_runs,
+        "large": (large_label, large_run),
+        "small": (small_label, small_run),
+        "halfway": halfway,
+        "fitted": fitted,
+        "fit_s": fit_s,
+        "fit_runs": fit_runs,
+        "naive": naive,
+        "gap": max(gaps, default=float("nan")),
+        "checked": len(checked),
+        "size_gap": max(size_gaps),
+    }
 
 
 def kb(size: float) -> str:
@@ -122,9 +135,11 @@ def main() -> None:
     for name in names:
         found = measure(name, args.cache_dir)
         results.append(found)
-        print(f"| {name} | {found['engine']} | {found['modules']} | {found['points']} | {found['front_s']:.1f} | "
-              f"{found['front_runs']} | {found['gap']:.2f} ({found['checked']}) | {found['size_gap']:.2%} |",
-              flush=True)  # fmt: skip
+        print(
+            f"| {name} | {found['engine']} | {found['modules']} | {found['points']} | {found['front_s']:.1f} | "
+            f"{found['front_runs']} | {found['gap']:.2f} ({found['checked']}) | {found['size_gap']:.2%} |",
+            flush=True,
+        )
     print("\n| model | run | deployed KB | output SQNR dB | fitted at the same size: KB | dB | gain dB |")
     print("|---|---|---|---|---|---|---|")
     for found in results:
@@ -132,13 +147,17 @@ def main() -> None:
         for label, run in (found["large"], found["small"]):
             print(f"| {name} | {label} | {kb(run.deployed_bytes)} | {run.output_sqnr_db:.2f} | | | |")
         gain = fitted.output_sqnr_db - found["small"][1].output_sqnr_db
-        print(f"| {name} | fit at halfway ({kb(found['halfway']).strip()} KB; {found['fit_runs']} real run(s), "
-              f"{found['fit_s']:.1f} s) | {kb(fitted.deployed_bytes)} | {fitted.output_sqnr_db:.2f} | | | "
-              f"{gain:+.2f} over {found['small'][0]} |")  # fmt: skip
+        print(
+            f"| {name} | fit at halfway ({kb(found['halfway']).strip()} KB; {found['fit_runs']} real run(s), "
+            f"{found['fit_s']:.1f} s) | {kb(fitted.deployed_bytes)} | {fitted.output_sqnr_db:.2f} | | | "
+            f"{gain:+.2f} over {found['small'][0]} |"
+        )
         for words, run, same in found["naive"]:
             gain = same.output_sqnr_db - run.output_sqnr_db
-            print(f"| {name} | naive split, {words} | {kb(run.deployed_bytes)} | {run.output_sqnr_db:.2f} | "
-                  f"{kb(same.deployed_bytes)} | {same.output_sqnr_db:.2f} | {gain:+.2f} |")  # fmt: skip
+            print(
+                f"| {name} | naive split, {words} | {kb(run.deployed_bytes)} | {run.output_sqnr_db:.2f} | "
+                f"{kb(same.deployed_bytes)} | {same.output_sqnr_db:.2f} | {gain:+.2f} |"
+            )
 
 
 if __name__ == "__main__":

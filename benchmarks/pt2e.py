@@ -27,8 +27,10 @@ from qreport_widgets.observe.graph import ModelGraph
 def plain_pt2e(model: torch.nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
     ao = torchao_pt2e()
     with pt2e_warnings_hidden():
-        prepared = ao.prepare_pt2e(export_model(model, (example,)), ao.X86InductorQuantizer().set_global(
-            ao.get_default_x86_inductor_quantization_config()))  # fmt: skip
+        prepared = ao.prepare_pt2e(
+            export_model(model, (example,)),
+            ao.X86InductorQuantizer().set_global(ao.get_default_x86_inductor_quantization_config()),
+        )
     return prepared
 
 
@@ -104,8 +106,10 @@ def main() -> None:
     print(f"{'case':24s} {'FX apply':>12s} {'PT2E apply':>12s} {'PT2E/FX':>10s} {'bare PT2E':>12s}")
     for name in args.cases:
         row = apply(name, args.repeats, args.batches)
-        print(f"{name:24s} {row['fx']:12.2f} {row['pt2e']:12.2f} {row['pt2e'] / row['fx']:10.2f} {row['bare pt2e']:12.2f}",
-              flush=True)  # fmt: skip
+        print(
+            f"{name:24s} {row['fx']:12.2f} {row['pt2e']:12.2f} {row['pt2e'] / row['fx']:10.2f} {row['bare pt2e']:12.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -55,8 +55,10 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None)
     args = parser.parse_args()
     setup()
-    print("| model | FX baseline (layers quantized) | PT2E baseline (layers quantized) | PT2E Accept all, verified "
-          "| PT2E analysis + baseline | verifying |")  # fmt: skip
+    print(
+        "| model | FX baseline (layers quantized) | PT2E baseline (layers quantized) | PT2E Accept all, verified "
+        "| PT2E analysis + baseline | verifying |"
+    )
     print("|---|---|---|---|---|---|")
     for name in args.models:
         print(measure(name, args.cache_dir), flush=True)

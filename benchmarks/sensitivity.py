@@ -102,13 +102,24 @@ def measure(name: str, cache_dir: str | None = None) -> dict[str, object]:
     greedy_count, greedy_sqnr, greedy_runs = greedy_real(session, truth, target)
     greedy_s = time.perf_counter() - start + seconds
     return {
-        "sweep": sweep, "baseline": baseline, "seconds": seconds, "spearman": spearman, "top3": top3,
-        "sensitivity_s": sensitivity_s, "ours_spearman": ours_spearman, "ours_top3": ours_top3,
+        "sweep": sweep,
+        "baseline": baseline,
+        "seconds": seconds,
+        "spearman": spearman,
+        "top3": top3,
+        "sensitivity_s": sensitivity_s,
+        "ours_spearman": ours_spearman,
+        "ours_top3": ours_top3,
         "agreement": float((sweep["output_sqnr_gain_db"] - truth).abs().max()),
-        "target": target, "reach_sqnr": reached.output_sqnr_db,
-        "reach_count": sum(s.keep_float for s in reached.settings.values()), "reach_s": reach_s,
-        "greedy_count": greedy_count, "greedy_sqnr": greedy_sqnr, "greedy_s": greedy_s, "greedy_runs": greedy_runs,
-    }  # fmt: skip
+        "target": target,
+        "reach_sqnr": reached.output_sqnr_db,
+        "reach_count": sum(s.keep_float for s in reached.settings.values()),
+        "reach_s": reach_s,
+        "greedy_count": greedy_count,
+        "greedy_sqnr": greedy_sqnr,
+        "greedy_s": greedy_s,
+        "greedy_runs": greedy_runs,
+    }
 
 
 def main() -> None:

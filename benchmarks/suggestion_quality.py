@@ -81,9 +81,15 @@ def measure(name: str, start: str, cache_dir: str | None = None) -> dict[str, ob
         )
     alone = {kind: session.apply(settings, label=kind, progress=quiet) for kind, settings in kinds.items()}
     return {
-        "baseline": baseline, "raw": raw, "raw_count": len(raw_settings), "verified": verified, "accept": accept,
-        "alone": alone, "seconds": seconds, "truth": session.truth_check(),
-    }  # fmt: skip
+        "baseline": baseline,
+        "raw": raw,
+        "raw_count": len(raw_settings),
+        "verified": verified,
+        "accept": accept,
+        "alone": alone,
+        "seconds": seconds,
+        "truth": session.truth_check(),
+    }
 
 
 def _db(run) -> str:
@@ -97,8 +103,10 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None)
     args = parser.parse_args()
     setup()
-    print("| model | start | baseline | simulated baseline | gap | kernels apart | accept all, unmeasured "
-          "| accept all, verified | offered | rejected | verifying |")  # fmt: skip
+    print(
+        "| model | start | baseline | simulated baseline | gap | kernels apart | accept all, unmeasured "
+        "| accept all, verified | offered | rejected | verifying |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     details = []
     for name in args.models:

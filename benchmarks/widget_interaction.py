@@ -81,11 +81,15 @@ def measure_large(repeats: int = 5) -> dict[str, object]:
     modules = [name for name in report.frame().module_names if name.endswith("fc1")][:2]
     actions = {
         "Explore module dropdown": [lambda m=m: setattr(controls.module, "value", m) for m in modules],
-        "Tune filter typed / cleared": [lambda: setattr(tuning.filter, "value", "fc1"),
-                                        lambda: setattr(tuning.filter, "value", "")],
-        "Tune 'with a suggestion' toggle": [lambda: setattr(tuning.only_suggested, "value", True),
-                                            lambda: setattr(tuning.only_suggested, "value", False)],
-    }  # fmt: skip
+        "Tune filter typed / cleared": [
+            lambda: setattr(tuning.filter, "value", "fc1"),
+            lambda: setattr(tuning.filter, "value", ""),
+        ],
+        "Tune 'with a suggestion' toggle": [
+            lambda: setattr(tuning.only_suggested, "value", True),
+            lambda: setattr(tuning.only_suggested, "value", False),
+        ],
+    }
     found: dict[str, object] = {
         "modules": sum(1 for _ in model.modules()),
         "rows": len(tuning.rows),

@@ -19,8 +19,14 @@ def _tokens(seed: int, count: int = 6, batch: int = 4, length: int = 16) -> list
 
 def tiny_bert() -> tuple[nn.Module, list[dict[str, torch.Tensor]]]:
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=64)  # fmt: skip
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
     mask = torch.ones(4, 16, dtype=torch.long)
     mask[:, 12:] = 0  # padding on every row's last tokens
     return BertModel(config).eval(), [{"input_ids": ids, "attention_mask": mask} for ids in _tokens(1)]
@@ -28,15 +34,30 @@ def tiny_bert() -> tuple[nn.Module, list[dict[str, torch.Tensor]]]:
 
 def tiny_llama() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
     return LlamaForCausalLM(config).eval(), [(ids,) for ids in _tokens(2)]
 
 
 def tiny_vit() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
     torch.manual_seed(0)
-    config = ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, intermediate_size=128)  # fmt: skip
+    config = ViTConfig(
+        image_size=32,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+    )
     generator = torch.Generator().manual_seed(3)
     return ViTModel(config).eval(), [(torch.randn(4, 3, 32, 32, generator=generator),) for _ in range(6)]
 

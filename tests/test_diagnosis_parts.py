@@ -163,8 +163,12 @@ GAINS = {  # what each candidate does to the output SQNR, in a real run or the s
 
 
 def gain_of(settings) -> float:
-    return sum(GAINS.get((fqn, setting), 0.0) for fqn, s in settings.items() for setting in Setting if s != ModuleSettings()
-               and setting.of(s) and setting.of(s) != setting.of(ModuleSettings()))  # fmt: skip
+    return sum(
+        GAINS.get((fqn, setting), 0.0)
+        for fqn, s in settings.items()
+        for setting in Setting
+        if s != ModuleSettings() and setting.of(s) and setting.of(s) != setting.of(ModuleSettings())
+    )
 
 
 class FakeVerifiable:
@@ -183,10 +187,13 @@ class FakeVerifiable:
         found = []
         for variant in variants:
             settings = {
-                name: ModuleSettings(keep_float=name in variant.float_modules, per_channel=name in variant.other_weights,
-                                     dynamic=name in variant.dynamic)
+                name: ModuleSettings(
+                    keep_float=name in variant.float_modules,
+                    per_channel=name in variant.other_weights,
+                    dynamic=name in variant.dynamic,
+                )
                 for name in variant.float_modules | variant.other_weights | variant.dynamic
-            }  # fmt: skip
+            }
             found.append((20.0 + gain_of(settings), None))
         return found
 

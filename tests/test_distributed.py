@@ -88,8 +88,9 @@ def flat(reports: dict) -> dict[str, float]:
 
 
 def spawn(case: str, cache, tmp_path) -> list[dict]:
-    context = mp.start_processes(rank_main, args=(free_port(), str(cache), case, str(tmp_path)), nprocs=RANKS,
-                                 join=False, start_method="spawn")  # fmt: skip
+    context = mp.start_processes(
+        rank_main, args=(free_port(), str(cache), case, str(tmp_path)), nprocs=RANKS, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + DEADLINE_S
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
@@ -142,8 +143,19 @@ def test_the_torchrun_example_saves_a_report_a_notebook_opens(cache, tmp_path):
     """examples/analyze_with_torchrun.py as docs/SCALE.md runs it: torchrun, two ranks, rank 0 saves."""
     trained_digits_model("cnn", cache)
     out = tmp_path / "digits.qreport"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS), str(EXAMPLE),
-               "--out", str(out), "--cache", str(cache)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(RANKS),
+        str(EXAMPLE),
+        "--out",
+        str(out),
+        "--cache",
+        str(cache),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]

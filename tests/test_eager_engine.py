@@ -36,8 +36,15 @@ def cache(digits_cache):
 @pytest.fixture(scope="module")
 def digits_bert(cache):
     model, data = trained_digits_model("bert", cache_dir=cache)
-    report = qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy,
-                        engine="eager", progress=False)  # fmt: skip
+    report = qw.analyze(
+        model,
+        data.calibration[0],
+        data.calibration,
+        eval_data=data.evaluation,
+        eval_fn=data.accuracy,
+        engine="eager",
+        progress=False,
+    )
     return model, data, report
 
 
@@ -55,8 +62,12 @@ def test_hugging_face_models_end_to_end(name):
     before = fingerprint(model)
     report = eager(model, batches)
     reports = report.generate_model_report()
-    assert set(reports) == {F.DetectorName.PER_CHANNEL.value, F.DetectorName.DYNAMIC_STATIC.value,
-                            F.DetectorName.EQUALIZATION.value, F.DetectorName.OUTLIER.value}  # fmt: skip
+    assert set(reports) == {
+        F.DetectorName.PER_CHANNEL.value,
+        F.DetectorName.DYNAMIC_STATIC.value,
+        F.DetectorName.EQUALIZATION.value,
+        F.DetectorName.OUTLIER.value,
+    }
     linear_units = [fqn for fqn, kind in report.analysis().graph.units.items() if kind == "Linear"]
     assert len(linear_units) >= 12 and set(linear_units) <= set(reports[F.DetectorName.OUTLIER.value][1])
     assert report.analysis().graph.kind == "modules"

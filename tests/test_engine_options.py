@@ -23,7 +23,10 @@ EAGER_HINT = "with engine='eager' pass format= (the starting format of Linear la
 
 def test_each_engine_declares_and_builds_from_its_own_options():
     assert {name: load().options_type for name, load in ENGINES.items()} == {
-        "fx": FxOptions, "pt2e": Pt2eOptions, "eager": EagerOptions}  # fmt: skip
+        "fx": FxOptions,
+        "pt2e": Pt2eOptions,
+        "eager": EagerOptions,
+    }
     mapping = QConfigMapping().set_global(default_qconfig)
     fx = engine_named("fx", FxOptions(backend="qnnpack", qconfig_mapping=mapping, prepare_custom_config={}))
     assert isinstance(fx, FxEngine) and fx.backend == "qnnpack" and fx.qconfig_mapping is mapping
@@ -95,7 +98,10 @@ def test_an_eager_group_size_is_the_starting_one_of_int4_modules():
     assert modules == engine.observe(model, example).modules
     # a Linear whose rows of 32 the group size does not divide starts float
     assert {m.fqn: (m.current.format, m.current.group_size) for m in modules} == {
-        "0": ("int4-weight-only", 64), "2": ("int4-weight-only", 64), "4": ("float", 0)}  # fmt: skip
+        "0": ("int4-weight-only", 64),
+        "2": ("int4-weight-only", 64),
+        "4": ("float", 0),
+    }
     quantized = engine.convert(prepared)
     assert quantized[0].weight.block_size == (1, 64) and quantized[2].weight.block_size == (1, 64)
     assert type(quantized[4].weight) is nn.Parameter

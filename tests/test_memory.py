@@ -100,9 +100,14 @@ def test_folded_weights_are_held_once_and_no_run_writes_into_them():
     weights, held once; and after runs the session's float copy is still the caller's model."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-        torch.nn.Conv2d(8, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten(), torch.nn.Linear(8 * 12 * 12, 10),
-    ).eval()  # fmt: skip
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 12 * 12, 10),
+    ).eval()
     for norm in (model[1], model[4]):
         norm.running_mean.normal_(), norm.running_var.uniform_(0.5, 2.0), norm.weight.data.uniform_(0.5, 2.0)
     batches = [(torch.randn(4, 3, 16, 16),) for _ in range(4)]

@@ -27,8 +27,9 @@ def cache(digits_cache):
 
 def digits_session(name: str, cache, engine: str = "fx") -> QuantizationSession:
     model, data = trained_digits_model(name, cache)
-    return QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation,
-                               eval_fn=data.accuracy, engine=engine)  # fmt: skip
+    return QuantizationSession(
+        model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy, engine=engine
+    )
 
 
 def assert_a_front(front) -> None:
@@ -122,8 +123,9 @@ def test_the_size_pane_draws_the_front_puts_a_point_in_the_rows_and_a_budget_sel
     import qreport_widgets as qw
 
     model, data = trained_digits_model("cnn", cache)
-    report = qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy,
-                        progress=False)  # fmt: skip
+    report = qw.analyze(
+        model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy, progress=False
+    )
     tuning = report.widget().tuning
     pane = tuning.front
     assert pane.figure not in pane.children and pane.budget.disabled

@@ -33,7 +33,7 @@ def both_engines(model: nn.Module, calibration, evaluation, eval_fn=None) -> dic
     return {
         engine: qw.analyze(
             model, calibration[0], calibration, eval_data=evaluation, eval_fn=eval_fn, engine=engine, progress=False
-        )  # fmt: skip
+        )
         for engine in ("fx", "pt2e")
     }
 
@@ -170,8 +170,9 @@ def test_fx_only_settings_are_disabled_on_tune_rows_and_refused():
 
 def test_the_quantizer_as_code_runs_and_does_what_the_settings_asked(cache):
     model, data = trained_digits_model("mixer", cache)
-    session = qw.QuantizationSession(model, data.calibration[0], data.calibration[:2], eval_data=data.evaluation[:1],
-                                     engine=Pt2eEngine())  # fmt: skip
+    session = qw.QuantizationSession(
+        model, data.calibration[0], data.calibration[:2], eval_data=data.evaluation[:1], engine=Pt2eEngine()
+    )
     names = [m.fqn for m in session.modules]
     settings = {
         names[0]: ModuleSettings(keep_float=True),
@@ -196,8 +197,9 @@ def test_a_quantizer_of_your_own_is_the_start_and_settings_override_it(cache):
     from qreport_widgets.engines.pt2e.quantizer import quantization_config
 
     start = ao.X86InductorQuantizer().set_global(quantization_config(False, dynamic=False))  # per-tensor weights
-    report = qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, engine="pt2e",
-                        quantizer=start, progress=False)  # fmt: skip
+    report = qw.analyze(
+        model, data.calibration[0], data.calibration, eval_data=data.evaluation, engine="pt2e", quantizer=start, progress=False
+    )
     session = report.session
     assert all(not m.current.per_channel for m in session.modules)
     per_channel = [s for s in report.suggestions() if s.kind == F.SuggestionKind.PER_CHANNEL]

@@ -24,8 +24,9 @@ AGREEMENT_DB = 0.5  # simulated and real output SQNR agree within this (per modu
 def build(name: str, cache) -> tuple[torch.nn.Module, QuantizationSession]:
     if name.startswith("digits"):
         model, data = trained_digits_model(name.split()[1], cache)
-        return model, QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation,
-                                          eval_fn=data.accuracy)  # fmt: skip
+        return model, QuantizationSession(
+            model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy
+        )
     torch.manual_seed(0)
     model = zoo.MobileNetV3().eval()
     batches = zoo.image_batches(6)
@@ -160,8 +161,9 @@ def test_the_tune_tab_ranks_modules_proposes_a_float_set_and_apply_confirms_it(d
     import qreport_widgets as qw
 
     model, data = trained_digits_model("cnn", digits_cache)
-    report = qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy,
-                        progress=False)  # fmt: skip
+    report = qw.analyze(
+        model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy, progress=False
+    )
     tuning = report.widget().tuning
     pane = tuning.sensitivity
     pane.compute.click()

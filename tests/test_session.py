@@ -140,8 +140,14 @@ def test_report_without_session_disables_tuning():
 
 def test_session_with_own_eval_data_and_metric():
     batches = demo.demo_batches(3)
-    session = QuantizationSession(demo.build_demo_model(), batches[0], batches, eval_data=batches[:1],
-                                  eval_fn=lambda m: 0.5, qconfig_mapping=demo.demo_qconfig_mapping())  # fmt: skip
+    session = QuantizationSession(
+        demo.build_demo_model(),
+        batches[0],
+        batches,
+        eval_data=batches[:1],
+        eval_fn=lambda m: 0.5,
+        qconfig_mapping=demo.demo_qconfig_mapping(),
+    )
     result = session.baseline()
     assert result.ok and result.eval_metric == 0.5 and result.eval_batches == "the eval_data you passed"
     assert "your metric" in session.compare()[0].columns
@@ -200,8 +206,9 @@ def test_run_survives_numeric_suite_failing_to_pair_the_graphs(analyzed, monkeyp
 
 def test_a_generator_of_batches_is_kept_for_tuning():
     batches = demo.demo_batches(4)
-    report = qw.analyze(demo.build_demo_model(), batches[0], (b for b in batches), qconfig_mapping=demo.demo_qconfig_mapping(),
-                        progress=False)  # fmt: skip
+    report = qw.analyze(
+        demo.build_demo_model(), batches[0], (b for b in batches), qconfig_mapping=demo.demo_qconfig_mapping(), progress=False
+    )
     assert report.calibration_batches() == 4
     tuning = report.widget().tuning
     tuning.apply.click()
@@ -302,8 +309,9 @@ def test_runs_state_their_change_honest_types_and_no_torch_warnings(analyzed, re
     assert conversions.loc["stem.conv", "converted type"].startswith("quantized ")  # not the float class's name
     from qreport_widgets.tune.run import RunResult  # a run's changes in words
 
-    assert "stem.conv: per_channel" in RunResult(None, None, 0.0, None, 0, 0.0, 0.0, settings={
-        "stem.conv": ModuleSettings(per_channel=True)}).changes({"stem.conv": ModuleSettings()})  # fmt: skip
+    assert "stem.conv: per_channel" in RunResult(
+        None, None, 0.0, None, 0, 0.0, 0.0, settings={"stem.conv": ModuleSettings(per_channel=True)}
+    ).changes({"stem.conv": ModuleSettings()})
 
 
 def test_tune_rows_at_scale_filter_bulk_and_refuse_on_the_row():

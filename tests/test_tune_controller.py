@@ -135,12 +135,20 @@ class FakeSession:
         for done in range(1, 4):
             progress(done, 3)
         float_fc2 = {"fc2": ModuleSettings(keep_float=True)}
-        return pd.DataFrame({"size_bytes": [1000, 1400], "simulated_output_sqnr_db": [20.0, 22.0],
-                             "formats": ["3 int8", "2 int8, 1 float"], "settings": [{}, float_fc2]})  # fmt: skip
+        return pd.DataFrame(
+            {
+                "size_bytes": [1000, 1400],
+                "simulated_output_sqnr_db": [20.0, 22.0],
+                "formats": ["3 int8", "2 int8, 1 float"],
+                "settings": [{}, float_fc2],
+            }
+        )
 
     def uniform_points(self, progress=None) -> pd.DataFrame:
-        return pd.DataFrame({"size_bytes": [1000], "simulated_output_sqnr_db": [20.0], "formats": ["3 int8"],
-                             "settings": [{}]}, index=pd.Index(["baseline"], name="choice"))  # fmt: skip
+        return pd.DataFrame(
+            {"size_bytes": [1000], "simulated_output_sqnr_db": [20.0], "formats": ["3 int8"], "settings": [{}]},
+            index=pd.Index(["baseline"], name="choice"),
+        )
 
     def computed(self) -> dict[str, pd.DataFrame]:
         return {}  # the fake keeps no diagnosis
@@ -160,11 +168,19 @@ class FakeSession:
             return RunResult(None, None, math.nan, pd.Series(dtype=float), 0, math.nan, 0.1, self.broken_run, label)
         layers = {fqn: BASE_DB + s.per_channel - 10 * s.keep_float for fqn, s in settings.items()}
         return RunResult(
-            None, None, BASE_DB + sum(s.per_channel - 10 * s.keep_float for s in settings.values()),
-            pd.Series(layers, dtype=float), 1000, 1.0, 0.1, label=label, settings=settings,
-            notes=("latency: of a fake",), module_notes=self.module_notes if label != "baseline" else {},
+            None,
+            None,
+            BASE_DB + sum(s.per_channel - 10 * s.keep_float for s in settings.values()),
+            pd.Series(layers, dtype=float),
+            1000,
+            1.0,
+            0.1,
+            label=label,
+            settings=settings,
+            notes=("latency: of a fake",),
+            module_notes=self.module_notes if label != "baseline" else {},
             baseline=label == "baseline",
-        )  # fmt: skip
+        )
 
 
 @pytest.fixture
@@ -380,8 +396,11 @@ def test_the_tune_tab_says_in_red_where_the_real_model_and_its_simulation_disagr
 
 def test_the_time_left_follows_the_pace_of_the_running_step():
     assert [time_left(10.0, 1, 5), time_left(10.0, 2, 0), time_left(10.0, 2, 4), time_left(60.0, 2, 4)] == [
-        "", "", "about 20 s left", "about 2 min 00 s left"
-    ]  # fmt: skip
+        "",
+        "",
+        "about 20 s left",
+        "about 2 min 00 s left",
+    ]
     ticks = iter(range(0, 1000, 10))  # every report 10 s after the last
     controller = TuneController(FakeSession(), FakeSource())
     controller._pace_clock = lambda: float(next(ticks))

@@ -37,8 +37,9 @@ def cache(digits_cache):
 
 def digits_report(name: str, start_name: str, cache) -> qw.ModelReport:
     model, data = trained_digits_model(name, cache)
-    return qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation,
-                      qconfig_mapping=start(start_name), progress=False)  # fmt: skip
+    return qw.analyze(
+        model, data.calibration[0], data.calibration, eval_data=data.evaluation, qconfig_mapping=start(start_name), progress=False
+    )
 
 
 @pytest.mark.parametrize("start_name", ["x86", "per-tensor"])
@@ -215,9 +216,15 @@ def test_per_layer_sqnr_of_a_migrated_run_reads_the_rescaled_layers_right():
 
 
 ACCEPT_ALL_CASES = [  # trained and real layouts, both starts; EfficientNet's Accept all measured -0.12 dB before
-    ("digits cnn", "x86"), ("digits cnn", "per-tensor"), ("digits mixer", "x86"), ("digits mixer", "per-tensor"),
-    ("resnet", "per-tensor"), ("efficientnet", "x86"), ("prelu_net", "x86"), ("text_encoder", "x86"),
-]  # fmt: skip
+    ("digits cnn", "x86"),
+    ("digits cnn", "per-tensor"),
+    ("digits mixer", "x86"),
+    ("digits mixer", "per-tensor"),
+    ("resnet", "per-tensor"),
+    ("efficientnet", "x86"),
+    ("prelu_net", "x86"),
+    ("text_encoder", "x86"),
+]
 
 
 @pytest.mark.parametrize(("name", "start_name"), ACCEPT_ALL_CASES)
@@ -232,8 +239,9 @@ def test_accept_all_never_quantizes_fewer_layers_nor_measures_below_the_baseline
     else:
         torch.manual_seed(0)
         model, batches = zoo.ARCHITECTURES[name][0]().eval(), zoo.ARCHITECTURES[name][1](6)
-        report = qw.analyze(model, batches[0], batches[:4], eval_data=batches[4:], qconfig_mapping=start(start_name),
-                            progress=False)  # fmt: skip
+        report = qw.analyze(
+            model, batches[0], batches[:4], eval_data=batches[4:], qconfig_mapping=start(start_name), progress=False
+        )
     session = report.session
     baseline = session.baseline(progress=lambda done, total: None)
     runs = []
@@ -265,10 +273,17 @@ def test_observer_and_dynamic_candidates_are_simulated_as_real_runs_measure_them
     current = session.current_settings()
     producers = session.input_producers([m.fqn for m in session.modules])
     read_by_quantized = {p for c, p in producers.items() if not current[c].keep_float}  # dynamic refused there
-    cases = [(m.fqn, ModuleSettings(observer=o), Variant(observers=frozenset({(m.fqn, o)})))
-             for m in session.modules if m.weighted for o in ("percentile", "minmax")]  # fmt: skip
-    cases += [(m.fqn, ModuleSettings(dynamic=True), Variant(dynamic=frozenset({m.fqn})))
-              for m in session.modules if m.allows("dynamic") and m.fqn not in read_by_quantized]  # fmt: skip
+    cases = [
+        (m.fqn, ModuleSettings(observer=o), Variant(observers=frozenset({(m.fqn, o)})))
+        for m in session.modules
+        if m.weighted
+        for o in ("percentile", "minmax")
+    ]
+    cases += [
+        (m.fqn, ModuleSettings(dynamic=True), Variant(dynamic=frozenset({m.fqn})))
+        for m in session.modules
+        if m.allows("dynamic") and m.fqn not in read_by_quantized
+    ]
     simulated = session.simulate_each([variant for _, _, variant in cases], metric=False)
     for (fqn, change, _), (sqnr, _) in zip(cases, simulated, strict=True):
         setting = replace(current[fqn], observer=change.observer, dynamic=change.dynamic)

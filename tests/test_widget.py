@@ -248,9 +248,11 @@ def dwarfed_frame(flagged_modules: int) -> ReportFrame:
         detected = np.zeros(8)
         detected[0] = float(i < flagged_modules)
         features[f"m{i}"] = {
-            F.OUTLIER_RATIOS: ratios, F.OUTLIERS_DETECTED: detected, F.OUTLIER_RATIO_THRESHOLD: 3.5,
+            F.OUTLIER_RATIOS: ratios,
+            F.OUTLIERS_DETECTED: detected,
+            F.OUTLIER_RATIO_THRESHOLD: 3.5,
             F.INPUT_PER_CHANNEL_MAX: rng.uniform(0.5, 1.5, 8) * 10.0 ** (i / 3 - 2),
-        }  # fmt: skip
+        }
     return ReportFrame.from_features(features)
 
 

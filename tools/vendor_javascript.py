@@ -30,8 +30,9 @@ def main() -> None:
     STATIC.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         for package, version, member, name in FILES:
-            packed = subprocess.run(["npm", "pack", f"{package}@{version}", "--pack-destination", scratch],
-                                    check=True, capture_output=True, text=True).stdout.split()[-1]  # fmt: skip
+            packed = subprocess.run(
+                ["npm", "pack", f"{package}@{version}", "--pack-destination", scratch], check=True, capture_output=True, text=True
+            ).stdout.split()[-1]
             with tarfile.open(Path(scratch) / packed) as archive:
                 text = archive.extractfile(member).read().decode()  # type: ignore[union-attr]
             # source maps are not shipped; a browser's developer tools would ask for them

@@ -123,4 +123,3 @@ def _print_demo() -> None:
         print(f"  {fqn:12s} {activation:28s} {weight}")
     equalized = list(report.generate_equalization_mapping().module_name_qconfigs)
     print(f"Equalization suggested for: {', '.join(equalized) or 'none'}")
-

@@ -90,9 +90,17 @@ class DigitsBert(nn.Module):
             from transformers import BertConfig, BertForSequenceClassification
         except ImportError as error:
             raise ImportError("the digits BERT is a Hugging Face model: pip install transformers") from error
-        config = BertConfig(vocab_size=17, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=128, max_position_embeddings=64, num_labels=10,
-                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+        config = BertConfig(
+            vocab_size=17,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            num_labels=10,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         self.bert = BertForSequenceClassification(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

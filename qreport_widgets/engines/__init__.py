@@ -65,8 +65,13 @@ def build_engine(
     engine takes instead.
     """
     engine = _engine_class(name)
-    arguments = {"qconfig_mapping": qconfig_mapping, "prepare_custom_config": prepare_custom_config,
-                 "quantizer": quantizer, "format": format, "group_size": group_size}  # fmt: skip
+    arguments = {
+        "qconfig_mapping": qconfig_mapping,
+        "prepare_custom_config": prepare_custom_config,
+        "quantizer": quantizer,
+        "format": format,
+        "group_size": group_size,
+    }
     given = {key: value for key, value in arguments.items() if value is not None}
     own = {option.name for option in fields(engine.options_type)}
     foreign = sorted(set(given) - own)

@@ -110,8 +110,13 @@ class ModelReportVisualizer:
             view.update(self.frame.channel_values(modules[0], feature), title=f"{feature} · {modules[0]}", x_label="channel")
         elif per_channel:
             grouped = self.frame.per_module(feature, modules)
-            view.update(grouped["mean"], low=grouped["min"], high=grouped["max"], names=list(grouped.index),
-                        x_label="module (forward order)")  # fmt: skip
+            view.update(
+                grouped["mean"],
+                low=grouped["min"],
+                high=grouped["max"],
+                names=list(grouped.index),
+                x_label="module (forward order)",
+            )
         else:
             values = self.frame.modules.loc[modules, feature].astype(float).to_numpy()
             view.update(values, names=modules, x_label="module (forward order)")

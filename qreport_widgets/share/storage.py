@@ -92,7 +92,7 @@ def save_analysis(analysis: Analysis, path: str | Path) -> Path:
             "kind": graph.kind,
             "joins": {name: list(op_parent) for name, op_parent in graph.joins.items()},
             "edges": [list(edge) for edge in graph.edges],
-        },  # fmt: skip
+        },
         "results": [_encode_result(result, f"r{i}", arrays) for i, result in enumerate(analysis.results.values())],
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"qreport_widgets": __version__, "torch": _torch_version(), "numpy": np.__version__},
@@ -207,7 +207,7 @@ def _encode_result(result: DetectorResult, prefix: str, arrays: dict[str, np.nda
                 "evidence": _encode_value(s.evidence),
             }
             for s in result.suggestions
-        ],  # fmt: skip
+        ],
     }
 
 
@@ -242,9 +242,15 @@ def _encode_value(value: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------- reading
 _FIELDS = {
-    "model": str, "detectors": list, "calibration_batches": int, "text_reports": dict, "graph": dict, "results": list,
-    "saved_at": str, "versions": dict,
-}  # fmt: skip
+    "model": str,
+    "detectors": list,
+    "calibration_batches": int,
+    "text_reports": dict,
+    "graph": dict,
+    "results": list,
+    "saved_at": str,
+    "versions": dict,
+}
 
 
 def _check_fields(content: Any) -> None:
@@ -317,10 +323,11 @@ def _decode_result(encoded: Mapping[str, Any], arrays: Mapping[str, np.ndarray])
         for i, (module, cols) in enumerate(zip(modules, columns, strict=True))
     )
     suggestions = tuple(
-        Suggestion(str(s["module"]), str(s["detector"]), SuggestionKind(s["kind"]), str(s["reason"]),
-                   float(_decode_value(s["evidence"])))
+        Suggestion(
+            str(s["module"]), str(s["detector"]), SuggestionKind(s["kind"]), str(s["reason"]), float(_decode_value(s["evidence"]))
+        )
         for s in encoded["suggestions"]
-    )  # fmt: skip
+    )
     return DetectorResult(str(encoded["detector"]), records, tuple(map(str, encoded["notes"])), suggestions)
 
 

@@ -179,8 +179,10 @@ def fit(
     if fitting.empty:
         smallest = points.iloc[0]
         result = apply(smallest["settings"], label=label, progress=progress)
-        return result.noted(f"out of reach: the smallest point of the front takes {_kb(smallest['size_bytes'])}, "
-                              f"more than the {_kb(max_size_bytes)} budget; this run is that point")  # fmt: skip
+        return result.noted(
+            f"out of reach: the smallest point of the front takes {_kb(smallest['size_bytes'])}, "
+            f"more than the {_kb(max_size_bytes)} budget; this run is that point"
+        )
     targeted = target_sqnr_db is not None or target_metric is not None
 
     def meets(sqnr: float, metric: float | None) -> bool:
@@ -196,8 +198,10 @@ def fit(
         result = apply(best["settings"], label=label, progress=progress)
         where = f" within {_kb(max_size_bytes)}" if max_size_bytes is not None else ""
         target = target_words(target_sqnr_db, target_metric)
-        return result.noted(f"{target} is out of reach{where}: even in simulation the best is {_point_words(best)}; "
-                            f"this run is that point, {_run_words(result, target_sqnr_db)}")  # fmt: skip
+        return result.noted(
+            f"{target} is out of reach{where}: even in simulation the best is {_point_words(best)}; "
+            f"this run is that point, {_run_words(result, target_sqnr_db)}"
+        )
     at = simulated_ok.index(True) if targeted else len(fitting) - 1  # smallest meeting, or the largest that fits
     runs = 0
     result = apply(fitting.iloc[at]["settings"], label=label, progress=progress)
@@ -221,14 +225,19 @@ def fit(
     point = fitting.iloc[at]
     verdicts = []
     if max_size_bytes is not None:
-        verdicts.append(f"fits: {_kb(result.deployed_bytes)} of {_kb(max_size_bytes)}" if fits(result)
-                        else f"does not fit: {_kb(result.deployed_bytes)} for {_kb(max_size_bytes)}")  # fmt: skip
+        verdicts.append(
+            f"fits: {_kb(result.deployed_bytes)} of {_kb(max_size_bytes)}"
+            if fits(result)
+            else f"does not fit: {_kb(result.deployed_bytes)} for {_kb(max_size_bytes)}"
+        )
     if targeted:
         ok = meets(result.output_sqnr_db, result.eval_metric)
         verdicts.append(f"{target_words(target_sqnr_db, target_metric)} {'met' if ok else 'not met by the real run'}")
     said = "; ".join(verdicts)
-    return result.noted(f"{said}, {_run_words(result, target_sqnr_db)} (simulated {point['simulated_output_sqnr_db']:.2f} dB); "
-                          f"point {at + 1} of {len(points)} on the front: {point['formats']}")  # fmt: skip
+    return result.noted(
+        f"{said}, {_run_words(result, target_sqnr_db)} (simulated {point['simulated_output_sqnr_db']:.2f} dB); "
+        f"point {at + 1} of {len(points)} on the front: {point['formats']}"
+    )
 
 
 # ---- the search -------------------------------------------------------------------------------------

@@ -40,8 +40,14 @@ class RealRuns:
         if found is not None:
             return found
         runner = self.runner
-        run = runner.run(runner.engine.base_config(), "baseline", progress, check_kernels=True,
-                         settings=runner.current_settings(), baseline=True)  # fmt: skip
+        run = runner.run(
+            runner.engine.base_config(),
+            "baseline",
+            progress,
+            check_kernels=True,
+            settings=runner.current_settings(),
+            baseline=True,
+        )
         if not run.ok:
             self._failed = run
             return run
@@ -118,8 +124,9 @@ class RealRuns:
     ) -> RunResult:
         label = label or self.history.next_label()
         checks = self._checks_kernels if record else None
-        result = self.runner.run(config, label, progress, per_layer=record, check_kernels=checks,
-                                 float_model=float_model, settings=settings)  # fmt: skip
+        result = self.runner.run(
+            config, label, progress, per_layer=record, check_kernels=checks, float_model=float_model, settings=settings
+        )
         return self.history.record(result) if record else result
 
     def _checks_kernels(self, prepared: torch.nn.Module) -> bool:

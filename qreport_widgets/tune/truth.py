@@ -179,9 +179,10 @@ def simulated_layers(simulation: Simulation, float_model: torch.nn.Module, batch
     model, on ``batch``, where both models have a plain (not fused) module of that name."""
     floats = dict(float_model.named_modules())
     names = [
-        name for name, module in simulation.model.named_modules()
+        name
+        for name, module in simulation.model.named_modules()
         if name in floats and type(module) is type(floats[name]) and next(module.children(), None) is None
-    ]  # fmt: skip
+    ]
     found: dict[str, dict[str, torch.Tensor]] = {"float": {}, "simulated": {}}
 
     def keep(side: str, name: str):

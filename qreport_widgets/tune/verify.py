@@ -189,11 +189,16 @@ class VerifiedSuggestions:
         """One row per candidate: module, setting, origin, gain_db, measured, offered, note."""
         rows = [
             {
-                "module": v.candidate.module_fqn, "setting": v.candidate.setting, "origin": v.candidate.source,
-                "gain_db": v.gain_db, "measured": v.measured, "offered": v.offered, "note": v.note,
+                "module": v.candidate.module_fqn,
+                "setting": v.candidate.setting,
+                "origin": v.candidate.source,
+                "gain_db": v.gain_db,
+                "measured": v.measured,
+                "offered": v.offered,
+                "note": v.note,
             }
             for v in self.verdicts
-        ]  # fmt: skip
+        ]
         columns = ["module", "setting", "origin", "gain_db", "measured", "offered", "note"]
         return pd.DataFrame(rows, columns=columns).sort_values(["offered", "gain_db"], ascending=[False, False])
 

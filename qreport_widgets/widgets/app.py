@@ -49,14 +49,22 @@ class ReportWidget(w.VBox):
         self.tabs = w.Tab(children=panes, titles=TABS)
         self.session = session
         name = "".join(c if c.isalnum() or c in "-_" else "_" for c in source.model_name) or "model"
-        self.export_path = w.Text(value=f"{name}-qreport.html", layout={"width": "260px", "flex": "0 0 auto"},
-                                  tooltip="where the HTML report is written (relative to the notebook's folder)")  # fmt: skip
-        self.export = w.Button(description="Export HTML", icon="download", layout={"width": "130px", "flex": "0 0 auto"},
-                               tooltip="one HTML file that opens in any browser, offline, with no Python: the report, "
-                               "its figures, the graph, the runs and the settings as code")  # fmt: skip
+        self.export_path = w.Text(
+            value=f"{name}-qreport.html",
+            layout={"width": "260px", "flex": "0 0 auto"},
+            tooltip="where the HTML report is written (relative to the notebook's folder)",
+        )
+        self.export = w.Button(
+            description="Export HTML",
+            icon="download",
+            layout={"width": "130px", "flex": "0 0 auto"},
+            tooltip="one HTML file that opens in any browser, offline, with no Python: the report, "
+            "its figures, the graph, the runs and the settings as code",
+        )
         self.exported = w.HTML()
-        bar = w.HBox([self.header, self.export_path, self.export, self.exported],
-                     layout={"align_items": "center", "flex_flow": "row wrap"})  # fmt: skip
+        bar = w.HBox(
+            [self.header, self.export_path, self.export, self.exported], layout={"align_items": "center", "flex_flow": "row wrap"}
+        )
         super().__init__([bar, self.tabs])
         self.export.on_click(self._on_export_click)
         self.controls.observe(self._on_selection_change, names="selection")
@@ -123,8 +131,11 @@ class ReportWidget(w.VBox):
         if graph.kind == "modules":  # a model run eagerly: its module tree, no graph
             ops.columns = ["observed by hooks", "count"]
             units = pd.DataFrame(list(graph.units.items()), columns=["module", "type"])
-            tables = [("Modules as the forward pass calls them (observed by hooks; no graph)", ops), ("Layer types", layers),
-                      ("Leaf modules in call order", units)]  # fmt: skip
+            tables = [
+                ("Modules as the forward pass calls them (observed by hooks; no graph)", ops),
+                ("Layer types", layers),
+                ("Leaf modules in call order", units),
+            ]
         else:
             tables = [("Graph nodes (prepare_fx or torch.export, as the report observed it)", ops), ("Layer types", layers)]
         if len(skipped):

@@ -36,9 +36,14 @@ def module_options(frame: ReportFrame, search: str = "") -> list[tuple[str, str]
 
 # the built-in detectors' settings, reported per module by torch's report keys
 SETTINGS = {
-    F.TOLERANCE, F.EQUALIZATION_THRESHOLD, F.EQUALIZATION_CHANNEL_AXIS, F.OUTLIER_RATIO_THRESHOLD,
-    F.OUTLIER_REFERENCE_PERCENTILE, F.OUTLIER_CHANNEL_AXIS, F.BACKEND,
-}  # fmt: skip
+    F.TOLERANCE,
+    F.EQUALIZATION_THRESHOLD,
+    F.EQUALIZATION_CHANNEL_AXIS,
+    F.OUTLIER_RATIO_THRESHOLD,
+    F.OUTLIER_REFERENCE_PERCENTILE,
+    F.OUTLIER_CHANNEL_AXIS,
+    F.BACKEND,
+}
 
 
 def settings_features(frame: ReportFrame) -> set[str]:
@@ -143,17 +148,32 @@ class ExploreControls(w.HBox):
 
     def __init__(self, frame: ReportFrame) -> None:
         self.frame = frame
-        self.module = w.Dropdown(options=module_options(frame), value=ALL_MODULES, description="Module",
-                                 layout={"width": "340px"})  # fmt: skip
-        self.feature = w.Dropdown(options=feature_options(frame, ALL_MODULES), value=opening_feature(frame),
-                                  description="Feature", layout={"width": "480px"})  # fmt: skip
+        self.module = w.Dropdown(
+            options=module_options(frame), value=ALL_MODULES, description="Module", layout={"width": "340px"}
+        )
+        self.feature = w.Dropdown(
+            options=feature_options(frame, ALL_MODULES),
+            value=opening_feature(frame),
+            description="Feature",
+            layout={"width": "480px"},
+        )
         self.view = w.ToggleButtons(
-            options=[v.value for v in View], value=View.POINTS.value, style={"button_width": "96px"},
-            tooltips=["a point per channel, or per module", "the points joined, in channel or forward order",
-                      "how the values are distributed", "the numbers, with the suggestions"],
-        )  # fmt: skip
-        self.prefix = w.Text(placeholder="name or type", description="Find", layout={"width": "220px"},
-                             tooltip="narrows the module list and the tables")  # fmt: skip
+            options=[v.value for v in View],
+            value=View.POINTS.value,
+            style={"button_width": "96px"},
+            tooltips=[
+                "a point per channel, or per module",
+                "the points joined, in channel or forward order",
+                "how the values are distributed",
+                "the numbers, with the suggestions",
+            ],
+        )
+        self.prefix = w.Text(
+            placeholder="name or type",
+            description="Find",
+            layout={"width": "220px"},
+            tooltip="narrows the module list and the tables",
+        )
         super().__init__([self.module, self.feature, self.view, self.prefix], layout={"flex_flow": "row wrap"})
         self._features: dict[str, list[tuple[str, str]]] = {ALL_MODULES: self.feature.options}
         self.selection = self._selected()

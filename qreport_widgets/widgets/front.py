@@ -36,13 +36,24 @@ class SizeFrontPane(w.VBox):
     ) -> None:
         self.controller, self._propose = controller, propose
         about = "Per-module choices by deployed size and simulated output SQNR (no real run per point)"
-        self.compute = w.Button(description="Size front", icon="line-chart", tooltip=about,
-                                layout={"width": "130px", "flex": "0 0 auto"})  # fmt: skip
-        self.budget = w.BoundedFloatText(value=0.0, min=0.0, max=1e12, description="budget KB", disabled=True,
-                                         tooltip="The deployed size to fit in: the best point under it is selected (0: none)",
-                                         layout={"width": "190px", "flex": "0 0 auto"})  # fmt: skip
-        self.axis = w.ToggleButtons(options=[SQNR, METRIC], value=SQNR, style={"button_width": "110px"},
-                                    layout={"flex": "0 0 auto", "display": "" if has_metric else "none"})  # fmt: skip
+        self.compute = w.Button(
+            description="Size front", icon="line-chart", tooltip=about, layout={"width": "130px", "flex": "0 0 auto"}
+        )
+        self.budget = w.BoundedFloatText(
+            value=0.0,
+            min=0.0,
+            max=1e12,
+            description="budget KB",
+            disabled=True,
+            tooltip="The deployed size to fit in: the best point under it is selected (0: none)",
+            layout={"width": "190px", "flex": "0 0 auto"},
+        )
+        self.axis = w.ToggleButtons(
+            options=[SQNR, METRIC],
+            value=SQNR,
+            style={"button_width": "110px"},
+            layout={"flex": "0 0 auto", "display": "" if has_metric else "none"},
+        )
         self.cancel = w.Button(description="Cancel", icon="stop", layout={"width": "100px", "flex": "0 0 auto"})
         self.progress = w.IntProgress(
             value=0, min=0, max=1, layout={"width": "160px", "visibility": "hidden", "flex": "0 0 auto"}
@@ -191,21 +202,53 @@ def _figure() -> tuple[bq.Figure, bq.Lines, bq.Scatter, bq.Scatter, bq.Scatter, 
     scales = {"x": x_scale, "y": y_scale}
     empty = np.zeros(0, np.float64)
     line = bq.Lines(x=empty, y=empty, scales=scales, colors=[FRONT], opacities=[0.4], interpolation="step-after")
-    points = bq.Scatter(x=empty, y=empty, scales=scales, colors=[FRONT], default_size=48, tooltip=_tooltip(),
-                        interactions={"click": "select", "hover": "tooltip"}, selected_style={"fill": CHOSEN, "stroke": CHOSEN},
-                        labels=["front (simulated)"], display_legend=True)  # fmt: skip
-    uniform = bq.Scatter(x=empty, y=empty, scales=scales, colors=[UNIFORM], marker="diamond", default_size=90,
-                         labels=["uniform (simulated)"], display_legend=True, tooltip=_tooltip())  # fmt: skip
-    runs = bq.Scatter(x=empty, y=empty, scales=scales, colors=[RUNS], marker="square", default_size=60,
-                      labels=["real runs"], display_legend=True, tooltip=_tooltip())  # fmt: skip
+    points = bq.Scatter(
+        x=empty,
+        y=empty,
+        scales=scales,
+        colors=[FRONT],
+        default_size=48,
+        tooltip=_tooltip(),
+        interactions={"click": "select", "hover": "tooltip"},
+        selected_style={"fill": CHOSEN, "stroke": CHOSEN},
+        labels=["front (simulated)"],
+        display_legend=True,
+    )
+    uniform = bq.Scatter(
+        x=empty,
+        y=empty,
+        scales=scales,
+        colors=[UNIFORM],
+        marker="diamond",
+        default_size=90,
+        labels=["uniform (simulated)"],
+        display_legend=True,
+        tooltip=_tooltip(),
+    )
+    runs = bq.Scatter(
+        x=empty,
+        y=empty,
+        scales=scales,
+        colors=[RUNS],
+        marker="square",
+        default_size=60,
+        labels=["real runs"],
+        display_legend=True,
+        tooltip=_tooltip(),
+    )
     budget = bq.Lines(x=empty, y=empty, scales=scales, colors=[CHOSEN], line_style="dashed")
     axes = [
         bq.Axis(scale=x_scale, label="deployed size (KB)", tick_format=",.0f"),
         bq.Axis(scale=y_scale, side="left", label="output SQNR (dB)", tick_format=".1f", label_offset="45px"),
     ]
-    figure = bq.Figure(marks=[line, points, uniform, runs, budget], axes=axes, title="", legend_location="bottom-right",
-                       fig_margin={"top": 40, "bottom": 50, "left": 65, "right": 20},
-                       layout={"width": "100%", "height": "360px"})  # fmt: skip
+    figure = bq.Figure(
+        marks=[line, points, uniform, runs, budget],
+        axes=axes,
+        title="",
+        legend_location="bottom-right",
+        fig_margin={"top": 40, "bottom": 50, "left": 65, "right": 20},
+        layout={"width": "100%", "height": "360px"},
+    )
     return figure, line, points, uniform, runs, budget
 
 

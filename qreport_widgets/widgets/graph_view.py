@@ -101,33 +101,59 @@ def value_range(values: list[float]) -> tuple[float, float]:
 class GraphPane(w.VBox):
     """The Graph tab. ``on_pick(module)`` is called when a module's node is clicked."""
 
-    def __init__(self, source: ReportSource, session: TuningSession | None = None,
-                 on_pick: Callable[[str], str] | None = None, limit: int = NODE_LIMIT, hidden: bool = False,
-                 clickable: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        source: ReportSource,
+        session: TuningSession | None = None,
+        on_pick: Callable[[str], str] | None = None,
+        limit: int = NODE_LIMIT,
+        hidden: bool = False,
+        clickable: bool = True,
+    ) -> None:
         self.source, self.session, self.on_pick, self.limit = source, session, on_pick, limit
         self.clickable = clickable  # False in a page with no kernel behind it (the HTML export)
         self.expanded: set[str] = set()
         self.metrics: dict[str, Metric] = {}
         self.colour_by = w.Dropdown(description="Colour by", layout={"width": "430px"}, style={"description_width": "70px"})
-        self.fold_all = w.Button(description="Fold again", icon="compress", layout={"width": "120px", "display": "none"},
-                                 tooltip="fold the modules opened by a click")  # fmt: skip
+        self.fold_all = w.Button(
+            description="Fold again",
+            icon="compress",
+            layout={"width": "120px", "display": "none"},
+            tooltip="fold the modules opened by a click",
+        )
         self.folding = w.HTML()
         self.key = w.HTML()
         self.picked = w.HTML()
         self.scale = bq.ColorScale(colors=[BAD, MIDDLE, GOOD], min=0.0, max=1.0)
-        self.colour_axis = bq.ColorAxis(scale=self.scale, side="top", label="",
-                                        num_ticks=5, tick_format=".3g")  # fmt: skip
+        self.colour_axis = bq.ColorAxis(scale=self.scale, side="top", label="", num_ticks=5, tick_format=".3g")
         x, y = bq.LinearScale(), bq.LinearScale(reverse=True)
         tooltip = bq.Tooltip(fields=["name", "type", "shown"], labels=["module", "type", "value"])
-        self.mark = bq.Graph(node_data=[], link_data=[], scales={"x": x, "y": y}, link_type="line", directed=False,
-                             highlight_links=True, tooltip=tooltip, colors=[NO_VALUE],
-                             selected_style={"stroke": "#000", "stroke-width": "3px"})  # fmt: skip
+        self.mark = bq.Graph(
+            node_data=[],
+            link_data=[],
+            scales={"x": x, "y": y},
+            link_type="line",
+            directed=False,
+            highlight_links=True,
+            tooltip=tooltip,
+            colors=[NO_VALUE],
+            selected_style={"stroke": "#000", "stroke-width": "3px"},
+        )
         # an invisible scatter holds the colour scale, so the axis above the graph has a mark to follow
-        self.legend_mark = bq.Scatter(x=[0.0], y=[0.0], color=[0.0], scales={"x": x, "y": y, "color": self.scale},
-                                      default_size=0, visible=False)  # fmt: skip
-        self.figure = bq.Figure(marks=[self.mark, self.legend_mark], axes=[self.colour_axis], fig_margin=MARGIN,
-                                layout={"width": "100%", "height": "400px"}, min_aspect_ratio=0.01, max_aspect_ratio=100,
-                                padding_x=0.0, padding_y=0.0, display_toolbar=False)  # fmt: skip
+        self.legend_mark = bq.Scatter(
+            x=[0.0], y=[0.0], color=[0.0], scales={"x": x, "y": y, "color": self.scale}, default_size=0, visible=False
+        )
+        self.figure = bq.Figure(
+            marks=[self.mark, self.legend_mark],
+            axes=[self.colour_axis],
+            fig_margin=MARGIN,
+            layout={"width": "100%", "height": "400px"},
+            min_aspect_ratio=0.01,
+            max_aspect_ratio=100,
+            padding_x=0.0,
+            padding_y=0.0,
+            display_toolbar=False,
+        )
         # a figure laid out in a hidden tab has no size: it joins when the tab is first shown
         self.canvas = w.Box([] if hidden else [self.figure], layout={"max_height": "640px", "overflow": "auto", "width": "100%"})
         self.layout_: GraphLayout | None = None
@@ -136,8 +162,15 @@ class GraphPane(w.VBox):
         self._sent = 0
         self._refreshing = False
         self._chosen = False  # the user picked a number: a new run does not take its place
-        super().__init__([w.HBox([self.colour_by, self.fold_all], layout={"align_items": "center"}), self.folding, self.key,
-                          self.canvas, self.picked])  # fmt: skip
+        super().__init__(
+            [
+                w.HBox([self.colour_by, self.fold_all], layout={"align_items": "center"}),
+                self.folding,
+                self.key,
+                self.canvas,
+                self.picked,
+            ]
+        )
         self.refresh()
         self.colour_by.observe(self._on_colour_change, "value")
         self.mark.observe(self._on_selected, "selected")
@@ -233,8 +266,14 @@ class GraphPane(w.VBox):
         if node.kind == "waypoint":
             return {"label": " ", "shape": "circle", "shape_attrs": {"r": 0.5}, "name": "", "type": "", "shown": ""}
         if node.kind == "join":
-            return {"label": node.type[:5], "shape": "circle", "shape_attrs": {"r": 11}, "name": node.id,
-                    "type": f"{node.type} (outputs meet)", "shown": ""}  # fmt: skip
+            return {
+                "label": node.type[:5],
+                "shape": "circle",
+                "shape_attrs": {"r": 11},
+                "name": node.id,
+                "type": f"{node.type} (outputs meet)",
+                "shown": "",
+            }
         shape = {
             "width": NODE_WIDTH,
             "height": 22,

@@ -161,19 +161,21 @@ class _Page:
         ]
         state = embed_data(views=self.views, state=dependency_state(self.views, drop_defaults=True), drop_defaults=True)
         title = html.escape(f"qreport · {self.source.model_name}")
-        return "\n".join([
-            "<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
-            f"<meta name='generator' content='qreport_widgets {__version__}'><title>{title}</title>",
-            f"<style>{_STYLE}</style>",
-            "<script type='application/vnd.jupyter.widget-state+json'>"
-            + _script_json(state["manager_state"]) + "</script>",
-            "</head><body>",
-            "<p id='qreport-figures-note' class='muted'>Drawing the figures…</p>",
-            *body,
-            *_scripts(),
-            f"<script>{_UNPACK}</script>",
-            "</body></html>",
-        ])  # fmt: skip
+        return "\n".join(
+            [
+                "<!DOCTYPE html>",
+                "<html lang='en'><head><meta charset='utf-8'>",
+                f"<meta name='generator' content='qreport_widgets {__version__}'><title>{title}</title>",
+                f"<style>{_STYLE}</style>",
+                "<script type='application/vnd.jupyter.widget-state+json'>" + _script_json(state["manager_state"]) + "</script>",
+                "</head><body>",
+                "<p id='qreport-figures-note' class='muted'>Drawing the figures…</p>",
+                *body,
+                *_scripts(),
+                f"<script>{_UNPACK}</script>",
+                "</body></html>",
+            ]
+        )
 
     # ---- sections ------------------------------------------------------------------------------
     def _header(self) -> str:
@@ -259,16 +261,22 @@ class _Page:
         for i, run in enumerate(session.history):
             if run.settings is not None:
                 as_code = session.settings_as_code(run.settings)
-                code.append(f"<details><summary>run {i} · {html.escape(run.label)}: its settings as Python</summary>"
-                            f"<pre>{html.escape(as_code)}</pre></details>")  # fmt: skip
+                code.append(
+                    f"<details><summary>run {i} · {html.escape(run.label)}: its settings as Python</summary>"
+                    f"<pre>{html.escape(as_code)}</pre></details>"
+                )
         per_layer = layers.copy()
         per_layer.index.name = "layer"
         return (
-            f"<h2>Runs ({len(session.history)})</h2>" + table.value + self.embed(chart.figure, "figure wide")
-            + "<details><summary>Per-layer SQNR of every run (dB)</summary>" + _table(per_layer.reset_index(), tall=True)
-            + "</details>" + "".join(code)
+            f"<h2>Runs ({len(session.history)})</h2>"
+            + table.value
+            + self.embed(chart.figure, "figure wide")
+            + "<details><summary>Per-layer SQNR of every run (dB)</summary>"
+            + _table(per_layer.reset_index(), tall=True)
+            + "</details>"
+            + "".join(code)
             + (f"<h3>Settings of the latest run, as Python</h3><pre>{html.escape(latest_code)}</pre>" if latest_code else "")
-        )  # fmt: skip
+        )
 
     def _diagnoses(self) -> str:
         if self.session is None:

@@ -100,27 +100,53 @@ class LineView:
         scales = {"x": self.x_scale, "y": self.linear_y}
         self.tooltip = bq.Tooltip(fields=["x", "y"], labels=[x_label, "value"], formats=["", ".4g"])
         self.band = bq.Lines(
-            x=EMPTY, y=np.zeros((2, 0), np.float32), scales=scales, fill="between",
-            fill_colors=["#9ecae1"], fill_opacities=[0.35], colors=["#9ecae1"], stroke_width=0.5, display_legend=False,
-        )  # fmt: skip
+            x=EMPTY,
+            y=np.zeros((2, 0), np.float32),
+            scales=scales,
+            fill="between",
+            fill_colors=["#9ecae1"],
+            fill_opacities=[0.35],
+            colors=["#9ecae1"],
+            stroke_width=0.5,
+            display_legend=False,
+        )
         self.line = bq.Lines(x=EMPTY, y=EMPTY, scales=scales, colors=[NORMAL], stroke_width=1.5, display_legend=False)
         self.points = bq.Scatter(
-            x=EMPTY, y=EMPTY, scales=scales, colors=[NORMAL], default_size=24, display_names=False, tooltip=self.tooltip,
-        )  # fmt: skip
+            x=EMPTY,
+            y=EMPTY,
+            scales=scales,
+            colors=[NORMAL],
+            default_size=24,
+            display_names=False,
+            tooltip=self.tooltip,
+        )
         self.flagged = bq.Scatter(
-            x=EMPTY, y=EMPTY, scales=scales, colors=[FLAGGED], default_size=40, display_names=False, tooltip=self.tooltip,
-        )  # fmt: skip
+            x=EMPTY,
+            y=EMPTY,
+            scales=scales,
+            colors=[FLAGGED],
+            default_size=40,
+            display_names=False,
+            tooltip=self.tooltip,
+        )
         self.thresholds = bq.Lines(
-            x=EMPTY, y=np.zeros((0, 0), np.float32), scales=scales, colors=[FLAGGED],
-            line_style="dashed", display_legend=False, labels=[],
-        )  # fmt: skip
+            x=EMPTY,
+            y=np.zeros((0, 0), np.float32),
+            scales=scales,
+            colors=[FLAGGED],
+            line_style="dashed",
+            display_legend=False,
+            labels=[],
+        )
         self.x_axis = bq.Axis(scale=self.x_scale, label=x_label, tick_format=",.6~r")
         self.y_axis = bq.Axis(scale=self.linear_y, side="left", label=y_label, tick_format=",.3~r", label_offset="55px")
         self.figure = bq.Figure(
-            marks=[self.band, self.thresholds, self.line, self.points, self.flagged], axes=[self.x_axis, self.y_axis],
-            title=title, fig_margin={"top": 40, "bottom": 45, "left": 75, "right": 20},
+            marks=[self.band, self.thresholds, self.line, self.points, self.flagged],
+            axes=[self.x_axis, self.y_axis],
+            title=title,
+            fig_margin={"top": 40, "bottom": 45, "left": 75, "right": 20},
             layout={"width": "100%", "height": "340px"},
-        )  # fmt: skip
+        )
         self.joined = joined
         self.scale = AxisScale()
         self.y_label = y_label
@@ -217,9 +243,14 @@ class LineView:
                 self.tooltip.labels = [label, "value"]
         notes = scale.notes() + ([f"{infinite} infinite value(s) not drawn"] if infinite else [])
         self.legend_html = legend_html(
-            thresholds, flagged=int(flagged.sum()), total=int(y.size), flagged_label=flagged_label if counted else "",
-            band=band, band_clipped=clipped, notes=notes,
-        )  # fmt: skip
+            thresholds,
+            flagged=int(flagged.sum()),
+            total=int(y.size),
+            flagged_label=flagged_label if counted else "",
+            band=band,
+            band_clipped=clipped,
+            notes=notes,
+        )
 
     def join(self, joined: bool) -> None:
         """Join the points drawn by a line, or draw them alone; nothing else changes."""
@@ -260,20 +291,32 @@ class HistogramView:
         self.y_scale = bq.LogScale(min=LOG_FLOOR) if log_counts else bq.LinearScale(min=0.0)
         self.tooltip = bq.Tooltip(fields=["x", "y"], labels=["bin centre", "count"], formats=[".4g", ",.0f"])
         self.bars = bq.Bars(
-            x=EMPTY, y=EMPTY, scales={"x": self.linear_x, "y": self.y_scale},
-            colors=[NORMAL], padding=0.05, tooltip=self.tooltip, base=LOG_FLOOR if log_counts else 0.0,
-        )  # fmt: skip
+            x=EMPTY,
+            y=EMPTY,
+            scales={"x": self.linear_x, "y": self.y_scale},
+            colors=[NORMAL],
+            padding=0.05,
+            tooltip=self.tooltip,
+            base=LOG_FLOOR if log_counts else 0.0,
+        )
         self.markers = bq.Lines(
-            x=np.zeros((0, 2), np.float32), y=np.zeros((0, 2), np.float32), scales={"x": self.linear_x, "y": self.y_scale},
-            colors=[FLAGGED], line_style="dashed", display_legend=False,
-        )  # fmt: skip
+            x=np.zeros((0, 2), np.float32),
+            y=np.zeros((0, 2), np.float32),
+            scales={"x": self.linear_x, "y": self.y_scale},
+            colors=[FLAGGED],
+            line_style="dashed",
+            display_legend=False,
+        )
         self.x_axis = bq.Axis(scale=self.linear_x, label=x_label, tick_format=",.3~r")
         count_label = "count (log scale)" if log_counts else "count"
         self.y_axis = bq.Axis(scale=self.y_scale, side="left", label=count_label, tick_format=",.0f", label_offset="55px")
         self.figure = bq.Figure(
-            marks=[self.bars, self.markers], axes=[self.x_axis, self.y_axis], title=title,
-            fig_margin={"top": 40, "bottom": 45, "left": 75, "right": 20}, layout={"width": "100%", "height": "340px"},
-        )  # fmt: skip
+            marks=[self.bars, self.markers],
+            axes=[self.x_axis, self.y_axis],
+            title=title,
+            fig_margin={"top": 40, "bottom": 45, "left": 75, "right": 20},
+            layout={"width": "100%", "height": "340px"},
+        )
         self.log_counts = log_counts
         self.x_label = x_label
         self.legend_html = ""

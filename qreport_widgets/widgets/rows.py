@@ -39,41 +39,84 @@ class SettingsRow(w.VBox):
         self._reasons = reasons
         shared = parts if parts is not None else row_parts()  # one set for all rows: a 250-row model stays light
         dropdown, checkbox = shared["dropdown"], shared["checkbox"]
-        self.activation = w.Dropdown(options=[STATIC, DYNAMIC], disabled=not module.allows(Setting.DYNAMIC),
-                                     tooltip="activations: static (calibrated) or dynamic (Linear only)",
-                                     layout=shared["activation"], style=dropdown)  # fmt: skip
-        self.weight = w.Dropdown(options=[PER_TENSOR, PER_CHANNEL], disabled=not module.allows(Setting.PER_CHANNEL),
-                                 tooltip="weights: one scale per tensor or per output channel",
-                                 layout=shared["weight"], style=dropdown)  # fmt: skip
+        self.activation = w.Dropdown(
+            options=[STATIC, DYNAMIC],
+            disabled=not module.allows(Setting.DYNAMIC),
+            tooltip="activations: static (calibrated) or dynamic (Linear only)",
+            layout=shared["activation"],
+            style=dropdown,
+        )
+        self.weight = w.Dropdown(
+            options=[PER_TENSOR, PER_CHANNEL],
+            disabled=not module.allows(Setting.PER_CHANNEL),
+            tooltip="weights: one scale per tensor or per output channel",
+            layout=shared["weight"],
+            style=dropdown,
+        )
         equalize_tip = module.why_not(Setting.EQUALIZE) or "input-weight equalization with the next layer"
-        self.equalize = w.Checkbox(description="equalize", indent=False, layout=shared["equalize"], style=checkbox,
-                                   disabled=not module.allows(Setting.EQUALIZE), tooltip=equalize_tip)  # fmt: skip
+        self.equalize = w.Checkbox(
+            description="equalize",
+            indent=False,
+            layout=shared["equalize"],
+            style=checkbox,
+            disabled=not module.allows(Setting.EQUALIZE),
+            tooltip=equalize_tip,
+        )
         self.keep_float = w.Checkbox(description="keep float", indent=False, layout=shared["keep_float"], style=checkbox)
-        observer_tip = ("the activation observer of this module's output (static activations); "
-                        "Percentile: the range of each batch's 0.01th to 99.99th percentile")  # fmt: skip
-        self.observer = w.Dropdown(options=OBSERVER_OPTIONS, disabled=not module.allows(Setting.OBSERVER),
-                                   tooltip=module.why_not(Setting.OBSERVER) or observer_tip,
-                                   layout=shared["observer"], style=dropdown)  # fmt: skip
+        observer_tip = (
+            "the activation observer of this module's output (static activations); "
+            "Percentile: the range of each batch's 0.01th to 99.99th percentile"
+        )
+        self.observer = w.Dropdown(
+            options=OBSERVER_OPTIONS,
+            disabled=not module.allows(Setting.OBSERVER),
+            tooltip=module.why_not(Setting.OBSERVER) or observer_tip,
+            layout=shared["observer"],
+            style=dropdown,
+        )
         # only where the session found outlier channels to move into the weights; last, so its
         # absence shifts no other control
-        self.migrate = w.Checkbox(description="migrate", indent=False, disabled=not migration, tooltip=migration,
-                                  layout=shared["migrate" if migration else "hidden"], style=checkbox)  # fmt: skip
+        self.migrate = w.Checkbox(
+            description="migrate",
+            indent=False,
+            disabled=not migration,
+            tooltip=migration,
+            layout=shared["migrate" if migration else "hidden"],
+            style=checkbox,
+        )
         # an engine with formats (eager): one format dropdown (float among them) and the int4 group
         # size in place of the activation / weight / equalize / keep float / observer controls
         offered = [name for name, why in module.formats.items() if not why]
         refused = "; ".join(f"{name}: {why}" for name, why in module.formats.items() if why)
         format_tip = "the module's format (torchao)" + (f". Not offered here: {refused}" if refused else "")
-        self.format = w.Dropdown(options=offered or ["float"], tooltip=format_tip,
-                                 layout=shared["format" if module.formats else "hidden"], style=dropdown)  # fmt: skip
+        self.format = w.Dropdown(
+            options=offered or ["float"],
+            tooltip=format_tip,
+            layout=shared["format" if module.formats else "hidden"],
+            style=dropdown,
+        )
         groups = list(module.group_sizes) or [DEFAULT_GROUP_SIZE]
-        self.group = w.Dropdown(options=[(f"group {g}", g) for g in groups], value=groups[0], disabled=True,
-                                tooltip="int4 formats: weights per scale (smaller groups: more scales, less error)",
-                                layout=shared["group" if module.formats else "hidden"], style=dropdown)  # fmt: skip
+        self.group = w.Dropdown(
+            options=[(f"group {g}", g) for g in groups],
+            value=groups[0],
+            disabled=True,
+            tooltip="int4 formats: weights per scale (smaller groups: more scales, less error)",
+            layout=shared["group" if module.formats else "hidden"],
+            style=dropdown,
+        )
         if module.formats:
             for control in (self.activation, self.weight, self.equalize, self.keep_float, self.observer):
                 control.layout = shared["hidden"]
-        self._controls = (self.activation, self.weight, self.equalize, self.keep_float, self.observer,
-                          self.format, self.group, self.migrate)  # fmt: skip
+        self._controls = (
+            self.activation,
+            self.weight,
+            self.equalize,
+            self.keep_float,
+            self.observer,
+            self.format,
+            self.group,
+            self.migrate,
+        )
         self._name = f"<b>{html.escape(fqn)}</b> <span style='color:#666'>{html.escape(module.type_name)}</span>"
         self.why = w.HTML(layout=shared["why"], style=shared["html"])  # the module's name, then why
         # two lines at any width: the module and why, then its settings; rows keep their height
@@ -135,8 +178,9 @@ class SettingsRow(w.VBox):
         if self.module.formats:
             grouped = self.format.value in GROUPED_FORMATS
             self.group.disabled = not grouped
-            return ModuleSettings(format=self.format.value, group_size=self.group.value if grouped else 0,
-                                  migrate=self.migrate.value)  # fmt: skip
+            return ModuleSettings(
+                format=self.format.value, group_size=self.group.value if grouped else 0, migrate=self.migrate.value
+            )
         return ModuleSettings(
             dynamic=self.activation.value == DYNAMIC,
             per_channel=self.weight.value == PER_CHANNEL,
@@ -169,8 +213,16 @@ def row_parts() -> RowParts:
     row). Widths hold each label in full (a dropdown needs its text + 30 px, a checkbox + 22 px);
     the controls fit one line of a 520 px tab."""
     fixed = {"flex": "0 0 auto", "margin": "2px 1px 2px 0"}
-    widths = {"activation": 88, "weight": 108, "equalize": 78, "keep_float": 88, "observer": 100, "migrate": 74,
-              "format": 196, "group": 96}  # fmt: skip
+    widths = {
+        "activation": 88,
+        "weight": 108,
+        "equalize": 78,
+        "keep_float": 88,
+        "observer": 100,
+        "migrate": 74,
+        "format": 196,
+        "group": 96,
+    }
     parts: RowParts = {name: w.Layout(width=f"{px}px", **fixed) for name, px in widths.items()}
     parts["hidden"] = w.Layout(display="none")
     parts["why"] = w.Layout(width="100%")

@@ -44,9 +44,11 @@ class LayersChart(w.VBox):
 
     def __init__(self) -> None:
         self.view = w.ToggleButtons(
-            options=[SQNR_VIEW, DELTA_VIEW], value=SQNR_VIEW, style={"button_width": "170px"},
+            options=[SQNR_VIEW, DELTA_VIEW],
+            value=SQNR_VIEW,
+            style={"button_width": "170px"},
             tooltips=["each run's SQNR per layer", "each run minus the baseline, per layer: where a change helped or hurt"],
-        )  # fmt: skip
+        )
         self.figure, self.bars, self.x_scale = _sqnr_figure()
         self._layers = pd.DataFrame()
         self._kernels: pd.Series | None = None
@@ -121,14 +123,28 @@ def number(value: float) -> str:
 
 def _sqnr_figure() -> tuple[bq.Figure, bq.Bars, bq.OrdinalScale]:
     x_scale, y_scale = bq.OrdinalScale(), bq.LinearScale(min=0.0)
-    bars = bq.Bars(x=[], y=np.zeros((0, 0), np.float32), scales={"x": x_scale, "y": y_scale}, type="grouped",
-                   display_legend=True, labels=[], colors=SERIES_COLORS[:1], padding=0.15,
-                   tooltip=bq.Tooltip(fields=["x", "y"], labels=["layer", "SQNR (dB)"], formats=["", ".1f"]))  # fmt: skip
+    bars = bq.Bars(
+        x=[],
+        y=np.zeros((0, 0), np.float32),
+        scales={"x": x_scale, "y": y_scale},
+        type="grouped",
+        display_legend=True,
+        labels=[],
+        colors=SERIES_COLORS[:1],
+        padding=0.15,
+        tooltip=bq.Tooltip(fields=["x", "y"], labels=["layer", "SQNR (dB)"], formats=["", ".1f"]),
+    )
     # module names are long: rotated ticks with room under them, and no axis title to collide with
-    axes = [bq.Axis(scale=x_scale, tick_rotate=-35, tick_style={"font-size": "9px", "text-anchor": "end"}),
-            bq.Axis(scale=y_scale, side="left", label="SQNR (dB)", label_offset="40px")]  # fmt: skip
+    axes = [
+        bq.Axis(scale=x_scale, tick_rotate=-35, tick_style={"font-size": "9px", "text-anchor": "end"}),
+        bq.Axis(scale=y_scale, side="left", label="SQNR (dB)", label_offset="40px"),
+    ]
     figure = bq.Figure(
-        marks=[bars], axes=axes, title="Per-layer SQNR", legend_location="top-right",
-        fig_margin={"top": 50, "bottom": 110, "left": 60, "right": 20}, layout={"width": "100%", "height": "380px"},
-    )  # fmt: skip
+        marks=[bars],
+        axes=axes,
+        title="Per-layer SQNR",
+        legend_location="top-right",
+        fig_margin={"top": 50, "bottom": 110, "left": 60, "right": 20},
+        layout={"width": "100%", "height": "380px"},
+    )
     return figure, bars, x_scale

@@ -109,8 +109,9 @@ class TuneController(HasTraits):
             try:
                 with self._busy():
                     report = self._reporter("verifying suggestions", "measuring")
-                    verified = self.session.verified_suggestions(self.source.suggestions(), nan_metric=nan_metric,
-                                                                 progress=report)  # fmt: skip
+                    verified = self.session.verified_suggestions(
+                        self.source.suggestions(), nan_metric=nan_metric, progress=report
+                    )
             except Exception as error:  # the rows stay as they were
                 self.status = "<i>Verifying the suggestions failed; the rows are unchanged.</i>"
                 self.error = error_html(repr(error))

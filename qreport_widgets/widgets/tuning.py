@@ -38,8 +38,9 @@ class TuningPanel(w.VBox):
         self.source, self.session = source, session
         self.status, self.error, self.truth = w.HTML(), w.HTML(), w.HTML()
         measured = "Measure every suggestion first (simulated or a trial run); only those that help are set"
-        self.accept = w.Button(description="Accept all suggestions", icon="check", tooltip=measured,
-                               layout={"width": "190px", **FIXED})  # fmt: skip
+        self.accept = w.Button(
+            description="Accept all suggestions", icon="check", tooltip=measured, layout={"width": "190px", **FIXED}
+        )
         self.reset = w.Button(description="Reset to default", icon="undo", layout={"width": "150px", **FIXED})
         self.apply = w.Button(description="Apply", icon="play", button_style="primary", layout={"width": "110px", **FIXED})
         if session is None:
@@ -59,13 +60,20 @@ class TuningPanel(w.VBox):
         self.rows = {m.fqn: SettingsRow(m, reasons.get(m.fqn, []), migrations.get(m.fqn, ""), parts) for m in session.modules}
         self._order: list[str] = []  # forward order
         self.progress = w.IntProgress(value=0, min=0, max=1, layout={"width": "220px", "visibility": "hidden", **FIXED})
-        self.restore_from = w.Dropdown(options=[], description="run", layout={"width": "200px", **FIXED},
-                                       style={"description_width": "30px"})  # fmt: skip
-        self.restore = w.Button(description="Restore its settings", icon="history", disabled=True,
-                                layout={"width": "170px", **FIXED})  # fmt: skip
-        self.pin = w.Button(description="Pin its model", icon="thumb-tack", disabled=True, layout={"width": "140px", **FIXED},
-                            tooltip="keep this run's quantized model (session.history[i].quantized_model): the session "
-                            "keeps only the latest run's and the pinned runs' models")  # fmt: skip
+        self.restore_from = w.Dropdown(
+            options=[], description="run", layout={"width": "200px", **FIXED}, style={"description_width": "30px"}
+        )
+        self.restore = w.Button(
+            description="Restore its settings", icon="history", disabled=True, layout={"width": "170px", **FIXED}
+        )
+        self.pin = w.Button(
+            description="Pin its model",
+            icon="thumb-tack",
+            disabled=True,
+            layout={"width": "140px", **FIXED},
+            tooltip="keep this run's quantized model (session.history[i].quantized_model): the session "
+            "keeps only the latest run's and the pinned runs' models",
+        )
         self.history = RunsTable()
         self.layers = LayersChart()
         self.summary = w.HTML()
@@ -75,31 +83,51 @@ class TuningPanel(w.VBox):
         self.only_suggested = w.Checkbox(description="with a suggestion", indent=False, layout={"width": "150px", **FIXED})
         ops = sum(not m.weighted for m in session.modules)
         self.all_ops = w.Checkbox(  # PReLU, activations, pooling, norms: rows of their own only when asked for
-            description=f"+ {ops} other ops", indent=False, value=False,
+            description=f"+ {ops} other ops",
+            indent=False,
+            value=False,
             tooltip="also the quantized ops that are not Linear or Conv (PReLU, activations, pooling, norms): "
             "they can be kept float; a row that is changed or flagged by a run is always shown",
             layout={"width": "150px", **FIXED} if ops else {"display": "none"},
-        )  # fmt: skip
+        )
         self.shown = w.HTML(layout=FIXED)
-        self.bulk = {name: w.Button(description=name, tooltip=f"{name} on every row shown", layout={"width": "110px", **FIXED})
-                     for name in BULK}  # fmt: skip
+        self.bulk = {
+            name: w.Button(description=name, tooltip=f"{name} on every row shown", layout={"width": "110px", **FIXED})
+            for name in BULK
+        }
         if not any(row.module.allows(Setting.PER_CHANNEL) for row in self.rows.values()):
             self.bulk["per-channel"].layout.display = "none"  # an engine with formats: the format says it
         self.sensitivity = SensitivityPane(controller, self._keep_float, self._order_rows)
         self.front = SizeFrontPane(controller, self._take_point, getattr(session, "eval_fn", None) is not None)
         bulk_label = w.HTML("<span style='color:#666'>on the rows shown:</span>", layout={**FIXED, "margin": "0 4px 0 12px"})
-        toolbar = w.HBox([self.filter, self.only_suggested, self.all_ops, self.shown, bulk_label, *self.bulk.values()],
-                         layout={"align_items": "center", "flex_flow": "row wrap"})  # fmt: skip
+        toolbar = w.HBox(
+            [self.filter, self.only_suggested, self.all_ops, self.shown, bulk_label, *self.bulk.values()],
+            layout={"align_items": "center", "flex_flow": "row wrap"},
+        )
         # the status line gets the full width under the buttons: measured results take a few lines
-        buttons = w.HBox([self.accept, self.reset, self.apply, self.progress, self.restore_from, self.restore, self.pin],
-                         layout={"align_items": "center", "flex_flow": "row wrap"})  # fmt: skip
+        buttons = w.HBox(
+            [self.accept, self.reset, self.apply, self.progress, self.restore_from, self.restore, self.pin],
+            layout={"align_items": "center", "flex_flow": "row wrap"},
+        )
         self.results = w.Accordion(
             children=[self.summary, self.code],
             titles=("Quantization summary of the last run", "These settings as Python, to paste into a pipeline"),
         )
         # the per-layer chart joins after the first run: a bqplot figure laid out in a hidden tab has no size
-        super().__init__([self.sensitivity, self.front, toolbar, self.rows_box, buttons, self.truth, self.status, self.error,
-                          self.history, self.results])  # fmt: skip
+        super().__init__(
+            [
+                self.sensitivity,
+                self.front,
+                toolbar,
+                self.rows_box,
+                buttons,
+                self.truth,
+                self.status,
+                self.error,
+                self.history,
+                self.results,
+            ]
+        )
         self._wire(controller)
         self._refresh_rows()
         self._show_code()
@@ -214,10 +242,12 @@ class TuningPanel(w.VBox):
         text, only = self.filter.value.strip(), self.only_suggested.value
         start = self.session.current_settings()
         return [
-            row for row in ordered
-            if (not text or row.matches(text)) and (not only or row.suggested)
+            row
+            for row in ordered
+            if (not text or row.matches(text))
+            and (not only or row.suggested)
             and (row.module.weighted or self.all_ops.value or _flagged(row, start))
-        ]  # fmt: skip
+        ]
 
     def _flagged_hidden(self) -> bool:
         """Whether a row now flagged is not among the rows shown."""

@@ -190,29 +190,43 @@ class ExploreViews(w.VBox):
         if feature in frame.channel_features and module != ALL_MODULES:
             block = frame.channel_block(module)
             self.line.update(
-                block[feature].to_numpy(dtype=np.float64), thresholds=thresholds,
-                flagged=is_flagged(block[column]) if has_verdict else None, flagged_label=f"channels {words}",
-                title=f"{module} · {name}", x_label="channel", y_label=name,
-            )  # fmt: skip
+                block[feature].to_numpy(dtype=np.float64),
+                thresholds=thresholds,
+                flagged=is_flagged(block[column]) if has_verdict else None,
+                flagged_label=f"channels {words}",
+                title=f"{module} · {name}",
+                x_label="channel",
+                y_label=name,
+            )
         elif feature in frame.channel_features:
             stats = frame.per_module(feature)
             by_module = flagged_modules(frame, feature)  # a module is red when the detector flags one of its channels
             self.line.update(
-                stats["mean"].to_numpy(), low=stats["min"].to_numpy(), high=stats["max"].to_numpy(), names=list(stats.index),
-                thresholds=thresholds, flagged=None if by_module is None else by_module.to_numpy(),
+                stats["mean"].to_numpy(),
+                low=stats["min"].to_numpy(),
+                high=stats["max"].to_numpy(),
+                names=list(stats.index),
+                thresholds=thresholds,
+                flagged=None if by_module is None else by_module.to_numpy(),
                 flagged_label=f"modules with a channel {words}",
-                title=f"{name}: mean per module", x_label="module (forward order)", y_label=name,
-            )  # fmt: skip
+                title=f"{name}: mean per module",
+                x_label="module (forward order)",
+                y_label=name,
+            )
         else:
             values = pd.to_numeric(frame.modules[feature], errors="coerce").to_numpy(dtype=float)
             by_module = flagged_modules(frame, feature)
             where = "" if module == ALL_MODULES else f" (selected: {module}, #{frame.modules.at[module, 'order']})"
             self.line.update(
-                values, names=list(frame.modules.index), thresholds=thresholds,
+                values,
+                names=list(frame.modules.index),
+                thresholds=thresholds,
                 flagged=None if by_module is None else by_module.to_numpy(),
-                flagged_label=f"modules {words}", title=f"{name} per module{where}",
-                x_label="module (forward order)", y_label=name,
-            )  # fmt: skip
+                flagged_label=f"modules {words}",
+                title=f"{name} per module{where}",
+                x_label="module (forward order)",
+                y_label=name,
+            )
 
     # ---- histogram -----------------------------------------------------------------------------
     def _draw_values(self, module: str) -> None:

@@ -25,10 +25,17 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = "01_quickstart.ipynb"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROME_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-dev-shm-usage",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
     "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost, EXCLUDE 127.0.0.1",
-]  # fmt: skip
+]
 SCREENSHOTS = Path(os.environ.get("QREPORT_SCREENSHOTS", ROOT / ".browser-screenshots"))
 
 
@@ -56,12 +63,23 @@ def lab(tmp_path_factory):
     port = _free_port()
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTER_CONFIG_DIR=str(tmp / "config"))
     command = [
-        sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--port-retries=0",
-        "--allow-root", "--IdentityProvider.token=", "--ServerApp.password=", f"--ServerApp.root_dir={ROOT / 'notebooks'}",
-        "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-        "--LabApp.expose_app_in_browser=True", f"--LabApp.user_settings_dir={tmp / 'settings'}",
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        "--port-retries=0",
+        "--allow-root",
+        "--IdentityProvider.token=",
+        "--ServerApp.password=",
+        f"--ServerApp.root_dir={ROOT / 'notebooks'}",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--LabApp.expose_app_in_browser=True",
+        f"--LabApp.user_settings_dir={tmp / 'settings'}",
         f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
-    ]  # fmt: skip
+    ]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     base = f"http://127.0.0.1:{port}"
     try:

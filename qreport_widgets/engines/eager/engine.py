@@ -153,8 +153,14 @@ class EagerEngine(Engine[EagerConfig]):
             chosen = config.formats.get(fqn)
             described = "float" if chosen is None else _format_words(*chosen)
             converted = f"{type(weight).__name__} ({described})" if is_quantized_weight(weight) else type(module).__name__
-            rows.append({"module": fqn, "float type": type(module).__name__, "converted type": converted,
-                         "quantized": is_quantized_weight(weight)})  # fmt: skip
+            rows.append(
+                {
+                    "module": fqn,
+                    "float type": type(module).__name__,
+                    "converted type": converted,
+                    "quantized": is_quantized_weight(weight),
+                }
+            )
         return conversion_tables(rows)
 
     def deployed_bytes(self, quantized: nn.Module) -> int:
@@ -230,8 +236,11 @@ class EagerEngine(Engine[EagerConfig]):
             unavailable = dict(UNAVAILABLE)
             if not any(why == "" for name, why in formats.items() if name != "float"):
                 unavailable[Setting.MIGRATE] = "no quantized format applies to this module"
-            modules.append(TunableModule(fqn, type(module).__name__, current, unavailable, native=chosen,
-                                         formats=formats, group_sizes=groups))  # fmt: skip
+            modules.append(
+                TunableModule(
+                    fqn, type(module).__name__, current, unavailable, native=chosen, formats=formats, group_sizes=groups
+                )
+            )
         return modules
 
 

@@ -60,12 +60,19 @@ def torchao_eager() -> types.SimpleNamespace:
     finally:
         pytree_log.setLevel(level)
     return types.SimpleNamespace(
-        quantize_=quantize_, FqnToConfig=FqnToConfig, PerGroup=PerGroup, PerRow=PerRow, MappingType=MappingType,
+        quantize_=quantize_,
+        FqnToConfig=FqnToConfig,
+        PerGroup=PerGroup,
+        PerRow=PerRow,
+        MappingType=MappingType,
         Int8DynamicActivationInt8WeightConfig=Int8DynamicActivationInt8WeightConfig,
         Int8DynamicActivationIntxWeightConfig=Int8DynamicActivationIntxWeightConfig,
-        Int8WeightOnlyConfig=Int8WeightOnlyConfig, IntxWeightOnlyConfig=IntxWeightOnlyConfig,
-        Int8Tensor=Int8Tensor, IntxUnpackedToInt8Tensor=IntxUnpackedToInt8Tensor, TorchAOBaseTensor=TorchAOBaseTensor,
-    )  # fmt: skip
+        Int8WeightOnlyConfig=Int8WeightOnlyConfig,
+        IntxWeightOnlyConfig=IntxWeightOnlyConfig,
+        Int8Tensor=Int8Tensor,
+        IntxUnpackedToInt8Tensor=IntxUnpackedToInt8Tensor,
+        TorchAOBaseTensor=TorchAOBaseTensor,
+    )
 
 
 def ao_config(name: str, group_size: int = 0) -> Any:
@@ -123,12 +130,22 @@ def offered(module: nn.Module) -> tuple[dict[str, str], tuple[int, ...]]:
         return {"float": "", INT8_DYNAMIC: "", INT8_WEIGHT_ONLY: "", INT4_WEIGHT_ONLY: int4, INT8_DYNAMIC_INT4: int4}, groups
     if isinstance(module, nn.Embedding):
         no_activation = "an embedding looks rows up: it has no activations to quantize (use a weight-only format)"
-        return {"float": "", INT8_DYNAMIC: no_activation, INT8_WEIGHT_ONLY: "", INT4_WEIGHT_ONLY: int4,
-                INT8_DYNAMIC_INT4: no_activation}, groups  # fmt: skip
+        return {
+            "float": "",
+            INT8_DYNAMIC: no_activation,
+            INT8_WEIGHT_ONLY: "",
+            INT4_WEIGHT_ONLY: int4,
+            INT8_DYNAMIC_INT4: no_activation,
+        }, groups
     if isinstance(module, nn.Conv2d):
         dynamic_int4 = "torchao's dynamic int8 + int4 format takes Linear weights only"
-        return {"float": "", INT8_DYNAMIC: NO_CONV_INT8, INT8_WEIGHT_ONLY: NO_CONV_INT8, INT4_WEIGHT_ONLY: int4,
-                INT8_DYNAMIC_INT4: dynamic_int4}, groups  # fmt: skip
+        return {
+            "float": "",
+            INT8_DYNAMIC: NO_CONV_INT8,
+            INT8_WEIGHT_ONLY: NO_CONV_INT8,
+            INT4_WEIGHT_ONLY: int4,
+            INT8_DYNAMIC_INT4: dynamic_int4,
+        }, groups
     kind = type(module).__name__
     why = f"torchao's formats take Linear, Embedding and Conv2d weights, not a {kind}"
     return {"float": "", **dict.fromkeys(QUANTIZED_FORMATS, why)}, ()

@@ -170,5 +170,12 @@ class FxEngine(Engine[FxConfig]):
             return other
 
         alternate = qparams_after_float(prepared, float_prepared, calibrate)
-        return Simulator(prepared, list(current), alternate, other_weights, functional,
-                         calibrated_with, dynamic_reduce_range=self.backend != "qnnpack")  # fmt: skip
+        return Simulator(
+            prepared,
+            list(current),
+            alternate,
+            other_weights,
+            functional,
+            calibrated_with,
+            dynamic_reduce_range=self.backend != "qnnpack",
+        )

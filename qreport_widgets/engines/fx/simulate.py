@@ -190,10 +190,11 @@ class Simulator(WholePasses):
         # ops whose quantized output FX drops when only dynamic modules read it (GELU, a division; measured:
         # a normalization keeps its quantized kernel and output, a weighted module its quantized output)
         self._loose = {
-            n for n in self._readers
+            n
+            for n in self._readers
             if n.op in ("call_function", "call_method")
             or (n.op == "call_module" and n not in self._weighted and not isinstance(_module_at(reference, n), _NORMS))
-        }  # fmt: skip
+        }
         self._overrides: dict[tuple[str, str], dict[int, tuple[torch.Tensor, torch.Tensor, int]]] = {}
         self._reduce_range = dynamic_reduce_range
         self._dynamic_now: frozenset[str] = frozenset()

@@ -12,6 +12,14 @@ from .options import Pt2eOptions
 from .quantizer import MissingExtraError, Pt2eConfig, build_quantizer, torchao_pt2e
 
 __all__ = [
-    "ConvertedLayer", "MissingExtraError", "NothingQuantizedError", "Pt2eConfig", "Pt2eEngine", "Pt2eOptions",
-    "build_quantizer", "converted_layers", "export_model", "torchao_pt2e",
-]  # fmt: skip
+    "ConvertedLayer",
+    "MissingExtraError",
+    "NothingQuantizedError",
+    "Pt2eConfig",
+    "Pt2eEngine",
+    "Pt2eOptions",
+    "build_quantizer",
+    "converted_layers",
+    "export_model",
+    "torchao_pt2e",
+]

@@ -33,7 +33,7 @@ from .numerics import (
     observers_paused,
     pt2e_warnings_hidden,
     weighted_ops,
-)  # fmt: skip
+)
 from .options import Pt2eOptions
 from .quantizer import Pt2eConfig, torchao_pt2e
 from .simulate import Pt2eSimulation
@@ -171,10 +171,14 @@ class Pt2eEngine(Engine[Pt2eConfig]):
     def conversions(self, prepared: torch.nn.Module, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
         types = {fqn: _type_name(node) for fqn, node in weighted_ops(quantized).items()}
         rows = [
-            {"module": fqn, "float type": types.get(fqn, "?"), "converted type": _described(layer),
-             "quantized": layer.weight != "float"}
+            {
+                "module": fqn,
+                "float type": types.get(fqn, "?"),
+                "converted type": _described(layer),
+                "quantized": layer.weight != "float",
+            }
             for fqn, layer in converted_layers(quantized).items()
-        ]  # fmt: skip
+        ]
         return conversion_tables(rows)
 
     def run_notes(self, config: Pt2eConfig, quantized: torch.nn.Module) -> RunNotes:

@@ -30,9 +30,7 @@ def exported_graph(
     for fqn, nodes in groups.items():
         members = set(nodes)
         output = next((n for n in nodes if any(u not in members for u in n.users)), nodes[-1])
-        first = next(
-            (a for n in nodes for a in n.all_input_nodes if a not in members and a.op != "get_attr"), None
-        )  # fmt: skip
+        first = next((a for n in nodes for a in n.all_input_nodes if a not in members and a.op != "get_attr"), None)
         module = _with_graph_weights(model, modules[fqn], nodes)
         graph.units[fqn] = Unit(fqn, output, module, position[output], input=first)
     graph.units = dict(sorted(graph.units.items(), key=lambda item: item[1].order))

@@ -63,9 +63,13 @@ def quantization_config(per_channel: bool, dynamic: bool):
     if per_channel:
         return default
     weight = ao.QuantizationSpec(
-        dtype=torch.int8, quant_min=-128, quant_max=127, qscheme=torch.per_tensor_symmetric, is_dynamic=False,
+        dtype=torch.int8,
+        quant_min=-128,
+        quant_max=127,
+        qscheme=torch.per_tensor_symmetric,
+        is_dynamic=False,
         observer_or_fake_quant_ctr=ao.MinMaxObserver.with_args(eps=2**-12),
-    )  # fmt: skip
+    )
     return ao.QuantizationConfig(default.input_activation, default.output_activation, weight, default.bias, default.is_qat)
 
 

@@ -20,9 +20,18 @@ from ..observer import ModelReportObserver
 from ..records import Column, DetectorResult, Suggestion
 
 __all__ = [
-    "Column", "DetectorBase", "DetectorResult", "ObservationRequest", "ObservedTensor", "QReportWarning", "ReportContext",
-    "Suggestion", "check_axis", "check_range", "weighted_units",
-]  # fmt: skip
+    "Column",
+    "DetectorBase",
+    "DetectorResult",
+    "ObservationRequest",
+    "ObservedTensor",
+    "QReportWarning",
+    "ReportContext",
+    "Suggestion",
+    "check_axis",
+    "check_range",
+    "weighted_units",
+]
 
 
 @dataclass(frozen=True)

@@ -53,16 +53,18 @@ class PerChannelDetector(DetectorBase):
         units = weighted_units(context.graph, _PER_CHANNEL_TYPES)
         schemes = context.graph.per_channel_weights  # an exported graph: what the starting quantizer does
         if schemes is not None:
-            return self._result([u.fqn for u in units if u.fqn not in schemes],
-                                [(u.fqn, schemes[u.fqn]) for u in units if u.fqn in schemes])  # fmt: skip
+            return self._result(
+                [u.fqn for u in units if u.fqn not in schemes], [(u.fqn, schemes[u.fqn]) for u in units if u.fqn in schemes]
+            )
         configured = [u for u in units if getattr(u.module, "qconfig", None) is not None]
         if units and not configured and not any(hasattr(u.module, "qconfig") for u in units):
             raise DetectorConfigError(
                 "PerChannelDetector reads each layer's qconfig, and no layer has one. Pass the model "
                 "returned by prepare_fx(model, qconfig_mapping, example_inputs), or drop this detector."
             )
-        return self._result([u.fqn for u in units if u not in configured],
-                            [(u.fqn, uses_per_channel(u.module.qconfig)) for u in configured])  # fmt: skip
+        return self._result(
+            [u.fqn for u in units if u not in configured], [(u.fqn, uses_per_channel(u.module.qconfig)) for u in configured]
+        )
 
     def _result(self, left_float: list[str], used: list[tuple[str, bool]]) -> DetectorResult:
         notes = tuple(f"{fqn}: left in float by the starting configuration, per-channel does not apply" for fqn in left_float)
