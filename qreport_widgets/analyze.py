@@ -107,8 +107,8 @@ def analyze(
     )
     instrumented = report.prepare_detailed_calibration()
 
-    def calibrated_here() -> None:
-        calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
+    def calibrated_here() -> int:
+        return calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
 
     with chosen.observers_paused(instrumented):  # the detectors read only the report's observers
         calibrated_across(group_of(process_group), instrumented, calibrated_here, "analyze()", report_observers=True)

@@ -143,8 +143,8 @@ class Runner:
         torch.distributed group (if any) so every rank converts the same model."""
         data = self.batches.calibration
 
-        def here() -> None:
-            calibrate(model, data, desc=desc, progress=bar, on_batch=on_batch)
+        def here() -> int:
+            return calibrate(model, data, desc=desc, progress=bar, on_batch=on_batch)
 
         calibrated_across(self._group, model, here, desc)
 
