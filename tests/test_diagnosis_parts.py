@@ -256,3 +256,41 @@ def test_modules_whose_kernels_disagree_are_keep_float_candidates_of_their_own()
     candidates = {(c.module_fqn, c.setting): c for c in verifier.candidates([])}
     assert candidates["a", Setting.KEEP_FLOAT].origin == KERNEL_CHECK
     assert "kernel differs" in candidates["a", Setting.KEEP_FLOAT].reason
+
+
+def test_candidates_verdicts_and_runs_are_data():
+    from qreport_widgets.tune.history import History
+    from qreport_widgets.tune.run import Change, ReleasedModel
+    from qreport_widgets.tune.verify import Candidate, Measured, Origin, Verdict
+
+    found = Candidate("fc1", Setting.PER_CHANNEL, "PerChannelDetector")  # a detector's name: its origin is a detector
+    assert found.origin is Origin.DETECTOR and found.detector == "PerChannelDetector" and found.source == "PerChannelDetector"
+    searched = Candidate("fc1", Setting.DYNAMIC, "search")
+    assert searched.origin is Origin.SEARCH and searched.searched and searched.source == "search"
+    verdict = Verdict(found, 1.0, "simulated", True)
+    assert verdict.measured is Measured.SIMULATED and verdict.text == "per-channel weights: +1.00 dB (simulated)"
+
+    def run(label, settings, baseline=False):
+        return RunResult(
+            None,
+            torch.nn.Identity(),
+            20.0,
+            pd.Series(dtype=float),
+            0,
+            1.0,
+            0.0,
+            label=label,
+            settings=settings,
+            baseline=baseline,
+        )
+
+    start = {"fc1": ModuleSettings(), "fc2": ModuleSettings(dynamic=True)}
+    changed = run("apply 1", {"fc1": ModuleSettings(per_channel=True), "fc2": ModuleSettings()})
+    assert changed.changed(start) == (Change("fc1", ("per_channel",)), Change("fc2", ("no dynamic",)))
+    assert changed.changes(start) == "fc1: per_channel; fc2: no dynamic"
+    assert run("x", dict(start)).changed(start) == () and run("x", None).changed(start) is None
+    history = History()
+    history.record(run("baseline", dict(start), baseline=True))
+    history.record(changed)
+    assert history.baseline.label == "baseline" and isinstance(history.baseline.quantized_model, ReleasedModel)
+    assert history.runs[-1] is changed and history.next_label() == "run 3"

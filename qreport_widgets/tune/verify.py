@@ -110,9 +110,8 @@ class Candidate:
     def __post_init__(self) -> None:
         object.__setattr__(self, "setting", Setting(self.setting))  # a field's name is taken too
         if not isinstance(self.origin, Origin):
-            known = {o.value: o for o in Origin}
-            if self.origin in known:
-                object.__setattr__(self, "origin", known[self.origin])
+            if self.origin in {o.value for o in Origin}:
+                object.__setattr__(self, "origin", Origin(self.origin))
             else:
                 object.__setattr__(self, "detector", self.detector or str(self.origin))
                 object.__setattr__(self, "origin", Origin.DETECTOR)
@@ -140,6 +139,9 @@ class Verdict:
     measured: Measured
     offered: bool
     note: str = ""  # why it was not tried or not offered
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "measured", Measured(self.measured))  # its words are taken too
 
     @property
     def text(self) -> str:
