@@ -38,8 +38,8 @@ class Analyzed:
 
 @dataclass(frozen=True)
 class Parts:
-    """One session's parts. Only ``runner`` touches the engine's workflow; the others are given
-    what they use, so none holds the session and none depends on which was asked first."""
+    """One session's parts. Only ``runner`` prepares, calibrates and converts; each part is given
+    what it uses, so none holds the session and none depends on which was asked first."""
 
     runner: Runner  # prepare -> calibrate -> convert -> measure one configuration
     history: History  # the recorded runs, which keep their models
