@@ -7,6 +7,7 @@ a missing Chromium fails the test. Elsewhere the test reports itself as not run,
 from __future__ import annotations
 
 import contextlib
+import http.cookiejar
 import json
 import os
 import re
@@ -95,10 +96,26 @@ def lab(tmp_path_factory):
         server.wait(timeout=30)
 
 
+def _shut_down_kernels(lab: str) -> None:
+    """End every kernel an earlier test left: a notebook opened again would reconnect to its kernel,
+    whose hundreds of widgets the new page's manager restores while the cells make new ones (the
+    54-layer notebook then failed now and then with "widget model not found" or a tab that never drew)."""
+    cookies = http.cookiejar.CookieJar()
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(cookies))
+    opener.open(f"{lab}/lab", timeout=60).close()  # sets the _xsrf cookie the server asks of a DELETE
+    xsrf = next((cookie.value for cookie in cookies if cookie.name == "_xsrf"), "")
+    with opener.open(f"{lab}/api/sessions", timeout=10) as answer:
+        sessions = json.load(answer)
+    for session in sessions:
+        request = urllib.request.Request(f"{lab}/api/sessions/{session['id']}", method="DELETE", headers={"X-XSRFToken": xsrf})
+        opener.open(request, timeout=30).close()
+
+
 def _open(page, lab: str, notebook: str) -> None:
-    """Open one notebook in a fresh workspace (an earlier test's notebook is not restored beside it)
-    and wait until it is the current panel and its kernel is connected and idle: widgets a kernel
-    creates before the page's widget manager listens are lost ("model not found")."""
+    """Open one notebook on a fresh kernel in a fresh workspace (an earlier test's notebook is not
+    restored beside it) and wait until it is the current panel and its kernel is connected and idle:
+    widgets a kernel creates before the page's widget manager listens are lost ("model not found")."""
+    _shut_down_kernels(lab)
     page.goto(f"{lab}/lab/tree/{notebook}?reset", timeout=120_000)
     page.wait_for_selector(".jp-Notebook", timeout=120_000)
     page.wait_for_function(
