@@ -34,10 +34,6 @@ class Simulated:
             self._simulation = simulator
         return self._simulation
 
-    @property
-    def built(self) -> bool:
-        return self._simulation is not None
-
     def simulate(self, variant: Variant | Iterable[str] = ()) -> tuple[float, float | None]:
         """Simulated output SQNR (dB) and ``eval_fn`` metric of ``variant`` (or with those modules kept float)."""
         simulation, runner = self.simulation(), self.runner
