@@ -184,7 +184,7 @@ def test_an_activation_observer_choice_reaches_the_converted_model(observer, cac
     report = digits_report("cnn", "x86", cache)
     session = report.session
     settings = {"fc1": qw.ModuleSettings(observer=observer)}
-    prepared = session.engine.prepare(session.float_model, session.runner.config_for(settings), session.example_inputs)
+    prepared = session.engine.prepare(session.float_model, session.parts.runner.config_for(settings), session.example_inputs)
     (fc1,) = [n for n in prepared.graph.nodes if n.op == "call_module" and n.target == "fc1"]
     (after,) = fc1.users
     assert type(prepared.get_submodule(str(after.target))) is ACTIVATION_OBSERVERS[observer]

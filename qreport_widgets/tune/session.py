@@ -75,28 +75,27 @@ class QuantizationSession:
             engine = build_engine(engine or "fx", backend=backend, **mapping)
         given = {"eval_fn": eval_fn, "output_fn": output_fn, "process_group": process_group, "analyzed": analyzed}
         self.parts = build_parts(engine, float_model, example_inputs, calibration_data, eval_data, **given)
-        self.runner, self.runs, self.real = self.parts.runner, self.parts.history, self.parts.real
-        self.diagnosis, self.mixed = self.parts.diagnosis, self.parts.mixed
-        self.engine, self.example_inputs, self.eval_fn = engine, self.runner.example_inputs, eval_fn
-        batches = self.runner.batches
+        runner = self.parts.runner
+        self.engine, self.example_inputs, self.eval_fn = engine, runner.example_inputs, eval_fn
+        batches = runner.batches
         self.calibration_data, self.eval_data, self.eval_description = batches.calibration, batches.eval, batches.eval_description
-        self.history: list[RunResult] = self.runs.runs  # the recorded runs in order (the same list)
+        self.history: list[RunResult] = self.parts.history.runs  # the recorded runs in order (the same list)
 
     # ---- what it holds ----------------------------------------------------------------------------
     @property
     def float_model(self) -> torch.nn.Module:
         """The session's float model: its own modules around the user's weights, which it shares
         (read-only; ``FloatModelChangedError`` once they were changed in place)."""
-        return self.runner.float_model
+        return self.parts.runner.float_model
 
     @property
     def modules(self) -> list[TunableModule]:
         """The modules whose settings can be changed, in forward order, with what they do now."""
-        return self.runner.modules
+        return self.parts.runner.modules
 
     def current_settings(self) -> dict[str, ModuleSettings]:
         """What each tunable module does under the starting configuration."""
-        return self.runner.current_settings()
+        return self.parts.runner.current_settings()
 
     def suggested_settings(self, suggestions: Iterable[Suggestion]) -> dict[str, ModuleSettings]:
         """The current settings with ``suggestions`` (e.g. ``report.suggestions()``) accepted, unmeasured."""
@@ -104,17 +103,17 @@ class QuantizationSession:
 
     def reference_outputs(self) -> list[torch.Tensor]:
         """The float model's outputs on the evaluation batches (computed once)."""
-        return self.runner.reference_outputs()
+        return self.parts.runner.reference_outputs()
 
     def output_of(self, output: Any) -> torch.Tensor:
         """A model output as the tensor output SQNR compares."""
-        return self.runner.output_of(output)
+        return self.parts.runner.output_of(output)
 
     # ---- real runs (real.py, history.py) ------------------------------------------------------------
     def baseline(self, progress: Progress | None = None) -> RunResult:
         """The starting configuration's run, computed once, and checked against the simulation
         (``truth_check``): where they disagree its notes say so."""
-        return self.real.baseline(progress)
+        return self.parts.real.baseline(progress)
 
     def apply(
         self,
@@ -132,7 +131,7 @@ class QuantizationSession:
         With ``record=False`` the run is a trial: not added to the history, and measured at the
         output only (no per-layer SQNR).
         """
-        return self.real.apply(settings, label=label, progress=progress, record=record)
+        return self.parts.real.apply(settings, label=label, progress=progress, record=record)
 
     def run(
         self,
@@ -145,32 +144,32 @@ class QuantizationSession:
         """FX: prepare_fx with a QConfigMapping you wrote (and an equalization mapping) -> calibrate ->
         convert_fx -> metrics. Failures do not raise: the result carries ``error``. Other engines
         raise TypeError (use ``apply(settings)``)."""
-        return self.real.run_mapping(qconfig_mapping, equalization_mapping, label, progress)
+        return self.parts.real.run_mapping(qconfig_mapping, equalization_mapping, label, progress)
 
     def settings_as_code(self, settings: Mapping[str, ModuleSettings]) -> str:
         """Python that builds the engine's configuration for ``settings``, to paste into a pipeline
         (after the code of any outlier-channel migration, which changes the float model first)."""
-        return self.real.as_code(settings)
+        return self.parts.real.as_code(settings)
 
     def truth_check(self, progress: Progress | None = None) -> TruthCheck:
         """The simulation against the real model on the starting configuration (see ``truth.py``):
         the gap, the modules whose quantized kernels differ from their reference, and whether the
         simulation, running those real kernels, now matches. Runs the baseline if needed."""
-        return self.real.truth(progress)
+        return self.parts.real.truth(progress)
 
     def keep(self, run: int | RunResult, keep: bool = True) -> RunResult:
         """Pin a run of the history (its position or the run) so its quantized model is kept; the
         session otherwise keeps only the latest run's and releases the others' when a run is
         recorded (their measurements stay). ``keep=False`` unpins it (released at the next run)."""
-        return self.runs.keep(run, keep)
+        return self.parts.history.keep(run, keep)
 
     def kept(self, run: int | RunResult) -> bool:
         """Whether a run of the history is pinned (its quantized model is kept, see ``keep``)."""
-        return self.runs.kept(run)
+        return self.parts.history.kept(run)
 
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         """One row per run (metrics as columns), and per-layer SQNR with one column per run."""
-        return self.runs.compare(self.current_settings(), self.eval_fn is not None)
+        return self.parts.history.compare(self.current_settings(), self.eval_fn is not None)
 
     # ---- what the data allows (migration.py, verify.py) -------------------------------------------
     def migrations(self) -> dict[str, Migration]:
@@ -185,7 +184,7 @@ class QuantizationSession:
     def equalization_float_error(self, fqn: str) -> float:
         """Relative change of the float model's output when the engine equalizes ``fqn`` (0: exact;
         NaN for an engine without equalization)."""
-        return self.runner.equalization_float_error({fqn: ModuleSettings(equalize=True)})
+        return self.parts.runner.equalization_float_error({fqn: ModuleSettings(equalize=True)})
 
     def verified_suggestions(
         self, suggestions: Iterable[Suggestion], *, nan_metric: Iterable[str] = (), progress: Progress | None = None
@@ -199,11 +198,11 @@ class QuantizationSession:
     def simulation(self, progress: Progress | None = None) -> Simulation:
         """The starting configuration calibrated once, as a simulation in which modules can be kept
         float without calibrating again (checked against the real baseline when first built)."""
-        return self.diagnosis.simulation(progress)
+        return self.parts.diagnosis.simulation(progress)
 
     def simulate(self, float_modules: Variant | Iterable[str] = ()) -> tuple[float, float | None]:
         """Simulated output SQNR (dB) and ``eval_fn`` metric with ``float_modules`` kept float (or in a Variant)."""
-        return self.diagnosis.simulate(float_modules)
+        return self.parts.diagnosis.simulate(float_modules)
 
     def simulate_each(
         self,
@@ -213,46 +212,46 @@ class QuantizationSession:
         metric: bool = True,
     ) -> list[tuple[float, float | None]]:
         """``simulate(v)`` for each variant; see ``Simulated.simulate_each``."""
-        return self.diagnosis.simulate_each(variants, progress, desc, metric)
+        return self.parts.diagnosis.simulate_each(variants, progress, desc, metric)
 
     def sensitivity(self, progress: Progress | None = None, *, metric: bool = True) -> pd.DataFrame:
         """Which module hurts, one module at a time: the output SQNR gained when each module alone
         stays float, simulated; see ``Diagnosis.sensitivity``. Warns when the simulation does not
         match the real model."""
-        return self._warned(self.diagnosis.sensitivity(progress, metric=metric))
+        return self._warned(self.parts.diagnosis.sensitivity(progress, metric=metric))
 
     def format_sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
         """What each format costs where (eager engine); see ``Diagnosis.format_sensitivity``."""
-        return self._warned(self.diagnosis.format_sensitivity(progress))
+        return self._warned(self.parts.diagnosis.format_sensitivity(progress))
 
     def tradeoff(self, progress: Progress | None = None) -> pd.DataFrame:
         """The most harmful modules kept float one after the other, simulated; see ``Diagnosis.tradeoff``."""
-        return self._warned(self.diagnosis.tradeoff(progress))
+        return self._warned(self.parts.diagnosis.tradeoff(progress))
 
     def plan_reach(
         self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
     ) -> ReachPlan:
         """What reach() would try, from the simulation alone; see ``Diagnosis.plan_reach``."""
-        return self.diagnosis.plan_reach(target_sqnr_db, target_metric, progress=progress)
+        return self.parts.diagnosis.plan_reach(target_sqnr_db, target_metric, progress=progress)
 
     def reach(
         self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
     ) -> RunResult:
         """The fewest modules kept float (most harmful first) that meet the target, confirmed by a
         real run; see ``Diagnosis.reach``."""
-        return self.diagnosis.reach(target_sqnr_db, target_metric, progress=progress)
+        return self.parts.diagnosis.reach(target_sqnr_db, target_metric, progress=progress)
 
     # ---- mixed precision (mixed.py), on the simulation --------------------------------------------
     def pareto(self, progress: Progress | None = None) -> pd.DataFrame:
         """The size front of per-module choices, smallest first, each point better than every smaller
         one: ``size_bytes`` (deployed), ``simulated_output_sqnr_db``, ``simulated_metric`` (with
         ``eval_fn``), ``formats`` and ``settings`` (for ``apply``). Simulated, computed once; see ``mixed.py``."""
-        return self._warned(self.mixed.front(progress).points.copy())
+        return self._warned(self.parts.mixed.front(progress).points.copy())
 
     def uniform_points(self, progress: Progress | None = None) -> pd.DataFrame:
         """The same choice on every module that offers it (``all float``, ``all int4-weight-only
         (group 32)`` ...) and the baseline, simulated as ``pareto()`` rows, indexed by label."""
-        return self.mixed.front(progress).uniform.copy()
+        return self.parts.mixed.front(progress).uniform.copy()
 
     def fit(
         self,
@@ -267,13 +266,13 @@ class QuantizationSession:
         when both are given). When the real run misses (too large, or short of the target) the next
         point along the front is run, up to three more runs; the notes say met, not met or out of
         reach, and by how far."""
-        return self.mixed.fit(max_size_bytes, target_sqnr_db, target_metric, progress)
+        return self.parts.mixed.fit(max_size_bytes, target_sqnr_db, target_metric, progress)
 
     def computed(self) -> dict[str, pd.DataFrame]:
         """The diagnoses computed so far, without computing any: ``sensitivity``, ``tradeoff`` and
         ``size_front`` (the ``pareto()`` table), where they were asked for (the HTML export shows them)."""
-        return {**self.diagnosis.computed(), **self.mixed.computed()}
+        return {**self.parts.diagnosis.computed(), **self.parts.mixed.computed()}
 
     def _warned(self, found: T) -> T:
-        self.real.warn_if_unverified()
+        self.parts.real.warn_if_unverified()
         return found

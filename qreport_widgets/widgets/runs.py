@@ -24,13 +24,13 @@ KERNEL_COLOR = "#d62728"  # the kernel check's series: red, used by no run
 class RunsTable(w.HTML):
     """One row per run: its changes shortened (all of them on hover), numbers with three digits."""
 
-    def show(self, runs: pd.DataFrame, changed: Sequence[Sequence[Change] | None] | None = None) -> None:
+    def show(self, runs: pd.DataFrame, changed: Sequence[Sequence[Change] | None]) -> None:
         """``runs``: ``session.compare()``'s table; ``changed``: each run's changes as rows
         (``RunResult.changed``), in the table's order, drawn in the ``changes`` column."""
         shown = runs.assign(
             **{c: runs[c].map(lambda v: html.escape(str(v))) for c in runs.select_dtypes(include=["object", "string"])}
         )
-        if changed is not None and "changes" in runs:
+        if "changes" in runs:
             shown["changes"] = [short_changes(rows) for rows in changed]
         if "run" in runs:  # a label is a name: one line
             shown["run"] = shown["run"].map(lambda v: f"<span style='white-space:nowrap'>{v}</span>")
