@@ -189,6 +189,13 @@ def _notebook_ran(lab: str, notebook: str, name: str, width: int = 1400):
     assert not [e for e in console_errors if "favicon" not in e], console_errors
 
 
+# JupyterLab's widget manager now and then logs "widget model not found", or never draws a tab, while
+# the 54-layer notebook's hundreds of widgets arrive (about one full run in three on 2 cores; the
+# same test passes alone): these checks run once more before they fail
+FLAKY_54 = pytest.mark.flaky(reruns=1)
+
+
+@FLAKY_54
 def test_large_model_tune_accept_apply_at_1024(lab):
     """A 54-layer model on a narrow screen: filter the rows, Accept all, Apply; bars drawn, nothing spills."""
     with _notebook_ran(lab, "06_a_54_layer_model.ipynb", "large_model", width=1024) as (page, widget, console_errors):
@@ -361,6 +368,7 @@ def test_the_graph_tab_hover_and_a_click_to_explore(lab):
         assert chosen.startswith("head (Linear"), chosen
 
 
+@FLAKY_54
 @pytest.mark.parametrize("width", [1400, 1024])
 def test_the_graph_tab_of_the_54_layer_model_after_an_apply(lab, width):
     """The Graph tab after a run, wide and narrow: coloured by the run, nothing clipped, overlapping or spilling."""
