@@ -14,10 +14,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import pandas as pd
+import torch
 
-from ..core.progress import Progress
+from ..core.progress import Progress, quiet
 from ..engines.contract import Variant
 from ..engines.settings import FORMATS, ModuleSettings
+from .migration import input_producers
+from .search import MIN_STEP_DB, Action, FloatSearch, SearchPath, Step
 from .truth import SIMULATION_ERROR_DB
 
 if TYPE_CHECKING:
@@ -29,7 +32,6 @@ if TYPE_CHECKING:
 
 
 MAX_EXTRA_RUNS = 3  # real runs reach() may spend on fewer modules than the simulation asked for
-REACH_CHUNK = 4  # points of the trade-off curve reach() simulates at a time, stopping at the target
 
 
 @dataclass
@@ -42,7 +44,8 @@ class ReachPlan:
     float_count: int
     simulated_sqnr_db: float
     met: bool  # whether the simulation meets the target with ``float_modules``
-    curve: list[float] = field(default_factory=list)  # simulated output SQNR with 0, 1, ... of ``order`` float
+    curve: list[float] = field(default_factory=list)  # simulated output SQNR at the start and after each step
+    path: SearchPath | None = None  # what the in-context search did
 
     @property
     def float_modules(self) -> list[str]:
@@ -51,14 +54,6 @@ class ReachPlan:
     @property
     def target(self) -> str:
         return target_words(self.target_sqnr_db, self.target_metric)
-
-    def near(self, count: int) -> bool:
-        """Whether a real run with ``count`` modules float might meet the SQNR target although the
-        simulation says it falls short: within the simulation's error (``SIMULATION_ERROR_DB``).
-        Metric targets have no known error band: False."""
-        if self.target_metric is not None or self.target_sqnr_db is None or count >= len(self.curve):
-            return False
-        return self.curve[count] >= self.target_sqnr_db - SIMULATION_ERROR_DB
 
     def meets(self, sqnr: float, metric: float | None) -> bool:
         return meets_target(sqnr, metric, self.target_sqnr_db, self.target_metric)
@@ -83,6 +78,15 @@ class Diagnosis:
         self.runner, self.simulated, self.real = runner, simulated, real
         self._sensitivity: dict[bool, pd.DataFrame] = {}  # with and without the metric
         self._tradeoff: pd.DataFrame | None = None
+        self._searches: dict[bool, FloatSearch] = {}  # by SQNR, by the metric
+        self._searched: tuple[SearchPath, RunResult] | None = None  # the last reach()'s path and run
+        self._version = simulated.version
+
+    def _fresh(self) -> None:
+        """Drop what was estimated in a simulation that has changed since (real kernels adopted)."""
+        if self._version != self.simulated.version:
+            self._sensitivity.clear()
+            self._tradeoff, self._searches, self._version = None, {}, self.simulated.version
 
     def computed(self) -> dict[str, pd.DataFrame]:
         """What was computed so far, nothing more: ``sensitivity`` and ``tradeoff`` where asked for."""
@@ -125,6 +129,7 @@ class Diagnosis:
         out: each module then costs a replayed part of a pass instead of a whole pass.
         """
         metric = metric and self.runner.eval_fn is not None
+        self._fresh()
         if metric in self._sensitivity or (not metric and True in self._sensitivity):
             return self._sensitivity.get(metric, self._sensitivity.get(True)).copy()
         names = list(self.simulation(progress).tunable)
@@ -181,6 +186,7 @@ class Diagnosis:
         One row per number of float modules, from 0: ``added`` (the module made float at that step),
         ``simulated_output_sqnr_db`` and, with ``eval_fn``, ``simulated_metric``.
         """
+        self._fresh()
         if self._tradeoff is not None:
             return self._tradeoff.copy()
         order = list(self.sensitivity(progress).index)
@@ -204,41 +210,117 @@ class Diagnosis:
         *,
         progress: Progress | None = None,
     ) -> RunResult:
-        """The fewest modules kept float (most harmful first) that meet the target, confirmed by a real run.
+        """The fewest modules kept float that meet the target, found by the in-context search and
+        confirmed by a real run.
 
-        The simulation picks the count; a real prepare -> calibrate -> convert run confirms it, and
-        if the real run falls short the next modules are added (up to three more real runs). When
-        no count meets the target even in simulation, the run of the best simulated point is
-        returned. Either way ``notes`` say whether the target was met, and the run's ``settings``
-        name the float modules.
+        The search (``search.py``) picks each module by what it gains given the picks before it, in
+        the simulation; a real prepare -> calibrate -> convert run confirms the chosen set. When the
+        real run falls short, the search goes on from that set for a target raised by the shortfall
+        (up to three more real runs); when it meets the target, a smaller set the search simulated
+        within the simulation's error is tried. When no set meets the target even in simulation,
+        the run of the best simulated set is returned. ``notes`` say what happened, the run's
+        ``settings`` name the float modules, and ``search_path()`` is the path as a table.
         """
         plan = self.plan_reach(target_sqnr_db, target_metric, progress=progress)
-        order, count, target, meets = plan.order, plan.float_count, plan.target, plan.meets
+        path, target, meets = plan.path, plan.target, plan.meets
+        assert path is not None
         label = f"reach {target}"
+        chosen = list(path.chosen)
+        result = self._float_run(chosen, label, progress)
         if not plan.met:
-            result = self._float_run(order[:count], label, progress)
+            self._searched = (path, result)
             return self._unverified(
                 result.noted(
-                    f"{target} is out of reach: even in simulation the best is {plan.simulated_sqnr_db:.2f} dB "
-                    f"with {count} module(s) float; this run keeps those float",
+                    f"{target} is out of reach: even in simulation the best the in-context search found is "
+                    f"{plan.simulated_sqnr_db:.2f} dB with {len(chosen)} module(s) float; this run keeps those float",
+                    *path.notes,
                 )
             )
-        result = self._float_run(order[:count], label, progress)
-        for _ in range(3):  # the real run may fall short of the simulated one: add the next module
-            if not result.ok or meets(result.output_sqnr_db, result.eval_metric) or count >= len(order):
+        said: list[str] = []
+        for _ in range(MAX_EXTRA_RUNS):  # the real run falls short: search on from it, aiming higher
+            if not result.ok or meets(result.output_sqnr_db, result.eval_metric):
                 break
-            count += 1
-            result = self._float_run(order[:count], label, progress)
-        # or need fewer than simulated: the smallest count within the simulation's error that meets it for real
-        if result.ok and meets(result.output_sqnr_db, result.eval_metric):
-            for fewer in [c for c in range(count) if plan.near(c)][:MAX_EXTRA_RUNS]:
-                run = self._float_run(order[:fewer], label, progress)
+            more = self._search_on(path, result, chosen, plan, progress)
+            if more is None:
+                said.append("the search found nothing more to keep float in simulation")
+                break
+            path, words = more
+            said.append(words)
+            chosen = list(path.chosen)
+            result = self._float_run(chosen, label, progress)
+        if result.ok and meets(result.output_sqnr_db, result.eval_metric) and target_metric is None:
+            near = target_sqnr_db - SIMULATION_ERROR_DB  # a smaller set within the simulation's error may meet it for real
+            for fewer in path.smaller(lambda sqnr, _metric: sqnr >= near)[:MAX_EXTRA_RUNS]:
+                ordered = [m for m in chosen if m in fewer] + sorted(fewer - set(chosen))
+                run = self._float_run(ordered, label, progress)
                 if run.ok and meets(run.output_sqnr_db, run.eval_metric):
-                    count, result = fewer, run
+                    chosen, result = ordered, run
+                    said.append(f"{len(fewer)} module(s) float, within the simulation's error of the target, meet it for real")
                     break
+        self._searched = (path, result)
         verdict = "met" if result.ok and meets(result.output_sqnr_db, result.eval_metric) else "not met by the real run"
-        floats = ", ".join(order[:count]) or "none"
-        return self._unverified(result.noted(f"{target}: {verdict} with {count} of {len(order)} modules float ({floats})"))
+        floats = ", ".join(chosen) or "none"
+        total = len(self.runner.modules)
+        return self._unverified(
+            result.noted(*said, f"{target}: {verdict} with {len(chosen)} of {total} modules float ({floats})")
+        )
+
+    def _search_on(
+        self, path: SearchPath, result: RunResult, chosen: list[str], plan: ReachPlan, progress: Progress | None
+    ) -> tuple[SearchPath, str] | None:
+        """The search continued from a real run that fell short, for the target raised by the
+        shortfall; None when it adds nothing."""
+        said = []
+        adopted = self.real.adopt_kernels(result)
+        if adopted:  # the simulation changed: what it measured before is stale (``_fresh``)
+            kernels = self.real.truth(quiet).kernels
+            each = ", ".join(f"{name} ({kernels[name]:.1f} dB)" for name in adopted)
+            said.append(
+                f"the real run with {len(chosen)} module(s) float found kernels that differ from their reference "
+                f"which the baseline's inputs hid: {each}; the simulation runs them from now on"
+            )
+        metric = plan.target_metric is not None
+        (simulated,) = self._searcher(metric, progress).measure([chosen])
+        shortfall = max(_finite(simulated[0]) - result.output_sqnr_db, 0.0)
+        raised_db = None if plan.target_sqnr_db is None else plan.target_sqnr_db + shortfall + MIN_STEP_DB
+        raised_metric = None
+        if plan.target_metric is not None:
+            gap = (simulated[1] or 0.0) - (result.eval_metric if result.eval_metric is not None else 0.0)
+            raised_metric = plan.target_metric + max(gap, 0.0)
+        search = self._searcher(metric, progress)
+        raised = search.aiming(lambda s, m: meets_target(s, m, raised_db, raised_metric), by_metric=raised_db is None)
+        found = raised.run(start=chosen)
+        if set(found.chosen) <= set(chosen) or not found.met:
+            return None
+        beyond = "more than" if shortfall > SIMULATION_ERROR_DB else "within"
+        said.append(
+            f"the real run with {len(chosen)} module(s) float gave {result.output_sqnr_db:.2f} dB, "
+            f"{shortfall:.2f} dB below its simulation ({beyond} the simulation's stated error of "
+            f"{SIMULATION_ERROR_DB:g} dB): the search went on from it, aiming at {target_words(raised_db, raised_metric)}"
+        )
+        again = Step(
+            Action.REAL,
+            tuple(chosen),
+            _finite(simulated[0]) - _finite(path.simulated_db),
+            simulated[0],
+            simulated[1],
+            len(chosen),
+            "re-simulated after the real run" + (f", which found {', '.join(adopted)} broken" if adopted else ""),
+            result.output_sqnr_db,
+        )
+        steps = [*path.steps, again, *found.steps]
+        merged = replace(found, steps=steps, start_db=path.start_db, start_metric=path.start_metric)
+        merged.simulated += path.simulated
+        merged.seconds += path.seconds
+        return merged, "; ".join(said)
+
+    def search_path(self) -> pd.DataFrame:
+        """The last ``reach()``'s search as a table (see ``SearchPath.frame``), the real run's
+        output SQNR on its last row; empty before any ``reach()``."""
+        if self._searched is None:
+            return SearchPath(math.nan, None, [], (), math.nan, None, False).frame().iloc[0:0]
+        path, run = self._searched
+        return path.frame(run.output_sqnr_db if run.ok else None, run.eval_metric if run.ok else None)
 
     def _unverified(self, result: RunResult) -> RunResult:
         """``result`` with a note when the simulation does not match the real model, in its run's place."""
@@ -250,34 +332,42 @@ class Diagnosis:
     def plan_reach(
         self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
     ) -> ReachPlan:
-        """What reach() would try, from the simulation alone: the fewest most-harmful modules to keep
-        float for the target, or the best point of the trade-off curve when none meets it."""
+        """What reach() would try, from the simulation alone: the float modules the in-context search
+        chose for the target, or the best set it found when none meets it."""
         if target_sqnr_db is None and target_metric is None:
             raise ValueError("reach() needs target_sqnr_db, target_metric or both")
         if target_metric is not None and self.runner.eval_fn is None:
             raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
-        ranking = self.sensitivity(progress, metric=target_metric is not None)
-        order = list(ranking.index)
-        if target_metric is None and self._tradeoff is None:  # SQNR only: a few points at a time, up to the target
-            helpful = int((ranking["output_sqnr_gain_db"] > 0).sum())  # or up to the last helpful module
-            sqnrs: list[float] = []
-            while len(sqnrs) <= helpful and not (sqnrs and max(sqnrs) >= target_sqnr_db):
-                counts = range(len(sqnrs), min(len(sqnrs) + REACH_CHUNK, helpful + 1))
-                points = self.simulate_each([order[:count] for count in counts], progress, "reach", metric=False)
-                sqnrs += [sqnr for sqnr, _ in points]
-            curve = pd.DataFrame({"simulated_output_sqnr_db": sqnrs})
-        else:  # a metric target reads the whole curve, with the metric at every point
-            curve = self.tradeoff(progress)
-        plan = ReachPlan(target_sqnr_db, target_metric, order, 0, math.nan, False, list(curve["simulated_output_sqnr_db"]))
-        metrics = curve["simulated_metric"] if "simulated_metric" in curve else pd.Series(math.nan, index=curve.index)
-        for count in curve.index:
-            if plan.meets(curve.at[count, "simulated_output_sqnr_db"], metrics[count]):
-                plan.float_count, plan.met = int(count), True
-                break
-        else:
-            plan.float_count = int(curve["simulated_output_sqnr_db"].idxmax())
-        plan.simulated_sqnr_db = float(curve.at[plan.float_count, "simulated_output_sqnr_db"])
-        return plan
+        search = self._searcher(target_metric is not None, progress).aiming(
+            lambda s, m: meets_target(s, m, target_sqnr_db, target_metric), by_metric=target_sqnr_db is None
+        )
+        path = search.run()
+        if not path.met:  # the best set the search measured
+            best = search.best()
+            if best != frozenset(path.chosen):
+                sqnr, metric = path.measured[best]
+                named = tuple(m for m in search.ranking if m in best)
+                path = replace(path, chosen=named, simulated_db=sqnr, simulated_metric=metric)
+        chosen = list(path.chosen)
+        order = chosen + [m for m in search.ranking if m not in chosen]
+        curve = [path.start_db, *(step.simulated_db for step in path.steps)]
+        return ReachPlan(target_sqnr_db, target_metric, order, len(chosen), path.simulated_db, path.met, curve, path)
+
+    def _searcher(self, metric: bool, progress: Progress | None) -> FloatSearch:
+        """The in-context search over the tunable modules (each set measured with ``eval_fn`` when
+        ``metric``), every set measured so far kept."""
+        ranking = self.sensitivity(progress, metric=metric)  # fresh
+        truth = self.real.truth(quiet)
+        key = metric
+        if key not in self._searches:
+
+            def measure(sets: Sequence[frozenset[str]]) -> list[tuple[float, float | None]]:
+                variants = [Variant(float_modules=s) for s in sets]
+                return self.simulate_each(variants, progress, "in-context search", metric=metric)
+
+            neighbours = dataflow_neighbours(self.runner.float_model, list(ranking.index))
+            self._searches[key] = FloatSearch(measure, list(ranking.index), truth.disagreeing, neighbours)
+        return self._searches[key]
 
     def _float_run(self, float_modules: Sequence[str], label: str, progress: Progress | None) -> RunResult:
         if not float_modules:  # the starting configuration: its run is known
@@ -285,3 +375,18 @@ class Diagnosis:
             return replace(baseline, label=label, settings={}, baseline=False) if baseline.ok else baseline
         keep = {name: ModuleSettings(keep_float=True) for name in float_modules}
         return self.real.apply(keep, label=label, progress=progress)
+
+
+def dataflow_neighbours(model: torch.nn.Module, names: Sequence[str]) -> dict[str, set[str]]:
+    """Module -> the modules among ``names`` it reads its input from or feeds (where ``torch.fx``
+    traces the float model and a module's input is another module's output)."""
+    found: dict[str, set[str]] = {name: set() for name in names}
+    for consumer, producer in input_producers(model, names).items():
+        if producer in found:
+            found[consumer].add(producer)
+            found[producer].add(consumer)
+    return found
+
+
+def _finite(value: float) -> float:
+    return -math.inf if math.isnan(value) else value

@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from ..core.progress import Progress
+from ..core.progress import Progress, quiet
 from ..engines.contract import Variant
-from ..engines.settings import DEFAULT_GROUP_SIZE, ModuleSettings
+from ..engines.settings import DEFAULT_GROUP_SIZE, ModuleSettings, Setting, TunableModule
 from ..errors import QReportError
-from .diagnosis import MAX_EXTRA_RUNS, meets_target, target_words
+from .diagnosis import MAX_EXTRA_RUNS, dataflow_neighbours, meets_target, target_words
+from .search import SHORTLIST, FloatSearch
 from .truth import SIMULATION_ERROR_DB
 
 if TYPE_CHECKING:
@@ -90,9 +91,11 @@ class MixedPrecision:
     def __init__(self, runner: Runner, simulated: Simulated, real: RealRuns) -> None:
         self.runner, self.simulated, self.real = runner, simulated, real
         self._front: SizeFront | None = None
+        self._version = simulated.version
 
     def front(self, progress: Progress | None = None) -> SizeFront:
-        if self._front is None:
+        if self._front is None or self._version != self.simulated.version:  # built once per simulation
+            self._version = self.simulated.version
             self._front = size_front(self.runner, self.simulated, self.real, progress)
         return self._front
 
@@ -113,13 +116,21 @@ class MixedPrecision:
         if max_size_bytes is None and target_sqnr_db is None and target_metric is None:
             raise ValueError("fit() needs max_size_bytes, target_sqnr_db, target_metric or a combination")
         found = fit(self.real.apply, self.front(progress), max_size_bytes, target_sqnr_db, target_metric, progress)
+        adopted = self.real.adopt_kernels(found)
+        if adopted:  # a broken kernel the baseline's inputs hid: the front again, with it
+            kernels = self.real.truth(quiet).kernels
+            each = ", ".join(f"{name} ({kernels[name]:.1f} dB)" for name in adopted)
+            said = f"the first fit's real run found kernels differing from their reference that the baseline hid: {each}"
+            again = fit(self.real.apply, self.front(progress), max_size_bytes, target_sqnr_db, target_metric, progress)
+            found = again.noted(f"{said}; the front was simulated again with them and this is its fit")
         return self.real.annotated(found)
 
 
 def size_front(runner: Runner, simulated: Simulated, real: RealRuns, progress: Progress | None = None) -> SizeFront:
     """The size front of ``runner``'s modules, anchored to the baseline's real size; see the module's docstring."""
     engine, modules = runner.engine, runner.modules
-    choices = {m.fqn: engine.size_choices(m) for m in modules}
+    broken = set(real.truth(quiet).disagreeing)
+    choices = {m.fqn: engine.size_choices(m) or _kernel_fix(m, broken) for m in modules}
     choices = {fqn: found for fqn, found in choices.items() if found}
     if not choices:
         raise QReportError("no module can change its size on this engine's configuration (nothing quantized has weights)")
@@ -139,8 +150,10 @@ def size_front(runner: Runner, simulated: Simulated, real: RealRuns, progress: P
             options[fqn].append(Option(c, sizes[fqn][c], _noise(sqnr) - start_noise))
     chain = _chain({fqn: _hull(found) for fqn, found in options.items()})
     picked = _spread(chain, MAX_SIMULATED)
+    searched = _searched_points(runner, simulated, real, start, choices, alone=dict(zip(singles, alone, strict=True)))
+    picked_points = [chain[i] for i in picked] + [p for p in searched if p not in chain]
     uniform = _uniform(choices)
-    pool = [chain[i] for i in picked] + list(uniform.values())
+    pool = picked_points + list(uniform.values())
     metric = runner.eval_fn is not None
     simulated = simulated.simulate_each([variant_of(p, start) for p in pool], progress, "size front: points", metric=metric)
     start_model = baseline.deployed_bytes - sum(sizes[fqn][c] for fqn, c in start.items())
@@ -156,10 +169,49 @@ def size_front(runner: Runner, simulated: Simulated, real: RealRuns, progress: P
         }
 
     rows = [row(p, r) for p, r in zip(pool, simulated, strict=True)]
-    uniform_rows = rows[len(picked) :]
+    uniform_rows = rows[len(picked_points) :]
     table = pd.DataFrame(uniform_rows, index=pd.Index(list(uniform), name="choice"))
     quantized = [r for r in rows if not all(c.keep_float for c in r["settings"].values())]  # the float model is no point
     return SizeFront(_front(quantized), table)
+
+
+def _kernel_fix(module: TunableModule, broken: set[str]) -> list[ModuleSettings]:
+    """A module whose kernel computes something else than its reference may be kept float on the
+    front too (weighted or not: its float op is the fix)."""
+    if module.fqn not in broken or module.current.keep_float or not module.allows(Setting.KEEP_FLOAT):
+        return []
+    return [module.current, ModuleSettings(keep_float=True)]
+
+
+def _searched_points(
+    runner: Runner,
+    simulated: Simulated,
+    real: RealRuns,
+    start: Mapping[str, ModuleSettings],
+    choices: Mapping[str, list[ModuleSettings]],
+    alone: Mapping[tuple[str, ModuleSettings], tuple[float, float | None]],
+) -> list[dict[str, ModuleSettings]]:
+    """The points of the in-context search's path (``search.py``): modules kept float one pick
+    after the other, each by what it gains given the picks before, so that modules that only help
+    together (broken kernels in series) reach the front. Its simulated sets are capped at as many as
+    the single choices took."""
+    floats = {fqn: c for fqn, found in choices.items() for c in found if c.keep_float}
+    if len(floats) < 2:
+        return []
+    gains = {fqn: _finite(alone.get((fqn, c), (math.nan, None))[0]) for fqn, c in floats.items()}
+    ranking = sorted(floats, key=lambda fqn: -gains[fqn])
+
+    def measure(sets: Sequence[frozenset[str]]) -> list[tuple[float, float | None]]:
+        variants = [Variant(float_modules=s) for s in sets]
+        return simulated.simulate_each(variants, quiet, "size front: in-context search", metric=False)
+
+    truth = real.truth(quiet)
+    neighbours = dataflow_neighbours(runner.float_model, ranking)
+    path = FloatSearch(measure, ranking, truth.disagreeing, neighbours).run(budget=max(len(alone), 2 * SHORTLIST))
+    points = []
+    for kept in path.sets():
+        points.append({fqn: floats[fqn] if fqn in kept else first for fqn, first in start.items()})
+    return points
 
 
 def fit(

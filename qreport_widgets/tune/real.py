@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -19,7 +19,7 @@ from .migration import Migrations
 from .run import RunResult
 from .runner import Runner
 from .simulation import Simulated
-from .truth import TruthCheck, check_truth
+from .truth import KERNEL_AGREEMENT_DB, TruthCheck, check_truth
 
 
 class RealRuns:
@@ -63,6 +63,28 @@ class RealRuns:
             return TruthCheck(math.nan, math.nan, error=f"the baseline run failed: {baseline.error}")
         return self._truth
 
+    def adopt_kernels(self, run: RunResult) -> list[str]:
+        """Kernels ``run`` found computing something else than their reference that the simulation
+        does not run yet, run by the simulation from now on (the truth check names them too); the
+        names adopted. The baseline's inputs can hide a broken kernel: a PReLU that applies its
+        slope to positive inputs agrees with its reference while a broken kernel before it leaves
+        it no positive input."""
+        truth = self._truth
+        if truth is None or not run.ok or not isinstance(run.quantized_model, torch.nn.Module):
+            return []
+        low = run.kernel_sqnr_db[run.kernel_sqnr_db < KERNEL_AGREEMENT_DB]
+        new = [str(name) for name in low.index if name not in truth.real_kernels]
+        if not new:
+            return []
+        adopted = self.simulated.run_real_kernels(run.quantized_model, new)
+        found = [name for name in new if name in adopted]
+        if found:
+            kernels = truth.kernels.copy()
+            for name in found:
+                kernels[name] = min(float(low[name]), float(kernels.get(name, math.inf)))
+            self._truth = replace(truth, kernels=kernels, real_kernels=tuple(adopted))
+        return found
+
     def checked(self, progress: Progress | None = None) -> None:
         """The baseline tried once (and so the truth check made) before anything is estimated."""
         if self.history.baseline is None and self._failed is None:
@@ -86,13 +108,15 @@ class RealRuns:
         label: str | None = None,
         progress: Progress | None = None,
         record: bool = True,
+        check_kernels: bool = False,
     ) -> RunResult:
         """A run of ``settings`` (modules left out keep their starting settings); InvalidSettingsError
         before anything runs for what the engine cannot apply. ``record=False``: a trial, measured at
-        the output only and kept out of the history."""
+        the output only and kept out of the history (its kernels checked too with ``check_kernels``)."""
         config = self.runner.config_for(settings)
         source = self.migrations.model_for(settings)
-        return self._run(config, label, progress, record, float_model=source, settings=settings)
+        checks = self._checks_kernels if record or check_kernels else None
+        return self._run(config, label, progress, record, float_model=source, settings=settings, checks=checks)
 
     def run_mapping(
         self, qconfig_mapping: Any, equalization_mapping: Any, label: str | None, progress: Progress | None
@@ -121,9 +145,10 @@ class RealRuns:
         *,
         float_model: torch.nn.Module | None = None,
         settings: Mapping[str, ModuleSettings] | None = None,
+        checks: Callable[[torch.nn.Module], bool] | None = None,
     ) -> RunResult:
         label = label or self.history.next_label()
-        checks = self._checks_kernels if record else None
+        checks = checks if checks is not None else self._checks_kernels if record else None
         result = self.runner.run(
             config, label, progress, per_layer=record, check_kernels=checks, float_model=float_model, settings=settings
         )

@@ -111,9 +111,9 @@ class RunResult:
     def ok(self) -> bool:
         return self.error is None
 
-    def noted(self, note: str) -> RunResult:
-        """A copy with ``note`` added to the run-level notes."""
-        return replace(self, notes=(*self.notes, note))
+    def noted(self, *notes: str) -> RunResult:
+        """A copy with ``notes`` added to the run-level notes."""
+        return replace(self, notes=(*self.notes, *notes))
 
 
 class ReleasedModel:

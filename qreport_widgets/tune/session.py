@@ -225,7 +225,8 @@ class QuantizationSession:
         return self._warned(self.parts.diagnosis.format_sensitivity(progress))
 
     def tradeoff(self, progress: Progress | None = None) -> pd.DataFrame:
-        """The most harmful modules kept float one after the other, simulated; see ``Diagnosis.tradeoff``."""
+        """The one-at-a-time ranking's modules kept float one after the other, simulated (not the
+        in-context search: see ``search_path()``); see ``Diagnosis.tradeoff``."""
         return self._warned(self.parts.diagnosis.tradeoff(progress))
 
     def plan_reach(
@@ -237,9 +238,15 @@ class QuantizationSession:
     def reach(
         self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
     ) -> RunResult:
-        """The fewest modules kept float (most harmful first) that meet the target, confirmed by a
-        real run; see ``Diagnosis.reach``."""
+        """The fewest modules kept float that meet the target, each picked by what it gains given the
+        picks before (the in-context search), confirmed by a real run; see ``Diagnosis.reach``."""
         return self.parts.diagnosis.reach(target_sqnr_db, target_metric, progress=progress)
+
+    def search_path(self) -> pd.DataFrame:
+        """The last ``reach()``'s in-context search as a table: each step's modules, its gain given
+        the steps before, the cumulative simulated output SQNR, and the real run's SQNR at the
+        chosen point; see ``SearchPath.frame``."""
+        return self.parts.diagnosis.search_path()
 
     # ---- mixed precision (mixed.py), on the simulation --------------------------------------------
     def pareto(self, progress: Progress | None = None) -> pd.DataFrame:

@@ -23,6 +23,7 @@ class Simulated:
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self._simulation: Simulation | None = None
+        self.version = 0  # counts the changes made to the simulation after it was built (real kernels adopted)
 
     def simulation(self, progress: Progress | None = None) -> Simulation:
         runner = self.runner
@@ -33,6 +34,15 @@ class Simulated:
             simulator = engine.simulator(prepared, runner.modules, float_model, runner.example_inputs, runner.calibrate_quietly)
             self._simulation = simulator
         return self._simulation
+
+    def run_real_kernels(self, quantized: torch.nn.Module, names: list[str]) -> list[str]:
+        """The simulation runs ``quantized``'s kernels for ``names`` from now on (see
+        ``Simulation.run_real_kernels``); what was estimated before is stale (``version``)."""
+        before = set(self.simulation().run_real_kernels(quantized, []))
+        adopted = self.simulation().run_real_kernels(quantized, names)
+        if set(adopted) != before:
+            self.version += 1
+        return adopted
 
     def simulate(self, variant: Variant | Iterable[str] = ()) -> tuple[float, float | None]:
         """Simulated output SQNR (dB) and ``eval_fn`` metric of ``variant`` (or with those modules kept float)."""

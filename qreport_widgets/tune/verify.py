@@ -40,6 +40,8 @@ from ..observe.frame import ReportFrame
 from ..observe.records import Suggestion
 from .migration import input_producers
 from .run import ReleasedModel
+from .search import FloatSearch
+from .truth import KERNEL_AGREEMENT_DB
 
 if TYPE_CHECKING:
     from .diagnosis import Diagnosis
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from .run import RunResult
     from .runner import Runner
 
+ACCEPT_ALL = "accept all (verified)"  # the label of Accept all's trial runs
 MIN_GAIN_DB = 0.1  # a detector's candidate must gain this much to be offered
 FOUND_GAIN_DB = 0.5  # a setting the simulation found without a detector must gain this much
 EXACT_FLOAT = 1e-4  # relative output error an equalized float model may show (float rounding)
@@ -139,6 +142,7 @@ class Verdict:
     measured: Measured
     offered: bool
     note: str = ""  # why it was not tried or not offered
+    together: tuple[str, ...] = ()  # kernel fixes measured (and offered) as one: they only help together
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "measured", Measured(self.measured))  # its words are taken too
@@ -152,6 +156,9 @@ class Verdict:
         if self.measured is Measured.NOT_TRIED or math.isnan(self.gain_db):
             return f"{words}: not suggested, {self.note}"
         effect = f"{words}: {self.gain_db:+.2f} dB ({self.measured})"
+        others = [name for name in self.together if name != self.candidate.module_fqn]
+        if others:
+            effect = f"{words}: {self.gain_db:+.2f} dB ({self.measured}, with {', '.join(others)} float too)"
         return effect if self.offered else f"{effect}, not suggested: {self.note}"
 
 
@@ -219,9 +226,21 @@ class Verification:
         """``suggestions`` and what the simulation finds by itself, each measured before it is
         offered; ``nan_metric`` names the modules whose equalization metric is NaN."""
         if self._found is None:
+            suggestions, nan_metric = list(suggestions), list(nan_metric)
             refused = refusals(dict(self.runner.float_model.named_modules()), nan_metric)
             verifier = Verifier(self.runner, self.real, self.diagnosis, self.migrations, refused)
-            self._found = verifier.verify(verifier.candidates(suggestions), progress)
+            found = verifier.verify(verifier.candidates(suggestions), progress)
+            adopted = self.real.adopt_kernels(found.accept_all) if found.accept_all is not None else []
+            if adopted:  # a broken kernel the baseline's inputs hid: everything measured again with it
+                kernels = self.real.truth(quiet).kernels
+                each = ", ".join(f"{name} ({kernels[name]:.1f} dB)" for name in adopted)
+                verifier = Verifier(self.runner, self.real, self.diagnosis, self.migrations, refused)
+                found = verifier.verify(verifier.candidates(suggestions), progress)
+                said = (
+                    f"the first Accept all's real run found kernels differing from their reference that the baseline hid: {each}"
+                )
+                found.notes.append(f"{said}; every candidate was measured again with them")
+            self._found = found
         return self._found
 
 
@@ -326,6 +345,7 @@ class Verifier:
         with steps(len(real) + 2, "verifying suggestions", "run", progress) as step:
             for candidate, gain in zip(simulated, gains, strict=True):
                 verdicts[candidate] = self._judge(candidate, gain, SIMULATED)
+            verdicts.update(self._kernel_fixes_together([verdicts[c] for c in simulated]))
             step()
             current = self.runner.current_settings()
             for candidate, verdict in self._no_ops(real, current, baseline).items():
@@ -399,10 +419,15 @@ class Verifier:
         with the settings of one candidate's own trial."""
         key = frozenset(changed.items())
         if key not in self._trials:
-            run = self.real.apply(changed, label=label, progress=quiet, record=False)
-            # its measurements are what a verdict needs: the model goes (a dozen trial runs would hold a dozen)
+            accept_all = label == ACCEPT_ALL  # its kernels checked: a kernel fix may uncover a broken kernel after it
+            run = self.real.apply(changed, label=label, progress=quiet, record=False, check_kernels=accept_all)
+            # its measurements are what a verdict needs: the model goes (a dozen trial runs would hold a dozen),
+            # unless it holds a broken kernel the simulation does not run yet (``RealRuns.adopt_kernels`` copies it)
             released = ReleasedModel(label, "after its trial run was measured (apply the settings to get a model)")
-            self._trials[key] = replace(run, quantized_model=released) if run.ok else run
+            hidden = run.ok and bool(
+                set(run.kernel_sqnr_db.index[run.kernel_sqnr_db < KERNEL_AGREEMENT_DB]) - set(self.real.truth(quiet).real_kernels)
+            )
+            self._trials[key] = replace(run, quantized_model=released) if run.ok and not hidden else run
         return self._trials[key]
 
     def _simulated_gains(self, candidates: Sequence[Candidate | Sequence[Verdict]]) -> list[float]:
@@ -410,6 +435,30 @@ class Verifier:
         variants = [Variant()] + [_variant([c] if isinstance(c, Candidate) else [v.candidate for v in c]) for c in candidates]
         base, *each = self.diagnosis.simulate_each(variants, quiet, "verifying suggestions", metric=False)
         return [sqnr - base[0] for sqnr, _ in each]
+
+    def _kernel_fixes_together(self, verdicts: Sequence[Verdict]) -> dict[Candidate, Verdict]:
+        """Broken kernels hide each other: three in series each leave the output garbage while the
+        others stay broken, so each alone gains nothing. The in-context search (``search.py``) over
+        the kernel fixes finds the set that gains together; its members are offered as one, each
+        with the set's gain."""
+        fixes = [v for v in verdicts if v.candidate.setting is Setting.KEEP_FLOAT and v.candidate.origin is Origin.KERNEL_CHECK]
+        if len(fixes) < 2:
+            return {}
+        names = [v.candidate.module_fqn for v in sorted(fixes, key=lambda v: -v.gain_db)]
+
+        def measure(sets: Sequence[frozenset[str]]) -> list[tuple[float, float | None]]:
+            variants = [Variant(float_modules=s) for s in sets]
+            return self.diagnosis.simulate_each(variants, quiet, "verifying suggestions", metric=False)
+
+        path = FloatSearch(measure, names, names).run()
+        gain = path.simulated_db - path.start_db
+        if len(path.chosen) < 2 or not gain >= MIN_GAIN_DB or all(v.offered for v in fixes):
+            return {}
+        found = {}
+        for verdict in fixes:
+            if verdict.candidate.module_fqn in path.chosen:
+                found[verdict.candidate] = replace(verdict, gain_db=gain, offered=True, note="", together=path.chosen)
+        return found
 
     def _judge(self, candidate: Candidate, gain: float, measured: Measured) -> Verdict:
         needed = FOUND_GAIN_DB if candidate.searched else MIN_GAIN_DB
@@ -432,7 +481,7 @@ class Verifier:
         chosen, notes = self._combine_simulated([v for v in offered if v.measured is Measured.SIMULATED])
         chosen += [v for v in offered if v.measured is not Measured.SIMULATED]  # each measured alone by a real run
         combined = _combined(chosen, current)
-        run = self._trial_run(_changed(combined, current), "accept all (verified)")
+        run = self._trial_run(_changed(combined, current), ACCEPT_ALL)
         left = _left_float(run, baseline, combined) if run.ok else []
         blamed = set(self._producers(left).values()) | set(left)
         dynamic = [v for v in chosen if v.candidate.setting is Setting.DYNAMIC]
@@ -450,14 +499,14 @@ class Verifier:
                     [*notes, f"dynamic activations on {', '.join(v.candidate.module_fqn for v in dropped)}: {why}"],
                 )
             combined = _combined(chosen, current)
-            run = self._trial_run(_changed(combined, current), "accept all (verified)")
+            run = self._trial_run(_changed(combined, current), ACCEPT_ALL)
         best = offered[0]
         gained = run.output_sqnr_db - baseline.output_sqnr_db if run.ok and not _left_float(run, baseline, combined) else math.nan
         if gained >= 0 and (gained >= best.gain_db - MIN_GAIN_DB or len(offered) == 1):
             return combined, run, notes
         fqn = best.candidate.module_fqn  # together they do worse than the best one alone: that one
         single = {**current, fqn: best.candidate.applied_to(current[fqn])}
-        alone = self._trial_run({fqn: single[fqn]}, "accept all (verified)")
+        alone = self._trial_run({fqn: single[fqn]}, ACCEPT_ALL)
         kept_all = alone.ok and not _left_float(alone, baseline, single)
         alone_gained = alone.output_sqnr_db - baseline.output_sqnr_db if kept_all else math.nan
         if alone_gained >= 0 and not alone_gained < gained:
@@ -479,12 +528,15 @@ class Verifier:
         simulated combination gains at least ``MIN_GAIN_DB`` more with it."""
         if len(offered) < 2:
             return offered, []
+        units: dict[tuple[str, ...] | Verdict, list[Verdict]] = {}  # kernel fixes offered together are one unit
+        for verdict in offered:
+            units.setdefault(verdict.together or verdict, []).append(verdict)
         chosen: list[Verdict] = []
         best = 0.0
-        for verdict in offered:
-            gain = self._simulated_gains([[*chosen, verdict]])[0]
+        for unit in units.values():
+            gain = self._simulated_gains([[*chosen, *unit]])[0]
             if not chosen or gain >= best + MIN_GAIN_DB:
-                chosen, best = [*chosen, verdict], gain
+                chosen, best = [*chosen, *unit], gain
         dropped = ", ".join(f"{v.candidate.setting} on {v.candidate.module_fqn}" for v in offered if v not in chosen)
         notes = []
         if dropped:
