@@ -134,16 +134,17 @@ class PReLUNet(nn.Module):
     Linear head. torch's x86 FX mapping converts each PReLU to a quantized kernel that applies its
     slope to positive inputs too, so the real int8 model is far worse than its reference.
 
-    ``(B, in_channels, size, size) -> (B, classes)``; ``size`` divisible by 2.
+    ``(B, in_channels, size, size) -> (B, classes)``; ``size`` divisible by 2; ``slope``: the
+    PReLUs' starting slope (torch's default 0.25; negative makes them abs-like).
     """
 
-    def __init__(self, in_channels: int = 3, size: int = 32, classes: int = 10, width: int = 16) -> None:
+    def __init__(self, in_channels: int = 3, size: int = 32, classes: int = 10, width: int = 16, slope: float = 0.25) -> None:
         super().__init__()
-        self.conv1, self.prelu1 = nn.Conv2d(in_channels, width, 3, padding=1), nn.PReLU(width)
+        self.conv1, self.prelu1 = nn.Conv2d(in_channels, width, 3, padding=1), nn.PReLU(width, slope)
         self.pool = nn.MaxPool2d(2)
-        self.conv2, self.prelu2 = nn.Conv2d(width, 2 * width, 3, padding=1), nn.PReLU(2 * width)
-        self.conv3, self.prelu3 = nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.PReLU(2 * width)
-        self.fc1, self.prelu4 = nn.Linear(2 * width * (size // 2) ** 2, 64), nn.PReLU(64)
+        self.conv2, self.prelu2 = nn.Conv2d(width, 2 * width, 3, padding=1), nn.PReLU(2 * width, slope)
+        self.conv3, self.prelu3 = nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.PReLU(2 * width, slope)
+        self.fc1, self.prelu4 = nn.Linear(2 * width * (size // 2) ** 2, 64), nn.PReLU(64, slope)
         self.fc2 = nn.Linear(64, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 
 from .architectures import MobileNetV3Small, PReLUNet
 
-MODELS = ("cnn", "mixer", "mobilenet", "prelu", "bert")
+MODELS = ("cnn", "mixer", "mobilenet", "prelu", "prelu_chain", "bert")
 _TRAIN = 1280  # the first images train, the rest calibrate (half) and evaluate (half)
 
 
@@ -149,6 +149,8 @@ def build_digits_model(name: str) -> nn.Module:
         raise ValueError(f"unknown digits model {name!r}; pick one of {', '.join(MODELS)}")
     if name == "prelu":  # a face-detector stage's layout on the 8 x 8 digits
         return PReLUNet(in_channels=1, size=8)
+    if name == "prelu_chain":  # the same, its slopes starting negative: broken kernels that only matter together
+        return PReLUNet(in_channels=1, size=8, slope=-0.25)
     return {"cnn": DigitsCNN, "mixer": DigitsMixer, "mobilenet": DigitsMobileNet, "bert": DigitsBert}[name]()
 
 
@@ -160,7 +162,9 @@ def trained_digits_model(
     Epochs default to 30 (``cnn``, ``mixer``, ``prelu``: seconds), 20 (``mobilenet``: about a
     minute on two cores, 88% accuracy) and 20 (``bert``, a Hugging Face transformer: 20 s, 75% accuracy). ``prelu`` is
     ``architectures.PReLUNet``, whose x86 FX conversion runs torch's quantized PReLU kernel (see
-    ``truth.py``)."""
+    ``truth.py``); ``prelu_chain`` the same with slopes starting at -0.25, where that kernel leaves
+    the output garbage: three such PReLUs in series each gain nothing kept float alone, together
+    about 33 dB (and a fourth, after them, agrees with its reference until they are float)."""
     model = build_digits_model(name)
     epochs = epochs if epochs is not None else {"mobilenet": 20, "bert": 20}.get(name, 30)
     cached = Path(cache_dir) / f"digits_{name}_{epochs}.pt" if cache_dir is not None else None

@@ -273,12 +273,8 @@ class Diagnosis:
         said = []
         adopted = self.real.adopt_kernels(result)
         if adopted:  # the simulation changed: what it measured before is stale (``_fresh``)
-            kernels = self.real.truth(quiet).kernels
-            each = ", ".join(f"{name} ({kernels[name]:.1f} dB)" for name in adopted)
-            said.append(
-                f"the real run with {len(chosen)} module(s) float found kernels that differ from their reference "
-                f"which the baseline's inputs hid: {each}; the simulation runs them from now on"
-            )
+            found = self.real.adopted_words(f"the real run with {len(chosen)} module(s) float", adopted)
+            said.append(f"{found}; the simulation runs them from now on")
         metric = plan.target_metric is not None
         (simulated,) = self._searcher(metric, progress).measure([chosen])
         shortfall = max(_finite(simulated[0]) - result.output_sqnr_db, 0.0)

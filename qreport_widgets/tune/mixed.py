@@ -118,9 +118,7 @@ class MixedPrecision:
         found = fit(self.real.apply, self.front(progress), max_size_bytes, target_sqnr_db, target_metric, progress)
         adopted = self.real.adopt_kernels(found)
         if adopted:  # a broken kernel the baseline's inputs hid: the front again, with it
-            kernels = self.real.truth(quiet).kernels
-            each = ", ".join(f"{name} ({kernels[name]:.1f} dB)" for name in adopted)
-            said = f"the first fit's real run found kernels differing from their reference that the baseline hid: {each}"
+            said = self.real.adopted_words("the first fit's real run", adopted)
             again = fit(self.real.apply, self.front(progress), max_size_bytes, target_sqnr_db, target_metric, progress)
             found = again.noted(f"{said}; the front was simulated again with them and this is its fit")
         return self.real.annotated(found)

@@ -85,6 +85,12 @@ class RealRuns:
             self._truth = replace(truth, kernels=kernels, real_kernels=tuple(adopted))
         return found
 
+    def adopted_words(self, run_words: str, adopted: list[str]) -> str:
+        """What ``adopt_kernels`` found, in a note: "the real run ... found kernels ... prelu4 (0.2 dB)"."""
+        kernels = self.truth(quiet).kernels
+        each = ", ".join(f"{name} ({kernels[name]:.1f} dB)" for name in adopted)
+        return f"{run_words} found kernels differing from their reference that the baseline hid: {each}"
+
     def checked(self, progress: Progress | None = None) -> None:
         """The baseline tried once (and so the truth check made) before anything is estimated."""
         if self.history.baseline is None and self._failed is None:

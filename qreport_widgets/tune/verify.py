@@ -232,13 +232,9 @@ class Verification:
             found = verifier.verify(verifier.candidates(suggestions), progress)
             adopted = self.real.adopt_kernels(found.accept_all) if found.accept_all is not None else []
             if adopted:  # a broken kernel the baseline's inputs hid: everything measured again with it
-                kernels = self.real.truth(quiet).kernels
-                each = ", ".join(f"{name} ({kernels[name]:.1f} dB)" for name in adopted)
                 verifier = Verifier(self.runner, self.real, self.diagnosis, self.migrations, refused)
                 found = verifier.verify(verifier.candidates(suggestions), progress)
-                said = (
-                    f"the first Accept all's real run found kernels differing from their reference that the baseline hid: {each}"
-                )
+                said = self.real.adopted_words("Accept all's first real run", adopted)
                 found.notes.append(f"{said}; every candidate was measured again with them")
             self._found = found
         return self._found

@@ -1,0 +1,178 @@
+"""The in-context search: modules that only help together are found together.
+
+The fixture is a trained digits model (seconds) with three PReLUs in series whose slopes are
+negative, under FX x86: torch's quantized PReLU kernel applies the slope to positive inputs too, so
+each broken PReLU leaves the output garbage while the others stay broken. One at a time each gains
+nothing; together they give back about 33 dB. A fourth PReLU after them agrees with its reference
+on the baseline (its input is all zero there) and is found broken by the first real run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from zoo import ARCHITECTURES
+
+import qreport_widgets as qw
+from qreport_widgets.demo.digits import trained_digits_model
+from qreport_widgets.tune.diagnosis import meets_target
+from qreport_widgets.tune.search import MIN_STEP_DB, Action, FloatSearch
+from qreport_widgets.tune.truth import KERNEL_AGREEMENT_DB, SIMULATION_ERROR_DB
+
+BROKEN = ["prelu1", "prelu2", "prelu3"]  # broken on the baseline's inputs
+HIDDEN = "prelu4"  # broken too, once the three before it are float
+QUIET = lambda done, total: None  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def trained(digits_cache):
+    return trained_digits_model("prelu_chain", digits_cache)
+
+
+def analyzed(trained):
+    model, data = trained
+    return qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, progress=False)
+
+
+@pytest.fixture(scope="module")
+def report(trained):
+    return analyzed(trained)
+
+
+def test_one_at_a_time_each_broken_prelu_gains_nothing_and_the_old_walk_is_blind(report):
+    session = report.session
+    baseline = session.baseline(progress=QUIET)
+    truth = session.truth_check()
+    assert baseline.output_sqnr_db < 2 and truth.disagreeing == BROKEN and truth.reliable
+    ranking = session.sensitivity(progress=QUIET, metric=False)
+    assert (ranking.loc[BROKEN, "output_sqnr_gain_db"].abs() < 0.1).all()  # alone: nothing
+    assert (ranking["output_sqnr_gain_db"] < 0.1).all()  # and nothing else gains either
+    ((together, _),) = session.simulate_each([BROKEN], metric=False)
+    assert together > 30  # together: the simulated model
+    # the one-at-a-time walk keeps the most harmful alone float, in order: never more than 0.5 dB
+    order = list(ranking.index)
+    walk = session.simulate_each([order[:count] for count in range(4)], metric=False)
+    assert max(sqnr for sqnr, _ in walk) < 2
+
+
+def test_reach_keeps_the_broken_kernels_float_and_nothing_else_confirmed_by_a_real_run(trained):
+    session = analyzed(trained).session  # a fresh session: nothing ranked or measured before
+    run = session.reach(target_sqnr_db=25, progress=QUIET)
+    assert run.ok and run.output_sqnr_db >= 25
+    kept = {name for name, s in run.settings.items() if s.keep_float}
+    assert kept == {*BROKEN, HIDDEN}
+    assert all(type(run.quantized_model.get_submodule(name)) is nn.PReLU for name in kept)
+    said = " ".join(run.notes)
+    assert "met with 4 of" in run.notes[-1] and f"that the baseline hid: {HIDDEN}" in said
+    assert "the search went on from it" in said
+    path = session.search_path()
+    assert list(path["action"]) == ["start", Action.TOGETHER, Action.REAL, Action.ADD]
+    assert path["modules"].iloc[1] == ", ".join(BROKEN) and path["modules"].iloc[-1] == HIDDEN
+    assert path["simulated_output_sqnr_db"].iloc[1] > 30 and path["gain_db"].iloc[1] > 30
+    # the real run at the first chosen point, and at the end, in the table
+    assert path["real_output_sqnr_db"].iloc[2] < 2 and path["real_output_sqnr_db"].iloc[-1] == run.output_sqnr_db
+    assert abs(path["simulated_output_sqnr_db"].iloc[-1] - run.output_sqnr_db) <= SIMULATION_ERROR_DB
+    assert list(path["float_count"]) == [0, 3, 3, 4]
+    # the fourth PReLU's kernel is now known broken, and the simulation runs it
+    truth = session.truth_check()
+    assert truth.disagreeing == [*BROKEN, HIDDEN] and HIDDEN in truth.real_kernels
+    assert truth.kernels[HIDDEN] < KERNEL_AGREEMENT_DB
+
+
+def test_a_second_reach_plans_with_what_the_first_found(report):
+    session = report.session
+    session.reach(target_sqnr_db=25, progress=QUIET)
+    plan = session.plan_reach(target_sqnr_db=25, progress=QUIET)
+    assert plan.met and set(plan.float_modules) == {*BROKEN, HIDDEN} and plan.path is not None
+    assert abs(plan.simulated_sqnr_db - session.history[-1].output_sqnr_db) <= SIMULATION_ERROR_DB
+
+
+def test_an_unreachable_target_says_so_with_the_best_set_the_search_found(trained):
+    session = analyzed(trained).session
+    run = session.reach(target_sqnr_db=200, progress=QUIET)
+    assert run.ok and "out of reach" in run.notes[-1] and "in-context search" in run.notes[-1]
+    kept = {name for name, s in run.settings.items() if s.keep_float}
+    assert set(BROKEN) <= kept
+
+
+def test_accept_all_offers_the_kernel_fixes_together_and_measures_them_in_one_real_run(trained):
+    report = analyzed(trained)
+    verified = report.session.verified_suggestions(report.suggestions(), progress=QUIET)
+    fixes = [v for v in verified.offered if v.candidate.setting == "keep_float"]
+    assert {v.candidate.module_fqn for v in fixes} == {*BROKEN, HIDDEN}
+    assert all(v.gain_db > 30 and set(v.together) == {*BROKEN, HIDDEN} for v in fixes)
+    assert "float too" in fixes[0].text
+    assert verified.accept_all is not None and verified.accept_all.output_sqnr_db > 30
+    assert any("the baseline hid" in note for note in verified.notes)
+
+
+def test_fit_finds_the_kernel_fixes_on_the_size_front(trained):
+    session = analyzed(trained).session
+    run = session.fit(target_sqnr_db=25, progress=QUIET)
+    assert run.ok and run.output_sqnr_db >= 25
+    assert {name for name, s in run.settings.items() if s.keep_float} == {*BROKEN, HIDDEN}
+    assert "met" in " ".join(run.notes)
+
+
+# ---- the search on its own ----------------------------------------------------------------------
+def _noise_model(interacting: dict[frozenset[str], float], alone: dict[str, float]):
+    """A made-up output: SQNR from noise terms, where a set of modules only removes its noise together."""
+
+    def measure(sets):
+        found = []
+        for kept in sets:
+            noise = 1e-4 + sum(n for m, n in alone.items() if m not in kept)
+            noise += sum(n for group, n in interacting.items() if not group <= kept)
+            found.append((-10 * math.log10(noise), None))
+        return found
+
+    return measure
+
+
+def test_the_search_finds_a_pair_that_only_helps_together():
+    measure = _noise_model({frozenset({"c", "d"}): 1.0}, {"a": 0.01, "b": 0.005})
+    meets = lambda s, m: meets_target(s, m, 20.0, None)  # noqa: E731
+    path = FloatSearch(measure, ["a", "b", "c", "d", "e"], meets=meets).run()
+    assert path.met and set(path.chosen) == {"c", "d", "a"}  # the pair, then the largest single noise
+    assert any(step.action == Action.TOGETHER and set(step.modules) == {"c", "d"} for step in path.steps)
+
+
+def test_the_search_stops_when_nothing_gains_and_says_so():
+    measure = _noise_model({}, {"a": 0.01})
+    path = FloatSearch(measure, ["a", "b"], meets=lambda s, m: s >= 60).run()
+    assert not path.met and path.chosen == ("a",) and "stopped" in path.notes[-1]
+    assert path.steps[0].gain_db >= MIN_STEP_DB
+
+
+def test_each_set_is_simulated_once():
+    calls = []
+    inner = _noise_model({}, {"a": 0.01, "b": 0.001})
+
+    def measure(sets):
+        calls.extend(sets)
+        return inner(sets)
+
+    search = FloatSearch(measure, ["a", "b", "c"], meets=lambda s, m: s >= 100)
+    search.run()
+    search.aiming(lambda s, m: s >= 100).run()
+    assert len(calls) == len(set(calls)) == search.simulated
+
+
+@pytest.mark.parametrize("name", ["resnet", "mobilenet_v3"])
+def test_on_the_zoo_the_search_never_keeps_more_float_than_the_old_walk(name):
+    build, data = ARCHITECTURES[name]
+    torch.manual_seed(0)
+    model = build().eval()
+    batches = data(3)
+    report = qw.analyze(model, batches[0], batches[:2], eval_data=batches[2:], progress=False)
+    session = report.session
+    order = list(session.sensitivity(progress=QUIET, metric=False).index)
+    curve = [sqnr for sqnr, _ in session.simulate_each([order[:count] for count in range(len(order) + 1)], metric=False)]
+    for count in (2, 5, 10):  # targets the one-at-a-time walk meets with a few, some, many modules float
+        target = max(curve[: count + 1])
+        walk = next(c for c, sqnr in enumerate(curve) if sqnr >= target)
+        plan = session.plan_reach(target_sqnr_db=target, progress=QUIET)
+        assert plan.met and len(plan.float_modules) <= walk, (count, plan.float_modules)
