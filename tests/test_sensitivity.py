@@ -116,7 +116,7 @@ def test_progress_counts_every_simulated_step_and_the_table_is_what_whole_passes
 
 
 def greedy_real(session: QuantizationSession, real_gains: pd.Series, target_sqnr_db: float) -> tuple[int, float]:
-    """The search reach() stands in for: modules made float in the order of their real gain, a real run each."""
+    """The one-at-a-time walk in real runs: modules made float in the order of their real gain, a real run each."""
     order = list(real_gains.sort_values(ascending=False).index)
     quiet = lambda done, total: None  # noqa: E731
     for count in range(len(order) + 1):
@@ -135,7 +135,9 @@ def test_reach_meets_a_target_with_fewer_float_modules_than_all(measured, target
     assert result.ok and result.output_sqnr_db >= target
     assert 0 < len(floats) < len(session.modules) and "met with" in result.notes[-1]
     count, sqnr = greedy_real(session, real, target)
-    assert len(floats) == count and result.output_sqnr_db == pytest.approx(sqnr, abs=0.3)
+    # the in-context search keeps no more float than the real one-at-a-time order (at 45 dB: 3 against 4)
+    assert len(floats) <= count
+    assert len(floats) < count or result.output_sqnr_db == pytest.approx(sqnr, abs=0.3)
 
 
 def test_the_tradeoff_curve_and_an_unreachable_target(measured):
@@ -220,12 +222,19 @@ def test_cancel_stops_a_running_sensitivity_and_a_later_one_completes(digits_cac
 
 
 def test_reach_tries_fewer_modules_only_where_the_simulation_is_within_its_error():
-    from qreport_widgets.tune.diagnosis import SIMULATION_ERROR_DB, ReachPlan
+    from qreport_widgets.tune.diagnosis import SIMULATION_ERROR_DB
+    from qreport_widgets.tune.search import SearchPath
 
-    plan = ReachPlan(20.0, None, ["a", "b", "c"], 2, 20.3, True, [18.0, 20.0 - SIMULATION_ERROR_DB / 2, 20.3, 20.1])
-    assert plan.near(1) and not plan.near(0)  # 0.3 dB short may still meet it for real; 2 dB short will not
-    assert not plan.near(4)  # beyond the simulated curve
-    assert not ReachPlan(20.0, 0.9, ["a"], 1, 20.3, True, [19.9, 20.3]).near(0)  # a metric has no known error
+    measured = {
+        frozenset(): (18.0, None),
+        frozenset("a"): (20.0 - SIMULATION_ERROR_DB / 2, None),  # 0.3 dB short: may still meet it for real
+        frozenset("b"): (18.5, None),  # 1.5 dB short: will not
+        frozenset("ab"): (20.3, None),
+        frozenset("abc"): (20.1, None),
+    }
+    path = SearchPath(18.0, None, [], ("a", "b"), 20.3, None, True, measured)
+    near = path.smaller(lambda sqnr, _metric: sqnr >= 20.0 - SIMULATION_ERROR_DB)
+    assert near == [frozenset("a")]  # smaller than the chosen set only, within the error only
 
 
 def test_a_vit_layout_whose_reshapes_reuse_their_input_qparams_is_simulated():

@@ -80,13 +80,13 @@ class Diagnosis:
         self._tradeoff: pd.DataFrame | None = None
         self._searches: dict[bool, FloatSearch] = {}  # by SQNR, by the metric
         self._searched: tuple[SearchPath, RunResult] | None = None  # the last reach()'s path and run
-        self._version = simulated.version
+        self._simulation_version = simulated.version
 
     def _fresh(self) -> None:
         """Drop what was estimated in a simulation that has changed since (real kernels adopted)."""
-        if self._version != self.simulated.version:
+        if self._simulation_version != self.simulated.version:
             self._sensitivity.clear()
-            self._tradeoff, self._searches, self._version = None, {}, self.simulated.version
+            self._tradeoff, self._searches, self._simulation_version = None, {}, self.simulated.version
 
     def computed(self) -> dict[str, pd.DataFrame]:
         """What was computed so far, nothing more: ``sensitivity`` and ``tradeoff`` where asked for."""
@@ -237,6 +237,7 @@ class Diagnosis:
                 )
             )
         said: list[str] = []
+        tried = {frozenset(chosen)}  # the sets a real run measured
         for _ in range(MAX_EXTRA_RUNS):  # the real run falls short: search on from it, aiming higher
             if not result.ok or meets(result.output_sqnr_db, result.eval_metric):
                 break
@@ -247,10 +248,12 @@ class Diagnosis:
             path, words = more
             said.append(words)
             chosen = list(path.chosen)
+            tried.add(frozenset(chosen))
             result = self._float_run(chosen, label, progress)
         if result.ok and meets(result.output_sqnr_db, result.eval_metric) and target_metric is None:
             near = target_sqnr_db - SIMULATION_ERROR_DB  # a smaller set within the simulation's error may meet it for real
-            for fewer in path.smaller(lambda sqnr, _metric: sqnr >= near)[:MAX_EXTRA_RUNS]:
+            smaller = [s for s in path.smaller(lambda sqnr, _metric: sqnr >= near) if s not in tried]
+            for fewer in smaller[:MAX_EXTRA_RUNS]:
                 ordered = [m for m in chosen if m in fewer] + sorted(fewer - set(chosen))
                 run = self._float_run(ordered, label, progress)
                 if run.ok and meets(run.output_sqnr_db, run.eval_metric):

@@ -91,11 +91,11 @@ class MixedPrecision:
     def __init__(self, runner: Runner, simulated: Simulated, real: RealRuns) -> None:
         self.runner, self.simulated, self.real = runner, simulated, real
         self._front: SizeFront | None = None
-        self._version = simulated.version
+        self._simulation_version = simulated.version
 
     def front(self, progress: Progress | None = None) -> SizeFront:
-        if self._front is None or self._version != self.simulated.version:  # built once per simulation
-            self._version = self.simulated.version
+        if self._front is None or self._simulation_version != self.simulated.version:  # built once per simulation
+            self._simulation_version = self.simulated.version
             self._front = size_front(self.runner, self.simulated, self.real, progress)
         return self._front
 
