@@ -176,3 +176,23 @@ def test_on_the_zoo_the_search_never_keeps_more_float_than_the_old_walk(name):
         walk = next(c for c, sqnr in enumerate(curve) if sqnr >= target)
         plan = session.plan_reach(target_sqnr_db=target, progress=QUIET)
         assert plan.met and len(plan.float_modules) <= walk, (count, plan.float_modules)
+
+
+def test_the_tune_tabs_propose_shows_the_path_and_sets_the_rows(trained):
+    report = analyzed(trained)
+    tuning = report.widget().tuning
+    pane = tuning.sensitivity
+    tuning.apply.click()  # the baseline (its truth check names the broken kernels)
+    pane.target.value = 25.0
+    pane.reach.click()
+    status = pane.status.value
+    assert "reach" in status and "The search's path" in status and "add together" in status
+    assert "prelu1, prelu2, prelu3" in status and "the disagreeing kernels together" in status
+    assert {fqn for fqn, row in tuning.rows.items() if row.keep_float.value} == set(BROKEN)
+    tuning.apply.click()  # the real run finds the fourth PReLU broken: the simulation runs it from now on
+    run = report.session.history[-1]
+    assert run.output_sqnr_db < 2 and f"that the baseline hid: {HIDDEN}" in " ".join(run.notes)
+    pane.reach.click()  # and Propose, planned again, keeps it float too
+    assert {fqn for fqn, row in tuning.rows.items() if row.keep_float.value} == {*BROKEN, HIDDEN}
+    tuning.apply.click()
+    assert report.session.history[-1].output_sqnr_db >= 25

@@ -169,7 +169,7 @@ def test_the_tune_tab_ranks_modules_proposes_a_float_set_and_apply_confirms_it(d
     tuning = report.widget().tuning
     pane = tuning.sensitivity
     pane.compute.click()
-    assert list(pane.bars.x)[0] == "fc2" and "Most harmful: <b>fc2</b>" in pane.status.value
+    assert list(pane.bars.x)[0] == "fc2" and "Most harmful one at a time: <b>fc2</b>" in pane.status.value
     assert pane.bars.y.max() > 1 and pane.bars.scales["y"].max > pane.bars.y.max()  # bars drawn to scale
     assert pane.curve.x.size == len(ranked(report.session)) + 1 and pane.bars_figure in pane.children[-1].children
     pane.order.value = "most harmful first"

@@ -342,7 +342,7 @@ def test_sensitivity_and_propose_draw_and_set_the_rows(session):
     pane = panel.sensitivity
     pane.compute.click()
     assert list(pane.bars.x) == ["fc2", "fc1", "conv"] and pane.target.value == 23.0  # the simulated baseline + 3 dB
-    assert "Most harmful: <b>fc2</b>" in pane.status.value and not pane.compute.disabled
+    assert "Most harmful one at a time: <b>fc2</b>" in pane.status.value and not pane.compute.disabled
     pane.order.value = "most harmful first"
     assert [row.fqn for row in panel.rows_box.children] == ["fc2", "fc1", "conv"]
     pane.reach.click()

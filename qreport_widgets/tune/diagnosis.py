@@ -119,8 +119,10 @@ class Diagnosis:
         return self.simulated.simulate_each(variants, progress, desc, metric)
 
     def sensitivity(self, progress: Progress | None = None, *, metric: bool = True) -> pd.DataFrame:
-        """Which module hurts: for each tunable module, the output SQNR gained when only it stays
-        float, estimated by simulation (calibrated once, forward passes only), most harmful first.
+        """Which module hurts, one at a time: for each tunable module, the output SQNR gained when
+        only it stays float (modules whose errors only matter together gain nothing here: the
+        in-context search of ``reach()`` finds them), estimated by simulation (calibrated once,
+        forward passes only), most harmful first.
 
         Columns: ``output_sqnr_gain_db``; ``metric_gain`` (with ``eval_fn``); ``local_sqnr_db``, the
         module's own error on the inputs the float model gives it (not accumulated from earlier
@@ -226,6 +228,7 @@ class Diagnosis:
         assert path is not None
         label = f"reach {target}"
         chosen = list(path.chosen)
+        kernels = self.real.truth(quiet).real_kernels  # a real run may find more (``RealRuns.adopt_kernels``)
         result = self._float_run(chosen, label, progress)
         if not plan.met:
             self._searched = (path, result)
@@ -241,7 +244,7 @@ class Diagnosis:
         for _ in range(MAX_EXTRA_RUNS):  # the real run falls short: search on from it, aiming higher
             if not result.ok or meets(result.output_sqnr_db, result.eval_metric):
                 break
-            more = self._search_on(path, result, chosen, plan, progress)
+            more = self._search_on(path, result, chosen, plan, kernels, progress)
             if more is None:
                 said.append("the search found nothing more to keep float in simulation")
                 break
@@ -269,12 +272,18 @@ class Diagnosis:
         )
 
     def _search_on(
-        self, path: SearchPath, result: RunResult, chosen: list[str], plan: ReachPlan, progress: Progress | None
+        self,
+        path: SearchPath,
+        result: RunResult,
+        chosen: list[str],
+        plan: ReachPlan,
+        kernels: tuple[str, ...],
+        progress: Progress | None,
     ) -> tuple[SearchPath, str] | None:
         """The search continued from a real run that fell short, for the target raised by the
         shortfall; None when it adds nothing."""
         said = []
-        adopted = self.real.adopt_kernels(result)
+        adopted = self.real.adopted_since(kernels)
         if adopted:  # the simulation changed: what it measured before is stale (``_fresh``)
             found = self.real.adopted_words(f"the real run with {len(chosen)} module(s) float", adopted)
             said.append(f"{found}; the simulation runs them from now on")

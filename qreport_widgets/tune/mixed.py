@@ -115,8 +115,9 @@ class MixedPrecision:
             raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
         if max_size_bytes is None and target_sqnr_db is None and target_metric is None:
             raise ValueError("fit() needs max_size_bytes, target_sqnr_db, target_metric or a combination")
+        kernels = self.real.truth(quiet).real_kernels  # a real run may find more (``RealRuns.adopt_kernels``)
         found = fit(self.real.apply, self.front(progress), max_size_bytes, target_sqnr_db, target_metric, progress)
-        adopted = self.real.adopt_kernels(found)
+        adopted = self.real.adopted_since(kernels)
         if adopted:  # a broken kernel the baseline's inputs hid: the front again, with it
             said = self.real.adopted_words("the first fit's real run", adopted)
             again = fit(self.real.apply, self.front(progress), max_size_bytes, target_sqnr_db, target_metric, progress)

@@ -85,6 +85,10 @@ class RealRuns:
             self._truth = replace(truth, kernels=kernels, real_kernels=tuple(adopted))
         return found
 
+    def adopted_since(self, kernels: tuple[str, ...]) -> list[str]:
+        """The real kernels the simulation runs now that it did not when it ran ``kernels``."""
+        return [name for name in self.truth(quiet).real_kernels if name not in kernels]
+
     def adopted_words(self, run_words: str, adopted: list[str]) -> str:
         """What ``adopt_kernels`` found, in a note: "the real run ... found kernels ... prelu4 (0.2 dB)"."""
         kernels = self.truth(quiet).kernels
@@ -158,7 +162,13 @@ class RealRuns:
         result = self.runner.run(
             config, label, progress, per_layer=record, check_kernels=checks, float_model=float_model, settings=settings
         )
-        return self.history.record(result) if record else result
+        if not record:
+            return result
+        adopted = self.adopt_kernels(result)  # a kernel the baseline's inputs hid: the simulation runs it now
+        if adopted:
+            said = self.adopted_words("this run", adopted)
+            result = result.noted(f"{said}; the simulation runs them from now on (estimates made before are redone)")
+        return self.history.record(result)
 
     def _checks_kernels(self, prepared: torch.nn.Module) -> bool:
         """Whether a run checks its kernels against their reference (a reference conversion, about a

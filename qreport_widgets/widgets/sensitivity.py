@@ -37,7 +37,12 @@ class SensitivityPane(w.VBox):
             layout={"flex": "0 0 auto"},
         )
         self.target = w.FloatText(value=0.0, description="target dB", layout={"width": "170px", "flex": "0 0 auto"})
-        self.reach = _button("Propose float set", "bullseye", 170, "The fewest most-harmful modules kept float for the target")
+        self.reach = _button(
+            "Propose float set",
+            "bullseye",
+            170,
+            "The fewest modules kept float for the target, each picked by what it gains given the picks before",
+        )
         self.cancel = _button("Cancel", "stop", 100, "Stop the computation at the next module")
         self.progress = w.IntProgress(
             value=0, min=0, max=1, layout={"width": "160px", "visibility": "hidden", "flex": "0 0 auto"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import html
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
     from ..tune.diagnosis import ReachPlan
     from ..tune.run import RunResult
+    from ..tune.search import SearchPath
     from ..tune.truth import TruthCheck
     from ..tune.verify import VerifiedSuggestions
     from .protocols import ReportSource, TuningSession
@@ -137,7 +139,7 @@ class TuneController(HasTraits):
         most = ""
         if len(table):
             worst, gain = html.escape(str(table.index[0])), float(table["output_sqnr_gain_db"].iloc[0])
-            most = f"Most harmful: <b>{worst}</b> (+{gain:.2f} dB when it alone stays float). "
+            most = f"Most harmful one at a time: <b>{worst}</b> (+{gain:.2f} dB when it alone stays float). "
         estimates = "Estimates; Apply measures." if self._simulation_reliable() else UNVERIFIED
         self.ranking_status = f"Simulated baseline {base:.2f} dB. {most}{estimates}"
         return True
@@ -175,6 +177,8 @@ class TuneController(HasTraits):
                     f"<span style='color:{RED}'>{self.target:g} dB is out of reach</span>: the best simulated point is "
                     f"{plan.simulated_sqnr_db:.2f} dB with {count} module(s) float ({names}); the Tune rows are set to that."
                 )
+            if plan.path is not None and plan.path.steps:
+                self.ranking_status += path_html(plan.path)
             return plan
 
     def front(self) -> bool:
@@ -379,6 +383,36 @@ def error_html(text: str, *, block: bool = True) -> str:
     if block:
         return f"<pre style='color:{RED};white-space:pre-wrap'>{html.escape(text)}</pre>"
     return f"<span style='color:{RED}'>{html.escape(text)}</span>"
+
+
+PATH_ROWS = 8  # steps of the search's path the Tune tab shows
+
+
+def path_html(path: SearchPath) -> str:
+    """The in-context search's path as a small table: each step's modules, its gain given the steps
+    before, the simulated output SQNR after it and why it was taken."""
+    table = path.frame()
+    shown = table.iloc[: PATH_ROWS + 1]
+    cells = "".join(
+        "<tr>"
+        f"<td>{html.escape(str(row.action))}</td><td><b>{html.escape(str(row.modules))}</b></td>"
+        f"<td style='text-align:right'>{'' if math.isnan(row.gain_db) else f'{row.gain_db:+.2f}'}</td>"
+        f"<td style='text-align:right'>{row.simulated_output_sqnr_db:.2f}</td>"
+        f"<td style='color:#666'>{html.escape(str(row.why))}</td>"
+        "</tr>"
+        for row in shown.itertuples()
+    )
+    more = (
+        f"<div style='color:#666'>… {len(table) - len(shown)} more step(s): session.plan_reach(...).path</div>"
+        if len(table) > len(shown)
+        else ""
+    )
+    head = "<tr><th>step</th><th>modules</th><th>gain given the steps before (dB)</th><th>simulated (dB)</th><th>why</th></tr>"
+    return (
+        "<div style='margin-top:4px'><i>The search's path (each module picked by what it gains given the picks before, "
+        f"{path.simulated} sets simulated in {path.seconds:.1f} s):</i>"
+        f"<table style='border-collapse:collapse;font-size:12px'>{head}{cells}</table>{more}</div>"
+    )
 
 
 def truth_html(truth: TruthCheck) -> str:
