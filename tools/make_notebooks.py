@@ -629,11 +629,55 @@ KERNEL_TRUTH = [
     ),
     (
         "md",
+        "## When broken kernels hide each other\n"
+        "\n"
+        "Sensitivity keeps one module float at a time. Here each PReLU alone gains a little, so the ranking finds "
+        "them. The same layout trained with negative PReLU slopes (`'prelu_chain'`, as trained face detectors often "
+        "end up) is the harder case: torch's kernel then leaves the output garbage, and while two broken PReLUs stay "
+        "quantized, keeping the third float gains nothing. One at a time, every module gains about 0 dB:",
+    ),
+    (
+        "code",
+        "quiet = lambda done, total: None\n"
+        "chain, chain_data = trained_digits_model('prelu_chain')\n"
+        "chained = analyze(chain, chain_data.calibration[0], chain_data.calibration, eval_data=chain_data.evaluation,\n"
+        "                  progress=False).session\n"
+        "print(f'int8 output SQNR {chained.baseline(progress=quiet).output_sqnr_db:.2f} dB')\n"
+        "chained.sensitivity(progress=quiet, metric=False)[['output_sqnr_gain_db']].round(2).T",
+    ),
+    (
+        "md",
+        "`reach()` does not walk that ranking. It searches in context: each module is picked by what it gains *given "
+        "the picks before it*, re-measured in the simulation after every pick (the top of the ranking, every "
+        "disagreeing kernel and the last pick's neighbours); when nothing gains alone, the disagreeing kernels are "
+        "tried together and pruned of those that cost nothing. A real run confirms the chosen set; here it finds a "
+        "fourth PReLU broken, which agreed on the baseline because its input was all zero, and the search goes on "
+        "from that run with the kernel in the simulation.",
+    ),
+    (
+        "code",
+        "reached = chained.reach(target_sqnr_db=25, progress=quiet)\n"
+        "for note in reached.notes[-3:]:\n"
+        "    print('-', note)\n"
+        "assert reached.output_sqnr_db >= 25",
+    ),
+    (
+        "md",
+        "The path, step by step: the modules each step added (or dropped), what that gained given the steps before, "
+        "the simulated output SQNR after it, and the real runs' SQNR where one measured it.",
+    ),
+    (
+        "code",
+        "chained.search_path()[['action', 'modules', 'gain_db', 'simulated_output_sqnr_db', 'real_output_sqnr_db', 'why']].round(2)",
+    ),
+    (
+        "md",
         "## In the widget\n"
         "\n"
         "In the **Tune** tab, the first Apply runs the baseline: the line in red says the real model is far worse "
         "than its simulation and names the kernels; the PReLU rows (under *other ops*, and shown once a run flags "
-        "them) can be kept float; the per-layer chart draws the disagreeing kernels as a red series of their own.",
+        "them) can be kept float; the per-layer chart draws the disagreeing kernels as a red series of their own. "
+        "*Propose float set* runs the same in-context search and shows its path under the ranking.",
     ),
     ("code", "report.widget()"),
 ]

@@ -300,12 +300,19 @@ class Diagnosis:
         found = raised.run(start=chosen)
         if set(found.chosen) <= set(chosen) or not found.met:
             return None
-        beyond = "more than" if shortfall > SIMULATION_ERROR_DB else "within"
-        said.append(
-            f"the real run with {len(chosen)} module(s) float gave {result.output_sqnr_db:.2f} dB, "
-            f"{shortfall:.2f} dB below its simulation ({beyond} the simulation's stated error of "
-            f"{SIMULATION_ERROR_DB:g} dB): the search went on from it, aiming at {target_words(raised_db, raised_metric)}"
-        )
+        aim = f"the search went on from it, aiming at {target_words(raised_db, raised_metric)}"
+        if adopted:
+            said.append(
+                f"simulated with them, the {len(chosen)} module(s) float give {_finite(simulated[0]):.2f} dB against the "
+                f"run's {result.output_sqnr_db:.2f} dB: {aim}"
+            )
+        else:
+            beyond = "more than" if shortfall > SIMULATION_ERROR_DB else "within"
+            said.append(
+                f"the real run with {len(chosen)} module(s) float gave {result.output_sqnr_db:.2f} dB, "
+                f"{shortfall:.2f} dB below its simulation ({beyond} the simulation's stated error of "
+                f"{SIMULATION_ERROR_DB:g} dB): {aim}"
+            )
         again = Step(
             Action.REAL,
             tuple(chosen),
