@@ -108,8 +108,8 @@ class FakeReal:
     def truth(self, progress=None) -> TruthCheck:
         return TruthCheck(0.0, 0.0)  # no kernel to distrust
 
-    def adopt_kernels(self, run) -> list[str]:
-        return []
+    def adopted_since(self, kernels) -> list[str]:
+        return []  # no run finds a broken kernel
 
     def unverified_note(self):
         return None
