@@ -7,7 +7,11 @@ correlation, overlap of the top three): ``session.sensitivity()`` (calibrated on
 the baseline's per-layer SQNR (Numeric Suite FX, error accumulated from the input). Also: how far
 the simulated output SQNR of each variant is from the real run's, and both costs, side by side.
 
-python benchmarks/sensitivity.py [--models cnn mixer]
+Then the in-context search behind reach() against the one-at-a-time walk it replaced, on fresh
+sessions for the same target: the float modules each keeps, the sets the search simulated and its
+time against one ``sensitivity()`` pass (the search needs that ranking first: its cost is on top).
+
+python benchmarks/sensitivity.py [--models cnn mixer] [--search-only]
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ EVAL_BATCHES = int(os.environ.get("QREPORT_EVAL_BATCHES", "8"))
 
 
 def build(name: str, cache_dir: str | None = None) -> QuantizationSession:
-    if name in ("cnn", "mixer", "mobilenet"):
+    if name in ("cnn", "mixer", "mobilenet", "prelu", "prelu_chain"):
         model, data = trained_digits_model(name, cache_dir)
         return QuantizationSession(model, data.calibration[0], data.calibration, eval_data=data.evaluation, eval_fn=data.accuracy)
     model = mobilenet_v3_small()
@@ -122,13 +126,53 @@ def measure(name: str, cache_dir: str | None = None) -> dict[str, object]:
     }
 
 
+def search_cost(name: str, cache_dir: str | None = None) -> dict[str, object]:
+    """The in-context search and the one-at-a-time walk on a fresh session, for a target halfway from
+    the baseline to the best simulated point (25 dB on the PReLU chain, whose walk reaches nothing)."""
+    session = build(name, cache_dir)
+    baseline = session.baseline(progress=_quiet)
+    start = time.perf_counter()
+    ranking = session.sensitivity(progress=_quiet, metric=False)
+    sensitivity_s = time.perf_counter() - start
+    order = list(ranking.index)
+    walk = [sqnr for sqnr, _ in session.simulate_each([order[:c] for c in range(len(order) + 1)], _quiet, metric=False)]
+    target = 25.0 if name == "prelu_chain" else baseline.output_sqnr_db + (max(walk) - baseline.output_sqnr_db) / 2
+    walk_count = next((count for count, sqnr in enumerate(walk) if sqnr >= target), None)
+    start = time.perf_counter()
+    plan = session.plan_reach(target, progress=_quiet)
+    search_s = time.perf_counter() - start
+    reached = session.reach(target, progress=_quiet)
+    old_run = None
+    if walk_count:  # the walk's point, measured by a real run too
+        old_run = session.apply({m: ModuleSettings(keep_float=True) for m in order[:walk_count]}, progress=_quiet)
+    return {
+        "model": name,
+        "modules": len(order),
+        "target (dB)": round(target, 2),
+        "walk float": "out of reach" if walk_count is None else walk_count,
+        "walk real (dB)": None if old_run is None else round(old_run.output_sqnr_db, 2),
+        "search float": sum(s.keep_float for s in reached.settings.values()),
+        "search real (dB)": round(reached.output_sqnr_db, 2),
+        "sensitivity sets": len(order) + 1,
+        "sensitivity (s)": round(sensitivity_s, 2),
+        "search sets": plan.path.simulated if plan.path is not None else 0,
+        "search (s)": round(search_s, 2),
+        "search / sensitivity": round(search_s / sensitivity_s, 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["cnn", "mixer", "mobilenet", "mobilenet_v3_small"])
+    parser.add_argument(
+        "--search-models", nargs="+", default=["cnn", "mixer", "prelu", "prelu_chain", "mobilenet", "mobilenet_v3_small"]
+    )
+    parser.add_argument("--search-only", action="store_true", help="only the in-context search against the walk")
     parser.add_argument("--cache-dir", default=None)
     args = parser.parse_args()
     setup()
-    for name in args.models:
+    print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    for name in [] if args.search_only else args.models:
         row = measure(name, args.cache_dir)
         baseline = row["baseline"]
         accuracy = f", accuracy {baseline.eval_metric:.3f}" if baseline.eval_metric is not None else ""
@@ -149,6 +193,9 @@ def main() -> None:
             f"simulated vs real gain within {row['agreement']:.3f} dB"
         )
         print()
+    table = pd.DataFrame([search_cost(name, args.cache_dir) for name in args.search_models]).set_index("model")
+    print("in-context search (reach) against the one-at-a-time walk, fresh sessions, same target:")
+    print(table.to_string())
 
 
 def _quiet(done: int, total: int | None) -> None:

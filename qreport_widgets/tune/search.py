@@ -33,6 +33,8 @@ SHORTLIST = 6  # modules of the one-at-a-time ranking re-measured at every step
 PAIRS_FROM = 4  # when no single module gains, pairs among this many of the shortlist's best
 MIN_STEP_DB = 0.05  # a pick must gain this much given the picks before it
 MIN_STEP_METRIC = 1e-4  # or, for a metric target, this much of the metric
+NEGLIGIBLE_DB = 0.1  # out of reach, a larger float set must be this much better to be the best
+NEGLIGIBLE_METRIC = 1e-3
 
 Measure = Callable[[Sequence[frozenset[str]]], list[tuple[float, float | None]]]
 Meets = Callable[[float, float | None], bool]
@@ -209,8 +211,12 @@ class FloatSearch:
         return other
 
     def best(self) -> frozenset[str]:
-        """The best float set measured so far (the fewest modules among equals)."""
-        return max(self.measured, key=lambda s: (self._score(self.measured[s]), -len(s)))
+        """The best float set measured so far: the fewest modules among those within
+        ``NEGLIGIBLE_DB`` (or ``MIN_STEP_METRIC``) of the best, then the better."""
+        top = max(self._score(r) for r in self.measured.values())
+        close = NEGLIGIBLE_METRIC if self.by_metric else NEGLIGIBLE_DB
+        near = [s for s, r in self.measured.items() if self._score(r) >= top - close]
+        return min(near, key=lambda s: (len(s), -self._score(self.measured[s])))
 
     def run(self, start: Sequence[str] = (), most: int | None = None, budget: int | None = None) -> SearchPath:
         """Search from ``start`` kept float (default nothing). ``most`` caps the float set's size
@@ -263,6 +269,12 @@ class FloatSearch:
             count, result = walk
             chosen, current = self.ranking[:count], result
             why = "the one-at-a-time order meets the target with fewer modules float: taken"
+            steps.append(self._step(Action.WALK, tuple(chosen), origin, result, count, why))
+        further = self._walk_further(current, most) if not self._met(current) and not start else None
+        if further is not None:
+            count, result = further
+            chosen, current = self.ranking[:count], result
+            why = "out of reach: the one-at-a-time order, its small gains added up, goes further: taken"
             steps.append(self._step(Action.WALK, tuple(chosen), origin, result, count, why))
         return SearchPath(
             origin[0],
@@ -334,6 +346,19 @@ class FloatSearch:
             if self._met(result):
                 return fewer, result
         return None
+
+    def _walk_further(self, current: tuple[float, float | None], most: int) -> tuple[int, tuple[float, float | None]] | None:
+        """Where no set meets the target: the best point of the one-at-a-time order up to its last
+        module that gains alone, when better than ``current`` (many small gains the search's
+        ``MIN_STEP_DB`` steps over)."""
+        singles = self.measure([[m] for m in self.ranking])
+        (start,) = self.measure([()])
+        helpful = min(sum(self._score(r) > self._score(start) for r in singles), most)
+        if helpful < 2:
+            return None
+        points = self.measure([self.ranking[:count] for count in range(1, helpful + 1)])
+        count, best = max(enumerate(points, 1), key=lambda item: (self._score(item[1]), -item[0]))
+        return (count, best) if self._score(best) > self._score(current) else None
 
     def _step(
         self,
