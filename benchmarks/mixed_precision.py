@@ -44,8 +44,8 @@ def session_of(name: str, cache_dir: str | None) -> QuantizationSession:
     if name == "minilm":
         from eager import minilm
 
-        model, batches = minilm()
-        return QuantizationSession(model, batches[0], batches[:-2], eval_data=batches[-2:], engine="eager")
+        model, calibration, evaluation = minilm()
+        return QuantizationSession(model, calibration[0], calibration, eval_data=evaluation, engine="eager")
     from hf_models import MODELS
 
     model, batches = MODELS[name]()

@@ -192,8 +192,9 @@ def _searched_points(
 ) -> list[dict[str, ModuleSettings]]:
     """The points of the in-context search's path (``search.py``): modules kept float one pick
     after the other, each by what it gains given the picks before, so that modules that only help
-    together (broken kernels in series) reach the front. Its simulated sets are capped at as many as
-    the single choices took."""
+    together (broken kernels in series) reach the front. It starts from the single choices measured
+    already, and simulates about as many sets as there are modules that can be kept float (at
+    least ``2 * SHORTLIST``)."""
     floats = {fqn: c for fqn, found in choices.items() for c in found if c.keep_float}
     if len(floats) < 2:
         return []
@@ -206,7 +207,9 @@ def _searched_points(
 
     truth = real.truth(quiet)
     neighbours = dataflow_neighbours(runner.float_model, ranking)
-    path = FloatSearch(measure, ranking, truth.disagreeing, neighbours).run(budget=max(len(alone), 2 * SHORTLIST))
+    search = FloatSearch(measure, ranking, truth.disagreeing, neighbours)
+    search.known({frozenset([fqn]): alone[fqn, c] for fqn, c in floats.items() if (fqn, c) in alone})
+    path = search.run(budget=max(len(floats), 2 * SHORTLIST), floor=False)  # the chain is the one-at-a-time order
     points = []
     for kept in path.sets():
         points.append({fqn: floats[fqn] if fqn in kept else first for fqn, first in start.items()})

@@ -218,9 +218,18 @@ class FloatSearch:
         near = [s for s, r in self.measured.items() if self._score(r) >= top - close]
         return min(near, key=lambda s: (len(s), -self._score(self.measured[s])))
 
-    def run(self, start: Sequence[str] = (), most: int | None = None, budget: int | None = None) -> SearchPath:
+    def known(self, results: Mapping[frozenset[str], tuple[float, float | None]]) -> FloatSearch:
+        """Take sets the caller measured already (in the same simulation) as measured."""
+        self.measured.update(results)
+        return self
+
+    def run(
+        self, start: Sequence[str] = (), most: int | None = None, budget: int | None = None, floor: bool = True
+    ) -> SearchPath:
         """Search from ``start`` kept float (default nothing). ``most`` caps the float set's size
-        (default: every module); ``budget`` the sets simulated (the search stops at the next step)."""
+        (default: every module); ``budget`` the sets simulated (the search stops at the next step);
+        ``floor``: end on the one-at-a-time order's point where it is better (the size front has
+        that order already, and leaves it out)."""
         began = time.perf_counter()
         most = len(self.ranking) if most is None else most
         chosen: list[str] = list(start)
@@ -264,13 +273,13 @@ class FloatSearch:
             current = result
         if self._met(current) and len(chosen) > 1:
             chosen, current = self._prune(chosen, current, steps, keep_met=True)
-        walk = self._walk(len(chosen)) if self._met(current) and not start else None
+        walk = self._walk(len(chosen)) if floor and self._met(current) and not start else None
         if walk is not None:
             count, result = walk
             chosen, current = self.ranking[:count], result
             why = "the one-at-a-time order meets the target with fewer modules float: taken"
             steps.append(self._step(Action.WALK, tuple(chosen), origin, result, count, why))
-        further = self._walk_further(current, most) if not self._met(current) and not start else None
+        further = self._walk_further(current, most) if floor and not self._met(current) and not start else None
         if further is not None:
             count, result = further
             chosen, current = self.ranking[:count], result
