@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 
 from qreport_widgets.core.features import SuggestionKind
-from qreport_widgets.core.metrics import sqnr_db
+from qreport_widgets.core.metrics import power_terms, sqnr_db
 from qreport_widgets.engines.contract import Variant
 from qreport_widgets.engines.settings import ModuleSettings, Setting, TunableModule
 from qreport_widgets.observe.records import Suggestion
@@ -47,10 +47,11 @@ class FakeSimulation:
         error = RESIDUAL + sum(level for name, level in NOISE.items() if name not in variant.float_modules)
         return [b + error for b in batches]
 
-    def outputs_each(self, batches, variants, step=None):
+    def outputs_each(self, batches, variants, step=None, reduce=None):
         found = []
         for variant in variants:
-            found.append(self.outputs(batches, variant))
+            outputs = self.outputs(batches, variant)
+            found.append(outputs if reduce is None else [reduce(i, o) for i, o in enumerate(outputs)])
             for _ in batches:
                 step()
         return found
@@ -91,6 +92,9 @@ class FakeRunner:
 
     def output_sqnr(self, outputs) -> float:
         return sqnr_db(torch.cat([b.flatten() for b in BATCHES]), torch.cat([o.flatten() for o in outputs]))
+
+    def output_terms(self, index, output) -> tuple[float, float]:
+        return power_terms(BATCHES[index], output)
 
     def equalization_float_error(self, settings) -> float:
         return math.nan

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import gc
 import math
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 
 import qreport_widgets as qw
 from qreport_widgets import FloatModelChangedError, ModelReleasedError, ModuleSettings, QuantizationSession
+from qreport_widgets.core.metrics import output_tensor
 from qreport_widgets.demo.digits import trained_digits_model
 
 
@@ -141,3 +144,36 @@ def test_the_session_shares_the_callers_weights_and_refuses_them_once_changed_in
     assert [run.label for run in session.history] == ["baseline"]  # nothing recorded, nothing lost
     with pytest.raises(FloatModelChangedError, match=r"\(2\.bias\).*Run analyze\(\) again"):
         session.sensitivity(progress=lambda done, total: None)
+
+
+def test_sensitivity_holds_no_more_than_one_variants_output_at_once():
+    """A decoder's logits for dozens of variants would not fit: each simulated output is reduced to
+    its SQNR terms as soon as it exists, and the SQNRs are those of whole outputs (the FX replay's
+    own outputs: ``test_replay.py``)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_models import tiny_llama
+
+    model, batches = tiny_llama()
+    session = QuantizationSession(model, batches[0], batches[:4], eval_data=batches[4:], engine="eager")
+    session.baseline(progress=lambda done, total: None)
+    outputs: list[weakref.ref] = []
+    most_alive = 0
+
+    def watch(module, args, output):
+        nonlocal most_alive
+        if module is session.parts.simulated.simulation().model:
+            tensor = output_tensor(output)
+            most_alive = max(most_alive, sum(ref() is not None for ref in outputs))
+            outputs.append(weakref.ref(output if isinstance(output, torch.Tensor) else tensor))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(watch)
+    try:
+        table = session.sensitivity(progress=lambda done, total: None, metric=False)
+    finally:
+        handle.remove()
+    assert len(outputs) >= len(table) and most_alive <= 1
+    simulation, runner = session.parts.simulated.simulation(), session.parts.runner
+    for fqn in list(table.index)[:3]:  # against the SQNR of the whole outputs, concatenated
+        whole = runner.output_sqnr(simulation.outputs(runner.eval_data, [fqn]))
+        assert table.at[fqn, "simulated_output_sqnr_db"] == pytest.approx(whole, abs=1e-6)
+    simulation.configure(())

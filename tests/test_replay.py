@@ -130,6 +130,27 @@ def test_each_variant_computed_from_its_first_change_matches_a_whole_pass(module
         assert {"conv1", "add"} <= {n.name for changed_values in replay._changes.values() for n in changed_values}
 
 
+def test_keep_takes_each_output_as_it_is_computed_and_holds_only_what_it_returns():
+    torch.manual_seed(0)
+    model = torch.fx.symbolic_trace(Residual().eval())
+    replay, changed = Replay(model), ["stem", "conv2", "head"]
+    batch = torch.randn(2, 3, 8, 8)
+    configure = scaled(model, changed)
+    alive: list[weakref.ref] = []
+
+    def keep(output: torch.Tensor) -> float:
+        alive.append(weakref.ref(output))
+        return float(output.square().sum())
+
+    with torch.no_grad():
+        replay.learn(batch)
+        plans = [replay.plan([node(model, name)]) for name in changed] + [replay.plan([])]  # the last: unchanged
+        expected = [*whole_passes(model, changed, configure, batch), model(batch.clone())]
+        found = replay.outputs(batch.clone(), plans, configure, keep=keep)
+    assert found == pytest.approx([float(e.square().sum()) for e in expected], rel=1e-6)
+    assert len(alive) == len(plans) and all(ref() is None for ref in alive)  # no output outlived its keep()
+
+
 def test_a_variant_recomputes_what_follows_its_first_change_and_nothing_before():
     model = torch.fx.symbolic_trace(Residual().eval())
     replay = Replay(model)

@@ -16,6 +16,19 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
 
     Summed in float64 a million values at a time: float64 copies of whole activations would cost
     several times their size at once."""
+    return sqnr_of(*power_terms(reference, approximation))
+
+
+def sqnr_of(signal: float, noise: float) -> float:
+    """SQNR (dB) from summed signal and noise power (``power_terms``, added over parts)."""
+    if noise == 0:
+        return math.inf if signal > 0 else math.nan
+    return 10 * math.log10(signal / noise) if signal > 0 else math.nan
+
+
+def power_terms(reference: torch.Tensor, approximation: torch.Tensor) -> tuple[float, float]:
+    """(signal power, noise power) summed over the values, in float64: the parts of one SQNR, which
+    add over batches, so that an output can be dropped once its terms are taken."""
     reference, approximation = reference.detach().reshape(-1), approximation.detach().reshape(-1)
     if reference.shape != approximation.shape:
         raise ValueError(f"cannot compare {reference.numel()} values with {approximation.numel()}")
@@ -25,10 +38,7 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
         part = reference[start : start + _CHUNK].double()
         signal += part.square().sum()
         noise += part.sub_(approximation[start : start + _CHUNK].to(part)).square_().sum()
-    signal_f, noise_f = float(signal), float(noise)
-    if noise_f == 0:
-        return math.inf if signal_f > 0 else math.nan
-    return 10 * math.log10(signal_f / noise_f) if signal_f > 0 else math.nan
+    return float(signal), float(noise)
 
 
 def output_tensor(output: Any) -> torch.Tensor:

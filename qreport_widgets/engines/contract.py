@@ -224,6 +224,9 @@ class Variant:
         return variant if isinstance(variant, Variant) else Variant(frozenset(variant))
 
 
+Reduce = Callable[[int, Any], Any]  # (batch index, a simulated output) -> what to keep of it
+
+
 class WholePasses:
     """``outputs`` and ``outputs_each`` of a simulation whose ``configure(variant)`` makes ``model``
     the variant's model, run as whole forward passes (PT2E, eager)."""
@@ -239,15 +242,20 @@ class WholePasses:
             return [call_with(self.model, batch) for batch in batches]
 
     def outputs_each(
-        self, batches: Sequence[Any], variants: Sequence[Variant | Iterable[str]], step: Callable[[], None] | None = None
+        self,
+        batches: Sequence[Any],
+        variants: Sequence[Variant | Iterable[str]],
+        step: Callable[[], None] | None = None,
+        reduce: Reduce | None = None,
     ) -> list[list[Any]]:
         found = []
         for variant in variants:
             self.configure(variant)
             outputs = []
             with torch.no_grad():
-                for batch in batches:
-                    outputs.append(call_with(self.model, batch))
+                for index, batch in enumerate(batches):
+                    output = call_with(self.model, batch)
+                    outputs.append(output if reduce is None else reduce(index, output))
                     if step is not None:
                         step()
             found.append(outputs)
@@ -267,9 +275,16 @@ class Simulation(Protocol):
         """The simulated model's outputs on ``batches`` under ``variant``."""
 
     def outputs_each(
-        self, batches: Sequence[Any], variants: Sequence[Variant | Iterable[str]], step: Callable[[], None] | None = None
+        self,
+        batches: Sequence[Any],
+        variants: Sequence[Variant | Iterable[str]],
+        step: Callable[[], None] | None = None,
+        reduce: Reduce | None = None,
     ) -> list[list[Any]]:
-        """``outputs(batches, v)`` for each variant; ``step()`` after each variant and batch."""
+        """``outputs(batches, v)`` for each variant; ``step()`` after each variant and batch. With
+        ``reduce``, each output is replaced by ``reduce(batch index, output)`` as soon as it exists,
+        so that only what that keeps stays alive (a decoder's logits, for dozens of variants, would
+        not fit)."""
 
     def local_sqnr(self, batch: Any) -> dict[str, float]:
         """Each tunable module's own error (dB): quantized, on the float model's input to it."""

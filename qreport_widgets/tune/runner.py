@@ -22,7 +22,7 @@ import torch
 
 from ..core.calibration import CalibrationData, calibrate, call_with
 from ..core.memory import WatchedCopy, WeightPool
-from ..core.metrics import output_tensor, sqnr_db
+from ..core.metrics import output_tensor, power_terms, sqnr_db
 from ..core.progress import Progress
 from ..engines.contract import Engine
 from ..engines.settings import ModuleSettings, TunableModule, validate_all
@@ -180,6 +180,11 @@ class Runner:
         """Output SQNR (dB) of a model's outputs on the evaluation batches against the float model's."""
         reference = torch.cat([r.flatten() for r in self.reference_outputs()])
         return sqnr_db(reference, torch.cat([self.output_of(o).flatten() for o in outputs]))
+
+    def output_terms(self, index: int, output: Any) -> tuple[float, float]:
+        """(signal, noise) power of a model's output on evaluation batch ``index`` against the float
+        model's: what the output SQNR adds over batches (``core.metrics.sqnr_of``)."""
+        return power_terms(self.reference_outputs()[index], self.output_of(output))
 
     def equalization_float_error(self, settings: Mapping[str, ModuleSettings]) -> float:
         """Relative change of the float model's output when the engine equalizes as ``settings`` ask

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ..core.metrics import sqnr_of
 from ..core.progress import Progress, steps
 from ..engines.contract import Simulation, Variant
 from .runner import Runner
@@ -77,8 +78,8 @@ class Simulated:
                         found.append(self.simulate(variant))
                         step()
                     return found
-                outputs = simulation.outputs_each(runner.eval_data, variants, step)
-                return [(runner.output_sqnr(each), None) for each in outputs]
+                terms = simulation.outputs_each(runner.eval_data, variants, step, runner.output_terms)
+                return [(sqnr_of(*map(sum, zip(*each, strict=True))), None) for each in terms]
         finally:
             simulation.configure(())
 

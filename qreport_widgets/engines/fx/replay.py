@@ -127,11 +127,18 @@ class Replay:
         return Plan(start, nodes, frozenset(held & changed), free_after)
 
     def outputs(
-        self, batch: Any, plans: Sequence[Plan], configure: Callable[[int | None], None], step: Callable[[], None] | None = None
+        self,
+        batch: Any,
+        plans: Sequence[Plan],
+        configure: Callable[[int | None], None],
+        step: Callable[[], None] | None = None,
+        keep: Callable[[Any], Any] | None = None,
     ) -> list[Any]:
-        """Each plan's output on ``batch``. ``configure(i)`` sets plan ``i``'s variant, ``configure(None)``
-        the starting configuration; ``step()`` is called after each plan. May set ``exact`` to False
-        (see the module's docstring): the outputs are then not to be used."""
+        """Each plan's output on ``batch``, or what ``keep(output)`` makes of it as soon as it is
+        computed. ``configure(i)`` sets plan ``i``'s variant, ``configure(None)`` the starting
+        configuration; ``step()`` is called after each plan. May set ``exact`` to False (see the
+        module's docstring): the outputs are then not to be used."""
+        keep = keep if keep is not None else (lambda output: output)
         output = self.nodes[-1]
         found: list[Any] = [None] * len(plans)
         unchanged = []
@@ -146,14 +153,14 @@ class Replay:
             done = self._advance(live, done, plan.start)
             configure(i)
             try:
-                found[i] = self._rerun(live, plan)
+                found[i] = keep(self._rerun(live, plan))
             finally:
                 configure(None)
             if step is not None:
                 step()
         self._advance(live, done, len(self.nodes))
         for i in unchanged:
-            found[i] = live[output]
+            found[i] = keep(live[output])
             if step is not None:
                 step()
         return found

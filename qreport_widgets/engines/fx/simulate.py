@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 from ...core.calibration import call_with, torch_warnings_hidden
 from ...core.memory import models_forgotten, shared_copy
 from ...core.metrics import sqnr_db
-from ..contract import Variant, WholePasses
+from ..contract import Reduce, Variant, WholePasses
 from .lowering import replace_submodule
 from .replay import Replay
 
@@ -386,7 +387,11 @@ class Simulator(WholePasses):
         return self._other_weights[name]
 
     def outputs_each(
-        self, batches: Sequence[Any], variants: Sequence[Variant | Iterable[str]], step: Callable[[], None] | None = None
+        self,
+        batches: Sequence[Any],
+        variants: Sequence[Variant | Iterable[str]],
+        step: Callable[[], None] | None = None,
+        reduce: Reduce | None = None,
     ) -> list[list[Any]]:
         """``outputs(batches, v)`` for each ``v`` in ``variants``, computed per batch from one run of
         the starting configuration: each variant is computed from the first node it changes on,
@@ -405,8 +410,9 @@ class Simulator(WholePasses):
                     self.configure(())
                     self._replay.learn(batches[0])
                 plans = [self._replay.plan(self._changed_by(v)) for v in variants] if self._replay.exact else []
-                for batch in batches if self._replay.exact else ():
-                    outputs = self._replay.outputs(batch, plans, configure, step)
+                for index, batch in enumerate(batches if self._replay.exact else ()):
+                    keep = None if reduce is None else functools.partial(reduce, index)
+                    outputs = self._replay.outputs(batch, plans, configure, step, keep)
                     if not self._replay.exact:
                         break
                     for i, output in enumerate(outputs):
@@ -417,7 +423,8 @@ class Simulator(WholePasses):
             return found
         found = []  # an in-place op the replay cannot follow: whole forward passes instead
         for variant in variants:
-            found.append(self.outputs(batches, variant))
+            outputs = self.outputs(batches, variant)
+            found.append(outputs if reduce is None else [reduce(i, output) for i, output in enumerate(outputs)])
             for _ in batches if step is not None else ():
                 step()
         self.configure(previous)

@@ -1,0 +1,191 @@
+"""Decoders at scale: per step, the wall time against a plain forward pass over the same batches and
+the peak / held resident memory as a multiple of the float weights.
+
+Llama-style decoders built offline from ``LlamaConfig`` (random weights: time and memory do not
+depend on what the weights are), eager engine, each size and format in a fresh process. Batches of
+1 x 256 tokens: 4 to calibrate, 2 held out. Steps: ``analyze`` (against a plain pass over the 4
+calibration batches), ``baseline``, ``sensitivity`` (per module, against a plain pass over the 2
+held-out batches), ``fit`` to a size budget, three ``apply``. Memory above the process with the
+float model loaded and the tool's code imported (a tiny decoder is taken through the same steps
+first), sampled every 2 ms (``memory.RssProbe``). With ``--calibration``: the instrumented
+calibration against a plain ``prepare_fx`` calibration (``calibration_overhead.py``'s cases).
+
+    python benchmarks/llm_scale.py [--sizes 100m 500m 1b] [--formats int8-weight-only int4-weight-only]
+    python benchmarks/llm_scale.py --calibration
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from memory import RssProbe, settle
+
+from qreport_widgets import ModuleSettings, analyze
+from qreport_widgets.core.calibration import call_with
+from qreport_widgets.core.progress import quiet
+
+TOKENS = 256
+CALIBRATION, HELD_OUT = 4, 2
+SIZES = {  # name -> LlamaConfig's sizes (vocabulary 32,000, untied embeddings)
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
+    "100m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12},
+    "500m": {"hidden_size": 1280, "intermediate_size": 3584, "num_hidden_layers": 20, "num_attention_heads": 20},
+    "1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 32},
+}
+FORMATS = ("int8-weight-only", "int4-weight-only")
+STEPS = ("analyze", "baseline", "sensitivity", "fit", "apply 1", "apply 2", "apply 3")
+
+
+def decoder(size: str) -> tuple[torch.nn.Module, list[tuple[torch.Tensor]]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32000, max_position_embeddings=TOKENS, use_cache=False, **SIZES[size])
+    model = LlamaForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 32000, (1, TOKENS), generator=generator),) for _ in range(CALIBRATION + HELD_OUT)]
+    return model, batches
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def plain_seconds(model: torch.nn.Module, batches: list) -> float:
+    with torch.no_grad():
+        call_with(model, batches[0])
+        start = time.perf_counter()
+        for batch in batches:
+            call_with(model, batch)
+    return time.perf_counter() - start
+
+
+def take_through(
+    model: torch.nn.Module, batches: list, fmt: str, step: Callable[[str, Callable[[], object]], object], until: str = STEPS[-1]
+) -> None:
+    """analyze -> baseline -> sensitivity -> fit -> three applies, each through ``step``, up to ``until``."""
+    last = STEPS.index(until)
+    calibration, held_out = batches[:CALIBRATION], batches[CALIBRATION:]
+    report = step(
+        "analyze",
+        lambda: analyze(model, calibration[0], calibration, eval_data=held_out, engine="eager", format=fmt, progress=False),
+    )
+    session = report.session
+    baseline = step("baseline", lambda: session.baseline(progress=quiet))
+    if last < STEPS.index("sensitivity"):
+        return
+    step("sensitivity", lambda: session.sensitivity(progress=quiet, metric=False))
+    if last < STEPS.index("fit"):
+        return
+    step("fit", lambda: session.fit(max_size_bytes=baseline.deployed_bytes * 1.05, progress=quiet))
+    tunable = [m.fqn for m in session.modules if not m.current.keep_float]
+    for i in range(last - STEPS.index("fit")):
+        step(f"apply {i + 1}", lambda i=i: session.apply({tunable[i]: ModuleSettings(keep_float=True)}, progress=quiet))
+
+
+def child(size: str, fmt: str, until: str) -> None:
+    torch.set_num_threads(2)
+    model, batches = decoder(size)
+    weights = weight_bytes(model)
+    plain_calibration = plain_seconds(model, batches[:CALIBRATION])
+    plain_held_out = plain_seconds(model, batches[CALIBRATION:])
+    loaded = settle()
+    tiny, tiny_batches = decoder("tiny")
+    take_through(tiny, tiny_batches, fmt, lambda name, action: action())  # imports and caches first
+    del tiny
+    base = settle()
+    probe = RssProbe()
+    rows = []
+
+    def step(name: str, action: Callable[[], object]) -> object:
+        start = time.perf_counter()
+        with probe.watching() as peak:
+            value = action()
+        seconds = time.perf_counter() - start
+        held = settle()
+        rows.append({"step": name, "seconds": seconds, "peak": (peak() - base) / weights, "held": (held - base) / weights})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        return value
+
+    take_through(model, batches, fmt, step, until)
+    modules = sum(1 for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)))
+    print(
+        json.dumps(
+            {
+                "size": size,
+                "format": fmt,
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "weights_mb": weights / 2**20,
+                "plain_calibration_s": plain_calibration,
+                "plain_held_out_s": plain_held_out,
+                "modules": modules,
+                "fixed_mb": (base - loaded) / 2**20,
+                "rows": rows,
+            }
+        )
+    )
+
+
+def versus_plain(row: dict, table: dict) -> str:
+    if row["step"] == "analyze":
+        return f"{row['seconds'] / table['plain_calibration_s']:.2f}x a plain pass over the calibration batches"
+    if row["step"] == "sensitivity":
+        per_module = row["seconds"] / table["modules"] / table["plain_held_out_s"]
+        return f"{per_module:.2f}x a plain pass over the held-out batches, per module"
+    return f"{row['seconds'] / table['plain_held_out_s']:.2f}x a plain pass over the held-out batches"
+
+
+def calibration_table() -> None:
+    from calibration_overhead import measure
+
+    print("\ninstrumented calibration against a plain prepare_fx calibration (medians of 3, 8 batches):")
+    for case in ("tiny-conv 8x3x32x32", "resnet18 8x3x224x224", "mlp-blocks 8x128x768"):
+        row = measure(case, repeats=3, batch_count=8, upstream=False)
+        print(f"  {case:28s} ours / plain {row['ours/plain']:.2f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="*", default=["100m", "500m", "1b"], choices=[s for s in SIZES if s != "tiny"])
+    parser.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS)
+    parser.add_argument("--calibration", action="store_true", help="only the calibration ratios")
+    parser.add_argument("--until", default=STEPS[-1], choices=STEPS[1:], help="the last step taken")
+    parser.add_argument("--child", nargs=2, metavar=("SIZE", "FORMAT"))
+    args = parser.parse_args()
+    if args.child:
+        child(*args.child, args.until)
+        return
+    if args.calibration:
+        calibration_table()
+        return
+    print(f"torch {torch.__version__}, 2 threads; {CALIBRATION} calibration + {HELD_OUT} held-out batches of 1 x {TOKENS} tokens")
+    for size in args.sizes:
+        for fmt in args.formats:
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", size, fmt, "--until", args.until], capture_output=True, text=True
+            )
+            if out.returncode:
+                print(f"\n{size} {fmt}: the measuring process failed:\n{out.stderr[-3000:]}", flush=True)
+                continue
+            table = json.loads(out.stdout.strip().splitlines()[-1])
+            print(
+                f"\n{size} ({table['parameters'] / 1e6:.0f}M parameters, {table['weights_mb']:.0f} MB float), {fmt}: "
+                f"plain pass {table['plain_calibration_s']:.2f} s over {CALIBRATION} batches, "
+                f"{table['plain_held_out_s']:.2f} s over {HELD_OUT}; {table['modules']} modules"
+            )
+            print(f"  {'step':12s} {'seconds':>8s} {'peak x':>7s} {'held x':>7s}   time against a plain pass")
+            for row in table["rows"]:
+                print(
+                    f"  {row['step']:12s} {row['seconds']:8.1f} {row['peak']:7.2f} {row['held']:7.2f}   "
+                    + versus_plain(row, table)
+                )
+
+
+if __name__ == "__main__":
+    main()
