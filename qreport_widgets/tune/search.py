@@ -212,7 +212,7 @@ class FloatSearch:
 
     def best(self) -> frozenset[str]:
         """The best float set measured so far: the fewest modules among those within
-        ``NEGLIGIBLE_DB`` (or ``MIN_STEP_METRIC``) of the best, then the better."""
+        ``NEGLIGIBLE_DB`` (or ``NEGLIGIBLE_METRIC``) of the best, then the better."""
         top = max(self._score(r) for r in self.measured.values())
         close = NEGLIGIBLE_METRIC if self.by_metric else NEGLIGIBLE_DB
         near = [s for s, r in self.measured.items() if self._score(r) >= top - close]
