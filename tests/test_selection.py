@@ -44,9 +44,17 @@ def test_matches_kthvalue_across_batches(bracket_everything, rows, n, fraction, 
 
 
 @pytest.mark.parametrize(
-    "shape, axis", [((8, 64, 56, 56), 1), ((3, 401408), 0), ((8, 128, 768), 2), ((8, 1024, 64), 1), ((4, 40000), None)]
+    "shape, axis, bracketed",
+    [
+        ((8, 64, 56, 56), 1, True),
+        ((3, 401408), 0, True),
+        ((8, 1024, 64), 1, True),
+        ((4, 40000), None, True),
+        ((8, 128, 768), 2, False),  # channels-last: a plain selection on a channel-major copy
+        ((1, 256, 32000), 2, False),  # a decoder's logits
+    ],
 )
-def test_large_tensors_take_the_bracket_and_stay_exact(shape, axis):
+def test_large_tensors_take_the_bracket_where_it_pays_and_stay_exact(shape, axis, bracketed):
     torch.manual_seed(0)
     hint = None
     for scale in (1.0, 1.3, 0.5):
@@ -54,7 +62,7 @@ def test_large_tensors_take_the_bracket_and_stay_exact(shape, axis):
         reference = selection.channel_major(selection.channel_view(t, axis))
         m = reference.shape[1] // 40
         got, hint = selection.kth_largest_per_channel(t, axis, m, hint)
-        assert hint is not None
+        assert (hint is not None) == bracketed
         assert torch.equal(got, reference.kthvalue(reference.shape[1] - m + 1, dim=1).values)
 
 
