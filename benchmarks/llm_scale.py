@@ -24,10 +24,9 @@ import time
 from collections.abc import Callable
 
 import torch
-from memory import RssProbe, settle
+from memory import RssProbe, model_bytes, plain_pass_seconds, settle
 
 from qreport_widgets import ModuleSettings, analyze
-from qreport_widgets.core.calibration import call_with
 from qreport_widgets.core.progress import quiet
 
 TOKENS = 256
@@ -51,19 +50,6 @@ def decoder(size: str) -> tuple[torch.nn.Module, list[tuple[torch.Tensor]]]:
     generator = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 32000, (1, TOKENS), generator=generator),) for _ in range(CALIBRATION + HELD_OUT)]
     return model, batches
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-
-
-def plain_seconds(model: torch.nn.Module, batches: list) -> float:
-    with torch.no_grad():
-        call_with(model, batches[0])
-        start = time.perf_counter()
-        for batch in batches:
-            call_with(model, batch)
-    return time.perf_counter() - start
 
 
 def take_through(
@@ -92,9 +78,9 @@ def take_through(
 def child(size: str, fmt: str, until: str) -> None:
     torch.set_num_threads(2)
     model, batches = decoder(size)
-    weights = weight_bytes(model)
-    plain_calibration = plain_seconds(model, batches[:CALIBRATION])
-    plain_held_out = plain_seconds(model, batches[CALIBRATION:])
+    weights = model_bytes(model)
+    plain_calibration = plain_pass_seconds(model, batches[:CALIBRATION])
+    plain_held_out = plain_pass_seconds(model, batches[CALIBRATION:])
     loaded = settle()
     tiny, tiny_batches = decoder("tiny")
     take_through(tiny, tiny_batches, fmt, lambda name, action: action())  # imports and caches first
