@@ -15,6 +15,7 @@ import torch
 
 import qreport_widgets as qw
 from qreport_widgets import FloatModelChangedError, ModelReleasedError, ModuleSettings, QuantizationSession
+from qreport_widgets.core.metrics import output_tensor
 from qreport_widgets.demo.digits import trained_digits_model
 
 
@@ -161,8 +162,9 @@ def test_sensitivity_holds_no_more_than_one_variants_output_at_once():
     def watch(module, args, output):
         nonlocal most_alive
         if module is session.parts.simulated.simulation().model:
+            tensor = output_tensor(output)
             most_alive = max(most_alive, sum(ref() is not None for ref in outputs))
-            outputs.append(weakref.ref(output.logits))  # the tensor itself, not a detached copy
+            outputs.append(weakref.ref(output if isinstance(output, torch.Tensor) else tensor))
 
     handle = torch.nn.modules.module.register_module_forward_hook(watch)
     try:

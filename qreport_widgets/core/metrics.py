@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -17,14 +16,11 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
 
     Summed in float64 a million values at a time: float64 copies of whole activations would cost
     several times their size at once."""
-    return sqnr_of([power_terms(reference, approximation)])
+    return sqnr_of(*power_terms(reference, approximation))
 
 
-def sqnr_of(parts: Iterable[tuple[float, float]]) -> float:
-    """SQNR (dB) of values measured in parts: the ``power_terms`` of each, added."""
-    signal = noise = 0.0
-    for part_signal, part_noise in parts:
-        signal, noise = signal + part_signal, noise + part_noise
+def sqnr_of(signal: float, noise: float) -> float:
+    """SQNR (dB) from summed signal and noise power (``power_terms``, added over parts)."""
     if noise == 0:
         return math.inf if signal > 0 else math.nan
     return 10 * math.log10(signal / noise) if signal > 0 else math.nan

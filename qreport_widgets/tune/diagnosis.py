@@ -77,7 +77,6 @@ class Diagnosis:
     def __init__(self, runner: Runner, simulated: Simulated, real: RealRuns) -> None:
         self.runner, self.simulated, self.real = runner, simulated, real
         self._sensitivity: dict[bool, pd.DataFrame] = {}  # with and without the metric
-        self._alone: dict[bool, dict[frozenset[str], tuple[float, float | None]]] = {}  # sensitivity's sets
         self._tradeoff: pd.DataFrame | None = None
         self._searches: dict[bool, FloatSearch] = {}  # by SQNR, by the metric
         self._searched: tuple[SearchPath, RunResult] | None = None  # the last reach()'s path and run
@@ -87,7 +86,6 @@ class Diagnosis:
         """Drop what was estimated in a simulation that has changed since (real kernels adopted)."""
         if self._simulation_version != self.simulated.version:
             self._sensitivity.clear()
-            self._alone.clear()
             self._tradeoff, self._searches, self._simulation_version = None, {}, self.simulated.version
 
     def computed(self) -> dict[str, pd.DataFrame]:
@@ -140,8 +138,6 @@ class Diagnosis:
         local = self.simulated.local_sqnr()
         variants = [[]] + [[name] for name in names]
         (base_sqnr, base_metric), *each = self.simulate_each(variants, progress, "sensitivity", metric=metric)
-        self._alone[metric] = {frozenset(): (base_sqnr, base_metric)}
-        self._alone[metric].update((frozenset([name]), found) for name, found in zip(names, each, strict=True))
         rows = [
             {
                 "module": name,
@@ -385,8 +381,7 @@ class Diagnosis:
                 return self.simulate_each(variants, progress, "in-context search", metric=metric)
 
             neighbours = dataflow_neighbours(self.runner.float_model, list(ranking.index))
-            search = FloatSearch(measure, list(ranking.index), truth.disagreeing, neighbours)
-            self._searches[key] = search.known(self._alone.get(metric) or self._alone.get(True, {}))
+            self._searches[key] = FloatSearch(measure, list(ranking.index), truth.disagreeing, neighbours)
         return self._searches[key]
 
     def _float_run(self, float_modules: Sequence[str], label: str, progress: Progress | None) -> RunResult:

@@ -22,7 +22,7 @@ import torch
 
 from ..core.calibration import CalibrationData, calibrate, call_with
 from ..core.memory import WatchedCopy, WeightPool
-from ..core.metrics import output_tensor, power_terms, sqnr_of
+from ..core.metrics import output_tensor, power_terms, sqnr_db
 from ..core.progress import Progress
 from ..engines.contract import Engine
 from ..engines.settings import ModuleSettings, TunableModule, validate_all
@@ -178,11 +178,12 @@ class Runner:
 
     def output_sqnr(self, outputs: Sequence[Any]) -> float:
         """Output SQNR (dB) of a model's outputs on the evaluation batches against the float model's."""
-        return sqnr_of(self.output_terms(index, output) for index, output in enumerate(outputs))
+        reference = torch.cat([r.flatten() for r in self.reference_outputs()])
+        return sqnr_db(reference, torch.cat([self.output_of(o).flatten() for o in outputs]))
 
     def output_terms(self, index: int, output: Any) -> tuple[float, float]:
         """(signal, noise) power of a model's output on evaluation batch ``index`` against the float
-        model's: what ``output_sqnr`` adds over batches, so that each output can go once read."""
+        model's: what the output SQNR adds over batches (``core.metrics.sqnr_of``)."""
         return power_terms(self.reference_outputs()[index], self.output_of(output))
 
     def equalization_float_error(self, settings: Mapping[str, ModuleSettings]) -> float:
@@ -274,16 +275,16 @@ class Runner:
                 notes.append(f"kernel check unavailable: {type(error).__name__}: {error}")
         said = engine.run_notes(config, quantized)  # settings the quantized model did not carry out
         summary, conversions = engine.conversions(prepared, quantized)
-        terms = [power_terms(r, o) for r, o in zip(reference, outputs, strict=True)]  # each batch once, no copies
+        everything = torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs])
         return {
             "quantized_model": quantized,
-            "output_sqnr_db": sqnr_of(terms),
+            "output_sqnr_db": sqnr_db(*everything),
             "per_layer_sqnr_db": layers,
             "size_bytes": _serialized_size(quantized),
             "deployed_bytes": engine.deployed_bytes(quantized),
             "latency_ms": float(np.median(seconds) * 1000),
             "latency_spread_ms": float((max(seconds) - min(seconds)) * 1000),
-            "mean_batch_sqnr_db": float(np.mean([sqnr_of([part]) for part in terms])),
+            "mean_batch_sqnr_db": float(np.mean([sqnr_db(r, o) for r, o in zip(reference, outputs, strict=True)])),
             "quantized_layers": int(conversions["quantized"].sum()) if len(conversions) else 0,
             "eval_metric": float(self.eval_fn(quantized)) if self.eval_fn is not None else None,
             "eval_batches": self.batches.eval_description,

@@ -79,7 +79,7 @@ class Simulated:
                         step()
                     return found
                 terms = simulation.outputs_each(runner.eval_data, variants, step, runner.output_terms)
-                return [(sqnr_of(each), None) for each in terms]
+                return [(sqnr_of(*map(sum, zip(*each, strict=True))), None) for each in terms]
         finally:
             simulation.configure(())
 

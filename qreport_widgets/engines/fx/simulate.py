@@ -421,10 +421,14 @@ class Simulator(WholePasses):
             self.configure(previous)
         if self._replay.exact:
             return found
-        try:  # an in-place op the replay cannot follow: whole forward passes instead
-            return super().outputs_each(batches, variants, step, reduce)
-        finally:
-            self.configure(previous)
+        found = []  # an in-place op the replay cannot follow: whole forward passes instead
+        for variant in variants:
+            outputs = self.outputs(batches, variant)
+            found.append(outputs if reduce is None else [reduce(i, output) for i, output in enumerate(outputs)])
+            for _ in batches if step is not None else ():
+                step()
+        self.configure(previous)
+        return found
 
     def _changed_by(self, variant: Variant) -> set[torch.fx.Node]:
         """The nodes that compute differently in ``variant`` than in the starting configuration."""
