@@ -79,6 +79,11 @@ class DistributedCalibrationError(QReportError, RuntimeError):
     raised on every rank of the group."""
 
 
+class NotEnoughMemoryError(QReportError, MemoryError):
+    """A step would need more memory than the machine has free: refused before it starts, so
+    nothing the session holds is lost."""
+
+
 def warn_user(message: str) -> None:
     """A QReportWarning attributed to the first caller outside this package and torch (the notebook
     cell or script line that called analyze / generate_model_report), however deep it was raised."""

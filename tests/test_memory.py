@@ -15,7 +15,7 @@ import torch
 
 import qreport_widgets as qw
 from qreport_widgets import FloatModelChangedError, ModelReleasedError, ModuleSettings, QuantizationSession
-from qreport_widgets.core.metrics import output_tensor
+from qreport_widgets.core import memory
 from qreport_widgets.demo.digits import trained_digits_model
 
 
@@ -162,9 +162,8 @@ def test_sensitivity_holds_no_more_than_one_variants_output_at_once():
     def watch(module, args, output):
         nonlocal most_alive
         if module is session.parts.simulated.simulation().model:
-            tensor = output_tensor(output)
             most_alive = max(most_alive, sum(ref() is not None for ref in outputs))
-            outputs.append(weakref.ref(output if isinstance(output, torch.Tensor) else tensor))
+            outputs.append(weakref.ref(output.logits))  # the logits themselves, as the decoder gave them
 
     handle = torch.nn.modules.module.register_module_forward_hook(watch)
     try:
@@ -177,3 +176,25 @@ def test_sensitivity_holds_no_more_than_one_variants_output_at_once():
         whole = runner.output_sqnr(simulation.outputs(runner.eval_data, [fqn]))
         assert table.at[fqn, "simulated_output_sqnr_db"] == pytest.approx(whole, abs=1e-6)
     simulation.configure(())
+
+
+def test_a_step_the_machine_has_no_memory_for_is_refused_before_it_starts_and_nothing_is_lost(monkeypatch):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_models import tiny_llama
+
+    model, batches = tiny_llama()
+    session = QuantizationSession(model, batches[0], batches[:4], eval_data=batches[4:], engine="eager")
+    quiet = lambda done, total: None  # noqa: E731
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(memory, "free_bytes", lambda: weights // 10)
+    with pytest.raises(qw.NotEnoughMemoryError, match=r"the run 'baseline' would need about .* is free: nothing was started"):
+        session.sensitivity(progress=quiet)
+    assert session.history == []  # nothing recorded
+    monkeypatch.setattr(memory, "free_bytes", lambda: 64 * weights)  # enough for a run, not for the simulation
+    monkeypatch.setattr(memory, "STEP_WEIGHTS", {**memory.STEP_WEIGHTS, "simulation": 100.0})
+    with pytest.raises(qw.NotEnoughMemoryError, match="building the simulation"):
+        session.sensitivity(progress=quiet)
+    assert [(run.label, run.ok) for run in session.history] == [("baseline", True)]  # the run it could make is kept
+    monkeypatch.undo()
+    table = session.sensitivity(progress=quiet)
+    assert len(table) == len([m for m in session.modules if not m.current.keep_float])

@@ -14,6 +14,9 @@ from hf_models import tiny_llama
 
 from qreport_widgets import ModuleSettings, QuantizationSession
 from qreport_widgets.demo.digits import trained_digits_model
+from qreport_widgets.engines.eager.simulate import dequantized_weight, format_key
+from qreport_widgets.engines.settings import DEFAULT_GROUP_SIZE
+from qreport_widgets.tune import mixed
 
 quiet = lambda done, total: None  # noqa: E731
 AGREEMENT_DB = 0.5  # a front point's simulated output SQNR and a real run of its settings
@@ -95,8 +98,10 @@ def uniform_and_split(session, front_modules: list[str], first: str, second: str
     return {fqn: ModuleSettings(format=first if i < half else second) for i, fqn in enumerate(front_modules)}
 
 
-@pytest.mark.parametrize("name", ["digits bert", "tiny llama"])
-def test_the_eager_front_beats_naive_splits_and_all_int4_at_the_same_size(name, cache):
+@pytest.mark.parametrize("name", ["digits bert", "tiny llama", "tiny llama, most choices estimated"])
+def test_the_eager_front_beats_naive_splits_and_all_int4_at_the_same_size(name, cache, monkeypatch):
+    if name.endswith("estimated"):  # as on a decoder with hundreds of single choices
+        monkeypatch.setattr(mixed, "ESTIMATED_BEYOND", 0)
     if name == "digits bert":
         session = digits_session("bert", cache, engine="eager")
     else:
@@ -121,6 +126,44 @@ def test_the_eager_front_beats_naive_splits_and_all_int4_at_the_same_size(name, 
     near = front.iloc[:: max(1, len(front) // 4)]  # a few points along the front
     assert_points_agree_with_real_runs(session, near)
     assert torch.isfinite(torch.tensor(front["simulated_output_sqnr_db"].iloc[:-1].to_numpy())).all()
+
+
+def test_estimated_single_choices_read_each_modules_own_error_and_land_near_whole_simulations(monkeypatch):
+    model, batches = tiny_llama()
+    session = QuantizationSession(model, batches[0], batches[:4], eval_data=batches[4:], engine="eager")
+    name = "model.layers.1.mlp.down_proj"
+    int4, int8 = ModuleSettings(format="int4-weight-only", group_size=32), ModuleSettings(format="int8-weight-only")
+    module = session.float_model.get_submodule(name)
+    seen = []
+    handle = module.register_forward_hook(lambda _m, args, output: seen.append((args[0], output)))
+    with torch.no_grad():
+        session.float_model(*session.eval_data[0])
+    handle.remove()
+    given, expected = seen[0]
+    own = session.simulation().local_noise(session.eval_data[0], {name: [int4, int8, ModuleSettings(keep_float=True)]})
+    for choice in (int4, int8):
+        direct = torch.nn.functional.linear(given, dequantized_weight(module, format_key(choice))) - expected
+        assert own[name, choice] == pytest.approx(float(direct.double().pow(2).sum()), rel=1e-5)
+    assert own[name, ModuleSettings(keep_float=True)] == 0.0
+    assert own[name, int4] > own[name, int8] > 0
+
+    found = {}
+    estimate = mixed._estimated_alone
+
+    def kept(*args):
+        found.update(estimate(*args))
+        return found
+
+    monkeypatch.setattr(mixed, "ESTIMATED_BEYOND", 0)
+    monkeypatch.setattr(mixed, "_estimated_alone", kept)
+    session.pareto(progress=quiet)
+    start = {m.fqn: m.current for m in session.modules}
+    singles = list(found)
+    assert len(singles) > 4 * len(session.modules)  # every format and group size of every module
+    whole = session.simulate_each([mixed.variant_of({fqn: c}, start) for fqn, c in singles], metric=False)
+    gaps = sorted(abs(found[single][0] - sqnr) for single, (sqnr, _) in zip(singles, whole, strict=True))
+    assert gaps[len(gaps) // 2] < 0.2 and gaps[int(0.9 * len(gaps))] < 1.0  # median, 90th percentile (dB)
+    assert DEFAULT_GROUP_SIZE in {c.group_size for _, c in singles}
 
 
 def test_the_size_pane_draws_the_front_puts_a_point_in_the_rows_and_a_budget_selects_the_best_under_it(cache):

@@ -108,8 +108,11 @@ def test_progress_counts_every_simulated_step_and_the_table_is_what_whole_passes
     table = session.sensitivity(progress=lambda done, total: calls.append((done, total)))
     assert session.simulate(()) == starting  # the simulation is left in the starting configuration
     modules, batches = len(ranked(session)), len(data.evaluation)
-    steps = (modules + 1) * batches  # the starting configuration and each module float, on each batch
+    steps = modules * batches  # each module float, on each batch (the kernel check simulated the start)
     assert calls[-steps:] == [(i, steps) for i in range(1, steps + 1)] and len(table) == modules
+    calls.clear()
+    again = session.sensitivity(progress=lambda done, total: calls.append((done, total)))
+    assert calls == [] and again.equals(table)  # nothing simulated twice while the simulation is unchanged
     assert "metric_gain" not in table.columns  # no eval_fn
     for name in table.index:  # replayed from one run per batch: the same numbers as whole passes
         assert table.at[name, "simulated_output_sqnr_db"] == pytest.approx(session.simulate([name])[0], abs=1e-9)
@@ -135,9 +138,10 @@ def test_reach_meets_a_target_with_fewer_float_modules_than_all(measured, target
     assert result.ok and result.output_sqnr_db >= target
     assert 0 < len(floats) < len(session.modules) and "met with" in result.notes[-1]
     count, sqnr = greedy_real(session, real, target)
-    # the in-context search keeps no more float than the real one-at-a-time order (at 45 dB: 3 against 4)
+    # the in-context search keeps no more float than the real one-at-a-time order, and with as many
+    # it ends no lower (at 45 dB: 3 against 3 or 4, by what the session simulated before)
     assert len(floats) <= count
-    assert len(floats) < count or result.output_sqnr_db == pytest.approx(sqnr, abs=0.3)
+    assert len(floats) < count or result.output_sqnr_db >= sqnr - 0.3
 
 
 def test_the_tradeoff_curve_and_an_unreachable_target(measured):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import sys
 import weakref
 from collections.abc import Iterator
@@ -13,7 +14,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import FloatModelChangedError
+from ..errors import FloatModelChangedError, NotEnoughMemoryError
+
+# What a step allocates beyond what the session holds, as a multiple of the float weights of the
+# modules it quantizes, measured at its peak (benchmarks/llm_scale.py, a 134M decoder, eager int4):
+# building the simulation holds a dequantized copy of them (1.0x); a real run, the quantized copy,
+# the reference conversion its kernel check reads and the calibrating copy at once (1.1x); the size
+# front, other formats' quantized weights (OTHER_FORMATS_SHARE, 0.5x) beside one point's dequantized
+# weights (1.0x). Each also holds a few outputs per batch: ``OUTPUTS_HELD`` of the largest.
+STEP_WEIGHTS = {"simulation": 1.0, "run": 1.1, "size front": 1.5}
+OUTPUTS_HELD = 4
+ROOM = 1.1  # refuse a step when its estimate and a tenth more exceed the memory free
 
 # functools caches keyed by a module, in torch's FX quantization and in torchao's PT2E: every model
 # prepared or converted would stay alive, weights and all, for the life of the process (measured on
@@ -127,3 +138,54 @@ class WeightPool:
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+
+
+def free_bytes() -> int:
+    """The memory the machine has available now (free, and what the system would give back from caches)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def ensure_room(step: str, weights: int, output: int, doing: str) -> None:
+    """Refuses ``doing`` (a step of kind ``step``, see ``STEP_WEIGHTS``) with ``NotEnoughMemoryError``
+    when what it is estimated to allocate, for ``weights`` bytes of quantized modules' float weights
+    and an output of ``output`` bytes per batch, exceeds the memory free."""
+    needed = STEP_WEIGHTS[step] * weights + OUTPUTS_HELD * output
+    free = free_bytes()
+    if needed * ROOM <= free:
+        return
+    raise NotEnoughMemoryError(
+        f"{doing} would need about {_gb(needed)} more memory ({STEP_WEIGHTS[step]:.1f}x the {_gb(weights)} "
+        f"of float weights it quantizes, and outputs), and {_gb(free)} is free: nothing was started. Free "
+        "memory first (delete reports, sessions or models you no longer need and run gc.collect(); close "
+        "other notebooks), measure on fewer or shorter eval batches, or run on a machine with more memory"
+    )
+
+
+def tensors_bytes(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> int:
+    """The bytes the distinct ``tensors`` hold."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        seen.setdefault(id(tensor), tensor.numel() * tensor.element_size())
+    return sum(seen.values())
+
+
+def _gb(size: float) -> str:
+    return f"{size / 2**30:.1f} GB" if size >= 2**30 else f"{size / 2**20:.0f} MB"
+
+
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
+    _LIBC.malloc_trim  # noqa: B018 (glibc's; another C library has none)
+except (OSError, AttributeError):
+    _LIBC = None
+
+
+def give_back() -> None:
+    """Hands the memory the C allocator holds freed back to the system (glibc's ``malloc_trim``;
+    elsewhere nothing). Tensors of a few MB (a decoder layer's weight or activations) are allocated
+    from the allocator's heap, not mapped on their own, and freed ones stay resident: a step that
+    dequantizes weight after weight would otherwise keep every freed one counted against the machine."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)

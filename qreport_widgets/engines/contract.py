@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from ..core.calibration import call_with
+from ..core.memory import give_back
 from .settings import ModuleSettings, Setting, TunableModule
 from .sizes import packed_bytes, weight_bytes
 
@@ -236,6 +237,9 @@ class WholePasses:
     def configure(self, variant: Variant | Iterable[str] = ()) -> None:
         raise NotImplementedError
 
+    def rest(self) -> None:
+        """Nothing to drop (see ``Simulation.rest``)."""
+
     def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]:
         self.configure(variant)
         with torch.no_grad():
@@ -259,6 +263,7 @@ class WholePasses:
                     if step is not None:
                         step()
             found.append(outputs)
+            give_back()  # the variant's freed weights and activations
         return found
 
 
@@ -288,6 +293,10 @@ class Simulation(Protocol):
 
     def local_sqnr(self, batch: Any) -> dict[str, float]:
         """Each tunable module's own error (dB): quantized, on the float model's input to it."""
+
+    def rest(self) -> None:
+        """Drop what is rebuilt on the next ``configure`` (a real run is about to start); ``model``
+        may compute something else until then."""
 
     def run_real_kernels(self, quantized: torch.nn.Module, names: Iterable[str]) -> list[str]:
         """Compute the modules ``names`` with ``quantized``'s kernels instead of their reference

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from .runner import Runner
     from .simulation import Simulated
 
+# more single choices than this (a decoder: every module, every format and group size) and only
+# keeping each module float is simulated whole; the other choices are estimated (``_estimated_alone``)
+ESTIMATED_BEYOND = 240
 MAX_SIMULATED = 40  # points of the chain simulated whole (evenly spread over its sizes)
 BASELINE = "baseline"
 
@@ -134,12 +137,19 @@ def size_front(runner: Runner, simulated: Simulated, real: RealRuns, progress: P
     if not choices:
         raise QReportError("no module can change its size on this engine's configuration (nothing quantized has weights)")
     baseline = real.baseline(progress)
+    runner.ensure_room("size front", "the size front (every format of every module, simulated)")
     if not baseline.ok:
         raise QReportError(f"the size front is anchored to the baseline's real size, and the baseline failed: {baseline.error}")
     start = {fqn: found[0] for fqn, found in choices.items()}
     singles = [(fqn, c) for fqn, found in choices.items() for c in found[1:]]
-    variants = [Variant(), *(variant_of({fqn: c}, start) for fqn, c in singles)]
-    (start_db, _), *alone = simulated.simulate_each(variants, progress, "size front: each choice alone", metric=False)
+    estimate = len(singles) > ESTIMATED_BEYOND and hasattr(simulated.simulation(), "local_noise")
+    whole = [(fqn, c) for fqn, c in singles if c.keep_float or not estimate]
+    variants = [Variant(), *(variant_of({fqn: c}, start) for fqn, c in whole)]
+    (start_db, _), *measured = simulated.simulate_each(variants, progress, "size front: each choice alone", metric=False)
+    each = dict(zip(whole, measured, strict=True))
+    if estimate:
+        each |= _estimated_alone(runner, simulated, choices, start, each, start_db, progress)
+    alone = [each[single] for single in singles]
     start_noise = _noise(start_db)
     float_model = runner.float_model
     sizes = {fqn: {c: engine.module_bytes(float_model.get_submodule(fqn), c) for c in found} for fqn, found in choices.items()}
@@ -149,7 +159,7 @@ def size_front(runner: Runner, simulated: Simulated, real: RealRuns, progress: P
             options[fqn].append(Option(c, sizes[fqn][c], _noise(sqnr) - start_noise))
     chain = _chain({fqn: _hull(found) for fqn, found in options.items()})
     picked = _spread(chain, MAX_SIMULATED)
-    searched = _searched_points(runner, simulated, real, start, choices, alone=dict(zip(singles, alone, strict=True)))
+    searched = _searched_points(runner, simulated, real, start, choices, alone=each)
     picked_points = [chain[i] for i in picked] + [p for p in searched if p not in chain]
     uniform = _uniform(choices)
     pool = picked_points + list(uniform.values())
@@ -172,6 +182,53 @@ def size_front(runner: Runner, simulated: Simulated, real: RealRuns, progress: P
     table = pd.DataFrame(uniform_rows, index=pd.Index(list(uniform), name="choice"))
     quantized = [r for r in rows if not all(c.keep_float for c in r["settings"].values())]  # the float model is no point
     return SizeFront(_front(quantized), table)
+
+
+def _estimated_alone(
+    runner: Runner,
+    simulated: Simulated,
+    choices: Mapping[str, list[ModuleSettings]],
+    start: Mapping[str, ModuleSettings],
+    alone: Mapping[tuple[str, ModuleSettings], tuple[float, float | None]],
+    start_db: float,
+    progress: Progress | None,
+) -> dict[tuple[str, ModuleSettings], tuple[float, float | None]]:
+    """Each quantized choice alone, most of them estimated. Per module, the noise each choice puts
+    on the module's own output is measured in one pass over the first evaluation batch; the choice
+    with the most is simulated whole, and the output noise of the others is read off the line
+    through what is known whole (kept float, the start format, that coarsest choice) against that
+    own noise. A module with nothing to read from has all its choices simulated whole."""
+    local = simulated.simulation().local_noise(runner.eval_data[0], choices)
+    start_noise = _noise(start_db)
+    quantized = {fqn: [c for c in options[1:] if not c.keep_float] for fqn, options in choices.items()}
+    anchors, exact = [], []
+    for fqn, options in quantized.items():
+        if options and all((fqn, c) in local for c in (start[fqn], *options)):
+            anchors.append((fqn, max(options, key=lambda c, fqn=fqn: local[fqn, c])))
+        else:
+            exact += [(fqn, c) for c in options]
+    whole = anchors + exact
+    measured = simulated.simulate_each(
+        [variant_of({fqn: c}, start) for fqn, c in whole], progress, "size front: each module's coarsest choice", metric=False
+    )
+    found = dict(zip(whole, measured, strict=True))
+    for fqn, anchor in anchors:
+        kept_float = next((alone[fqn, c] for c in choices[fqn] if c.keep_float and (fqn, c) in alone), None)
+        known = [(local[fqn, start[fqn]], start_noise), (local[fqn, anchor], _noise(found[fqn, anchor][0]))]
+        if kept_float is not None and not math.isnan(kept_float[0]):
+            known.append((0.0, _noise(kept_float[0])))
+        if any(math.isnan(noise) for _, noise in known):
+            continue
+        own, noise = zip(*sorted(known), strict=True)
+        for choice in quantized[fqn]:
+            if choice != anchor:
+                estimate = float(np.interp(local[fqn, choice], own, noise))
+                found[fqn, choice] = (-10.0 * math.log10(estimate) if estimate > 0 else math.inf, None)
+    missing = [(fqn, c) for fqn, options in quantized.items() for c in options if (fqn, c) not in found]
+    if missing:
+        measured = simulated.simulate_each([variant_of({fqn: c}, start) for fqn, c in missing], progress, metric=False)
+        found |= dict(zip(missing, measured, strict=True))
+    return found
 
 
 def _kernel_fix(module: TunableModule, broken: set[str]) -> list[ModuleSettings]:

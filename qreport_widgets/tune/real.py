@@ -159,6 +159,7 @@ class RealRuns:
     ) -> RunResult:
         label = label or self.history.next_label()
         checks = checks if checks is not None else self._checks_kernels if record else None
+        self.simulated.rest()  # a real run's peak on top of what the simulation can rebuild
         result = self.runner.run(
             config, label, progress, per_layer=record, check_kernels=checks, float_model=float_model, settings=settings
         )
@@ -191,4 +192,7 @@ class RealRuns:
         def simulated() -> float:
             return self.simulated.simulate_each([()], quiet, "checking the simulation", metric=False)[0][0]
 
-        return check_truth(baseline, simulation, simulated, self.runner.float_model, self.runner.eval_data[0])
+        runner = self.runner
+        return check_truth(
+            baseline, simulation, simulated, self.simulated.run_real_kernels, runner.float_model, runner.eval_data[0]
+        )

@@ -21,12 +21,12 @@ import pandas as pd
 import torch
 
 from ..core.calibration import CalibrationData, calibrate, call_with
-from ..core.memory import WatchedCopy, WeightPool
+from ..core.memory import WatchedCopy, WeightPool, ensure_room, give_back, tensors_bytes
 from ..core.metrics import output_tensor, power_terms, sqnr_db
 from ..core.progress import Progress
 from ..engines.contract import Engine
 from ..engines.settings import ModuleSettings, TunableModule, validate_all
-from ..errors import CalibrationError
+from ..errors import CalibrationError, NotEnoughMemoryError
 from ..observe.distributed import calibrated_across
 from .run import RunResult
 from .truth import KERNEL_AGREEMENT_DB
@@ -186,6 +186,15 @@ class Runner:
         model's: what the output SQNR adds over batches (``core.metrics.sqnr_of``)."""
         return power_terms(self.reference_outputs()[index], self.output_of(output))
 
+    def ensure_room(self, step: str, doing: str, settings: Mapping[str, ModuleSettings] | None = None) -> None:
+        """Refuses ``doing`` when the machine has not the memory it is estimated to need
+        (``core.memory.ensure_room``) for the modules ``settings`` (the start's when None) quantize."""
+        chosen = self.current_settings() if settings is None else {**self.current_settings(), **settings}
+        modules = dict(self.float_model.named_modules())  # an FX module name may be a function's (an add)
+        weights = (getattr(modules.get(fqn), "weight", None) for fqn, s in chosen.items() if not s.keep_float)
+        output = max((r.numel() * r.element_size() for r in self._reference or ()), default=0)
+        ensure_room(step, tensors_bytes([w for w in weights if isinstance(w, torch.Tensor)]), output, doing)
+
     def equalization_float_error(self, settings: Mapping[str, ModuleSettings]) -> float:
         """Relative change of the float model's output when the engine equalizes as ``settings`` ask
         (0: exact; NaN for an engine without equalization)."""
@@ -210,13 +219,15 @@ class Runner:
         ``float_model``: what to prepare instead of the float model (a migrated copy).
         ``check_kernels``: whether to check each quantized kernel against its reference (a reference
         conversion, about a fifth of a bare run), or a function of the prepared model that says.
-        Failures do not raise: the result carries ``error``. ``per_layer=False`` measures the output only."""
+        Failures do not raise: the result carries ``error``; a run the machine has not the memory for
+        is refused (``NotEnoughMemoryError``). ``per_layer=False`` measures the output only."""
         engine = self.engine
         start = time.perf_counter()
         given = {"label": label, "settings": settings, "config": config, "baseline": baseline}
         try:
             source = self.float_model if float_model is None else float_model
             _require_float32(source)
+            self.ensure_room("run", f"the run {label!r}", settings)
             prepared = self.prepare(source, config)
             if engine.calibrates(config):
                 self.calibrate(prepared, f"{label}: calibrating", progress is None, progress)
@@ -225,7 +236,11 @@ class Runner:
             reference = engine.reference_model(prepared) if checks else None
             quantized = engine.convert(prepared)
             measured = self._measure(quantized, prepared, config, label, per_layer, source, reference)
+            del prepared, reference
+            give_back()  # what converting and measuring freed
             return RunResult(**given, **measured, duration_s=time.perf_counter() - start)
+        except NotEnoughMemoryError:  # refused before it started: not a failed run
+            raise
         except Exception as error:  # user models and data: report, keep the session usable
             detail = "".join(traceback.format_exception_only(type(error), error)).strip()
             return RunResult(
@@ -316,10 +331,26 @@ def _require_float32(model: torch.nn.Module) -> None:
         )
 
 
+class _Counted(io.RawIOBase):
+    """A write-only stream that keeps nothing and counts the bytes written to it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        self.count += size
+        return size
+
+
 def _serialized_size(model: torch.nn.Module) -> int:
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
-    return buffer.getbuffer().nbytes
+    """The bytes ``torch.save`` writes for the state dict (counted as written, not held)."""
+    counted = _Counted()
+    torch.save(model.state_dict(), counted)
+    return counted.count
 
 
 def _timed_calls(

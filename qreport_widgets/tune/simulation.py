@@ -25,16 +25,26 @@ class Simulated:
         self.runner = runner
         self._simulation: Simulation | None = None
         self.version = 0  # counts the changes made to the simulation after it was built (real kernels adopted)
+        self._known: dict[Variant, float] = {}  # output SQNR of each variant simulated at this version
+        self._known_version = 0
 
     def simulation(self, progress: Progress | None = None) -> Simulation:
         runner = self.runner
         float_model = runner.float_model  # checks the weights first
         if self._simulation is None:
+            runner.ensure_room(
+                "simulation", "building the simulation (what sensitivity, reach, fit and the truth check measure in)"
+            )
             prepared = runner.calibrated_start("sensitivity: calibrating", progress)
             engine = runner.engine
             simulator = engine.simulator(prepared, runner.modules, float_model, runner.example_inputs, runner.calibrate_quietly)
             self._simulation = simulator
         return self._simulation
+
+    def rest(self) -> None:
+        """Lets the simulation drop what it rebuilds on its next use (``Simulation.rest``)."""
+        if self._simulation is not None:
+            self._simulation.rest()
 
     def run_real_kernels(self, quantized: torch.nn.Module, names: list[str]) -> list[str]:
         """The simulation runs ``quantized``'s kernels for ``names`` from now on (see
@@ -65,23 +75,32 @@ class Simulated:
         """``simulate(v)`` for each ``v`` in ``variants``, without the metric unless ``metric``.
 
         For the output SQNR alone each variant recomputes only what it changes (one step per variant
-        and batch); ``eval_fn`` needs the whole model, so with it each variant is a whole pass (one
-        step per variant)."""
+        and batch), and a variant simulated before (by sensitivity, the search, the size front) is
+        not simulated again until the simulation changes (``version``); ``eval_fn`` needs the whole
+        model, so with it each variant is a whole pass (one step per variant)."""
         simulation, runner = self.simulation(), self.runner
-        whole = metric and runner.eval_fn is not None
-        total = len(variants) * (1 if whole else len(runner.eval_data))
-        try:
-            with steps(total, desc, "step", progress) as step:
-                if whole:
+        if metric and runner.eval_fn is not None:
+            try:
+                with steps(len(variants), desc, "step", progress) as step:
                     found = []
                     for variant in variants:
                         found.append(self.simulate(variant))
                         step()
                     return found
-                terms = simulation.outputs_each(runner.eval_data, variants, step, runner.output_terms)
-                return [(sqnr_of(*map(sum, zip(*each, strict=True))), None) for each in terms]
+            finally:
+                simulation.configure(())
+        if self._known_version != self.version:
+            self._known, self._known_version = {}, self.version
+        keys = [Variant.of(variant) for variant in variants]
+        new = list(dict.fromkeys(key for key in keys if key not in self._known))  # each once, those not known yet
+        try:
+            with steps(len(new) * len(runner.eval_data), desc, "step", progress) as step:
+                terms = simulation.outputs_each(runner.eval_data, new, step, runner.output_terms)
         finally:
             simulation.configure(())
+        for key, each in zip(new, terms, strict=True):
+            self._known[key] = sqnr_of(*map(sum, zip(*each, strict=True)))
+        return [(self._known[key], None) for key in keys]
 
     def local_sqnr(self) -> dict[str, float]:
         """Each module's own error (dB) on the inputs the float model gives it, on the first evaluation batch."""

@@ -157,18 +157,20 @@ def check_truth(
     baseline: RunResult,
     simulation: Simulation,
     simulated_sqnr: Callable[[], float],
+    adopt_kernels: Callable[[torch.nn.Module, list[str]], list[str]],
     float_model: torch.nn.Module,
     batch: Any,
 ) -> TruthCheck:
     """The baseline run against ``simulation`` (``simulated_sqnr()``: its output SQNR as configured
     now); where they disagree and the baseline names kernels that differ, the simulation runs those
-    real kernels from then on, and the check says what that gave."""
+    real kernels from then on (``adopt_kernels(quantized, names)``, the names it now runs), and the
+    check says what that gave."""
     simulated = simulated_sqnr()
     layers = _side_by_side(baseline.per_layer_sqnr_db, simulated_layers(simulation, float_model, batch))
     truth = TruthCheck(baseline.output_sqnr_db, simulated, baseline.kernel_sqnr_db, layers=layers, corrected_db=simulated)
     if truth.agrees or not truth.disagreeing or baseline.quantized_model is None:
         return truth
-    adopted = simulation.run_real_kernels(baseline.quantized_model, truth.disagreeing)
+    adopted = adopt_kernels(baseline.quantized_model, truth.disagreeing)
     if not adopted:
         return truth
     return replace(truth, real_kernels=tuple(adopted), corrected_db=simulated_sqnr())

@@ -139,9 +139,9 @@ class EagerEngine(Engine[EagerConfig]):
     def per_layer_sqnr(self, float_model: nn.Module, quantized: nn.Module, batch: Any) -> pd.Series:
         """SQNR (dB) at each Linear / Embedding / Conv module's output, quantized against float."""
         names = [fqn for fqn, module in float_model.named_modules() if isinstance(module, WEIGHTED)]
-        expected, found = module_outputs(float_model, names, batch), module_outputs(quantized, names, batch)
-        values = {fqn: sqnr_db(expected[fqn], found[fqn]) for fqn in names if fqn in expected and fqn in found}
-        return pd.Series(values, name="SQNR (dB)", dtype=float)
+        expected = module_outputs(float_model, names, batch)
+        values = module_outputs(quantized, list(expected), batch, lambda fqn, found: sqnr_db(expected.pop(fqn), found))
+        return pd.Series({fqn: values[fqn] for fqn in names if fqn in values}, name="SQNR (dB)", dtype=float)
 
     def conversions(self, prepared: nn.Module, quantized: nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
         config = self._configs.get(prepared) or self._configs.get(quantized) or EagerConfig()
@@ -244,15 +244,18 @@ class EagerEngine(Engine[EagerConfig]):
         return modules
 
 
-def module_outputs(model: nn.Module, names: Sequence[str], batch: Any) -> dict[str, torch.Tensor]:
-    """The first output of each named module on ``batch``."""
-    found: dict[str, torch.Tensor] = {}
+def module_outputs(
+    model: nn.Module, names: Sequence[str], batch: Any, reduce: Callable[[str, torch.Tensor], Any] | None = None
+) -> dict[str, Any]:
+    """The first output of each named module on ``batch``, or what ``reduce(name, output)`` keeps of
+    it (computed as the output appears: the outputs are not held)."""
+    found: dict[str, Any] = {}
     modules = dict(model.named_modules())
 
     def keep(name: str) -> Callable:
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
-            if isinstance(output, torch.Tensor):
-                found.setdefault(name, output.detach())
+            if isinstance(output, torch.Tensor) and name not in found:
+                found[name] = output.detach() if reduce is None else reduce(name, output.detach())
 
         return hook
 

@@ -12,19 +12,26 @@ kernel's integer matmul differs only by float rounding. Nothing needs calibratin
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...core.calibration import call_with
+from ...core.memory import give_back
 from ...core.metrics import sqnr_db
 from ..contract import Variant, WholePasses
 from ..settings import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
 from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, ao_config, torchao_eager
 
 FormatKey = tuple[str, int]  # (format, group size; 0 where none)
+# other formats' quantized weights kept (torchao's own int8 / int4-as-int8 tensors, about a quarter
+# of the float size each) up to this share of the float weights; beyond, the least recently used is
+# quantized again when next needed. The size front tries every format on every module: kept
+# dequantized, a decoder's weights would be held once per format
+OTHER_FORMATS_SHARE = 0.5
 
 
 def format_key(choice: ModuleSettings) -> FormatKey | None:
@@ -34,12 +41,26 @@ def format_key(choice: ModuleSettings) -> FormatKey | None:
     return choice.format, (choice.group_size or DEFAULT_GROUP_SIZE) if choice.format in GROUPED_FORMATS else 0
 
 
-def dequantized_weight(module: nn.Module, key: FormatKey) -> torch.Tensor:
-    """``module``'s weight as torchao quantizes it in format ``key``, dequantized to float."""
+def quantized_weight(module: nn.Module, key: FormatKey) -> torch.Tensor:
+    """``module``'s weight as torchao quantizes it in format ``key`` (torchao's tensor)."""
     ao = torchao_eager()
     holder = nn.Sequential(copy.deepcopy(module))
     ao.quantize_(holder, ao.FqnToConfig({"0": ao_config(*key)}), filter_fn=None)
-    return holder[0].weight.dequantize().detach().to(module.weight.dtype)
+    return holder[0].weight.detach()
+
+
+def dequantized_weight(module: nn.Module, key: FormatKey) -> torch.Tensor:
+    """``module``'s weight as torchao quantizes it in format ``key``, dequantized to float."""
+    return quantized_weight(module, key).dequantize().to(module.weight.dtype)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` holds (a tensor subclass's inner tensors summed)."""
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None:
+        return tensor.numel() * tensor.element_size()
+    names, _ = tensor.__tensor_flatten__()
+    return sum(tensor_bytes(getattr(tensor, name)) for name in names)
 
 
 def fake_quantized_tokens(x: torch.Tensor, symmetric: bool) -> torch.Tensor:
@@ -60,7 +81,12 @@ class EagerSimulation(WholePasses):
         self.tunable = [m.fqn for m in modules if not m.current.keep_float]
         self._modules = {fqn: model.get_submodule(fqn) for fqn in self._start}
         self._float = {fqn: module.weight.detach() for fqn, module in self._modules.items()}  # the shared float weights
-        self._weights: dict[tuple[str, FormatKey], torch.Tensor] = {}
+        # quantized weights, dequantized when a module takes them (the model holds one float weight
+        # per module, whichever its variant gives it): the starting format's, kept ...
+        self._starting: dict[str, torch.Tensor] = {}
+        self._others: OrderedDict[tuple[str, FormatKey], torch.Tensor] = OrderedDict()  # ... other formats', a few
+        self._others_held = 0
+        self._others_room = OTHER_FORMATS_SHARE * sum(tensor_bytes(w) for w in self._float.values())
         self._inputs: dict[str, bool | None] = dict.fromkeys(self._modules)  # fqn -> symmetric, or None: float input
         for fqn, module in self._modules.items():
             module.register_forward_pre_hook(self._input_hook(fqn))
@@ -77,14 +103,27 @@ class EagerSimulation(WholePasses):
         return hook
 
     def weight(self, fqn: str, key: FormatKey | None) -> torch.Tensor:
-        """Module ``fqn``'s weight in format ``key`` (float for None), computed once."""
+        """Module ``fqn``'s weight in format ``key`` (float for None), dequantized from its quantized form."""
         if key is None:
             return self._float[fqn]
-        if (fqn, key) not in self._weights:
-            float_module = copy.copy(self._modules[fqn])
-            float_module.weight = nn.Parameter(self._float[fqn], requires_grad=False)
-            self._weights[fqn, key] = dequantized_weight(float_module, key)
-        return self._weights[fqn, key]
+        if key == format_key(self._start[fqn]):
+            if fqn not in self._starting:
+                self._starting[fqn] = quantized_weight(self._float_module(fqn), key)
+            return self._starting[fqn].dequantize().to(self._float[fqn].dtype)
+        quantized = self._others.pop((fqn, key), None)
+        if quantized is None:
+            quantized = quantized_weight(self._float_module(fqn), key)
+            self._others_held += tensor_bytes(quantized)
+        self._others[fqn, key] = quantized  # the most recently used last
+        while self._others_held > self._others_room and len(self._others) > 1:
+            self._others_held -= tensor_bytes(self._others.popitem(last=False)[1])
+        return quantized.dequantize().to(self._float[fqn].dtype)
+
+    def _float_module(self, fqn: str) -> nn.Module:
+        """A shallow copy of module ``fqn`` holding its float weight (whatever the model holds now)."""
+        float_module = copy.copy(self._modules[fqn])
+        float_module.weight = nn.Parameter(self._float[fqn], requires_grad=False)
+        return float_module
 
     def formats_of(self, variant: Variant | Iterable[str] = ()) -> dict[str, FormatKey | None]:
         """Each module's format under ``variant`` (None: float)."""
@@ -128,6 +167,50 @@ class EagerSimulation(WholePasses):
                 local[fqn] = sqnr_db(expected, self._modules[fqn](given))
         self.configure(())
         return local
+
+    def rest(self) -> None:
+        """Every module back on the float weights it shares with the float model, other formats'
+        weights forgotten: the simulation then holds the starting formats' quantized weights only
+        (about a quarter of the float size); the next ``configure`` dequantizes again."""
+        self._others.clear()
+        self._others_held = 0
+        self._apply(dict.fromkeys(self._modules))
+        give_back()
+
+    def local_noise(self, batch: Any, choices: Mapping[str, Sequence[ModuleSettings]]) -> dict[tuple[str, ModuleSettings], float]:
+        """Per module and choice, the noise power the choice puts on the module's own output (the
+        squared difference to its float output, summed), on the float model's input to it in one
+        pass over ``batch``; computed inside the pass, so no module's input is kept."""
+        found: dict[tuple[str, ModuleSettings], float] = {}
+
+        def measure(fqn: str) -> Callable:
+            def hook(module: nn.Module, args: tuple, output: Any) -> None:
+                if not args or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
+                    return
+                for choice in choices[fqn]:
+                    key = format_key(choice)
+                    if key is None:
+                        found[fqn, choice] = 0.0
+                        continue
+                    self._apply({fqn: key})
+                    symmetric = self._inputs[fqn]
+                    given = args[0] if symmetric is None else fake_quantized_tokens(args[0], symmetric)
+                    found[fqn, choice] = float((module.forward(given, *args[1:]) - output).double().pow(2).sum())
+                self._apply({fqn: None})
+
+            return hook
+
+        self.configure(Variant(frozenset(self._modules)))
+        handles = [self._modules[fqn].register_forward_hook(measure(fqn)) for fqn in choices if fqn in self._modules]
+        try:
+            with torch.no_grad():
+                call_with(self.model, batch)
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.configure(())
+            give_back()
+        return found
 
     def _apply(self, chosen: dict[str, FormatKey | None]) -> None:
         """Each module's weight and input quantization as ``chosen`` says (only what changed)."""
