@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -37,11 +38,12 @@ def main() -> None:
         calibration = [(x,) for (x,) in DataLoader(TensorDataset(images), batch_size=64, sampler=sampler)]
         report = qw.analyze(model, calibration[0], calibration, eval_data=data.evaluation, progress=rank == 0)
         baseline = report.session.baseline()  # observers merged across the ranks before convert
-        print(
+        line = (
             f"rank {rank}: {len(calibration)} of the batches; report on {report.calibration_batches()} batches; "
-            f"baseline output SQNR {baseline.output_sqnr_db:.2f} dB",
-            flush=True,
+            f"baseline output SQNR {baseline.output_sqnr_db:.2f} dB\n"
         )
+        sys.stdout.write(line)  # one write with its newline: the ranks' lines never interleave
+        sys.stdout.flush()
         if rank == 0:
             print(f"saved {report.save(args.out)}", flush=True)
     finally:

@@ -90,6 +90,9 @@ class FakeRunner:
     def calibrate_quietly(self, model) -> None:
         pass
 
+    def ensure_room(self, step, doing, settings=None) -> None:
+        pass  # the fake engine's simulation costs nothing
+
     def output_sqnr(self, outputs) -> float:
         return sqnr_db(torch.cat([b.flatten() for b in BATCHES]), torch.cat([o.flatten() for o in outputs]))
 

@@ -172,7 +172,9 @@ def tensors_bytes(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> int:
 
 
 def _gb(size: float) -> str:
-    return f"{size / 2**30:.1f} GB" if size >= 2**30 else f"{size / 2**20:.0f} MB"
+    if size >= 2**30:
+        return f"{size / 2**30:.1f} GB"
+    return f"{size / 2**20:.0f} MB" if size >= 2**20 else f"{size / 2**10:.0f} KB"
 
 
 try:

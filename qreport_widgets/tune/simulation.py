@@ -33,7 +33,7 @@ class Simulated:
         float_model = runner.float_model  # checks the weights first
         if self._simulation is None:
             runner.ensure_room(
-                "simulation", "building the simulation (what sensitivity, reach, fit and the truth check measure in)"
+                "simulation", "building the simulation (sensitivity, reach, fit and the truth check measure in it)"
             )
             prepared = runner.calibrated_start("sensitivity: calibrating", progress)
             engine = runner.engine
