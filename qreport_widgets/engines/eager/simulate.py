@@ -152,14 +152,7 @@ class EagerSimulation(WholePasses):
 
             return hook
 
-        self.configure(Variant(frozenset(self._modules)))
-        handles = [self._modules[fqn].register_forward_hook(keep(fqn)) for fqn in self.tunable]
-        try:
-            with torch.no_grad():
-                call_with(self.model, batch)
-        finally:
-            for handle in handles:
-                handle.remove()
+        self._float_pass(batch, {fqn: keep(fqn) for fqn in self.tunable})
         local = {}
         with torch.no_grad():
             for fqn, (given, expected) in seen.items():
@@ -200,17 +193,24 @@ class EagerSimulation(WholePasses):
 
             return hook
 
+        try:
+            self._float_pass(batch, {fqn: measure(fqn) for fqn in choices})
+        finally:
+            self.configure(())
+            give_back()
+        return found
+
+    def _float_pass(self, batch: Any, hooks: Mapping[str, Callable]) -> None:
+        """One pass over ``batch`` with every module float, ``hooks[fqn]`` on module ``fqn``'s output."""
         self.configure(Variant(frozenset(self._modules)))
-        handles = [self._modules[fqn].register_forward_hook(measure(fqn)) for fqn in choices if fqn in self._modules]
+        modules = self._modules
+        handles = [modules[fqn].register_forward_hook(hook) for fqn, hook in hooks.items() if fqn in modules]
         try:
             with torch.no_grad():
                 call_with(self.model, batch)
         finally:
             for handle in handles:
                 handle.remove()
-            self.configure(())
-            give_back()
-        return found
 
     def _apply(self, chosen: dict[str, FormatKey | None]) -> None:
         """Each module's weight and input quantization as ``chosen`` says (only what changed)."""
