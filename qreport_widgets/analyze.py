@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -92,6 +92,11 @@ def analyze(
     while it calibrates, since no detector reads them. To quantize, use ``report.session`` (or
     the Tune tab), which prepares and calibrates a fresh copy for every run.
     """
+    # the example inputs are often the first calibration batch: an engine that runs them to observe may
+    # keep what it saw, and that batch is not run twice
+    first_is_example = (
+        isinstance(calibration_data, Sequence) and len(calibration_data) > 0 and calibration_data[0] is example_inputs
+    )
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     detectors = default_detectors(backend) if detectors is None else detectors
     options = {"qconfig_mapping": qconfig_mapping, "prepare_custom_config": prepare_custom_config}
@@ -100,7 +105,7 @@ def analyze(
     # place later are refused with an error, not tuned (memory.WatchedCopy); the analysis prepares from it
     watched = WatchedCopy(float_model)
     kept = [] if is_one_shot(calibration_data) else None  # a generator is kept for later tuning runs
-    observed = chosen.observe(watched.model, example_inputs)
+    observed = chosen.observe(watched.model, example_inputs, record=first_is_example)
     name = type(float_model).__name__
     report = ModelReport(
         observed.model, detectors, model_name=name, graph_of=observed.graph_of, engine=chosen, tunable_modules=observed.modules
@@ -108,7 +113,12 @@ def analyze(
     instrumented = report.prepare_detailed_calibration()
 
     def calibrated_here() -> int:
-        return calibrate(instrumented, calibration_data, desc="calibrating with observers", progress=progress, keep=kept)
+        data, replayed = calibration_data, 0
+        if observed.replay is not None and observed.replay(instrumented):
+            data, replayed = calibration_data[1:], 1  # type: ignore[index]  # a Sequence: first_is_example
+            if not len(data):
+                return replayed
+        return replayed + calibrate(instrumented, data, desc="calibrating with observers", progress=progress, keep=kept)
 
     with chosen.observers_paused(instrumented):  # the detectors read only the report's observers
         calibrated_across(group_of(process_group), instrumented, calibrated_here, "analyze()", report_observers=True)

@@ -24,6 +24,7 @@ from qreport_widgets.engines.eager import EagerConfig, EagerEngine, FormatError
 from qreport_widgets.engines.eager.formats import ao_config, torchao_eager
 from qreport_widgets.engines.settings import FORMATS, ModuleSettings
 from qreport_widgets.errors import InvalidSettingsError, UntraceableModelError
+from qreport_widgets.observe.graph import OBSERVER_CONTAINER
 
 QUANTIZED = FORMATS[1:]
 
@@ -184,6 +185,62 @@ def test_embeddings_are_tunable_weight_only():
     assert "no activations" in embedding.formats["int8-dynamic"]
     run = session.apply({"embeddings.word_embeddings": ModuleSettings(format="int8-weight-only")})
     assert run.ok and run.per_layer_sqnr_db["embeddings.word_embeddings"] < 60
+
+
+def test_a_decoders_activations_are_observed_per_hidden_feature():
+    """Every per-channel observer of a decoder counts its channels on the hidden features, the
+    embedding's output included (an embedding writes (batch, tokens, features)), never on the tokens."""
+    model, batches = tiny_llama()
+    report = eager(model, batches)
+    hidden, intermediate = model.config.hidden_size, model.config.intermediate_size
+    observers = dict(report.model.get_submodule(OBSERVER_CONTAINER).named_children())
+    assert "model_embed_tokens" in observers
+    for name, observer in observers.items():
+        if observer.min_val.numel():
+            assert observer.ch_axis == -1 and observer.min_val.numel() in (hidden, intermediate), name
+
+
+def _features(report: qw.ModelReport) -> dict:
+    return {
+        (detector, fqn, key): value.tolist() if isinstance(value, torch.Tensor) else value
+        for detector, (_, per_module) in report.generate_model_report(False).items()
+        for fqn, features in per_module.items()
+        for key, value in features.items()
+    }
+
+
+class _InPlaceReLUNet(nn.Module):
+    """A Linear whose output an in-place ReLU overwrites: what the Linear wrote is gone after the pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [tiny_llama, lambda: (_InPlaceReLUNet().eval(), [(torch.randn(8, 16),) for _ in range(3)])],
+    ids=["llama", "in-place relu"],
+)
+def test_the_example_batch_is_not_run_twice_and_the_report_is_the_same(build):
+    """When the example inputs are the first calibration batch, the pass that maps the modules feeds
+    the observers that batch; the report is exactly the one a separate pass gives. A tensor changed
+    in place after it was seen (an in-place ReLU over a Linear's output) makes the batch run again."""
+    model, batches = build()
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    calls = []
+    handle = first.register_forward_pre_hook(lambda *_: calls.append(1))
+    replayed = eager(model, batches)
+    replayed_calls, calls[:] = len(calls), []
+    separate = qw.analyze(model, copy.deepcopy(batches[0]), batches, engine="eager", progress=False)
+    handle.remove()
+    in_place = any(getattr(m, "inplace", False) for m in model.modules())
+    assert replayed_calls == len(batches) + (1 if in_place else 0)
+    assert len(calls) == len(batches) + 1
+    assert _features(replayed) == _features(separate)
 
 
 def test_structured_outputs_and_output_fn():

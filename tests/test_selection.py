@@ -66,6 +66,34 @@ def test_large_tensors_take_the_bracket_where_it_pays_and_stay_exact(shape, axis
         assert torch.equal(got, reference.kthvalue(reference.shape[1] - m + 1, dim=1).values)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 400),
+    channels=st.integers(1, 40),
+    fraction=st.floats(0.0, 0.07),
+    values=st.sampled_from(["normal", "ties", "relu", "constant columns", "infinities"]),
+    seed=st.integers(0, 2**16),
+)
+def test_channels_last_tournament_matches_kthvalue(rows, channels, fraction, values, seed):
+    """Tokens x features: the tournament over blocks of rows gives kthvalue's answer, ties and all."""
+    generator = torch.Generator().manual_seed(seed)
+    t = torch.randn(1, rows, channels, generator=generator)
+    if values == "ties":
+        t = t.round()
+    elif values == "relu":
+        t = t.relu()
+    elif values == "constant columns":
+        t[..., ::2] = 1.5
+    elif values == "infinities":
+        t[0, ::3, ::2] = -torch.inf
+        t[0, ::7, 1::2] = torch.inf
+    m = max(1, int(rows * fraction))
+    got, hint = selection.kth_largest_per_channel(t, 2, m)
+    reference = t[0].t().contiguous()
+    assert hint is None
+    assert torch.equal(got, reference.kthvalue(rows - m + 1, dim=1).values)
+
+
 def test_rank_out_of_range():
     with pytest.raises(ValueError, match="m must lie"):
         selection.kth_largest_per_channel(torch.zeros(2, 5), 0, 6)

@@ -42,6 +42,10 @@ class Observation:
     model: torch.nn.Module
     graph_of: Callable[[Any], ModelGraph]
     modules: list[TunableModule]
+    # ``replay(instrumented) -> bool``: feeds the report's observers what they would see on the example
+    # inputs, from the pass ``observe`` already made on them (only when asked to ``record``); False when
+    # it cannot (a tensor changed in place after it was seen), and the batch is then run as any other
+    replay: Callable[[torch.nn.Module], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -70,8 +74,10 @@ class Engine(ABC, Generic[ConfigT]):
 
     # ---- observation ----------------------------------------------------------------------------
     @abstractmethod
-    def observe(self, float_model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> Observation:
-        """What the analysis instruments for ``float_model`` (which it must not change)."""
+    def observe(self, float_model: torch.nn.Module, example_inputs: tuple[Any, ...], *, record: bool = False) -> Observation:
+        """What the analysis instruments for ``float_model`` (which it must not change). ``record``: the
+        example inputs are also the first calibration batch; an engine that runs them to observe may
+        keep what it saw and give ``Observation.replay``, so calibration need not run them again."""
 
     # ---- configuration --------------------------------------------------------------------------
     @abstractmethod

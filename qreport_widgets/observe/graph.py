@@ -28,7 +28,7 @@ OBSERVER_CONTAINER = "model_report_observers"
 
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 CHANNEL_FIRST = (*_CONV_TYPES, nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
-CHANNEL_LAST = (nn.Linear, nn.LayerNorm, nn.Bilinear)
+CHANNEL_LAST = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.Bilinear, nn.Embedding, nn.EmbeddingBag)  # (..., features)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -66,6 +67,7 @@ class ObserverContainer(nn.Module):
         super().__init__()
         self.index: dict[tuple[str, str, int | None], str] = {}
         self.handles: list[RemovableHandle] = []  # hooks of an eagerly run model
+        self.feeds: dict[Site, Callable[[Any], None]] = {}  # what those hooks call with their site's tensor
 
 
 def plan(graph: ModelGraph, requests: Iterable[ObservationRequest]) -> tuple[list[Placement], dict]:
@@ -129,7 +131,7 @@ def insert(model: nn.Module, placements: list[Placement], index: dict) -> Observ
         for placement in placements:
             container.add_module(placement.name, placement.build())
             watch.setdefault(placement.node.meta["site"], []).append(container.get_submodule(placement.name))
-        container.handles = attach(model, watch)
+        container.handles, container.feeds = attach(model, watch)
         return container
     last_placeholder = None
     for node in model.graph.nodes:
@@ -162,31 +164,38 @@ def remove(model: nn.Module) -> None:
     model.recompile()
 
 
-def attach(model: nn.Module, watch: dict[Site, list[nn.Module]]) -> list[RemovableHandle]:
+def attach(
+    model: nn.Module, watch: dict[Site, list[nn.Module]]
+) -> tuple[list[RemovableHandle], dict[Site, Callable[[Any], None]]]:
     """Hook each site's observers on its module (its output, or its first tensor input); they see
-    floating-point tensors only."""
+    floating-point tensors only. Also returns, per site, what its hook calls with the site's tensor."""
     modules = dict(model.named_modules())
-    handles = []
+    handles, feeds = [], {}
     for site, observers in watch.items():
         module = modules[site.module]
+        feed = feeds[site] = _feed(observers)
         if site.side == OUTPUT:
 
-            def after(_module: nn.Module, _args: tuple, output: Any, observers: list = observers) -> None:
-                if isinstance(output, torch.Tensor) and output.is_floating_point():
-                    for observer in observers:
-                        observer(output.detach())
+            def after(_module: nn.Module, _args: tuple, output: Any, feed: Callable = feed) -> None:
+                feed(output)
 
             handles.append(module.register_forward_hook(after))
         else:
 
-            def before(_module: nn.Module, args: tuple, kwargs: dict, observers: list = observers) -> None:
-                first = first_tensor(args, kwargs)
-                if first is not None and first.is_floating_point():
-                    for observer in observers:
-                        observer(first.detach())
+            def before(_module: nn.Module, args: tuple, kwargs: dict, feed: Callable = feed) -> None:
+                feed(first_tensor(args, kwargs))
 
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-    return handles
+    return handles, feeds
+
+
+def _feed(observers: list[nn.Module]) -> Callable[[Any], None]:
+    def feed(value: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            for observer in observers:
+                observer(value.detach())
+
+    return feed
 
 
 def first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:

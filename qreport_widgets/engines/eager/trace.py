@@ -7,12 +7,15 @@ reads, or, when its input comes from elsewhere (a residual add, a reshape, the a
 arithmetic, the model's own inputs), a node standing for that module's input alone. Each node
 carries its *site* (``meta["site"]``: the module's output, or its input) so observers can be hooked
 there. ``ObservedModules`` is what the report instruments: the float model's leaf modules under
-their own names, and a forward that runs the float model itself.
+their own names, and a forward that runs the float model itself. The pass may be recorded: what
+every leaf module read and wrote, so the report's observers can be fed that batch without running it
+again (``replay``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +30,24 @@ from ...observe.instrument import INPUT, OUTPUT, Site, first_tensor
 PASSED_ON = "passed on"  # a module whose output is its input tensor itself
 
 
+@dataclass
+class Call:
+    """One call of a leaf module in a recorded pass: its first tensor input and its output, with the
+    version counters they had then (a tensor changed in place afterwards has a newer one)."""
+
+    input: torch.Tensor | None
+    input_version: int
+    output: Any = None
+    output_version: int = 0
+
+    def seen(self, side: str) -> Any:
+        return self.output if side == OUTPUT else self.input
+
+    def unchanged(self, side: str) -> bool:
+        value, version = (self.output, self.output_version) if side == OUTPUT else (self.input, self.input_version)
+        return not isinstance(value, torch.Tensor) or value._version == version
+
+
 class ObservedModules(nn.Module):
     """The float model's modules under their own names (so ``named_modules`` gives the float
     model's names) and its forward; ``graph`` is the dataflow of its leaf modules. Observers hooked
@@ -39,6 +60,7 @@ class ObservedModules(nn.Module):
         object.__setattr__(self, "float_model", model)  # not a child: names stay the float model's
         self.graph = graph
         self.skipped = skipped  # leaf module -> why it has no node
+        self.recorded: dict[str, list[Call]] | None = None  # the example pass, until replayed
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.float_model(*args, **kwargs)
@@ -49,9 +71,11 @@ def leaf_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {fqn: module for fqn, module in model.named_modules() if fqn and next(module.children(), None) is None}
 
 
-def observed_modules(model: nn.Module, example_inputs: tuple[Any, ...] | dict[str, Any]) -> ObservedModules:
-    """Run ``model`` once on ``example_inputs`` and record which leaf module reads which one's output."""
+def observed_modules(model: nn.Module, example_inputs: tuple[Any, ...] | dict[str, Any], record: bool = False) -> ObservedModules:
+    """Run ``model`` once on ``example_inputs`` and record which leaf module reads which one's output;
+    with ``record``, also every leaf module's input and output on that pass (held until ``replay``)."""
     leaves = leaf_modules(model)
+    recorded: dict[str, list[Call]] = {}
     calls: list[tuple[str, int | None, torch.Tensor | None, torch.Tensor | None]] = []
     kept: list[torch.Tensor] = []  # outputs stay alive while tracing, so no id is reused
     producers: dict[int, str] = {}
@@ -60,6 +84,8 @@ def observed_modules(model: nn.Module, example_inputs: tuple[Any, ...] | dict[st
     def before(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             first = first_tensor(args, kwargs)
+            if record:
+                recorded.setdefault(name, []).append(Call(first, first._version if first is not None else 0))
             if name not in seen:
                 calls.append((name, producers.get(id(first)) if first is not None else None, first, None))
 
@@ -67,6 +93,9 @@ def observed_modules(model: nn.Module, example_inputs: tuple[Any, ...] | dict[st
 
     def after(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if record:
+                call = recorded[name][-1]
+                call.output, call.output_version = output, getattr(output, "_version", 0)
             if name in seen:
                 return
             seen.add(name)
@@ -91,7 +120,24 @@ def observed_modules(model: nn.Module, example_inputs: tuple[Any, ...] | dict[st
     finally:
         for handle in handles:
             handle.remove()
-    return ObservedModules(model, *_graph(leaves, calls))
+    observed = ObservedModules(model, *_graph(leaves, calls))
+    observed.recorded = recorded if record else None
+    return observed
+
+
+def replay(observed: ObservedModules, feeds: Mapping[Site, Callable[[Any], None]]) -> bool:
+    """Feed each site what its module read or wrote in the recorded pass, as its hook would have; the
+    recording is dropped either way. False, feeding nothing, when there is no recording or a watched
+    tensor was changed in place after it was seen (an in-place ReLU on a conv's output, say)."""
+    recorded, observed.recorded = observed.recorded, None
+    if recorded is None:
+        return False
+    calls = [(feed, call, site.side) for site, feed in feeds.items() for call in recorded.get(site.module, ())]
+    if not all(call.unchanged(side) for _, call, side in calls):
+        return False
+    for feed, call, side in calls:
+        feed(call.seen(side))
+    return True
 
 
 def _graph(leaves: dict[str, nn.Module], calls: list) -> tuple[torch.fx.Graph, dict[str, str]]:
@@ -144,4 +190,4 @@ def eager_graph(model: nn.Module, per_channel_weights: dict[str, bool] | None = 
     return graph
 
 
-__all__ = ["ObservedModules", "eager_graph", "leaf_modules", "observed_modules"]
+__all__ = ["ObservedModules", "eager_graph", "leaf_modules", "observed_modules", "replay"]

@@ -53,7 +53,7 @@ class FxEngine(Engine[FxConfig]):
         return cls(options.backend, options.qconfig_mapping, options.prepare_custom_config)
 
     # ---- observation ----------------------------------------------------------------------------
-    def observe(self, float_model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> Observation:
+    def observe(self, float_model: torch.nn.Module, example_inputs: tuple[Any, ...], *, record: bool = False) -> Observation:
         """The starting configuration's ``prepare_fx`` model: the report observes its modules (its
         own observers rest while the analysis calibrates), and it says what each module does now."""
         prepared = self.prepare(float_model, self.base_config(), example_inputs)

@@ -75,7 +75,7 @@ class Pt2eEngine(Engine[Pt2eConfig]):
         return cls(options.quantizer)
 
     # ---- observation ----------------------------------------------------------------------------
-    def observe(self, float_model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> Observation:
+    def observe(self, float_model: torch.nn.Module, example_inputs: tuple[Any, ...], *, record: bool = False) -> Observation:
         """The float graph with batch norms folded, as every PT2E run folds them (prepared with a
         quantizer that annotates nothing); the tunable modules and how the starting quantizer
         treats each module's weights are read from one ``prepare_pt2e`` with it."""
