@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ...core.calibration import call_with
-from ...core.memory import shared_copy
+from ...core.memory import give_back, shared_copy
 from ...core.metrics import sqnr_db
 from ...errors import QReportError
 from ...observe.graph import OBSERVER_CONTAINER
@@ -192,6 +192,8 @@ class EagerEngine(Engine[EagerConfig]):
             if not choice.keep_float:
                 torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}).fqn_to_config(), filter_fn=None)
             self._sizes[key] = deployed_bytes(holder)
+            del holder
+            give_back()  # a copy of a decoder's head and its quantization's temporaries, not kept resident
         return self._sizes[key]
 
     def run_notes(self, config: EagerConfig, quantized: nn.Module) -> RunNotes:

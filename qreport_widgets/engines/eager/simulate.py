@@ -87,6 +87,7 @@ class EagerSimulation(WholePasses):
         self._others: OrderedDict[tuple[str, FormatKey], torch.Tensor] = OrderedDict()  # ... other formats', a few
         self._others_held = 0
         self._others_room = OTHER_FORMATS_SHARE * sum(tensor_bytes(w) for w in self._float.values())
+        self._float_numel = sum(w.numel() for w in self._float.values())
         self._inputs: dict[str, bool | None] = dict.fromkeys(self._modules)  # fqn -> symmetric, or None: float input
         for fqn, module in self._modules.items():
             module.register_forward_pre_hook(self._input_hook(fqn))
@@ -188,7 +189,9 @@ class EagerSimulation(WholePasses):
                     self._apply({fqn: key})
                     symmetric = self._inputs[fqn]
                     given = args[0] if symmetric is None else fake_quantized_tokens(args[0], symmetric)
-                    found[fqn, choice] = float((module.forward(given, *args[1:]) - output).double().pow(2).sum())
+                    # squared in place, summed in float64: a decoder head's 256 x 32,000 error is not copied twice
+                    error = torch.sub(module.forward(given, *args[1:]), output).pow_(2)
+                    found[fqn, choice] = float(error.sum(dtype=torch.float64))
                 self._apply({fqn: None})
 
             return hook
@@ -214,10 +217,15 @@ class EagerSimulation(WholePasses):
 
     def _apply(self, chosen: dict[str, FormatKey | None]) -> None:
         """Each module's weight and input quantization as ``chosen`` says (only what changed)."""
+        replaced = 0  # elements of the weights replaced since memory was last handed back
         with torch.no_grad():
             for fqn, key in chosen.items():
                 if self._configured is not None and self._configured.get(fqn, ()) == key:
                     continue
+                replaced += self._float[fqn].numel()
+                if replaced * 8 > self._float_numel:  # the weights dropped so far (and the quantization's
+                    give_back()  # temporaries) handed back as it goes, not kept resident to the end
+                    replaced = 0
                 # a new Parameter, never written into: the model's float weights may be the session's own
                 self._modules[fqn].weight = nn.Parameter(self.weight(fqn, key), requires_grad=False)
                 dynamic = key is not None and key[0] in (INT8_DYNAMIC, INT8_DYNAMIC_INT4)
