@@ -192,9 +192,8 @@ class ModelReportObserver(ObserverBase):
         absmax = torch.maximum(bmin.abs(), bmax.abs()).float()
         batch_exponent = torch.log2(absmax).ceil().nan_to_num(_MAX_EXPONENT, _MAX_EXPONENT, _MIN_EXPONENT)
         exponent = torch.maximum(self.histogram_exponent, batch_exponent.clamp(_MIN_EXPONENT, _MAX_EXPONENT))
-        if t.device.type != "cpu" or bool(exponent > self.histogram_exponent):  # on the CPU a test costs nothing
-            self.histogram.copy_(_rebin(self.histogram, torch.exp2(exponent - self.histogram_exponent)))
-            self.histogram_exponent.copy_(exponent)
+        self.histogram.copy_(_rebin(self.histogram, torch.exp2(exponent - self.histogram_exponent)))
+        self.histogram_exponent.copy_(exponent)
         values = t.reshape(-1)
         if values.numel() > HISTOGRAM_SAMPLE:
             # the histogram is a picture of the distribution: an evenly strided sample draws it as well
