@@ -4,7 +4,8 @@ the peak / held resident memory as a multiple of the float weights.
 Llama-style decoders built offline from ``LlamaConfig`` (random weights: time and memory do not
 depend on what the weights are), eager engine, each size and format in a fresh process. Batches of
 1 x 256 tokens: 4 to calibrate, 2 held out. Steps: ``analyze`` (against a plain pass over the 4
-calibration batches), ``baseline``, ``sensitivity`` (per module, against a plain pass over the 2
+calibration batches; also timed again after the steps without the memory probe, side by side with
+a plain pass), ``baseline``, ``sensitivity`` (per module, against a plain pass over the 2
 held-out batches), ``fit`` to a size budget, three ``apply``. Memory above the process with the
 float model loaded and the tool's code imported (a tiny decoder is taken through the same steps
 first), sampled every 2 ms (``memory.RssProbe``). With ``--calibration``: the instrumented
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -100,6 +102,7 @@ def child(size: str, fmt: str, until: str) -> None:
         return value
 
     take_through(model, batches, fmt, step, until)
+    analyze_alone = analyze_side_by_side(model, batches, fmt)
     modules = sum(1 for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)))
     print(
         json.dumps(
@@ -112,10 +115,24 @@ def child(size: str, fmt: str, until: str) -> None:
                 "plain_held_out_s": plain_held_out,
                 "modules": modules,
                 "fixed_mb": (base - loaded) / 2**20,
+                "analyze_alone": analyze_alone,
                 "rows": rows,
             }
         )
     )
+
+
+def analyze_side_by_side(model: torch.nn.Module, batches: list, fmt: str, repeats: int = 3) -> dict[str, float]:
+    """``analyze()`` timed without the memory probe (whose sampling thread shares the 2 cores), each
+    repeat right after a plain pass over the same calibration batches; medians."""
+    calibration, held_out = batches[:CALIBRATION], batches[CALIBRATION:]
+    plain, ours = [], []
+    for _ in range(repeats):
+        plain.append(plain_pass_seconds(model, calibration))
+        start = time.perf_counter()
+        analyze(model, calibration[0], calibration, eval_data=held_out, engine="eager", format=fmt, progress=False)
+        ours.append(time.perf_counter() - start)
+    return {"plain_s": statistics.median(plain), "analyze_s": statistics.median(ours)}
 
 
 def versus_plain(row: dict, table: dict) -> str:
@@ -171,6 +188,11 @@ def main() -> None:
                     f"  {row['step']:12s} {row['seconds']:8.1f} {row['peak']:7.2f} {row['held']:7.2f}   "
                     + versus_plain(row, table)
                 )
+            alone = table["analyze_alone"]
+            print(
+                f"  analyze without the memory probe, side by side with a plain pass (medians of 3): {alone['analyze_s']:.2f} s "
+                f"against {alone['plain_s']:.2f} s = {alone['analyze_s'] / alone['plain_s']:.2f}x"
+            )
 
 
 if __name__ == "__main__":
