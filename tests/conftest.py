@@ -55,3 +55,12 @@ def digits_cache(tmp_path_factory):
     """One folder for the trained digits models of the whole run: each is trained once (seeded, so
     every test sees the same weights) and loaded from here after."""
     return tmp_path_factory.mktemp("digits")
+
+
+@pytest.fixture(scope="session")
+def text_decoder(digits_cache):
+    """The byte-level decoder trained on the Python reference's help topics (about a minute, once
+    per run) and its held-out text."""
+    from qreport_widgets.demo.text import trained_text_decoder
+
+    return trained_text_decoder(cache_dir=digits_cache)
