@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ._version import __version__ as __version__
 from .analyze import analyze, default_detectors
+from .core.metrics import Metric, perplexity
 from .engines.settings import ModuleSettings
 from .errors import (
     AlreadyPreparedError,
@@ -48,6 +49,7 @@ __all__ = [
     "NotEnoughMemoryError",
     "InputWeightEqualizationDetector",
     "InvalidSettingsError",
+    "Metric",
     "ModelReleasedError",
     "ModelReport",
     "ModelReportObserver",
@@ -68,4 +70,5 @@ __all__ = [
     "analyze",
     "default_detectors",
     "load_report",
+    "perplexity",
 ]

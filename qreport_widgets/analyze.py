@@ -10,6 +10,7 @@ from torch.ao.quantization import QConfigMapping
 
 from .core.calibration import CalibrationData, calibrate, is_one_shot
 from .core.memory import WatchedCopy
+from .core.metrics import Metric
 from .engines import build_engine
 from .observe.detectors import (
     DetectorBase,
@@ -21,7 +22,7 @@ from .observe.detectors import (
 from .observe.distributed import calibrated_across, group_of
 from .report.model_report import ModelReport
 from .tune.migration import observed_input_ranges
-from .tune.parts import Analyzed
+from .tune.parts import Analyzed, resolved_metric
 from .tune.session import QuantizationSession
 
 
@@ -52,6 +53,7 @@ def analyze(
     group_size: int | None = None,
     output_fn: Callable[[Any], torch.Tensor] | None = None,
     process_group: Any = None,
+    metric: Metric | str | None = None,
 ) -> ModelReport:
     """Prepare a copy of ``float_model`` (``prepare_fx``, or ``torch.export`` for PT2E), observe it
     during calibration and report.
@@ -66,6 +68,9 @@ def analyze(
         qconfig_mapping: the starting mapping; default ``get_default_qconfig_mapping(backend)``.
         eval_data, eval_fn: for ``report.session`` (live tuning): batches to measure quantized
             models on (default: held-out calibration batches) and your own metric of a model.
+        metric: ``"perplexity"`` for a causal language model (computed on ``eval_data``, lower is
+            better; no ``eval_fn``), or ``Metric(name, higher_is_better=...)`` naming what
+            ``eval_fn`` measures; ``fit`` / ``reach``'s ``target_metric`` follows its direction.
         prepare_custom_config: passed to ``prepare_fx`` here and in every later run, e.g.
             ``PrepareCustomConfig().set_non_traceable_module_classes([MyBlock])`` for a block
             whose forward FX cannot trace.
@@ -98,6 +103,7 @@ def analyze(
         isinstance(calibration_data, Sequence) and len(calibration_data) > 0 and calibration_data[0] is example_inputs
     )
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    resolved_metric(eval_fn, metric)  # a metric that cannot be is said before the calibration, not after
     detectors = default_detectors(backend) if detectors is None else detectors
     options = {"qconfig_mapping": qconfig_mapping, "prepare_custom_config": prepare_custom_config}
     chosen = build_engine(engine, backend=backend, quantizer=quantizer, format=format, group_size=group_size, **options)
@@ -131,6 +137,7 @@ def analyze(
             kept if kept is not None else calibration_data,
             eval_data,
             eval_fn=eval_fn,
+            metric=metric,
             engine=chosen,
             output_fn=output_fn,
             process_group=process_group,

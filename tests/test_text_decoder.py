@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 import qreport_widgets as qw
-from qreport_widgets.demo.text import HELD_OUT, TOKENS, next_token_nll, text_bytes
+from qreport_widgets.core.metrics import perplexity
+from qreport_widgets.demo.text import HELD_OUT, TOKENS, text_bytes
 from qreport_widgets.engines.settings import ModuleSettings
 
 
@@ -56,5 +58,60 @@ def test_int4_weights_cost_perplexity_and_int8_almost_none(text_decoder):
     assert int4[1] > float_ppl and int4[1] > int8[1]
     assert abs(int8[1] - float_ppl) < 0.01 * float_ppl
     assert int4[0].output_sqnr_db < int8[0].output_sqnr_db
-    total, count = next_token_nll(int8[0].quantized_model, data.evaluation)  # the latest run's model is kept
-    assert math.isclose(math.exp(total / count), int8[1])
+    assert perplexity(int8[0].quantized_model, data.evaluation) == int8[1]  # the latest run's model is kept
+
+
+def _perplexity_session(text_decoder, **kwargs):
+    model, data = text_decoder
+    report = qw.analyze(
+        model,
+        data.calibration[0],
+        data.calibration,
+        eval_data=data.evaluation,
+        engine="eager",
+        format="int4-weight-only",
+        group_size=128,
+        metric="perplexity",
+        progress=False,
+        **kwargs,
+    )
+    return report.session
+
+
+def test_perplexity_is_the_metric_and_targets_on_it_are_met_at_or_below(text_decoder):
+    """metric="perplexity": every run's metric is the perplexity on the evaluation text, the runs
+    table names it with its direction, and fit / reach meet a perplexity target from below."""
+    model, data = text_decoder
+    session = _perplexity_session(text_decoder)
+    assert session.metric == qw.Metric("perplexity", higher_is_better=False)
+    baseline = session.baseline()
+    float_ppl = data.perplexity(model)
+    assert baseline.eval_metric == pytest.approx(data.perplexity(baseline.quantized_model), rel=1e-6)
+    assert baseline.eval_metric > float_ppl
+    runs, _ = session.compare()
+    assert runs["perplexity (lower is better)"].iloc[0] == baseline.eval_metric
+    # halfway between float and the int4 start: some modules must be kept float or finer
+    target = float_ppl + (baseline.eval_metric - float_ppl) / 2
+    plan = session.plan_reach(target_metric=target)
+    assert plan.target == f"perplexity <= {target:g}" and plan.met and plan.float_count >= 1
+    reached = session.reach(target_metric=target)
+    assert reached.ok and reached.eval_metric <= target, reached.notes
+    assert any(f"perplexity <= {target:g}: met" in note for note in reached.notes), reached.notes
+    fitted = session.fit(target_metric=target)
+    assert fitted.ok and fitted.eval_metric <= target, fitted.notes
+    assert fitted.eval_metric == pytest.approx(data.perplexity(fitted.quantized_model), rel=1e-6)
+
+
+def test_a_metric_that_cannot_be_is_refused_with_the_way_out(text_decoder):
+    model, data = text_decoder
+    batches = data.calibration
+    with pytest.raises(ValueError, match="either eval_fn= or metric='perplexity'"):
+        qw.analyze(model, batches[0], batches, engine="eager", metric="perplexity", eval_fn=data.perplexity, progress=False)
+    with pytest.raises(ValueError, match="not one the tool computes"):
+        qw.analyze(model, batches[0], batches, engine="eager", metric="accuracy", progress=False)
+    with pytest.raises(ValueError, match="pass eval_fn= too"):
+        qw.analyze(model, batches[0], batches, engine="eager", metric=qw.Metric("loss", False), progress=False)
+    with pytest.raises(ValueError, match="causal language model's logits"):
+        perplexity(torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Flatten()), batches)
+    with pytest.raises(ValueError, match="batches of token ids"):
+        perplexity(model, [(torch.randn(2, 8),)])

@@ -70,3 +70,85 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
         if found is not None:
             return found
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """What the session's ``eval_fn`` measures: its name, and whether a higher value is better.
+
+    Targets on it (``fit`` / ``reach``'s ``target_metric``) are met at or above them when higher is
+    better (accuracy), at or below them when lower is (perplexity, a loss)."""
+
+    name: str = "metric"
+    higher_is_better: bool = True
+
+    @property
+    def column(self) -> str:
+        """Its column in the runs table: "your metric", or its name and direction."""
+        if self == Metric():
+            return "your metric"
+        return f"{self.name} ({'higher' if self.higher_is_better else 'lower'} is better)"
+
+    @property
+    def sign(self) -> str:
+        return ">=" if self.higher_is_better else "<="
+
+    def meets(self, value: float | None, target: float) -> bool:
+        if value is None or math.isnan(value):
+            return False
+        return value >= target if self.higher_is_better else value <= target
+
+    def gain(self, new: float, old: float) -> float:
+        """How much better ``new`` is than ``old`` (negative when it is worse)."""
+        return new - old if self.higher_is_better else old - new
+
+    def stricter(self, target: float, by: float) -> float:
+        """``target`` made harder to meet by ``by`` (>= 0)."""
+        return target + by if self.higher_is_better else target - by
+
+    def words(self, target: float) -> str:
+        return f"{self.name} {self.sign} {target:g}"
+
+
+PERPLEXITY = Metric("perplexity", higher_is_better=False)
+
+
+def perplexity(model: torch.nn.Module, batches: Any) -> float:
+    """exp(mean negative log-likelihood of each next token) of a causal language model on ``batches``.
+
+    A batch is token ids (an integer tensor, batch x tokens), a tuple whose first element they are,
+    or a dict with ``input_ids``; the model returns logits (batch x tokens x vocabulary), as a
+    tensor or as a Hugging Face output's ``logits``. Every token after the first of each sequence is
+    predicted from those before it."""
+    from .calibration import call_with
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for index, batch in enumerate(batches):
+            ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
+            if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+                raise ValueError(
+                    f"perplexity needs batches of token ids (an integer tensor of batch x tokens, first in a tuple, or "
+                    f"input_ids in a dict); batch {index} gives {_described(ids)}. Pass your own eval_fn= for other data."
+                )
+            output = call_with(model, batch)
+            logits = getattr(output, "logits", None)
+            logits = logits if isinstance(logits, torch.Tensor) else _first_tensor(output)
+            if logits is None or logits.dim() != 3 or logits.shape[:2] != ids.shape:
+                raise ValueError(
+                    f"perplexity needs a causal language model's logits (batch x tokens x vocabulary) for token ids of "
+                    f"shape {tuple(ids.shape)}; the model returned {_described(logits)}. A model whose output has no "
+                    "logits needs its own eval_fn= (and metric=Metric(name, higher_is_better=...))."
+                )
+            predicted = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+            total += float(torch.nn.functional.cross_entropy(predicted, ids[:, 1:].reshape(-1), reduction="sum"))
+            count += ids[:, 1:].numel()
+    if count == 0:
+        raise ValueError("perplexity needs sequences of at least two tokens")
+    return math.exp(total / count)
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return "no tensor" if value is None else f"a {type(value).__name__}"

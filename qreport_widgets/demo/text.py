@@ -8,22 +8,19 @@ two CPU cores with fixed seeds; pass ``cache_dir`` to keep the weights between c
 Hugging Face ``LlamaForCausalLM`` (``transformers`` is a development dependency).
 
     model, data = trained_text_decoder()
-    report = analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, engine="eager")
-    data.perplexity(model)
+    report = analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation,
+                     engine="eager", metric="perplexity")
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from ..core.metrics import output_tensor
+from ..core.metrics import perplexity
 
 TOKENS = 128  # bytes per sequence
 HELD_OUT = 0.1  # the last tenth of the text is never trained on
@@ -38,20 +35,6 @@ def text_bytes() -> torch.Tensor:
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
 
 
-def next_token_nll(model: nn.Module, batches: Sequence[Any]) -> tuple[float, int]:
-    """Summed negative log-likelihood of each next token of ``batches`` (tuples whose first element
-    is the token ids), and how many tokens were predicted."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for batch in batches:
-            ids = batch[0]
-            logits = output_tensor(model(*batch))
-            predicted = logits[:, :-1].reshape(-1, logits.shape[-1])
-            total += float(nn.functional.cross_entropy(predicted, ids[:, 1:].reshape(-1), reduction="sum"))
-            count += ids[:, 1:].numel()
-    return total, count
-
-
 @dataclass
 class TextData:
     """Held-out text: ``calibration`` and ``evaluation`` batches of ``(ids,)``, each ids (4, 128)."""
@@ -61,8 +44,7 @@ class TextData:
 
     def perplexity(self, model: nn.Module) -> float:
         """exp(mean next-byte negative log-likelihood) of ``model`` on the evaluation text (lower is better)."""
-        total, count = next_token_nll(model, self.evaluation)
-        return math.exp(total / count)
+        return perplexity(model, self.evaluation)
 
 
 def text_data(batch_size: int = 4, calibration_batches: int = 4, evaluation_batches: int = 8) -> TextData:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import torch
 
+from ..core.metrics import Metric
 from ..core.progress import Progress, quiet
 from ..engines.contract import Variant
 from ..engines.settings import FORMATS, ModuleSettings
@@ -46,6 +47,7 @@ class ReachPlan:
     met: bool  # whether the simulation meets the target with ``float_modules``
     curve: list[float] = field(default_factory=list)  # simulated output SQNR at the start and after each step
     path: SearchPath | None = None  # what the in-context search did
+    metric: Metric = field(default_factory=Metric)  # what target_metric is a target of, and its direction
 
     @property
     def float_modules(self) -> list[str]:
@@ -53,22 +55,29 @@ class ReachPlan:
 
     @property
     def target(self) -> str:
-        return target_words(self.target_sqnr_db, self.target_metric)
+        return target_words(self.target_sqnr_db, self.target_metric, self.metric)
 
     def meets(self, sqnr: float, metric: float | None) -> bool:
-        return meets_target(sqnr, metric, self.target_sqnr_db, self.target_metric)
+        return meets_target(sqnr, metric, self.target_sqnr_db, self.target_metric, self.metric)
 
 
-def meets_target(sqnr: float, metric: float | None, target_sqnr_db: float | None, target_metric: float | None) -> bool:
-    """Whether an output SQNR and a metric meet the targets given (None: no target)."""
+def meets_target(
+    sqnr: float,
+    metric: float | None,
+    target_sqnr_db: float | None,
+    target_metric: float | None,
+    measures: Metric | None = None,
+) -> bool:
+    """Whether an output SQNR and a metric meet the targets given (None: no target); the metric's
+    target is met in ``measures``' direction (default: at or above it)."""
     sqnr_ok = target_sqnr_db is None or sqnr >= target_sqnr_db
-    return sqnr_ok and (target_metric is None or (metric is not None and metric >= target_metric))
+    return sqnr_ok and (target_metric is None or (measures or Metric()).meets(metric, target_metric))
 
 
-def target_words(target_sqnr_db: float | None, target_metric: float | None) -> str:
-    """The targets in words: "output SQNR >= 30 dB and metric >= 0.9"."""
+def target_words(target_sqnr_db: float | None, target_metric: float | None, measures: Metric | None = None) -> str:
+    """The targets in words: "output SQNR >= 30 dB and metric >= 0.9", "perplexity <= 5.1"."""
     parts = [f"output SQNR >= {target_sqnr_db:g} dB"] if target_sqnr_db is not None else []
-    return " and ".join(parts + ([f"metric >= {target_metric:g}"] if target_metric is not None else []))
+    return " and ".join(parts + ([(measures or Metric()).words(target_metric)] if target_metric is not None else []))
 
 
 class Diagnosis:
@@ -118,6 +127,11 @@ class Diagnosis:
         self.simulation(progress)
         return self.simulated.simulate_each(variants, progress, desc, metric)
 
+    @property
+    def _metric(self) -> Metric:
+        """What the session's eval_fn measures (higher is better when it did not say)."""
+        return self.runner.metric or Metric()
+
     def sensitivity(self, progress: Progress | None = None, *, metric: bool = True) -> pd.DataFrame:
         """Which module hurts, one at a time: for each tunable module, the output SQNR gained when
         only it stays float (modules whose errors only matter together gain nothing here: the
@@ -142,7 +156,11 @@ class Diagnosis:
             {
                 "module": name,
                 "output_sqnr_gain_db": sqnr - base_sqnr,
-                **({"metric_gain": metric - base_metric} if metric is not None and base_metric is not None else {}),
+                **(
+                    {"metric_gain": self._metric.gain(metric, base_metric)}
+                    if metric is not None and base_metric is not None
+                    else {}
+                ),
                 "local_sqnr_db": local.get(name, math.nan),
                 "simulated_output_sqnr_db": sqnr,
             }
@@ -292,15 +310,16 @@ class Diagnosis:
         shortfall = max(_finite(simulated[0]) - result.output_sqnr_db, 0.0)
         raised_db = None if plan.target_sqnr_db is None else plan.target_sqnr_db + shortfall + MIN_STEP_DB
         raised_metric = None
-        if plan.target_metric is not None:
-            gap = (simulated[1] or 0.0) - (result.eval_metric if result.eval_metric is not None else 0.0)
-            raised_metric = plan.target_metric + max(gap, 0.0)
+        measures = self._metric
+        if plan.target_metric is not None:  # how much better the simulation looked than the run, in the metric
+            gap = measures.gain(simulated[1] or 0.0, result.eval_metric if result.eval_metric is not None else 0.0)
+            raised_metric = measures.stricter(plan.target_metric, max(_finite(gap), 0.0))
         search = self._searcher(metric, progress)
-        raised = search.aiming(lambda s, m: meets_target(s, m, raised_db, raised_metric), by_metric=raised_db is None)
+        raised = search.aiming(lambda s, m: meets_target(s, m, raised_db, raised_metric, measures), by_metric=raised_db is None)
         found = raised.run(start=chosen)
         if set(found.chosen) <= set(chosen) or not found.met:
             return None
-        aim = f"the search went on from it, aiming at {target_words(raised_db, raised_metric)}"
+        aim = f"the search went on from it, aiming at {target_words(raised_db, raised_metric, measures)}"
         if adopted:
             said.append(
                 f"simulated with them, the {len(chosen)} module(s) float give {_finite(simulated[0]):.2f} dB against the "
@@ -353,8 +372,9 @@ class Diagnosis:
             raise ValueError("reach() needs target_sqnr_db, target_metric or both")
         if target_metric is not None and self.runner.eval_fn is None:
             raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
+        measures = self._metric
         search = self._searcher(target_metric is not None, progress).aiming(
-            lambda s, m: meets_target(s, m, target_sqnr_db, target_metric), by_metric=target_sqnr_db is None
+            lambda s, m: meets_target(s, m, target_sqnr_db, target_metric, measures), by_metric=target_sqnr_db is None
         )
         path = search.run()
         if not path.met:  # the best set the search measured
@@ -366,7 +386,7 @@ class Diagnosis:
         chosen = list(path.chosen)
         order = chosen + [m for m in search.ranking if m not in chosen]
         curve = [path.start_db, *(step.simulated_db for step in path.steps)]
-        return ReachPlan(target_sqnr_db, target_metric, order, len(chosen), path.simulated_db, path.met, curve, path)
+        return ReachPlan(target_sqnr_db, target_metric, order, len(chosen), path.simulated_db, path.met, curve, path, measures)
 
     def _searcher(self, metric: bool, progress: Progress | None) -> FloatSearch:
         """The in-context search over the tunable modules (each set measured with ``eval_fn`` when
@@ -381,7 +401,9 @@ class Diagnosis:
                 return self.simulate_each(variants, progress, "in-context search", metric=metric)
 
             neighbours = dataflow_neighbours(self.runner.float_model, list(ranking.index))
-            self._searches[key] = FloatSearch(measure, list(ranking.index), truth.disagreeing, neighbours)
+            self._searches[key] = FloatSearch(
+                measure, list(ranking.index), truth.disagreeing, neighbours, higher_is_better=self._metric.higher_is_better
+            )
         return self._searches[key]
 
     def _float_run(self, float_modules: Sequence[str], label: str, progress: Progress | None) -> RunResult:

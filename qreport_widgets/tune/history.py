@@ -77,8 +77,9 @@ class History:
                 return i
         raise ValueError(f"{run.label!r} is not a run of this session's history")
 
-    def compare(self, start: Mapping[str, ModuleSettings], with_metric: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
-        """One row per run (metrics as columns), and per-layer SQNR with one column per run."""
+    def compare(self, start: Mapping[str, ModuleSettings], metric_column: str | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """One row per run (metrics as columns; the session's own metric under ``metric_column``, when
+        it has one), and per-layer SQNR with one column per run."""
         rows = [
             {
                 "run": r.label,
@@ -90,7 +91,7 @@ class History:
                 "deployed size (KB)": r.deployed_bytes / 1024,
                 "latency (ms, 1 thread)": r.latency_ms,
                 "latency spread (ms)": r.latency_spread_ms,
-                **({"your metric": r.eval_metric} if with_metric else {}),
+                **({metric_column: r.eval_metric} if metric_column else {}),
                 "duration (s)": r.duration_s,
                 "model": self._model_state(i, r),
             }

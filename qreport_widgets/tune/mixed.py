@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from ..core.metrics import Metric
 from ..core.progress import Progress, quiet
 from ..engines.contract import Variant
 from ..engines.settings import DEFAULT_GROUP_SIZE, ModuleSettings, Setting, TunableModule
@@ -119,11 +120,15 @@ class MixedPrecision:
         if max_size_bytes is None and target_sqnr_db is None and target_metric is None:
             raise ValueError("fit() needs max_size_bytes, target_sqnr_db, target_metric or a combination")
         kernels = self.real.truth(quiet).real_kernels  # a real run may find more (``RealRuns.adopt_kernels``)
-        found = fit(self.real.apply, self.front(progress), max_size_bytes, target_sqnr_db, target_metric, progress)
+        found = fit(
+            self.real.apply, self.front(progress), max_size_bytes, target_sqnr_db, target_metric, progress, self.runner.metric
+        )
         adopted = self.real.adopted_since(kernels)
         if adopted:  # a broken kernel the baseline's inputs hid: the front again, with it
             said = self.real.adopted_words("the first fit's real run", adopted)
-            again = fit(self.real.apply, self.front(progress), max_size_bytes, target_sqnr_db, target_metric, progress)
+            again = fit(
+                self.real.apply, self.front(progress), max_size_bytes, target_sqnr_db, target_metric, progress, self.runner.metric
+            )
             found = again.noted(f"{said}; the front was simulated again with them and this is its fit")
         return self.real.annotated(found)
 
@@ -280,12 +285,15 @@ def fit(
     target_sqnr_db: float | None = None,
     target_metric: float | None = None,
     progress: Progress | None = None,
+    measures: Metric | None = None,
 ) -> RunResult:
     """The best front point under ``max_size_bytes``, or the smallest that meets the target (within
     the budget when both are given), confirmed by a real run; see ``QuantizationSession.fit`` (which
-    checks the arguments); ``apply(settings, label=, progress=)`` is a real run."""
+    checks the arguments); ``apply(settings, label=, progress=)`` is a real run; ``measures``: what
+    ``target_metric`` is a target of (its direction)."""
+    measures = measures or Metric()
     points = front.points
-    label = "fit " + _goal_words(max_size_bytes, target_sqnr_db, target_metric)
+    label = "fit " + _goal_words(max_size_bytes, target_sqnr_db, target_metric, measures)
     fitting = points if max_size_bytes is None else points[points["size_bytes"] <= max_size_bytes]
     if fitting.empty:
         smallest = points.iloc[0]
@@ -297,7 +305,7 @@ def fit(
     targeted = target_sqnr_db is not None or target_metric is not None
 
     def meets(sqnr: float, metric: float | None) -> bool:
-        return meets_target(sqnr, metric, target_sqnr_db, target_metric)
+        return meets_target(sqnr, metric, target_sqnr_db, target_metric, measures)
 
     def fits(run: RunResult) -> bool:
         return max_size_bytes is None or run.deployed_bytes <= max_size_bytes
@@ -308,10 +316,10 @@ def fit(
         best = fitting.iloc[-1]
         result = apply(best["settings"], label=label, progress=progress)
         where = f" within {_kb(max_size_bytes)}" if max_size_bytes is not None else ""
-        target = target_words(target_sqnr_db, target_metric)
+        target = target_words(target_sqnr_db, target_metric, measures)
         return result.noted(
-            f"{target} is out of reach{where}: even in simulation the best is {_point_words(best)}; "
-            f"this run is that point, {_run_words(result, target_sqnr_db)}"
+            f"{target} is out of reach{where}: even in simulation the best is {_point_words(best, measures)}; "
+            f"this run is that point, {_run_words(result, target_sqnr_db, measures)}"
         )
     at = simulated_ok.index(True) if targeted else len(fitting) - 1  # smallest meeting, or the largest that fits
     runs = 0
@@ -343,10 +351,10 @@ def fit(
         )
     if targeted:
         ok = meets(result.output_sqnr_db, result.eval_metric)
-        verdicts.append(f"{target_words(target_sqnr_db, target_metric)} {'met' if ok else 'not met by the real run'}")
+        verdicts.append(f"{target_words(target_sqnr_db, target_metric, measures)} {'met' if ok else 'not met by the real run'}")
     said = "; ".join(verdicts)
     return result.noted(
-        f"{said}, {_run_words(result, target_sqnr_db)} (simulated {point['simulated_output_sqnr_db']:.2f} dB); "
+        f"{said}, {_run_words(result, target_sqnr_db, measures)} (simulated {point['simulated_output_sqnr_db']:.2f} dB); "
         f"point {at + 1} of {len(points)} on the front: {point['formats']}"
     )
 
@@ -442,20 +450,23 @@ def _kb(size: float | None) -> str:
     return "?" if size is None else f"{size / 1024:,.1f} KB"
 
 
-def _goal_words(max_size_bytes: float | None, target_sqnr_db: float | None, target_metric: float | None) -> str:
+def _goal_words(
+    max_size_bytes: float | None, target_sqnr_db: float | None, target_metric: float | None, measures: Metric | None = None
+) -> str:
     parts = [f"<= {_kb(max_size_bytes)}"] if max_size_bytes is not None else []
-    target = target_words(target_sqnr_db, target_metric)
+    target = target_words(target_sqnr_db, target_metric, measures)
     return " and ".join(parts + ([target] if target else []))
 
 
-def _point_words(point: pd.Series) -> str:
-    metric = f", metric {point['simulated_metric']:.4g}" if "simulated_metric" in point else ""
+def _point_words(point: pd.Series, measures: Metric | None = None) -> str:
+    name = (measures or Metric()).name
+    metric = f", {name} {point['simulated_metric']:.4g}" if "simulated_metric" in point else ""
     return f"{point['simulated_output_sqnr_db']:.2f} dB{metric} at {_kb(point['size_bytes'])}"
 
 
-def _run_words(result: RunResult, target_sqnr_db: float | None) -> str:
+def _run_words(result: RunResult, target_sqnr_db: float | None, measures: Metric | None = None) -> str:
     short = ""
     if target_sqnr_db is not None and result.ok and result.output_sqnr_db < target_sqnr_db:
         short = f", {target_sqnr_db - result.output_sqnr_db:.2f} dB short"
-    metric = f", metric {result.eval_metric:.4g}" if result.eval_metric is not None else ""
+    metric = f", {(measures or Metric()).name} {result.eval_metric:.4g}" if result.eval_metric is not None else ""
     return f"real {result.output_sqnr_db:.2f} dB{metric} at {_kb(result.deployed_bytes)}{short}"

@@ -10,6 +10,7 @@ import torch
 
 from ..core.calibration import CalibrationData
 from ..core.memory import WatchedCopy, WeightPool
+from ..core.metrics import PERPLEXITY, Metric, perplexity
 from ..engines.contract import Engine
 from ..engines.settings import TunableModule
 from ..observe.distributed import group_of
@@ -51,6 +52,26 @@ class Parts:
     verification: Verification  # suggestions measured before they are offered
 
 
+def resolved_metric(
+    eval_fn: Callable[[torch.nn.Module], float] | None, metric: Metric | str | None
+) -> tuple[Callable[[torch.nn.Module], float] | None, Metric | None]:
+    """The session's metric function (None: perplexity, built on the evaluation batches once known)
+    and what it measures; a clear error for a combination that cannot be."""
+    if isinstance(metric, str):
+        if metric != PERPLEXITY.name:
+            raise ValueError(
+                f"metric={metric!r} is not one the tool computes; pass 'perplexity', or eval_fn= with metric=Metric(...)"
+            )
+        if eval_fn is not None:
+            raise ValueError("pass either eval_fn= or metric='perplexity' (computed on the evaluation batches), not both")
+        return None, PERPLEXITY
+    if metric is not None and not isinstance(metric, Metric):
+        raise TypeError(f"metric= takes 'perplexity' or a Metric(name, higher_is_better=...), got {type(metric).__name__}")
+    if metric is not None and eval_fn is None:
+        raise ValueError("metric=Metric(...) says what eval_fn= measures: pass eval_fn= too (or metric='perplexity')")
+    return eval_fn, (metric or Metric()) if eval_fn is not None else None
+
+
 def build_parts(
     engine: Engine,
     float_model: torch.nn.Module,
@@ -62,8 +83,10 @@ def build_parts(
     output_fn: Callable[[Any], torch.Tensor] | None,
     process_group: Any,
     analyzed: Analyzed | None,
+    metric: Metric | str | None = None,
 ) -> Parts:
     """A session's parts over ``float_model`` (or the watched copy ``analyzed`` has of it)."""
+    eval_fn, metric = resolved_metric(eval_fn, metric)
     weights = WeightPool()  # weights equal across prepares, held once (core/memory.py)
     if analyzed is not None:
         weights.share(analyzed.prepared)
@@ -77,7 +100,11 @@ def build_parts(
         group=group_of(process_group),
         modules=analyzed.modules if analyzed is not None else None,
         weights=weights,
+        metric=metric,
     )
+    if eval_fn is None and metric is PERPLEXITY:  # on the session's own evaluation batches
+        eval_batches = runner.eval_data
+        runner.eval_fn = lambda model: perplexity(model, eval_batches)
     history, simulated = History(), Simulated(runner)
     migrations = Migrations(runner, analyzed.input_ranges if analyzed is not None else None)
     real = RealRuns(runner, history, simulated, migrations)

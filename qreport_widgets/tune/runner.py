@@ -22,7 +22,7 @@ import torch
 
 from ..core.calibration import CalibrationData, calibrate, call_with
 from ..core.memory import WatchedCopy, WeightPool, ensure_room, give_back, tensors_bytes
-from ..core.metrics import output_tensor, power_terms, sqnr_db
+from ..core.metrics import Metric, output_tensor, power_terms, sqnr_db
 from ..core.progress import Progress
 from ..engines.contract import Engine
 from ..engines.settings import ModuleSettings, TunableModule, validate_all
@@ -78,6 +78,7 @@ class Runner:
         example_inputs: one input tuple for preparing.
         batches: calibration and evaluation data.
         eval_fn: ``eval_fn(model) -> float``, the user's metric, or None.
+        metric: what ``eval_fn`` measures (its name and direction); None without one.
         output_fn: the tensor output SQNR is measured on (default: the output or its first tensor).
         group: the torch.distributed group calibrations merge their observers across, or None.
         modules: the tunable modules an earlier prepare of the start found (found here when None).
@@ -96,8 +97,10 @@ class Runner:
         group: Any = None,
         modules: Sequence[TunableModule] | None = None,
         weights: WeightPool | None = None,
+        metric: Metric | None = None,
     ) -> None:
         self.engine = engine
+        self.metric = metric if metric is not None else Metric() if eval_fn is not None else None
         self.example_inputs = example_inputs
         self.batches = batches
         self.eval_fn = eval_fn

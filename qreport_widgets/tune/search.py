@@ -157,6 +157,7 @@ class FloatSearch:
         meets: whether a simulated (SQNR, metric) meets the target; None: no target, the search
             goes on while something gains.
         by_metric: choose by the metric's gain (a metric-only target) instead of the SQNR's.
+        higher_is_better: the metric's direction (a perplexity gains as it falls).
     """
 
     def __init__(
@@ -167,12 +168,14 @@ class FloatSearch:
         neighbours: Mapping[str, Iterable[str]] | None = None,
         meets: Meets | None = None,
         by_metric: bool = False,
+        higher_is_better: bool = True,
     ) -> None:
         self._measure, self.ranking = measure, list(ranking)
         known = set(self.ranking)
         self.disagreeing = [m for m in disagreeing if m in known]
         self.neighbours = {m: [n for n in found if n in known] for m, found in (neighbours or {}).items()}
         self.meets, self.by_metric = meets, by_metric
+        self._sign = 1.0 if higher_is_better else -1.0
         self.measured: dict[frozenset[str], tuple[float, float | None]] = {}
         self.simulated = 0
 
@@ -189,8 +192,9 @@ class FloatSearch:
 
     def _score(self, result: tuple[float, float | None]) -> float:
         sqnr, metric = result
-        value = metric if self.by_metric else sqnr
-        return _finite(math.nan if value is None else value)
+        if not self.by_metric:
+            return _finite(sqnr)
+        return _finite(math.nan if metric is None else self._sign * metric)  # higher is better here
 
     def _gain(self, before: tuple[float, float | None], after: tuple[float, float | None]) -> float:
         """The SQNR gain in dB (what the path shows), whatever the search chooses by."""

@@ -14,6 +14,7 @@ import pandas as pd
 import torch
 
 from ..core.calibration import CalibrationData
+from ..core.metrics import Metric
 from ..core.progress import Progress
 from ..engines import build_engine
 from ..engines.contract import Engine, Simulation, Variant
@@ -41,6 +42,10 @@ class QuantizationSession:
             held out from calibration (all of them when there is a single batch).
         backend: the quantized engine (``x86``, ``fbgemm``, ``qnnpack``, ``onednn``).
         eval_fn: ``eval_fn(model) -> float``, your own metric (e.g. accuracy), shown next to ours.
+        metric: ``"perplexity"`` (a causal language model's, computed on ``eval_data``; no
+            ``eval_fn``), or ``Metric(name, higher_is_better=...)`` saying what ``eval_fn``
+            measures (default: "metric", higher is better). Targets on it are met at or above them
+            when higher is better, at or below them when lower is.
         qconfig_mapping: FX: the starting mapping the baseline uses (default: the backend's default).
         prepare_custom_config: FX: passed to every ``prepare_fx`` (non-traceable modules, ...).
         engine: an Engine, or an engine's name (``"fx"``, ``"pt2e"``, ``"eager"``) built from the
@@ -69,14 +74,21 @@ class QuantizationSession:
         output_fn: Callable[[Any], torch.Tensor] | None = None,
         process_group: Any = None,
         analyzed: Analyzed | None = None,
+        metric: Metric | str | None = None,
     ) -> None:
         if not isinstance(engine, Engine):
             mapping = {"qconfig_mapping": qconfig_mapping, "prepare_custom_config": prepare_custom_config}
             engine = build_engine(engine or "fx", backend=backend, **mapping)
-        given = {"eval_fn": eval_fn, "output_fn": output_fn, "process_group": process_group, "analyzed": analyzed}
+        given = {
+            "eval_fn": eval_fn,
+            "output_fn": output_fn,
+            "process_group": process_group,
+            "analyzed": analyzed,
+            "metric": metric,
+        }
         self.parts = build_parts(engine, float_model, example_inputs, calibration_data, eval_data, **given)
         runner = self.parts.runner
-        self.engine, self.example_inputs, self.eval_fn = engine, runner.example_inputs, eval_fn
+        self.engine, self.example_inputs, self.eval_fn, self.metric = engine, runner.example_inputs, runner.eval_fn, runner.metric
         batches = runner.batches
         self.calibration_data, self.eval_data, self.eval_description = batches.calibration, batches.eval, batches.eval_description
         self.history: list[RunResult] = self.parts.history.runs  # the recorded runs in order (the same list)
@@ -169,7 +181,7 @@ class QuantizationSession:
 
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         """One row per run (metrics as columns), and per-layer SQNR with one column per run."""
-        return self.parts.history.compare(self.current_settings(), self.eval_fn is not None)
+        return self.parts.history.compare(self.current_settings(), self.metric.column if self.metric is not None else None)
 
     # ---- what the data allows (migration.py, verify.py) -------------------------------------------
     def migrations(self) -> dict[str, Migration]:
