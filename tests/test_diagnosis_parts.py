@@ -72,6 +72,7 @@ class FakeRunner:
     """A Runner's face: the data, no metric, a float model without modules, the fake engine."""
 
     eval_fn = None
+    metric = None
     eval_data = BATCHES
     example_inputs = ()
     float_model = torch.nn.Identity()
