@@ -119,12 +119,13 @@ def analyze(
     instrumented = report.prepare_detailed_calibration()
 
     def calibrated_here() -> int:
-        data, replayed = calibration_data, 0
-        if observed.replay is not None and observed.replay(instrumented):
-            data, replayed = calibration_data[1:], 1  # type: ignore[index]  # a Sequence: first_is_example
-            if not len(data):
-                return replayed
-        return replayed + calibrate(instrumented, data, desc="calibrating with observers", progress=progress, keep=kept)
+        def on(data: CalibrationData) -> int:
+            return calibrate(instrumented, data, desc="calibrating with observers", progress=progress, keep=kept)
+
+        if observed.replay is None or not observed.replay(instrumented):
+            return on(calibration_data)
+        rest = calibration_data[1:]  # type: ignore[index]  # a Sequence: first_is_example
+        return 1 + (on(rest) if len(rest) else 0)
 
     with chosen.observers_paused(instrumented):  # the detectors read only the report's observers
         calibrated_across(group_of(process_group), instrumented, calibrated_here, "analyze()", report_observers=True)

@@ -55,6 +55,7 @@ class FakeSession:
 
     def __init__(self, *, module_notes: dict[str, str] | None = None) -> None:
         self.history: list[RunResult] = []
+        self.metric = None  # no eval_fn
         self.module_notes = module_notes or {}
         self.fail_with: Exception | None = None
         self.broken_run = ""  # when set, apply() returns a failed run with this error

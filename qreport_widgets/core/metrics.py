@@ -83,15 +83,16 @@ class Metric:
     higher_is_better: bool = True
 
     @property
-    def column(self) -> str:
-        """Its column in the runs table: "your metric", or its name and direction."""
-        if self == Metric():
-            return "your metric"
+    def label(self) -> str:
+        """Its name and direction ("perplexity (lower is better)"); "metric" when unnamed."""
+        if self.name == Metric.name:
+            return self.name
         return f"{self.name} ({'higher' if self.higher_is_better else 'lower'} is better)"
 
     @property
-    def sign(self) -> str:
-        return ">=" if self.higher_is_better else "<="
+    def column(self) -> str:
+        """Its column in the runs table."""
+        return "your metric" if self.name == Metric.name else self.label
 
     def meets(self, value: float | None, target: float) -> bool:
         if value is None or math.isnan(value):
@@ -107,7 +108,7 @@ class Metric:
         return target + by if self.higher_is_better else target - by
 
     def words(self, target: float) -> str:
-        return f"{self.name} {self.sign} {target:g}"
+        return f"{self.name} {'>=' if self.higher_is_better else '<='} {target:g}"
 
 
 PERPLEXITY = Metric("perplexity", higher_is_better=False)

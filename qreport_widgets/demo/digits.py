@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .architectures import MobileNetV3Small, PReLUNet
+from .cache import trained_once
 
 MODELS = ("cnn", "mixer", "mobilenet", "prelu", "prelu_chain", "bert")
 _TRAIN = 1280  # the first images train, the rest calibrate (half) and evaluate (half)
@@ -165,27 +166,19 @@ def trained_digits_model(
     ``truth.py``); ``prelu_chain`` the same with slopes starting at -0.25, where that kernel leaves
     the output garbage: three such PReLUs in series each gain nothing kept float alone, together
     about 33 dB (and a fourth, after them, agrees with its reference until they are float)."""
-    model = build_digits_model(name)
     epochs = epochs if epochs is not None else {"mobilenet": 20, "bert": 20}.get(name, 30)
+
+    def train(model: nn.Module) -> None:
+        images, labels = digits_tensors()
+        generator = torch.Generator().manual_seed(0)
+        optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
+        for _ in range(epochs):
+            order = torch.randperm(_TRAIN, generator=generator)
+            for start in range(0, _TRAIN, 64):
+                index = order[start : start + 64]
+                optimiser.zero_grad()
+                nn.functional.cross_entropy(model(images[index]), labels[index]).backward()
+                optimiser.step()
+
     cached = Path(cache_dir) / f"digits_{name}_{epochs}.pt" if cache_dir is not None else None
-    if cached is not None and cached.exists():
-        model.load_state_dict(torch.load(cached, weights_only=True))
-        return model.eval(), digits_data()
-    images, labels = digits_tensors()
-    generator = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    model = build_digits_model(name)  # seeded initialisation
-    optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(epochs):
-        order = torch.randperm(_TRAIN, generator=generator)
-        for start in range(0, _TRAIN, 64):
-            index = order[start : start + 64]
-            optimiser.zero_grad()
-            nn.functional.cross_entropy(model(images[index]), labels[index]).backward()
-            optimiser.step()
-    model.eval()
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(model.state_dict(), cached)
-    return model, digits_data()
+    return trained_once(lambda: build_digits_model(name), train, cached), digits_data()

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..core.metrics import perplexity
+from .cache import trained_once
 
 TOKENS = 128  # bytes per sequence
 HELD_OUT = 0.1  # the last tenth of the text is never trained on
@@ -72,27 +73,20 @@ def build_text_decoder() -> nn.Module:
 def trained_text_decoder(cache_dir: str | Path | None = None, steps: int = 600) -> tuple[nn.Module, TextData]:
     """The byte-level decoder trained for ``steps`` steps of 16 random windows of the first nine
     tenths of the text (fixed seeds), in eval mode, and the held-out text."""
+
+    def train(model: nn.Module) -> None:
+        ids = text_bytes()
+        text = ids[: int(len(ids) * (1 - HELD_OUT))]
+        generator = torch.Generator().manual_seed(0)
+        optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+        for _ in range(steps):
+            starts = torch.randint(0, len(text) - TOKENS, (16,), generator=generator)
+            windows = torch.stack([text[s : s + TOKENS] for s in starts.tolist()])
+            optimiser.zero_grad()
+            model(input_ids=windows, labels=windows).loss.backward()
+            optimiser.step()
+            schedule.step()
+
     cached = Path(cache_dir) / f"text_decoder_{steps}.pt" if cache_dir is not None else None
-    torch.manual_seed(0)
-    model = build_text_decoder()  # seeded initialisation
-    if cached is not None and cached.exists():
-        model.load_state_dict(torch.load(cached, weights_only=True))
-        return model.eval(), text_data()
-    ids = text_bytes()
-    train = ids[: int(len(ids) * (1 - HELD_OUT))]
-    generator = torch.Generator().manual_seed(0)
-    optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, max_lr=3e-3, total_steps=steps, pct_start=0.1)
-    model.train()
-    for _ in range(steps):
-        starts = torch.randint(0, len(train) - TOKENS, (16,), generator=generator)
-        windows = torch.stack([train[s : s + TOKENS] for s in starts.tolist()])
-        optimiser.zero_grad()
-        model(input_ids=windows, labels=windows).loss.backward()
-        optimiser.step()
-        schedule.step()
-    model.eval()
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(model.state_dict(), cached)
-    return model, text_data()
+    return trained_once(build_text_decoder, train, cached), text_data()

@@ -450,23 +450,20 @@ def _kb(size: float | None) -> str:
     return "?" if size is None else f"{size / 1024:,.1f} KB"
 
 
-def _goal_words(
-    max_size_bytes: float | None, target_sqnr_db: float | None, target_metric: float | None, measures: Metric | None = None
-) -> str:
+def _goal_words(max_size_bytes: float | None, target_sqnr_db: float | None, target_metric: float | None, measures: Metric) -> str:
     parts = [f"<= {_kb(max_size_bytes)}"] if max_size_bytes is not None else []
     target = target_words(target_sqnr_db, target_metric, measures)
     return " and ".join(parts + ([target] if target else []))
 
 
-def _point_words(point: pd.Series, measures: Metric | None = None) -> str:
-    name = (measures or Metric()).name
-    metric = f", {name} {point['simulated_metric']:.4g}" if "simulated_metric" in point else ""
+def _point_words(point: pd.Series, measures: Metric) -> str:
+    metric = f", {measures.name} {point['simulated_metric']:.4g}" if "simulated_metric" in point else ""
     return f"{point['simulated_output_sqnr_db']:.2f} dB{metric} at {_kb(point['size_bytes'])}"
 
 
-def _run_words(result: RunResult, target_sqnr_db: float | None, measures: Metric | None = None) -> str:
+def _run_words(result: RunResult, target_sqnr_db: float | None, measures: Metric) -> str:
     short = ""
     if target_sqnr_db is not None and result.ok and result.output_sqnr_db < target_sqnr_db:
         short = f", {target_sqnr_db - result.output_sqnr_db:.2f} dB short"
-    metric = f", {(measures or Metric()).name} {result.eval_metric:.4g}" if result.eval_metric is not None else ""
+    metric = f", {measures.name} {result.eval_metric:.4g}" if result.eval_metric is not None else ""
     return f"real {result.output_sqnr_db:.2f} dB{metric} at {_kb(result.deployed_bytes)}{short}"

@@ -53,10 +53,10 @@ class Parts:
 
 
 def resolved_metric(
-    eval_fn: Callable[[torch.nn.Module], float] | None, metric: Metric | str | None
+    eval_fn: Callable[[torch.nn.Module], float] | None, metric: Metric | str | None, eval_batches: Sequence[Any] = ()
 ) -> tuple[Callable[[torch.nn.Module], float] | None, Metric | None]:
-    """The session's metric function (None: perplexity, built on the evaluation batches once known)
-    and what it measures; a clear error for a combination that cannot be."""
+    """The session's metric function (``metric="perplexity"``: on ``eval_batches``) and what it
+    measures (None without one); a clear error for a combination that cannot be."""
     if isinstance(metric, str):
         if metric != PERPLEXITY.name:
             raise ValueError(
@@ -64,7 +64,7 @@ def resolved_metric(
             )
         if eval_fn is not None:
             raise ValueError("pass either eval_fn= or metric='perplexity' (computed on the evaluation batches), not both")
-        return None, PERPLEXITY
+        return lambda model: perplexity(model, eval_batches), PERPLEXITY
     if metric is not None and not isinstance(metric, Metric):
         raise TypeError(f"metric= takes 'perplexity' or a Metric(name, higher_is_better=...), got {type(metric).__name__}")
     if metric is not None and eval_fn is None:
@@ -86,7 +86,8 @@ def build_parts(
     metric: Metric | str | None = None,
 ) -> Parts:
     """A session's parts over ``float_model`` (or the watched copy ``analyzed`` has of it)."""
-    eval_fn, metric = resolved_metric(eval_fn, metric)
+    batches = Batches.split(calibration_data, eval_data)
+    eval_fn, metric = resolved_metric(eval_fn, metric, batches.eval)
     weights = WeightPool()  # weights equal across prepares, held once (core/memory.py)
     if analyzed is not None:
         weights.share(analyzed.prepared)
@@ -94,7 +95,7 @@ def build_parts(
         engine,
         analyzed.float_copy if analyzed is not None else WatchedCopy(float_model),
         example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
-        Batches.split(calibration_data, eval_data),
+        batches,
         eval_fn=eval_fn,
         output_fn=output_fn,
         group=group_of(process_group),
@@ -102,9 +103,6 @@ def build_parts(
         weights=weights,
         metric=metric,
     )
-    if eval_fn is None and metric is PERPLEXITY:  # on the session's own evaluation batches
-        eval_batches = runner.eval_data
-        runner.eval_fn = lambda model: perplexity(model, eval_batches)
     history, simulated = History(), Simulated(runner)
     migrations = Migrations(runner, analyzed.input_ranges if analyzed is not None else None)
     real = RealRuns(runner, history, simulated, migrations)

@@ -100,7 +100,7 @@ class Runner:
         metric: Metric | None = None,
     ) -> None:
         self.engine = engine
-        self.metric = metric if metric is not None else Metric() if eval_fn is not None else None
+        self.metric = metric
         self.example_inputs = example_inputs
         self.batches = batches
         self.eval_fn = eval_fn

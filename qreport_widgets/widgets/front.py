@@ -152,9 +152,8 @@ class SizeFrontPane(w.VBox):
                 self.runs.y = np.array([_run_value(r, metric) for r in runs], dtype=np.float64)
             _pad(self.points.scales["x"], np.concatenate([self.points.x, self.uniform_marks.x, self.runs.x]))
             _pad(self.points.scales["y"], np.concatenate([self.points.y, self.uniform_marks.y, self.runs.y]))
-            measures = getattr(self.controller.session, "metric", None)
-            named = measures is not None and measures.name != "metric"
-            label = (measures.column if named else "metric") if metric else "output SQNR (dB)"
+            measures = self.controller.session.metric
+            label = (measures.label if measures is not None else "metric") if metric else "output SQNR (dB)"
             self.figure.axes[1].label = label
             for mark in (self.points, self.uniform_marks, self.runs):
                 mark.tooltip.labels = ["size (KB)", label]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import pandas as pd
 
+    from ..core.metrics import Metric
     from ..engines.settings import ModuleSettings, TunableModule
     from ..observe.frame import ReportFrame
     from ..observe.records import Suggestion
@@ -72,6 +73,7 @@ class TuningSession(Protocol):
     """Edit per-module settings, run them, keep and compare the runs."""
 
     history: list[RunResult]
+    metric: Metric | None  # what the runs' eval_metric measures; None without one
 
     @property
     def modules(self) -> list[TunableModule]: ...
