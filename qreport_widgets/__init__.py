@@ -5,6 +5,7 @@ from __future__ import annotations
 from ._version import __version__ as __version__
 from .analyze import analyze, default_detectors
 from .core.metrics import Metric, perplexity
+from .engines import quantize_weights
 from .engines.settings import ModuleSettings
 from .errors import (
     AlreadyPreparedError,
@@ -71,4 +72,5 @@ __all__ = [
     "default_detectors",
     "load_report",
     "perplexity",
+    "quantize_weights",
 ]

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import copy
+import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,8 +55,10 @@ def x86_mapping():
 @pytest.fixture(scope="session")
 def digits_cache(tmp_path_factory):
     """One folder for the trained digits models of the whole run: each is trained once (seeded, so
-    every test sees the same weights) and loaded from here after."""
-    return tmp_path_factory.mktemp("digits")
+    every test sees the same weights) and loaded from here after. ``QREPORT_TEST_CACHE`` names a
+    folder kept across runs instead (a developer's repeated runs skip the training)."""
+    kept = os.environ.get("QREPORT_TEST_CACHE")
+    return Path(kept) if kept else tmp_path_factory.mktemp("digits")
 
 
 @pytest.fixture(scope="session")

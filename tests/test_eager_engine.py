@@ -91,9 +91,18 @@ def test_hugging_face_models_end_to_end(name):
     rows = widget.tuning.rows
     query = next(fqn for fqn in rows if fqn.endswith(("query", "q_proj")))
     assert rows[query].format.value == "int8-dynamic" and rows[query].keep_float.layout.display == "none"
+    assert rows[query].algorithm.disabled  # int8: nothing to choose
     rows[query].format.value = "int4-weight-only"
     assert rows[query].settings == ModuleSettings(format="int4-weight-only", group_size=32)
-    assert not rows[query].group.disabled
+    assert not rows[query].group.disabled and not rows[query].algorithm.disabled
+    assert [value for _, value in rows[query].algorithm.options] == ["", "hqq", "gptq", "awq"]
+    rows[query].algorithm.value = "gptq"
+    assert rows[query].settings == ModuleSettings(format="int4-weight-only", group_size=32, algorithm="gptq")
+    rows[query].settings = ModuleSettings(format="int8-weight-only")
+    assert rows[query].algorithm.disabled and rows[query].settings.algorithm == ""
+    embedding = next(row for row in rows.values() if row.module.type_name == "Embedding")
+    assert [value for _, value in embedding.algorithm.options] == ["", "hqq"]
+    assert "an embedding looks rows up" in embedding.algorithm.tooltip
     assert_unchanged(model, before)
 
 
@@ -263,7 +272,7 @@ def test_positional_batches_and_tuple_outputs():
 def test_a_failing_format_names_the_module():
     engine = EagerEngine()
     model = nn.Sequential(nn.Linear(64, 8), nn.Linear(8, 40), nn.Linear(40, 4)).eval()
-    config = EagerConfig({"0": ("int8-weight-only", 0), "2": ("int4-weight-only", 32)})  # validation refuses "2" first
+    config = EagerConfig({"0": ("int8-weight-only", 0, ""), "2": ("int4-weight-only", 32, "")})  # validation refuses "2" first
     prepared = engine.prepare(model, config, ())
     with pytest.raises(FormatError, match=r"could not apply int4-weight-only \(group 32\) to 2 \(Linear\)"):
         engine.convert(prepared)

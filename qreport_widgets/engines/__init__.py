@@ -102,3 +102,13 @@ def _engine_class(name: str) -> type[Engine]:
         known = " or ".join(repr(n) for n in ENGINES)
         raise ValueError(f"engine must be {known}, got {name!r}")
     return ENGINES[name]()
+
+
+def quantize_weights(model: Any, choices: Any, batches: Any) -> Any:
+    """Quantize Linears of ``model`` to int4 in place, ``{fqn: (algorithm, group_size)}`` with
+    ``algorithm`` one of ``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``, GPTQ and AWQ reading one pass
+    of ``model`` over ``batches`` (your calibration data). What the eager engine's settings as code
+    call for GPTQ and AWQ; returns ``model``. Needs torchao (the ``[eager]`` extra)."""
+    from .eager.algorithms import quantize_weights as on_torchao
+
+    return on_torchao(model, choices, batches)

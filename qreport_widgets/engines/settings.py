@@ -28,6 +28,7 @@ class ModuleSettings:
     observer: str = ""  # the output's activation observer: "" keeps the starting one, else "minmax", "histogram", "percentile"
     format: str = ""  # engines with formats (eager): one of FORMATS; "float" is keep_float
     group_size: int = 0  # int4 formats: weights per scale (0: DEFAULT_GROUP_SIZE)
+    algorithm: str = ""  # int4-weight-only: how the int4 values are chosen, one of ALGORITHMS ("": "rtn")
 
     def __post_init__(self) -> None:
         # one way to say float on an engine with formats: keep_float and format "float" together
@@ -35,8 +36,11 @@ class ModuleSettings:
             object.__setattr__(self, "keep_float", True)
             object.__setattr__(self, "format", "float")
             object.__setattr__(self, "group_size", 0)
+            object.__setattr__(self, "algorithm", "")
         elif self.format in GROUPED_FORMATS and not self.group_size:
             object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE)
+        if self.algorithm == DEFAULT_ALGORITHM:  # one way to say round-to-nearest
+            object.__setattr__(self, "algorithm", "")
 
     @property
     def quantized_format(self) -> str:
@@ -44,7 +48,8 @@ class ModuleSettings:
         if self.keep_float:
             return "float"
         if self.format in GROUPED_FORMATS:
-            return f"{self.format} (group {self.group_size or DEFAULT_GROUP_SIZE})"
+            algorithm = f", {self.algorithm}" if self.algorithm else ""
+            return f"{self.format} (group {self.group_size or DEFAULT_GROUP_SIZE}{algorithm})"
         return self.format
 
 
@@ -59,6 +64,7 @@ class Setting(str, Enum):
     OBSERVER = "observer"
     FORMAT = "format"
     GROUP_SIZE = "group_size"
+    ALGORITHM = "algorithm"
 
     def __str__(self) -> str:
         return self.value
@@ -82,6 +88,7 @@ _WORDS = {
     Setting.OBSERVER: "activation observer",
     Setting.FORMAT: "format",
     Setting.GROUP_SIZE: "group size",
+    Setting.ALGORITHM: "weight algorithm",
 }
 assert [s.value for s in Setting] == [f.name for f in fields(ModuleSettings)], "Setting must name every field"
 OBSERVER_NAMES = ("", "minmax", "histogram", "percentile")
@@ -90,6 +97,12 @@ FORMATS = ("float", "int8-dynamic", "int8-weight-only", "int4-weight-only", "int
 GROUPED_FORMATS = ("int4-weight-only", "int8-dynamic-int4-weight")  # weights in groups of group_size
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
+# how an int4 weight's values are chosen (engines/eager/algorithms.py): round to nearest, torchao's
+# HQQ, GPTQ and AWQ (these two from the calibration batches' inputs to the module)
+ALGORITHMS = ("rtn", "hqq", "gptq", "awq")
+DEFAULT_ALGORITHM = "rtn"
+DATA_ALGORITHMS = ("gptq", "awq")  # chosen from the calibration batches' inputs to the module
+ALGORITHM_FORMATS = ("int4-weight-only",)
 NO_FORMATS = "formats (int8 / int4 weight-only, dynamic int8) are chosen per module on engine='eager'"
 
 
@@ -112,6 +125,7 @@ class TunableModule:
     weighted: bool = True
     formats: Mapping[str, str] = field(default_factory=dict)  # format -> why not ("" where it applies)
     group_sizes: tuple[int, ...] = ()  # the group sizes an int4 format can take here
+    algorithms: Mapping[str, str] = field(default_factory=dict)  # weight algorithm -> why not ("" where it applies)
 
     def __post_init__(self) -> None:
         try:
@@ -121,8 +135,13 @@ class TunableModule:
         if not self.formats:  # an engine without formats
             typed.setdefault(Setting.FORMAT, NO_FORMATS)
             typed.setdefault(Setting.GROUP_SIZE, NO_FORMATS)
+            typed.setdefault(Setting.ALGORITHM, NO_FORMATS)
         object.__setattr__(self, "unavailable", typed)
         object.__setattr__(self, "formats", dict(self.formats))
+        object.__setattr__(self, "algorithms", dict(self.algorithms))
+
+    def algorithm_allowed(self, name: str) -> bool:
+        return self.algorithms.get(name or DEFAULT_ALGORITHM) == ""
 
     def format_allowed(self, name: str) -> bool:
         return self.formats.get(name) == ""
@@ -165,6 +184,21 @@ def _validate_format(module: TunableModule, settings: ModuleSettings) -> None:
     if name in GROUPED_FORMATS and size not in module.group_sizes:
         offered = ", ".join(map(str, module.group_sizes)) or "none"
         raise InvalidSettingsError(f"{module.fqn}: group size {size} does not divide its rows (group sizes that do: {offered})")
+    if settings.algorithm:
+        _validate_algorithm(module, settings)
+
+
+def _validate_algorithm(module: TunableModule, settings: ModuleSettings) -> None:
+    name = settings.algorithm
+    if name not in ALGORITHMS:
+        raise InvalidSettingsError(f"{module.fqn}: unknown weight algorithm {name!r} (known: {', '.join(ALGORITHMS)})")
+    if settings.format not in ALGORITHM_FORMATS:
+        raise InvalidSettingsError(
+            f"{module.fqn}: a weight algorithm chooses int4 weight values: it is for {', '.join(ALGORITHM_FORMATS)}, "
+            f"not {settings.format}"
+        )
+    if not module.algorithm_allowed(name):
+        raise InvalidSettingsError(f"{module.fqn}: {module.algorithms.get(name) or name + ' is not offered here'}")
 
 
 def group_size_problem(name: str, size: int) -> str:
@@ -220,5 +254,6 @@ def with_suggestions(modules: Iterable[TunableModule], suggestions: Iterable[Sug
             observer=now.observer,
             format=now.format,
             group_size=now.group_size,
+            algorithm=now.algorithm,
         )
     return settings

@@ -11,11 +11,20 @@ from ipywidgets.widgets.widget_description import DescriptionStyle
 from ipywidgets.widgets.widget_string import HTMLStyle
 from traitlets import Bool, Instance, Unicode, observe
 
-from ..engines.settings import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, Setting, TunableModule, validate
+from ..engines.settings import (
+    ALGORITHM_FORMATS,
+    DEFAULT_GROUP_SIZE,
+    GROUPED_FORMATS,
+    ModuleSettings,
+    Setting,
+    TunableModule,
+    validate,
+)
 from ..errors import InvalidSettingsError
 
 STATIC, DYNAMIC = "static", "dynamic"
 PER_TENSOR, PER_CHANNEL = "per-tensor", "per-channel"
+ALGORITHM_LABELS = {"rtn": "round", "hqq": "HQQ", "gptq": "GPTQ", "awq": "AWQ"}
 OBSERVER_OPTIONS = [("as started", ""), ("MinMax", "minmax"), ("Histogram", "histogram"), ("Percentile", "percentile")]
 RowParts = dict[str, w.Layout | w.Style]  # what the rows of one panel share
 
@@ -104,6 +113,23 @@ class SettingsRow(w.VBox):
             layout=shared["group" if module.formats else "hidden"],
             style=dropdown,
         )
+        algorithms = [
+            (ALGORITHM_LABELS[name], "" if name == "rtn" else name) for name, why in module.algorithms.items() if not why
+        ]
+        refused_algorithms = "; ".join(f"{name}: {why}" for name, why in module.algorithms.items() if why)
+        algorithm_tip = (
+            "int4 weight-only: how the int4 values are chosen (round to nearest; HQQ: torchao's scale search; "
+            "GPTQ / AWQ: from the calibration inputs)"
+            + (f". Not offered here: {refused_algorithms}" if refused_algorithms else "")
+        )
+        self.algorithm = w.Dropdown(
+            options=algorithms or [(ALGORITHM_LABELS["rtn"], "")],
+            value="",
+            disabled=True,
+            tooltip=algorithm_tip,
+            layout=shared["algorithm" if module.algorithms else "hidden"],
+            style=dropdown,
+        )
         if module.formats:
             for control in (self.activation, self.weight, self.equalize, self.keep_float, self.observer):
                 control.layout = shared["hidden"]
@@ -115,6 +141,7 @@ class SettingsRow(w.VBox):
             self.observer,
             self.format,
             self.group,
+            self.algorithm,
             self.migrate,
         )
         self._name = f"<b>{html.escape(fqn)}</b> <span style='color:#666'>{html.escape(module.type_name)}</span>"
@@ -163,6 +190,9 @@ class SettingsRow(w.VBox):
                 if size in dict(self.group.options).values():
                     self.group.value = size
                 self.group.disabled = self.format.value not in GROUPED_FORMATS
+                if value.algorithm in dict(self.algorithm.options).values():
+                    self.algorithm.value = value.algorithm
+                self.algorithm.disabled = self.format.value not in ALGORITHM_FORMATS
         self._render_why()
 
     @observe("picked")
@@ -178,8 +208,13 @@ class SettingsRow(w.VBox):
         if self.module.formats:
             grouped = self.format.value in GROUPED_FORMATS
             self.group.disabled = not grouped
+            chooses = self.format.value in ALGORITHM_FORMATS
+            self.algorithm.disabled = not chooses
             return ModuleSettings(
-                format=self.format.value, group_size=self.group.value if grouped else 0, migrate=self.migrate.value
+                format=self.format.value,
+                group_size=self.group.value if grouped else 0,
+                algorithm=self.algorithm.value if chooses else "",
+                migrate=self.migrate.value,
             )
         return ModuleSettings(
             dynamic=self.activation.value == DYNAMIC,
@@ -222,6 +257,7 @@ def row_parts() -> RowParts:
         "migrate": 74,
         "format": 196,
         "group": 96,
+        "algorithm": 84,
     }
     parts: RowParts = {name: w.Layout(width=f"{px}px", **fixed) for name, px in widths.items()}
     parts["hidden"] = w.Layout(display="none")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
@@ -23,7 +24,8 @@ from ...core.metrics import sqnr_db
 from ...errors import QReportError
 from ...observe.graph import OBSERVER_CONTAINER
 from ..contract import Engine, Observation, RunNotes, conversion_tables
-from ..settings import GROUPED_FORMATS, ModuleSettings, Setting, TunableModule
+from ..settings import ALGORITHM_FORMATS, GROUPED_FORMATS, ModuleSettings, Setting, TunableModule
+from .algorithms import AWQ, GPTQ, HQQ, NEEDS_DATA, InputRecorder, choose
 from .formats import (
     INT4_WEIGHT_ONLY,
     INT8_DYNAMIC,
@@ -31,6 +33,8 @@ from .formats import (
     INT8_WEIGHT_ONLY,
     QUANTIZED_FORMATS,
     EagerConfig,
+    algorithms_offered,
+    choice_words,
     deployed_bytes,
     is_quantized_weight,
     offered,
@@ -56,6 +60,18 @@ INT4_NOTE = (
     "counts them as int8, 'deployed' as 4 bits"
 )
 INT8_WEIGHT_ONLY_NOTE = "int8 weight-only: torchao's CPU kernel converts the int8 weights to float on each call"
+ALGORITHM_NOTES = {
+    HQQ: "hqq: torchao's half-quadratic search for each group's scale (no data)",
+    GPTQ: (
+        "gptq: int4 values chosen column by column from the calibration batches' inputs to each module "
+        "(their Gram matrix), each rounding error spread over the columns not yet chosen; round to nearest "
+        "kept for a module where that gave no lower output error on held-out calibration sequences"
+    ),
+    AWQ: (
+        "awq: each input channel scaled by its mean activation to a searched power before rounding, the "
+        "module's input divided by the same scales at run time (a buffer, counted in the size)"
+    ),
+}
 INT8_DYNAMIC_NOTE = (
     "int8 dynamic: torchao's CPU kernel (torch._int_mm on each batch's int8 activations) is written for "
     "torch.compile to fuse; run eagerly, as here, it can be many times slower than int8 weight-only: its "
@@ -87,6 +103,10 @@ class EagerEngine(Engine[EagerConfig]):
         self.start_format = format
         self.start_group_size = group_size or 0  # 0: DEFAULT_GROUP_SIZE, as in ModuleSettings
         self._configs: weakref.WeakKeyDictionary[nn.Module, EagerConfig] = weakref.WeakKeyDictionary()
+        # the inputs GPTQ / AWQ read, gathered while a prepared model calibrates
+        self._recorders: weakref.WeakKeyDictionary[nn.Module, InputRecorder] = weakref.WeakKeyDictionary()
+        # per converted model, the modules where GPTQ / AWQ kept round to nearest, and why
+        self._kept_rounding: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
         self._sizes: dict[tuple, int] = {}  # module_bytes, per module shape and choice
 
     @classmethod
@@ -119,14 +139,18 @@ class EagerEngine(Engine[EagerConfig]):
         return config.as_code()
 
     def calibrates(self, config: EagerConfig) -> bool:
-        return False  # weight-only formats observe nothing; dynamic ones quantize each batch as it comes
+        # formats observe nothing (dynamic ones quantize each batch as it comes); GPTQ and AWQ read
+        # the modules' inputs on the calibration batches
+        return bool(config.needs_data)
 
     # ---- the workflow ---------------------------------------------------------------------------
     def prepare(self, float_model: nn.Module, config: EagerConfig, example_inputs: tuple[Any, ...]) -> nn.Module:
         """A copy of ``float_model`` (sharing its weights: ``quantize_`` assigns new ones); ``convert``
         applies ``config``'s formats to it."""
         model = shared_copy(float_model).eval()
-        self._configs[model] = config.resolved(model)
+        self._configs[model] = resolved = config.resolved(model)
+        if resolved.needs_data:  # their inputs are gathered as the model calibrates, float
+            self._recorders[model] = InputRecorder(model, resolved.needs_data)
         return model
 
     def tunable_modules(self, prepared: nn.Module) -> list[TunableModule]:
@@ -136,6 +160,20 @@ class EagerEngine(Engine[EagerConfig]):
         config = self._config_of(prepared)
         if not config.formats:
             raise FormatError("every module is float: the result would be the float model. Choose a format for a Linear layer.")
+        recorder = self._recorders.pop(prepared, None)
+        statistics = recorder.close() if recorder is not None else {}
+        kept_rounding = {}
+        for fqn, (algorithm, group) in config.needs_data.items():  # first: the calibration saw them float
+            module = prepared.get_submodule(fqn)
+            try:
+                with torch.no_grad():
+                    chosen = choose(algorithm, module.weight, group, statistics.pop(fqn, None))
+            except Exception as error:
+                raise FormatError(f"{algorithm} could not quantize {fqn}: {type(error).__name__}: {error}") from error
+            chosen.assign(module)
+            if chosen.note:
+                kept_rounding[fqn] = chosen.note
+        self._kept_rounding[prepared] = kept_rounding
         try:
             torchao_eager().quantize_(prepared, config.fqn_to_config(), filter_fn=None)
         except Exception as error:  # name the module and format torchao failed on
@@ -158,7 +196,7 @@ class EagerEngine(Engine[EagerConfig]):
                 continue
             weight = module.weight
             chosen = config.formats.get(fqn)
-            described = "float" if chosen is None else _format_words(*chosen)
+            described = "float" if chosen is None else choice_words(*chosen)
             converted = f"{type(weight).__name__} ({described})" if is_quantized_weight(weight) else type(module).__name__
             rows.append(
                 {
@@ -174,13 +212,20 @@ class EagerEngine(Engine[EagerConfig]):
         return deployed_bytes(quantized)
 
     def size_choices(self, module: TunableModule) -> list[ModuleSettings]:
-        """Float and every format the module takes, with each group size its rows divide into."""
+        """Float and every format the module takes, with each group size its rows divide into and,
+        for int4 weight-only, each weight algorithm it takes."""
         found = [module.current]
         for name in ("float", *QUANTIZED_FORMATS):
             if not module.format_allowed(name):
                 continue
             groups = module.group_sizes if name in GROUPED_FORMATS else (0,)
-            found += [c for g in groups if (c := ModuleSettings(format=name, group_size=g)) != module.current]
+            algorithms = [a for a, why in module.algorithms.items() if not why] if name in ALGORITHM_FORMATS else [""]
+            found += [
+                c
+                for g in groups
+                for a in algorithms
+                if (c := ModuleSettings(format=name, group_size=g, algorithm=a)) != module.current
+            ]
         return found if len(found) > 1 else []
 
     def module_bytes(self, float_module: nn.Module, choice: ModuleSettings) -> int:
@@ -189,9 +234,12 @@ class EagerEngine(Engine[EagerConfig]):
         key = (type(float_module), tuple(weight.shape), weight.dtype, bias is not None, choice)  # all the size depends on
         if key not in self._sizes:
             holder = nn.Sequential(copy.deepcopy(float_module))
-            if not choice.keep_float:
-                torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}).fqn_to_config(), filter_fn=None)
-            self._sizes[key] = deployed_bytes(holder)
+            # GPTQ and AWQ store round-to-nearest's layout (AWQ one scale per input channel more)
+            counted = replace(choice, algorithm="") if choice.algorithm in NEEDS_DATA else choice
+            if not counted.keep_float:
+                torchao_eager().quantize_(holder, EagerConfig.of({"0": counted}).fqn_to_config(), filter_fn=None)
+            extra = weight.shape[1] * weight.element_size() if choice.algorithm == AWQ else 0
+            self._sizes[key] = deployed_bytes(holder) + extra
             del holder
             give_back()  # a copy of a decoder's head and its quantization's temporaries, not kept resident
         return self._sizes[key]
@@ -200,15 +248,22 @@ class EagerEngine(Engine[EagerConfig]):
         """Which kernels torchao ran on this CPU, and per module a format it did not carry out."""
         modules = dict(quantized.named_modules())
         undone = {
-            fqn: f"asked {_format_words(*chosen)}, its weight stayed float"
+            fqn: f"asked {choice_words(*chosen)}, its weight stayed float"
             for fqn, chosen in config.formats.items()
             if not is_quantized_weight(getattr(modules.get(fqn), "weight", None))
         }
-        used = {name for name, _ in config.formats.values()}
+        used = {name for name, _, _ in config.formats.values()}
         notes = [INT4_NOTE] if used & {INT4_WEIGHT_ONLY, INT8_DYNAMIC_INT4} else []
         notes += [INT8_WEIGHT_ONLY_NOTE] if INT8_WEIGHT_ONLY in used else []
         notes += [INT8_DYNAMIC_NOTE] if INT8_DYNAMIC in used else []
-        return RunNotes(tuple(notes), undone)
+        algorithms = {algorithm for _, _, algorithm in config.formats.values()}
+        notes += [note for name, note in ALGORITHM_NOTES.items() if name in algorithms]
+        kept = self._kept_rounding.get(quantized, {})
+        if kept:
+            notes.append(
+                f"{len(kept)} of {len(config.needs_data)} modules asked GPTQ / AWQ kept round to nearest (see each module's note)"
+            )
+        return RunNotes(tuple(notes), {**kept, **undone})
 
     def per_layer_failure(self, error: Exception) -> str:
         return f"the modules' outputs could not be read ({type(error).__name__}: {error})"
@@ -221,7 +276,7 @@ class EagerEngine(Engine[EagerConfig]):
         example_inputs: tuple[Any, ...],
         calibrate: Callable[[nn.Module], None],
     ) -> EagerSimulation:
-        return EagerSimulation(prepared, modules)
+        return EagerSimulation(prepared, modules, calibrate)
 
     # ---- helpers --------------------------------------------------------------------------------
     def _config_of(self, prepared: nn.Module) -> EagerConfig:
@@ -240,14 +295,23 @@ class EagerEngine(Engine[EagerConfig]):
             current = (
                 ModuleSettings(format="float")
                 if chosen is None
-                else ModuleSettings(format=chosen[0], group_size=chosen[1] if chosen[0] in GROUPED_FORMATS else 0)
+                else ModuleSettings(
+                    format=chosen[0], group_size=chosen[1] if chosen[0] in GROUPED_FORMATS else 0, algorithm=chosen[2]
+                )
             )
             unavailable = dict(UNAVAILABLE)
             if not any(why == "" for name, why in formats.items() if name != "float"):
                 unavailable[Setting.MIGRATE] = "no quantized format applies to this module"
             modules.append(
                 TunableModule(
-                    fqn, type(module).__name__, current, unavailable, native=chosen, formats=formats, group_sizes=groups
+                    fqn,
+                    type(module).__name__,
+                    current,
+                    unavailable,
+                    native=chosen,
+                    formats=formats,
+                    group_sizes=groups,
+                    algorithms=algorithms_offered(module),
                 )
             )
         return modules
@@ -278,24 +342,20 @@ def module_outputs(
     return found
 
 
-def _format_words(name: str, group: int) -> str:
-    return f"{name} (group {group})" if group else name
-
-
 def _failure(prepared: nn.Module, config: EagerConfig, error: Exception) -> str:
     """Which module's format torchao failed on, tried one at a time on copies of the modules it had
     not quantized yet."""
     ao = torchao_eager()
     modules = dict(prepared.named_modules())
-    for fqn, (name, group) in config.formats.items():
+    for fqn, chosen in config.formats.items():
         if is_quantized_weight(modules[fqn].weight):
             continue
         single = nn.Sequential(copy.deepcopy(modules[fqn]))
         try:
-            ao.quantize_(single, EagerConfig({"0": (name, group)}).fqn_to_config(), filter_fn=None)
+            ao.quantize_(single, EagerConfig({"0": chosen}).fqn_to_config(), filter_fn=None)
         except Exception as cause:
             return (
-                f"torchao could not apply {_format_words(name, group)} to {fqn} ({type(modules[fqn]).__name__}): "
+                f"torchao could not apply {choice_words(*chosen)} to {fqn} ({type(modules[fqn]).__name__}): "
                 f"{type(cause).__name__}: {cause}. Choose another format for it, or keep it float."
             )
     return f"torchao's quantize_ failed ({type(error).__name__}: {error}); every format applies to its module alone"

@@ -24,9 +24,20 @@ import torch
 from torch import nn
 
 from ...errors import MissingExtraError
-from ..settings import DEFAULT_GROUP_SIZE, FORMATS, GROUP_SIZES, GROUPED_FORMATS, ModuleSettings
+from ..settings import (
+    ALGORITHM_FORMATS,
+    ALGORITHMS,
+    DATA_ALGORITHMS,
+    DEFAULT_GROUP_SIZE,
+    FORMATS,
+    GROUP_SIZES,
+    GROUPED_FORMATS,
+    ModuleSettings,
+)
 
 INT8_DYNAMIC, INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY, INT8_DYNAMIC_INT4 = FORMATS[1:]
+HQQ = "hqq"
+NEEDS_DATA = DATA_ALGORITHMS
 QUANTIZED_FORMATS = FORMATS[1:]
 NO_CONV_INT8 = "torchao's int8 tensors have no convolution (int4-weight-only applies to a Conv2d)"
 
@@ -52,6 +63,9 @@ def torchao_eager() -> types.SimpleNamespace:
             from torchao.quantization.granularity import PerGroup, PerRow
             from torchao.quantization.quant_primitives import MappingType
             from torchao.quantization.quantize_.workflows import Int8Tensor, IntxUnpackedToInt8Tensor
+            from torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm import (
+                IntxChooseQParamsAlgorithm,
+            )
             from torchao.utils import TorchAOBaseTensor
     except ImportError as error:
         raise MissingExtraError(
@@ -71,18 +85,26 @@ def torchao_eager() -> types.SimpleNamespace:
         IntxWeightOnlyConfig=IntxWeightOnlyConfig,
         Int8Tensor=Int8Tensor,
         IntxUnpackedToInt8Tensor=IntxUnpackedToInt8Tensor,
+        IntxChooseQParamsAlgorithm=IntxChooseQParamsAlgorithm,
         TorchAOBaseTensor=TorchAOBaseTensor,
     )
 
 
-def ao_config(name: str, group_size: int = 0) -> Any:
-    """The torchao config of one format (not "float")."""
+def ao_config(name: str, group_size: int = 0, algorithm: str = "") -> Any:
+    """The torchao config of one format (not "float"); ``algorithm`` "" (round to nearest) or "hqq"
+    (GPTQ and AWQ are not torchao configs here: ``algorithms.choose``)."""
     ao = torchao_eager()
     group = group_size or DEFAULT_GROUP_SIZE
+    if algorithm not in ("", HQQ) or (algorithm and name not in ALGORITHM_FORMATS):
+        raise ValueError(f"no torchao config for {name!r} with weight algorithm {algorithm!r}")
     if name == INT8_DYNAMIC:
         return ao.Int8DynamicActivationInt8WeightConfig()
     if name == INT8_WEIGHT_ONLY:
         return ao.Int8WeightOnlyConfig()
+    if name == INT4_WEIGHT_ONLY and algorithm == HQQ:
+        return ao.IntxWeightOnlyConfig(
+            weight_dtype=torch.int4, granularity=ao.PerGroup(group), intx_choose_qparams_algorithm="hqq_scale_only"
+        )
     if name == INT4_WEIGHT_ONLY:
         return ao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=ao.PerGroup(group))
     if name == INT8_DYNAMIC_INT4:
@@ -90,9 +112,14 @@ def ao_config(name: str, group_size: int = 0) -> Any:
     raise ValueError(f"no torchao config for format {name!r}")
 
 
-def config_code(name: str, group_size: int = 0) -> str:
-    """``ao_config(name, group_size)`` as Python (the names ``CODE_IMPORTS`` imports)."""
+def config_code(name: str, group_size: int = 0, algorithm: str = "") -> str:
+    """``ao_config(name, group_size, algorithm)`` as Python (the names ``CODE_IMPORTS`` imports)."""
     group = group_size or DEFAULT_GROUP_SIZE
+    if algorithm == HQQ:
+        return (
+            f"IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup({group}), "
+            'intx_choose_qparams_algorithm="hqq_scale_only")'
+        )
     return {
         INT8_DYNAMIC: "Int8DynamicActivationInt8WeightConfig()",
         INT8_WEIGHT_ONLY: "Int8WeightOnlyConfig()",
@@ -151,14 +178,32 @@ def offered(module: nn.Module) -> tuple[dict[str, str], tuple[int, ...]]:
     return {"float": "", **dict.fromkeys(QUANTIZED_FORMATS, why)}, ()
 
 
+def algorithms_offered(module: nn.Module) -> dict[str, str]:
+    """The weight algorithms ``module``'s int4 weights can take: algorithm -> why not ("" where it
+    applies; round-to-nearest wherever int4 does)."""
+    if offered(module)[0].get(INT4_WEIGHT_ONLY) != "":
+        return {}
+    if isinstance(module, nn.Linear):
+        return dict.fromkeys(ALGORITHMS, "")
+    data = "GPTQ and AWQ weigh a Linear's weights by its input activations"
+    if isinstance(module, nn.Embedding):
+        return {"rtn": "", HQQ: "", **dict.fromkeys(NEEDS_DATA, data + "; an embedding looks rows up")}
+    hqq = "torchao's HQQ takes 2-d weights (Linear, Embedding)"
+    return {"rtn": "", HQQ: hqq, **dict.fromkeys(NEEDS_DATA, data)}
+
+
+Choice = tuple[str, int, str]  # (format, group size or 0, weight algorithm or "")
+
+
 @dataclass(frozen=True)
 class EagerConfig:
-    """One run's formats: module -> (format, group size) for the modules quantized (the rest float),
-    applied by one ``quantize_(copy, FqnToConfig(...))``. ``linears``: a format for every Linear not
-    named (the start, before a model is known; ``resolved`` names them), with ``group_size`` when it
-    is an int4 format (0: ``DEFAULT_GROUP_SIZE``)."""
+    """One run's formats: module -> (format, group size, weight algorithm) for the modules quantized
+    (the rest float), applied by one ``quantize_(copy, FqnToConfig(...))``, then GPTQ / AWQ for the
+    modules whose algorithm reads the calibration inputs (``needs_data``). ``linears``: a format for
+    every Linear not named (the start, before a model is known; ``resolved`` names them), with
+    ``group_size`` when it is an int4 format (0: ``DEFAULT_GROUP_SIZE``)."""
 
-    formats: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    formats: Mapping[str, Choice] = field(default_factory=dict)
     linears: str = ""
     group_size: int = 0
 
@@ -169,7 +214,7 @@ class EagerConfig:
             return self
         group = (self.group_size or DEFAULT_GROUP_SIZE) if self.linears in GROUPED_FORMATS else 0
         chosen = {
-            fqn: (self.linears, group)
+            fqn: (self.linears, group, "")
             for fqn, module in model.named_modules()
             if isinstance(module, nn.Linear) and _takes(module, self.linears, group)
         }
@@ -183,21 +228,45 @@ class EagerConfig:
             if choice.keep_float or not choice.format:
                 continue
             group = (choice.group_size or DEFAULT_GROUP_SIZE) if choice.format in GROUPED_FORMATS else 0
-            chosen[fqn] = (choice.format, group)
+            chosen[fqn] = (choice.format, group, choice.algorithm)
         return cls(chosen)
 
+    @property
+    def needs_data(self) -> dict[str, tuple[str, int]]:
+        """The modules whose weight algorithm reads their inputs on the calibration batches: algorithm, group size."""
+        return {fqn: (algorithm, group) for fqn, (_, group, algorithm) in self.formats.items() if algorithm in NEEDS_DATA}
+
     def fqn_to_config(self) -> Any:
+        """torchao's config of every module but those ``needs_data`` names."""
         ao = torchao_eager()
-        return ao.FqnToConfig({fqn: ao_config(name, group) for fqn, (name, group) in self.formats.items()})
+        return ao.FqnToConfig({fqn: ao_config(*choice) for fqn, choice in self.formats.items() if choice[2] not in NEEDS_DATA})
 
     def as_code(self) -> str:
-        entries = "".join(f"    {fqn!r}: {config_code(name, group)},\n" for fqn, (name, group) in self.formats.items())
-        return (
-            f"{CODE_IMPORTS}\n"
+        entries = "".join(
+            f"    {fqn!r}: {config_code(*choice)},\n" for fqn, choice in self.formats.items() if choice[2] not in NEEDS_DATA
+        )
+        code = (
             "# module -> format (modules not named stay float); quantize_ changes model in place\n"
             f"config = FqnToConfig({{\n{entries}}})\n"
             "quantize_(model, config, filter_fn=None)\n"
         )
+        data = self.needs_data
+        if not data:
+            return f"{CODE_IMPORTS}\n{code}"
+        choices = "".join(f"    {fqn!r}: ({algorithm!r}, {group}),\n" for fqn, (algorithm, group) in data.items())
+        return (
+            f"{CODE_IMPORTS}from qreport_widgets import quantize_weights\n\n"
+            "# first, on the float model: int4 weights chosen by GPTQ / AWQ from one pass over the\n"
+            "# calibration batches the session calibrated on (module -> (algorithm, group size))\n"
+            f"quantize_weights(model, {{\n{choices}}}, calibration_batches)\n{code}"
+        )
+
+
+def choice_words(name: str, group: int, algorithm: str = "") -> str:
+    """One module's format in words: "int4-weight-only (group 128, gptq)"."""
+    if not group:
+        return name
+    return f"{name} (group {group}, {algorithm})" if algorithm else f"{name} (group {group})"
 
 
 def _takes(module: nn.Module, name: str, group: int) -> bool:

@@ -24,9 +24,10 @@ from ...core.memory import give_back
 from ...core.metrics import sqnr_db
 from ..contract import Variant, WholePasses
 from ..settings import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
+from .algorithms import NEEDS_DATA, InputStatistics, QuantizedWeight, choose, recording
 from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, ao_config, torchao_eager
 
-FormatKey = tuple[str, int]  # (format, group size; 0 where none)
+FormatKey = tuple[str, int, str]  # (format, group size or 0, weight algorithm or "")
 # other formats' quantized weights kept (torchao's own int8 / int4-as-int8 tensors, about a quarter
 # of the float size each) up to this share of the float weights; beyond, the least recently used is
 # quantized again when next needed. The size front tries every format on every module: kept
@@ -38,20 +39,27 @@ def format_key(choice: ModuleSettings) -> FormatKey | None:
     """The (format, group size) a setting quantizes with; None for float."""
     if choice.keep_float or not choice.format:
         return None
-    return choice.format, (choice.group_size or DEFAULT_GROUP_SIZE) if choice.format in GROUPED_FORMATS else 0
+    group = (choice.group_size or DEFAULT_GROUP_SIZE) if choice.format in GROUPED_FORMATS else 0
+    return choice.format, group, choice.algorithm
 
 
-def quantized_weight(module: nn.Module, key: FormatKey) -> torch.Tensor:
-    """``module``'s weight as torchao quantizes it in format ``key`` (torchao's tensor)."""
+def quantized_weight(module: nn.Module, key: FormatKey, statistics: InputStatistics | None = None) -> QuantizedWeight:
+    """``module``'s weight quantized in format ``key``: by torchao, or for GPTQ / AWQ from the
+    ``statistics`` of its inputs (``algorithms.choose``) into torchao's int4 layout."""
+    name, group, algorithm = key
+    if algorithm in NEEDS_DATA:
+        with torch.no_grad():
+            return choose(algorithm, module.weight, group, statistics)
     ao = torchao_eager()
     holder = nn.Sequential(copy.deepcopy(module))
     ao.quantize_(holder, ao.FqnToConfig({"0": ao_config(*key)}), filter_fn=None)
-    return holder[0].weight.detach()
+    return QuantizedWeight(holder[0].weight.detach())
 
 
-def dequantized_weight(module: nn.Module, key: FormatKey) -> torch.Tensor:
-    """``module``'s weight as torchao quantizes it in format ``key``, dequantized to float."""
-    return quantized_weight(module, key).dequantize().to(module.weight.dtype)
+def dequantized_weight(module: nn.Module, key: FormatKey, statistics: InputStatistics | None = None) -> torch.Tensor:
+    """``module``'s weight as quantized in format ``key``, dequantized to float (what the module
+    multiplies its input with)."""
+    return quantized_weight(module, key, statistics).dequantize(module.weight.dtype)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -75,16 +83,20 @@ class EagerSimulation(WholePasses):
     """The starting formats on a float copy; a Variant keeps modules float or gives them other
     formats (``Variant.settings``), by swapping weights and input fake-quantization, no calibration."""
 
-    def __init__(self, model: nn.Module, modules: Sequence[TunableModule]) -> None:
+    def __init__(
+        self, model: nn.Module, modules: Sequence[TunableModule], calibrate: Callable[[nn.Module], None] | None = None
+    ) -> None:
         self.model = model.eval()
+        self._calibrate = calibrate  # runs a model over the calibration batches (what GPTQ / AWQ read)
+        self._statistics: dict[str, InputStatistics] = {}
         self._start = {m.fqn: m.current for m in modules}
         self.tunable = [m.fqn for m in modules if not m.current.keep_float]
         self._modules = {fqn: model.get_submodule(fqn) for fqn in self._start}
         self._float = {fqn: module.weight.detach() for fqn, module in self._modules.items()}  # the shared float weights
         # quantized weights, dequantized when a module takes them (the model holds one float weight
         # per module, whichever its variant gives it): the starting format's, kept ...
-        self._starting: dict[str, torch.Tensor] = {}
-        self._others: OrderedDict[tuple[str, FormatKey], torch.Tensor] = OrderedDict()  # ... other formats', a few
+        self._starting: dict[str, QuantizedWeight] = {}
+        self._others: OrderedDict[tuple[str, FormatKey], QuantizedWeight] = OrderedDict()  # ... other formats', a few
         self._others_held = 0
         self._others_room = OTHER_FORMATS_SHARE * sum(tensor_bytes(w) for w in self._float.values())
         self._float_numel = sum(w.numel() for w in self._float.values())
@@ -107,18 +119,42 @@ class EagerSimulation(WholePasses):
         """Module ``fqn``'s weight in format ``key`` (float for None), dequantized from its quantized form."""
         if key is None:
             return self._float[fqn]
+        dtype = self._float[fqn].dtype
         if key == format_key(self._start[fqn]):
             if fqn not in self._starting:
-                self._starting[fqn] = quantized_weight(self._float_module(fqn), key)
-            return self._starting[fqn].dequantize().to(self._float[fqn].dtype)
+                self._starting[fqn] = self._quantized(fqn, key)
+            return self._starting[fqn].dequantize(dtype)
         quantized = self._others.pop((fqn, key), None)
         if quantized is None:
-            quantized = quantized_weight(self._float_module(fqn), key)
-            self._others_held += tensor_bytes(quantized)
+            quantized = self._quantized(fqn, key)
+            self._others_held += quantized.nbytes
         self._others[fqn, key] = quantized  # the most recently used last
         while self._others_held > self._others_room and len(self._others) > 1:
-            self._others_held -= tensor_bytes(self._others.popitem(last=False)[1])
-        return quantized.dequantize().to(self._float[fqn].dtype)
+            self._others_held -= self._others.popitem(last=False)[1].nbytes
+        return quantized.dequantize(dtype)
+
+    def _quantized(self, fqn: str, key: FormatKey) -> QuantizedWeight:
+        return quantized_weight(self._float_module(fqn), key, self._statistics.get(fqn))
+
+    def gather_inputs(self, chosen: Iterable[tuple[str, FormatKey | None]]) -> None:
+        """The calibration batches' inputs to each module whose format in ``chosen`` (module, format
+        pairs) reads them (GPTQ, AWQ), gathered in one float pass over the batches for those not
+        gathered yet; kept until ``rest``. Called before a pass, never inside one."""
+        missing = list(
+            dict.fromkeys(fqn for fqn, key in chosen if key is not None and key[2] in NEEDS_DATA and fqn not in self._statistics)
+        )
+        if not missing:
+            return
+        if self._calibrate is None:
+            raise ValueError("this simulation was built without calibration data: GPTQ and AWQ cannot be simulated")
+        before = dict(self._configured or {})
+        self.configure(Variant(frozenset(self._modules)))
+        try:
+            with torch.no_grad(), recording(self.model, missing) as gathered:
+                self._calibrate(self.model)
+            self._statistics.update(gathered)
+        finally:
+            self._apply(before)
 
     def _float_module(self, fqn: str) -> nn.Module:
         """A shallow copy of module ``fqn`` holding its float weight (whatever the model holds now)."""
@@ -153,6 +189,7 @@ class EagerSimulation(WholePasses):
 
             return hook
 
+        self.gather_inputs((fqn, format_key(self._start[fqn])) for fqn in self.tunable)
         self._float_pass(batch, {fqn: keep(fqn) for fqn in self.tunable})
         local = {}
         with torch.no_grad():
@@ -168,6 +205,7 @@ class EagerSimulation(WholePasses):
         (about a quarter of the float size); the next ``configure`` dequantizes again."""
         self._others.clear()
         self._others_held = 0
+        self._statistics.clear()
         self._apply(dict.fromkeys(self._modules))
         give_back()
 
@@ -196,6 +234,7 @@ class EagerSimulation(WholePasses):
 
             return hook
 
+        self.gather_inputs((fqn, format_key(c)) for fqn, options in choices.items() for c in options)
         try:
             self._float_pass(batch, {fqn: measure(fqn) for fqn in choices})
         finally:
@@ -217,6 +256,7 @@ class EagerSimulation(WholePasses):
 
     def _apply(self, chosen: dict[str, FormatKey | None]) -> None:
         """Each module's weight and input quantization as ``chosen`` says (only what changed)."""
+        self.gather_inputs((fqn, key) for fqn, key in chosen.items() if (self._configured or {}).get(fqn, ()) != key)
         replaced = 0  # elements of the weights replaced since memory was last handed back
         with torch.no_grad():
             for fqn, key in chosen.items():

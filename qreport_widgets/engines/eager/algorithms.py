@@ -1,0 +1,382 @@
+"""How an int4 weight's values are chosen: the weight algorithms behind ``ModuleSettings.algorithm``.
+
+Every algorithm produces torchao's own int4 layout (``IntxUnpackedToInt8Tensor``: int8 storage of
+values in [-8, 7], one float scale per row and group of ``group_size`` inputs, zero points 0), so a
+run's size, kernel and saved model are those of round-to-nearest; only the values differ.
+
+- ``rtn``: round to nearest with each group's absolute maximum over 7.5 as its scale (torchao's
+  ``IntxWeightOnlyConfig``, as it is).
+- ``hqq``: torchao's half-quadratic scale search (``intx_choose_qparams_algorithm="hqq_scale_only"``),
+  no data needed.
+- ``gptq``: columns quantized one at a time, each one's rounding error spread over the columns not
+  yet quantized through the inverse of the input Gram matrix ``H = sum(x^T x)`` on the calibration
+  batches (the second-order update of Frantar et al., 2022), in blocks of 128 columns with the rest
+  updated once per block; columns in order of decreasing ``diag(H)`` (activation order) with each
+  group's scale fixed from the float weights first, so groups stay contiguous as torchao stores them;
+  ``damping`` times the mean of ``diag(H)`` added to its diagonal.
+- ``awq``: activation-aware scaling (Lin et al., 2023): input channel ``j`` multiplied by
+  ``s_j = mean|x_j| ** alpha`` in the weight and divided in the input, ``alpha`` searched on a grid
+  for the smallest output error; the deployed model divides its input by ``s`` (a buffer and a
+  forward pre-hook on the module), which costs one float per input channel.
+
+GPTQ and AWQ are written here: torchao 0.18's own run on CUDA only (GPTQ) or need a layout with an
+activation pre-scale that its CPU int4 layout lacks (AWQ). Both measure their result against
+round-to-nearest on the calibration inputs (the output error ``trace(D H D^T)`` for ``D`` the weight
+error, exact for the layer's output on those inputs) and keep round-to-nearest where it is no worse,
+so neither is ever worse than rounding on the data it saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.calibration import call_with
+from ...errors import InvalidSettingsError, QReportError
+from ..settings import ALGORITHMS, DATA_ALGORITHMS
+from .formats import torchao_eager
+
+RTN, HQQ, GPTQ, AWQ = ALGORITHMS
+NEEDS_DATA = DATA_ALGORITHMS  # chosen from the calibration batches' inputs to the module
+INPUT_SCALE = "input_scale"  # the buffer an AWQ module divides its input by
+QMIN, QMAX = -8, 7  # torchao's int4 values
+GPTQ_BLOCK = 128
+GPTQ_DAMPINGS = (0.01, 0.1, 1.0)  # times the mean of diag(H), the first that beats rounding on held-out tokens
+AWQ_GRID = 20  # alpha in 0, 1/20, ..., 1
+HELD_EVERY = 4  # every 4th sequence of the calibration inputs: what a result is checked on, not fitted to
+
+
+class AlgorithmError(QReportError, RuntimeError):
+    """A weight algorithm could not run (no calibration inputs reached the module)."""
+
+
+def _intx() -> Any:
+    return torchao_eager().IntxUnpackedToInt8Tensor
+
+
+@dataclass
+class InputStatistics:
+    """What GPTQ and AWQ read of a Linear's inputs on the calibration batches.
+
+    The inputs come in units: a sequence of tokens (a 3-d input's rows of one batch element) or a
+    row of a 2-d input. Every ``HELD_EVERY``-th unit is held out: a result is fitted to the Gram
+    matrix ``sum(x^T x)`` of the other units' tokens (``fit``) and checked on the held-out ones
+    (their rows while fewer than the input features, then their Gram matrix). Whole sequences, not
+    tokens: a token's neighbours in its sequence share its context, and a fit that saw them passes
+    a check on it that it fails on new text. Also the sum of ``|x|`` per input channel and the
+    token count.
+    """
+
+    fit: torch.Tensor
+    abs_sum: torch.Tensor
+    tokens: int = 0
+    units: int = 0
+    held_rows: list[torch.Tensor] = field(default_factory=list)
+    held_gram: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, features: int) -> InputStatistics:
+        return cls(torch.zeros(features, features), torch.zeros(features))
+
+    def add(self, x: torch.Tensor) -> None:
+        features = x.shape[-1]
+        units = x.detach().float().reshape(-1, x.shape[-2] if x.dim() >= 3 else 1, features)
+        held = (torch.arange(len(units)) + self.units) % HELD_EVERY == HELD_EVERY - 1
+        self.units += len(units)
+        self.tokens += units.shape[0] * units.shape[1]
+        self.abs_sum.add_(units.abs().sum((0, 1)))
+        fitted = units[~held].reshape(-1, features)
+        self.fit.addmm_(fitted.T, fitted)
+        if bool(held.any()):
+            self._hold(units[held].reshape(-1, features))
+
+    def _hold(self, rows: torch.Tensor) -> None:
+        if self.held_gram is not None:
+            self.held_gram.addmm_(rows.T, rows)
+            return
+        self.held_rows.append(rows.clone())
+        if sum(len(r) for r in self.held_rows) >= rows.shape[1]:  # rows would outweigh their Gram matrix
+            stacked = torch.cat(self.held_rows)
+            self.held_gram, self.held_rows = stacked.T @ stacked, []
+
+    @property
+    def has_held_out(self) -> bool:
+        return self.held_gram is not None or bool(self.held_rows)
+
+    @property
+    def gram(self) -> torch.Tensor:
+        """The Gram matrix of every token."""
+        if self.held_gram is not None:
+            return self.fit + self.held_gram
+        held = torch.cat(self.held_rows) if self.held_rows else self.fit.new_zeros(0, self.fit.shape[0])
+        return self.fit + held.T @ held
+
+    def held_out_error(self, weight: torch.Tensor, approximation: torch.Tensor) -> float:
+        """The squared output error of ``approximation`` for ``weight`` summed over the held-out
+        tokens (over the fitted ones when none are held out)."""
+        if self.held_gram is not None or not self.held_rows:
+            return output_error(weight, approximation, self.held_gram if self.held_gram is not None else self.fit)
+        error = torch.cat(self.held_rows) @ (weight.float() - approximation.float()).T
+        return float(error.pow_(2).sum(dtype=torch.float64))
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return self.abs_sum / max(self.tokens, 1)
+
+    @property
+    def nbytes(self) -> int:
+        held = sum(r.numel() for r in self.held_rows) + (self.held_gram.numel() if self.held_gram is not None else 0)
+        return (self.fit.numel() + self.abs_sum.numel() + held) * 4
+
+
+class InputRecorder:
+    """Forward pre-hooks gathering ``InputStatistics`` for the named Linears of a model while it
+    runs (a calibration pass); ``close()`` removes them and returns what they gathered."""
+
+    def __init__(self, model: nn.Module, names: Iterable[str]) -> None:
+        self.statistics: dict[str, InputStatistics] = {}
+        self._handles = []
+        for fqn in names:
+            module = model.get_submodule(fqn)
+            self.statistics[fqn] = InputStatistics.empty(int(module.weight.shape[1]))
+            self._handles.append(module.register_forward_pre_hook(self._hook(fqn)))
+
+    def _hook(self, fqn: str) -> Callable:
+        statistics = self.statistics[fqn]
+
+        def hook(_module: nn.Module, args: tuple) -> None:
+            if args and isinstance(args[0], torch.Tensor):
+                statistics.add(args[0])
+
+        return hook
+
+    def close(self) -> dict[str, InputStatistics]:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return self.statistics
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module, names: Iterable[str]) -> Iterator[dict[str, InputStatistics]]:
+    """``InputRecorder`` for the duration of a ``with`` block; the statistics fill as it runs."""
+    recorder = InputRecorder(model, names)
+    try:
+        yield recorder.statistics
+    finally:
+        recorder.close()
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A module's int4 weight as torchao stores it, and for AWQ the scale its input is divided by."""
+
+    tensor: torch.Tensor  # torchao's IntxUnpackedToInt8Tensor
+    input_scale: torch.Tensor | None = None
+    note: str = ""  # why the algorithm kept round to nearest ("" where it did not)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight the module multiplies its (unscaled) input with (in ``dtype``, else the tensor's)."""
+        dtype = dtype or self.tensor.dtype
+        weight = self.tensor.dequantize().to(dtype)
+        return weight if self.input_scale is None else weight / self.input_scale.to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        inner = sum(
+            getattr(self.tensor, name).numel() * getattr(self.tensor, name).element_size()
+            for name in ("qdata", "scale", "zero_point")
+        )
+        return inner + (0 if self.input_scale is None else self.input_scale.numel() * 4)
+
+    def assign(self, module: nn.Module) -> None:
+        """Give ``module`` this weight (a new Parameter) and, for AWQ, its input scale and the hook
+        that divides by it."""
+        module.weight = nn.Parameter(self.tensor, requires_grad=False)
+        if self.input_scale is not None:
+            module.register_buffer(INPUT_SCALE, self.input_scale.clone())
+            module.register_forward_pre_hook(_divide_input)
+
+
+def _divide_input(module: nn.Module, args: tuple) -> tuple | None:
+    if not args or not isinstance(args[0], torch.Tensor):
+        return None
+    scale = getattr(module, INPUT_SCALE)
+    return (args[0] / scale.to(args[0].dtype), *args[1:])
+
+
+def int4_tensor(values: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """torchao's int4 tensor of int values ``values`` (rows x inputs, in [-8, 7]) and per-group ``scale``."""
+    scale = scale.to(dtype).contiguous()
+    return _intx()(
+        values.to(torch.int8).contiguous(),
+        scale,
+        torch.zeros(scale.shape, dtype=torch.int8),
+        torch.int4,
+        (1, group_size),
+        dtype,
+        None,
+    )
+
+
+def group_scales(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each row-group's scale as torchao's symmetric int4 chooses it: absolute maximum over 7.5."""
+    rows, inputs = weight.shape
+    amax = weight.reshape(rows, inputs // group_size, group_size).abs().amax(-1)
+    return (amax / ((QMAX - QMIN) / 2)).clamp_min(torch.finfo(torch.float32).eps)
+
+
+def round_to_nearest(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """torchao's own round-to-nearest int4 tensor of ``weight`` (rows x inputs)."""
+    return _intx().from_hp(weight.detach(), (1, group_size), torch.int4)
+
+
+def output_error(weight: torch.Tensor, approximation: torch.Tensor, gram: torch.Tensor) -> float:
+    """The squared error a layer's output takes, summed over the calibration tokens, when
+    ``approximation`` replaces ``weight``: ``trace(D H D^T)`` for ``D`` the difference."""
+    difference = weight.float() - approximation.float()
+    return float(((difference @ gram.float()) * difference).sum(dtype=torch.float64))
+
+
+def gptq(weight: torch.Tensor, statistics: InputStatistics, group_size: int) -> QuantizedWeight:
+    """``weight`` (rows x inputs) quantized to int4 by GPTQ on the inputs ``statistics`` describe,
+    with the least damping in ``GPTQ_DAMPINGS`` whose fit to the tokens not held out has a lower
+    output error than round-to-nearest on the held-out sequences (then fitted again to every token);
+    round-to-nearest, with a note saying why, where none has (too few calibration tokens for the
+    module's input features: the fit follows those tokens, not the inputs the model will see)."""
+    original = weight.detach().float()
+    if statistics.tokens == 0:
+        raise AlgorithmError("GPTQ reads the module's inputs on the calibration batches, and none reached it")
+    rounded = round_to_nearest(original, group_size)
+    least = statistics.held_out_error(original, rounded.dequantize())
+    for damping in GPTQ_DAMPINGS:
+        found = gptq_values(original, statistics.fit, group_size, damping)
+        if statistics.held_out_error(original, found.dequantize()) < least:
+            # the damping that carries over to tokens the fit did not see, fitted again to every token
+            return QuantizedWeight(
+                gptq_values(original, statistics.gram, group_size, damping) if statistics.has_held_out else found
+            )
+    inputs = original.shape[1]
+    return QuantizedWeight(
+        rounded,
+        note=(
+            f"GPTQ kept round to nearest: its weights had no lower output error on held-out calibration sequences "
+            f"({statistics.tokens:,} tokens for {inputs:,} input features; more calibration data helps)"
+        ),
+    )
+
+
+def gptq_values(original: torch.Tensor, gram: torch.Tensor, group_size: int, damping: float) -> torch.Tensor:
+    """GPTQ's int4 tensor of ``original`` (float, rows x inputs) for inputs of Gram matrix ``gram``."""
+    rows, inputs = original.shape
+    hessian = gram.clone()
+    dead = hessian.diagonal() == 0  # an input channel that was always 0: its weights do not matter
+    hessian[dead, dead] = 1.0
+    work = original.clone()
+    work[:, dead] = 0.0
+    scales = group_scales(work, group_size)  # fixed first: the columns go in activation order
+    order = torch.argsort(hessian.diagonal(), descending=True)
+    hessian = hessian[order][:, order]
+    work = work[:, order]
+    column_scale = scales.repeat_interleave(group_size, dim=1)[:, order]  # rows x inputs
+    hessian.diagonal().add_(damping * float(hessian.diagonal().mean()))
+    inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian.double())), upper=True).float()
+    values = torch.empty(rows, inputs, dtype=torch.int8)
+    for start in range(0, inputs, GPTQ_BLOCK):
+        stop = min(start + GPTQ_BLOCK, inputs)
+        block = work[:, start:stop].clone()
+        errors = torch.empty_like(block)
+        block_inverse = inverse[start:stop, start:stop]
+        for i in range(stop - start):
+            column, scale = block[:, i], column_scale[:, start + i]
+            q = torch.clamp(torch.round(column / scale), QMIN, QMAX)
+            values[:, start + i] = q.to(torch.int8)
+            error = (column - q * scale) / block_inverse[i, i]
+            block[:, i:].sub_(error[:, None] * block_inverse[i, i:][None, :])
+            errors[:, i] = error
+        work[:, stop:].sub_(errors @ inverse[start:stop, stop:])
+    values = values[:, torch.argsort(order)]
+    return int4_tensor(values, scales, group_size, original.dtype)
+
+
+def awq(weight: torch.Tensor, statistics: InputStatistics, group_size: int, *, grid: int = AWQ_GRID) -> QuantizedWeight:
+    """``weight`` quantized to int4 after scaling input channel ``j`` by ``mean|x_j| ** alpha``, the
+    ``alpha`` on a grid of ``grid`` + 1 values in [0, 1] whose output error on the tokens not held
+    out is smallest; round-to-nearest (``alpha = 0``), with a note, where that scale has no lower
+    error than rounding on the held-out tokens."""
+    original = weight.detach().float()
+    if statistics.tokens == 0:
+        raise AlgorithmError("AWQ reads the module's inputs on the calibration batches, and none reached it")
+    magnitude = statistics.mean_abs.clamp_min(1e-8)
+    fit = statistics.fit
+    rounded = QuantizedWeight(round_to_nearest(original, group_size))
+    best, least = rounded, output_error(original, rounded.dequantize(torch.float32), fit)
+    for step in range(1, grid + 1):
+        scale = magnitude ** (step / grid)
+        scale = scale / (scale.max() * scale.min()).sqrt()  # centred on 1: the weights' range kept
+        candidate = QuantizedWeight(round_to_nearest(original * scale, group_size), scale)
+        error = output_error(original, candidate.dequantize(torch.float32), fit)
+        if error < least:
+            best, least = candidate, error
+    if best is rounded:
+        return QuantizedWeight(rounded.tensor, note="AWQ kept round to nearest: no scale lowered the output error")
+    if statistics.held_out_error(original, best.dequantize(torch.float32)) >= statistics.held_out_error(
+        original, rounded.dequantize(torch.float32)
+    ):
+        return QuantizedWeight(
+            rounded.tensor,
+            note="AWQ kept round to nearest: its scales had no lower output error on held-out calibration sequences",
+        )
+    return best
+
+
+def choose(algorithm: str, weight: torch.Tensor, group_size: int, statistics: InputStatistics | None = None) -> QuantizedWeight:
+    """``weight`` as int4 in groups of ``group_size``, its values chosen by ``algorithm``."""
+    if algorithm in ("", RTN):
+        return QuantizedWeight(round_to_nearest(weight, group_size))
+    if algorithm == HQQ:
+        hqq = torchao_eager().IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY
+        return QuantizedWeight(_intx().from_hp(weight.detach(), (1, group_size), torch.int4, intx_choose_qparams_algorithm=hqq))
+    if statistics is None:
+        raise AlgorithmError(f"{algorithm} reads the module's inputs on the calibration batches: none were gathered")
+    if algorithm == GPTQ:
+        return gptq(weight, statistics, group_size)
+    if algorithm == AWQ:
+        return awq(weight, statistics, group_size)
+    raise ValueError(f"unknown weight algorithm {algorithm!r}")
+
+
+def quantize_weights(model: nn.Module, choices: Mapping[str, tuple[str, int]], batches: Iterable[Any]) -> nn.Module:
+    """Quantize the named Linears of ``model`` to int4 in place, each ``fqn: (algorithm, group_size)``
+    with ``algorithm`` one of ``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``: one pass over ``batches``
+    (the calibration data: a tensor, a tuple of inputs or a dict per batch) gathers what GPTQ and
+    AWQ read of each module's input, then each module's weight is replaced. Returns ``model``.
+
+    What a session's settings as code call for the modules whose algorithm needs data.
+    """
+    modules = dict(model.named_modules())
+    for fqn, (algorithm, group_size) in choices.items():
+        module = modules.get(fqn)
+        if not isinstance(module, nn.Linear):
+            found = type(module).__name__ if module is not None else "no module of that name"
+            raise InvalidSettingsError(f"{fqn}: quantize_weights takes Linear modules, found {found}")
+        if algorithm not in ALGORITHMS:
+            raise InvalidSettingsError(f"{fqn}: unknown weight algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+        if module.in_features % group_size:
+            raise InvalidSettingsError(f"{fqn}: group size {group_size} does not divide its {module.in_features} input features")
+    data = [fqn for fqn, (algorithm, _) in choices.items() if algorithm in NEEDS_DATA]
+    statistics: dict[str, InputStatistics] = {}
+    if data:
+        with torch.no_grad(), recording(model, data) as statistics:
+            for batch in batches:
+                call_with(model, batch)
+    with torch.no_grad():
+        for fqn, (algorithm, group_size) in choices.items():
+            choose(algorithm, modules[fqn].weight, group_size, statistics.get(fqn)).assign(modules[fqn])
+            statistics.pop(fqn, None)  # each Gram matrix freed once used
+    return model

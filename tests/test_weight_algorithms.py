@@ -1,0 +1,235 @@
+"""int4 weight algorithms (round to nearest, HQQ, GPTQ, AWQ) as per-module settings on the eager
+engine, judged on the byte-level decoder trained on real text: each algorithm's own objective on
+every Linear, the decoder's perplexity and logits, the simulation against the real run, the code a
+user pastes, and the errors for what cannot take an algorithm."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hf_models import tiny_llama
+from torch import nn
+
+import qreport_widgets as qw
+from qreport_widgets.core.calibration import call_with
+from qreport_widgets.core.metrics import output_tensor
+from qreport_widgets.engines.contract import Variant
+from qreport_widgets.engines.eager import algorithms
+from qreport_widgets.engines.eager.formats import ao_config, torchao_eager
+from qreport_widgets.engines.settings import ModuleSettings
+from qreport_widgets.errors import InvalidSettingsError
+
+INT4 = "int4-weight-only"
+
+
+def int4(group: int, algorithm: str = "") -> ModuleSettings:
+    return ModuleSettings(format=INT4, group_size=group, algorithm=algorithm)
+
+
+@pytest.fixture(scope="module")
+def decoder_session(text_decoder):
+    model, data = text_decoder
+    report = qw.analyze(
+        model,
+        data.calibration[0],
+        data.calibration,
+        eval_data=data.evaluation,
+        engine="eager",
+        format=INT4,
+        group_size=128,
+        metric="perplexity",
+        progress=False,
+    )
+    return report.session
+
+
+def linear_names(session) -> list[str]:
+    return [m.fqn for m in session.modules if m.type_name == "Linear"]
+
+
+def test_gptq_and_awq_lower_every_linears_output_error_on_the_calibration_inputs(text_decoder):
+    model, data = text_decoder
+    names = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    with torch.no_grad(), algorithms.recording(model, names) as inputs:
+        for batch in data.calibration:
+            call_with(model, batch)
+    awq_better = 0
+    for fqn in names:
+        weight, statistics = model.get_submodule(fqn).weight.detach(), inputs[fqn]
+        assert statistics.tokens == 4 * 4 * 128
+
+        def error(quantized, weight=weight, statistics=statistics):
+            return algorithms.output_error(weight, quantized.dequantize(torch.float32), statistics.gram)
+
+        rounded = error(algorithms.choose("rtn", weight, 128))
+        # GPTQ's objective: the layer's output error on these inputs; it removes most of rounding's
+        assert error(algorithms.gptq(weight, statistics, 128)) < 0.5 * rounded, fqn
+        found = error(algorithms.awq(weight, statistics, 128))
+        assert found <= rounded, fqn
+        awq_better += found < rounded
+    assert awq_better >= len(names) // 2
+
+
+def test_the_output_error_is_the_layers_squared_output_error_on_its_inputs():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 16, bias=False)
+    x = torch.randn(3, 10, 64) * torch.linspace(0.1, 3, 64)
+    with torch.no_grad(), algorithms.recording(nn.Sequential(layer), ["0"]) as inputs:
+        layer(x)
+    approximation = algorithms.choose("rtn", layer.weight.detach(), 32).dequantize()
+    direct = float(((x @ layer.weight.detach().T - x @ approximation.T) ** 2).sum())
+    assert algorithms.output_error(layer.weight.detach(), approximation, inputs["0"].gram) == pytest.approx(direct, rel=1e-4)
+
+
+def test_whole_sequences_are_held_out_and_too_few_tokens_keep_rounding_with_the_reason():
+    torch.manual_seed(0)
+    statistics = algorithms.InputStatistics.empty(64)
+    for _ in range(2):
+        statistics.add(torch.randn(4, 10, 64))  # 8 sequences: the 4th and the 8th held out
+    held = torch.cat(statistics.held_rows)
+    assert held.shape == (20, 64) and statistics.tokens == 80
+    assert torch.allclose(statistics.gram, statistics.fit + held.T @ held)
+    # 96 tokens of 256 features: GPTQ's fit follows the tokens it saw and fails on the held-out ones
+    layer = nn.Linear(256, 32)
+    few = algorithms.InputStatistics.empty(256)
+    few.add(torch.randn(8, 12, 256))
+    found = algorithms.gptq(layer.weight.detach(), few, 128)
+    assert "GPTQ kept round to nearest" in found.note and "96 tokens for 256 input features" in found.note
+    assert torch.equal(found.tensor.qdata, algorithms.choose("rtn", layer.weight.detach(), 128).tensor.qdata)
+    # enough tokens: GPTQ's own weights
+    many = algorithms.InputStatistics.empty(256)
+    for _ in range(8):
+        many.add(torch.randn(8, 64, 256) * torch.linspace(0.2, 2, 256))
+    assert algorithms.gptq(layer.weight.detach(), many, 128).note == ""
+
+
+def test_rtn_and_hqq_are_torchaos_own_and_every_algorithm_keeps_its_layout():
+    torch.manual_seed(0)
+    layer = nn.Linear(128, 32)
+    for name in ("rtn", "hqq"):
+        holder = nn.Sequential(copy.deepcopy(layer))
+        torchao_eager().quantize_(
+            holder, torchao_eager().FqnToConfig({"0": ao_config(INT4, 64, "" if name == "rtn" else name)}), filter_fn=None
+        )
+        ours = algorithms.choose(name, layer.weight.detach(), 64).tensor
+        assert torch.equal(ours.qdata, holder[0].weight.qdata) and torch.equal(ours.scale, holder[0].weight.scale)
+    statistics = algorithms.InputStatistics.empty(128)
+    statistics.add(torch.randn(50, 128))
+    for name in ("gptq", "awq"):
+        found = algorithms.choose(name, layer.weight.detach(), 64, statistics).tensor
+        assert type(found).__name__ == "IntxUnpackedToInt8Tensor" and found.block_size == (1, 64)
+        assert int(found.qdata.min()) >= -8 and int(found.qdata.max()) <= 7 and not found.zero_point.any()
+
+
+def test_on_the_trained_decoder_gptq_beats_rounding_and_hqq_in_real_runs(decoder_session, text_decoder):
+    _, data = text_decoder
+    session = decoder_session
+    names = linear_names(session)
+    runs = {}
+    for algorithm in ("", "hqq", "gptq", "awq"):
+        run = session.apply({fqn: int4(128, algorithm) for fqn in names})
+        assert run.ok, run.error
+        runs[algorithm or "rtn"] = run
+    ppl = {name: run.eval_metric for name, run in runs.items()}
+    sqnr = {name: run.output_sqnr_db for name, run in runs.items()}
+    assert ppl["gptq"] == pytest.approx(data.perplexity(runs["gptq"].quantized_model))
+    best = min(("gptq", "awq"), key=ppl.get)
+    assert ppl[best] < ppl["rtn"] and ppl[best] < ppl["hqq"]
+    assert max(sqnr["gptq"], sqnr["awq"]) >= sqnr["rtn"] + 5
+    # the same layout: GPTQ costs no byte more than rounding; AWQ one float per input channel
+    assert runs["gptq"].deployed_bytes == runs["rtn"].deployed_bytes
+    scaled = [m for m in runs["awq"].quantized_model.modules() if hasattr(m, algorithms.INPUT_SCALE)]
+    assert len(scaled) > len(names) // 2  # where a scale beat rounding
+    assert runs["awq"].deployed_bytes == runs["rtn"].deployed_bytes + sum(4 * m.in_features for m in scaled)
+    assert any("gptq:" in note for note in runs["gptq"].notes)
+    assert "algorithm=gptq" in runs["gptq"].changes(session.current_settings())
+
+
+def test_the_simulation_uses_each_algorithms_own_weights(decoder_session):
+    session = decoder_session
+    names = linear_names(session)
+    session.baseline()
+    simulated = {}
+    for algorithm in ("gptq", "awq"):
+        settings = {fqn: int4(128, algorithm) for fqn in names}
+        simulated[algorithm], _ = session.simulate(Variant(settings=tuple(settings.items())))
+        real = session.apply(settings)
+        assert simulated[algorithm] == pytest.approx(real.output_sqnr_db, abs=0.05), algorithm
+    rounded, _ = session.simulate(())
+    assert simulated["gptq"] > rounded + 5  # not the start's rounded weights
+
+
+def test_size_choices_offer_every_algorithm_on_linears_and_the_size_counts_awqs_scales(decoder_session):
+    session = decoder_session
+    engine = session.engine
+    head = next(m for m in session.modules if m.fqn == "lm_head")
+    choices = engine.size_choices(head)
+    assert {c.algorithm for c in choices if c.format == INT4} == {"", "hqq", "gptq", "awq"}
+    module = session.float_model.get_submodule("lm_head")
+    assert engine.module_bytes(module, int4(128, "awq")) == engine.module_bytes(module, int4(128)) + 4 * module.in_features
+    assert engine.module_bytes(module, int4(128, "gptq")) == engine.module_bytes(module, int4(128))
+    embedding = next(m for m in session.modules if m.type_name == "Embedding")
+    assert {c.algorithm for c in engine.size_choices(embedding) if c.format == INT4} == {"", "hqq"}
+
+
+def test_settings_as_code_with_gptq_builds_the_same_model():
+    model, batches = tiny_llama()
+    report = qw.analyze(model, batches[0], batches, eval_data=batches[:2], engine="eager", format=INT4, progress=False)
+    session = report.session
+    settings = {
+        **session.current_settings(),
+        "model.layers.0.mlp.down_proj": int4(64, "gptq"),
+        "model.layers.1.self_attn.q_proj": int4(32, "awq"),
+        "model.layers.1.mlp.up_proj": int4(32, "hqq"),
+    }
+    run = session.apply(settings)
+    assert run.ok, run.error
+    code = session.settings_as_code(settings)
+    assert "quantize_weights" in code and "hqq_scale_only" in code
+    namespace = {"model": copy.deepcopy(model), "calibration_batches": batches}
+    exec(code, namespace)  # noqa: S102  (the code the Tune tab shows, run as a user would)
+    for batch in batches:
+        assert torch.equal(
+            output_tensor(call_with(run.quantized_model, batch)), output_tensor(call_with(namespace["model"], batch))
+        )
+
+
+def test_what_cannot_take_an_algorithm_is_refused_with_the_reason(decoder_session):
+    session = decoder_session
+    with pytest.raises(InvalidSettingsError, match="for int4-weight-only, not int8-weight-only"):
+        session.apply({"lm_head": ModuleSettings(format="int8-weight-only", algorithm="gptq")})
+    with pytest.raises(InvalidSettingsError, match="an embedding looks rows up"):
+        session.apply({"model.embed_tokens": int4(32, "gptq")})
+    with pytest.raises(InvalidSettingsError, match="unknown weight algorithm 'smoothquant'"):
+        session.apply({"lm_head": int4(32, "smoothquant")})
+    with pytest.raises(InvalidSettingsError, match="group size 128 does not divide"):
+        qw.quantize_weights(nn.Sequential(nn.Linear(96, 8)), {"0": ("gptq", 128)}, [torch.randn(2, 96)])
+    assert ModuleSettings(format=INT4, algorithm="rtn") == ModuleSettings(format=INT4)
+    assert ModuleSettings(format="float", algorithm="gptq").algorithm == ""
+
+
+def test_an_algorithm_on_an_fx_module_says_which_engine_has_them():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    batches = [(torch.randn(8, 32),) for _ in range(3)]
+    session = qw.analyze(model, batches[0], batches, progress=False).session
+    with pytest.raises(InvalidSettingsError, match="engine='eager'"):
+        session.apply({"0": ModuleSettings(algorithm="gptq")})
+
+
+def test_a_run_says_where_gptq_kept_rounding_and_the_simulation_agrees():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    batches = [(torch.randn(4, 12, 256),) for _ in range(2)]  # 96 tokens for 256 input features
+    session = qw.analyze(model, batches[0], batches, eval_data=batches, engine="eager", format=INT4, progress=False).session
+    settings = {"0": int4(128, "gptq"), "2": int4(32, "gptq")}
+    run = session.apply(settings)
+    assert run.ok, run.error
+    assert "GPTQ kept round to nearest" in run.module_notes["0"]
+    assert any("modules asked GPTQ / AWQ kept round to nearest" in note for note in run.notes)
+    rounded = session.apply({"0": int4(128), "2": int4(32, "gptq")})
+    assert rounded.output_sqnr_db == pytest.approx(run.output_sqnr_db, abs=1e-6)
+    simulated, _ = session.simulate(Variant(settings=tuple(settings.items())))
+    assert simulated == pytest.approx(run.output_sqnr_db, abs=0.05)
