@@ -51,6 +51,7 @@ def analyze(
     quantizer: Any = None,
     format: str | None = None,  # noqa: A002  (the word users know)
     group_size: int | None = None,
+    algorithms: tuple[str, ...] | None = None,
     output_fn: Callable[[Any], torch.Tensor] | None = None,
     process_group: Any = None,
     metric: Metric | str | None = None,
@@ -85,6 +86,9 @@ def analyze(
         format: eager only: the starting format of every ``nn.Linear`` (``"int8-dynamic"`` by
             default; ``"int8-weight-only"``, ``"int4-weight-only"``, ``"int8-dynamic-int4-weight"``).
         group_size: eager only: the group size of a starting int4 format (32, 64 or 128; default 32).
+        algorithms: eager only: the int4 weight algorithms (``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``)
+            the size front and ``fit`` weigh per module; default all four (GPTQ and AWQ cost a minute
+            each over a 134M decoder's Linears: ``("rtn", "hqq")`` keeps a large model's fit short).
         output_fn: ``output_fn(model_output) -> tensor``: what output SQNR is measured on; default:
             the output, or its first tensor (a Hugging Face ``ModelOutput``'s first field).
         process_group: calibrate across the processes of this torch.distributed group (default:
@@ -106,7 +110,9 @@ def analyze(
     resolved_metric(eval_fn, metric)  # a metric that cannot be is said before the calibration, not after
     detectors = default_detectors(backend) if detectors is None else detectors
     options = {"qconfig_mapping": qconfig_mapping, "prepare_custom_config": prepare_custom_config}
-    chosen = build_engine(engine, backend=backend, quantizer=quantizer, format=format, group_size=group_size, **options)
+    chosen = build_engine(
+        engine, backend=backend, quantizer=quantizer, format=format, group_size=group_size, algorithms=algorithms, **options
+    )
     # the session's own modules around the caller's weights, shared (not held twice); weights changed in
     # place later are refused with an error, not tuned (memory.WatchedCopy); the analysis prepares from it
     watched = WatchedCopy(float_model)

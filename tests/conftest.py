@@ -2,13 +2,15 @@ from __future__ import annotations
 
 import copy
 import os
+import tempfile
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from torch.ao.quantization import QConfigMapping, default_qconfig, get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import prepare_fx
+
+from qreport_widgets.demo.cache import CACHE_VARIABLE, cache_folder
 
 torch.manual_seed(0)
 
@@ -52,13 +54,18 @@ def x86_mapping():
     return get_default_qconfig_mapping("x86")
 
 
+def pytest_configure(config):
+    """One folder for the trained demo models of the whole run, the notebooks' kernels included
+    (they inherit the environment): each model is trained once (seeded, so every test sees the
+    same weights) and loaded from there after. A ``QREPORT_WIDGETS_CACHE`` already set is kept
+    (a developer's repeated runs skip the training); else a fresh folder per run."""
+    if not os.environ.get(CACHE_VARIABLE):
+        os.environ[CACHE_VARIABLE] = tempfile.mkdtemp(prefix="qreport-demo-weights-")
+
+
 @pytest.fixture(scope="session")
-def digits_cache(tmp_path_factory):
-    """One folder for the trained digits models of the whole run: each is trained once (seeded, so
-    every test sees the same weights) and loaded from here after. ``QREPORT_TEST_CACHE`` names a
-    folder kept across runs instead (a developer's repeated runs skip the training)."""
-    kept = os.environ.get("QREPORT_TEST_CACHE")
-    return Path(kept) if kept else tmp_path_factory.mktemp("digits")
+def digits_cache():
+    return cache_folder()
 
 
 @pytest.fixture(scope="session")

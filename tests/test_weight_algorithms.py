@@ -233,3 +233,117 @@ def test_a_run_says_where_gptq_kept_rounding_and_the_simulation_agrees():
     assert rounded.output_sqnr_db == pytest.approx(run.output_sqnr_db, abs=1e-6)
     simulated, _ = session.simulate(Variant(settings=tuple(settings.items())))
     assert simulated == pytest.approx(run.output_sqnr_db, abs=0.05)
+
+
+def test_block_sensitivity_keeps_each_decoder_block_float_whole(decoder_session):
+    from qreport_widgets.tune.diagnosis import module_blocks
+
+    session = decoder_session
+    table = session.block_sensitivity()
+    names = [m.fqn for m in session.modules if not m.current.keep_float]
+    blocks = module_blocks(names)
+    assert list(blocks) == ["model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3", "lm_head"]
+    assert set(table.index) == set(blocks) and table.loc["model.layers.2", "modules"] == 7
+    assert (table["output_sqnr_gain_db"] > 0).all() and "metric_gain" in table
+    whole, _ = session.simulate(Variant(frozenset(blocks["model.layers.1"])))
+    assert table.loc["model.layers.1", "simulated_output_sqnr_db"] == pytest.approx(whole)
+    assert module_blocks(["layer1.0.conv1", "layer1.0.bn1", "layer1.1.conv1", "fc"]) == {
+        "layer1.0": ["layer1.0.conv1", "layer1.0.bn1"],
+        "layer1.1": ["layer1.1.conv1"],
+        "fc": ["fc"],
+    }
+
+
+def test_the_algorithms_the_search_weighs_are_an_engine_option():
+    model, batches = tiny_llama()
+    session = qw.analyze(
+        model, batches[0], batches, engine="eager", format=INT4, algorithms=("rtn", "hqq"), progress=False
+    ).session
+    module = next(m for m in session.modules if m.fqn.endswith("q_proj"))
+    assert {c.algorithm for c in session.engine.size_choices(module) if c.format == INT4} == {"", "hqq"}
+    assert module.algorithm_allowed("gptq")  # still a choice by hand
+    with pytest.raises(ValueError, match="algorithms= is not for engine='fx'"):
+        qw.analyze(model, batches[0], batches, algorithms=("gptq",), progress=False)
+    with pytest.raises(ValueError, match="algorithms must name some of rtn, hqq, gptq, awq"):
+        qw.analyze(model, batches[0], batches, engine="eager", algorithms=("smoothquant",), progress=False)
+
+
+def test_what_the_simulation_keeps_of_each_result_rebuilds_it_exactly():
+    torch.manual_seed(0)
+    weight = torch.randn(48, 128)
+    mixing = torch.randn(24, 128)
+    magnitudes = torch.ones(128)
+    magnitudes[::16] = 20.0  # outlier channels, as a decoder's activations have
+    correlated = algorithms.InputStatistics.empty(128)
+    for _ in range(4):  # 32 sequences of 32 tokens, correlated channels: GPTQ and AWQ have something to use
+        correlated.add((torch.randn(8, 32, 24) @ mixing + 0.05 * torch.randn(8, 32, 128)) * magnitudes)
+    few = algorithms.InputStatistics.empty(128)
+    few.add(torch.randn(4, 8, 128))  # 32 tokens for 128 features: rounding kept
+    found = {
+        "gptq": algorithms.gptq(weight, correlated, 64),
+        "awq": algorithms.awq(weight, correlated, 64),
+        "kept": algorithms.gptq(weight, few, 64),
+    }
+    assert found["gptq"].note == "" and found["awq"].input_scale is not None and found["kept"].note
+    kinds = {name: type(q.compact()).__name__ for name, q in found.items()}
+    assert kinds == {"gptq": "CompactWeight", "awq": "Recipe", "kept": "Recipe"}
+    for quantized in found.values():
+        kept = quantized.compact()
+        assert kept.nbytes < 0.6 * quantized.nbytes  # values two per byte instead of one; a recipe far less
+        again = kept.expand(weight)
+        assert torch.equal(again.tensor.qdata, quantized.tensor.qdata) and torch.equal(again.tensor.scale, quantized.tensor.scale)
+        assert torch.equal(again.dequantize(), quantized.dequantize()) and again.note == quantized.note
+
+
+def test_a_report_with_algorithm_runs_saves_reloads_and_exports_them(tmp_path):
+    model, batches = tiny_llama()
+    report = qw.analyze(model, batches[0], batches, eval_data=batches[:2], engine="eager", format=INT4, progress=False)
+    session = report.session
+    settings = {**session.current_settings(), "model.layers.0.mlp.down_proj": int4(64, "gptq")}
+    assert session.apply(settings, label="down_proj by GPTQ").ok
+    saved = report.save(tmp_path / "decoder.qreport")
+    loaded = qw.load_report(saved)
+    assert list(loaded.features) == list(report.analysis().features)
+    page = report.save_html(tmp_path / "decoder.html").read_text()
+    assert "down_proj by GPTQ" in page and "algorithm=gptq" in page
+
+
+def test_rows_worked_on_a_few_thousand_at_a_time_give_the_same_weights(monkeypatch):
+    torch.manual_seed(0)
+    weight = torch.randn(40, 64)
+    statistics = algorithms.InputStatistics.empty(64)
+    statistics.add(torch.randn(8, 16, 8) @ torch.randn(8, 64))
+    scale = torch.rand(64) + 0.5
+    whole = {
+        "rtn": algorithms.round_to_nearest(weight, 32),
+        "scaled": algorithms.round_to_nearest(weight, 32, scale),
+        "gptq": algorithms.gptq_values(weight, statistics.gram, 32, 0.01),
+    }
+    monkeypatch.setattr(algorithms, "ROWS_AT_ONCE", 16)  # 40 rows: three runs of rows
+    chunked = {
+        "rtn": algorithms.round_to_nearest(weight, 32),
+        "scaled": algorithms.round_to_nearest(weight, 32, scale),
+        "gptq": algorithms.gptq_values(weight, statistics.gram, 32, 0.01),
+    }
+    for name, tensor in whole.items():
+        assert torch.equal(tensor.qdata, chunked[name].qdata) and torch.equal(tensor.scale, chunked[name].scale), name
+    torchaos = algorithms.round_to_nearest(weight * scale, 32)
+    assert torch.equal(chunked["scaled"].qdata, torchaos.qdata)
+    error = algorithms.output_error(weight, algorithms.QuantizedWeight(whole["gptq"]), statistics.gram)
+    monkeypatch.setattr(algorithms, "ROWS_AT_ONCE", 4096)
+    assert algorithms.output_error(weight, whole["gptq"].dequantize(), statistics.gram) == pytest.approx(error, rel=1e-5)
+
+
+def test_the_size_panes_metric_button_names_perplexity(text_decoder):
+    model, data = text_decoder
+    report = qw.analyze(
+        model,
+        data.calibration[0],
+        data.calibration,
+        eval_data=data.evaluation,
+        engine="eager",
+        metric="perplexity",
+        progress=False,
+    )
+    labels = [label for label, _ in report.widget().tuning.front.axis.options]
+    assert labels == ["output SQNR", "perplexity"]

@@ -836,6 +836,112 @@ SIZE_BUDGET = [
 ]
 
 
+LANGUAGE_MODEL_INT4 = [
+    (
+        "md",
+        "# Quantize a small language model to int4\n"
+        "\n"
+        "A byte-level Llama decoder (0.9M parameters, 4 blocks) trained on the Python reference's help topics, "
+        "the text every Python carries (trained once, about a minute on two cores, then loaded from a cache). "
+        "The metric is its **perplexity** on held-out text, lower is better. int4 weights come in groups of 32 to "
+        "128 weights per scale, and how the int4 values are chosen matters as much as the group size: round to "
+        "nearest (`rtn`), torchao's `hqq` scale search, `gptq` (each rounding error spread over the weights not yet "
+        "rounded, from the calibration inputs) and `awq` (input channels scaled by their activations first).",
+    ),
+    (
+        "code",
+        "import pandas as pd\n"
+        "from qreport_widgets import ModuleSettings, analyze, perplexity\n"
+        "from qreport_widgets.demo.text import trained_text_decoder\n"
+        "\n"
+        "quiet = lambda done, total: None\n"
+        "model, text = trained_text_decoder()\n"
+        "report = analyze(model, text.calibration[0], text.calibration, eval_data=text.evaluation,\n"
+        "                 engine='eager', format='int4-weight-only', group_size=128, metric='perplexity', progress=False)\n"
+        "session = report.session\n"
+        "float_ppl = perplexity(model, text.evaluation)\n"
+        "print(f'float perplexity {float_ppl:.4f} on {len(text.evaluation)} held-out batches of 4 x 128 bytes')",
+    ),
+    (
+        "md",
+        "## Four algorithms, two group sizes\n"
+        "\n"
+        "Every Linear in int4, each combination a real run (`session.apply`): its perplexity, the SQNR of its "
+        "logits against the float model's, and its deployed size. On a model this small perplexity moves little; "
+        "the logits' SQNR is the steadier measure of what an algorithm recovers.",
+    ),
+    (
+        "code",
+        "linears = [m.fqn for m in session.modules if m.type_name == 'Linear']\n"
+        "rows = []\n"
+        "for group in (32, 128):\n"
+        "    for algorithm in ('rtn', 'hqq', 'gptq', 'awq'):\n"
+        "        choice = ModuleSettings(format='int4-weight-only', group_size=group, algorithm=algorithm)\n"
+        "        run = session.apply({fqn: choice for fqn in linears}, label=f'int4 g{group} {algorithm}', progress=quiet)\n"
+        "        rows.append({'group': group, 'algorithm': algorithm, 'perplexity': run.eval_metric,\n"
+        "                     'output SQNR (dB)': run.output_sqnr_db, 'deployed KB': run.deployed_bytes / 1024})\n"
+        "table = pd.DataFrame(rows)\n"
+        "table['perplexity above float (%)'] = 100 * (table['perplexity'] / float_ppl - 1)\n"
+        "table.round(3)",
+    ),
+    (
+        "code",
+        "import numpy as np\n"
+        "from bqplot import Axis, Bars, Figure, LinearScale, OrdinalScale\n"
+        "from ipywidgets import HBox, Layout\n"
+        "\n"
+        "order = ['rtn', 'hqq', 'gptq', 'awq']\n"
+        "def grouped_bars(column, title):\n"
+        "    wide = table.pivot(index='algorithm', columns='group', values=column).loc[order]\n"
+        "    heights = np.vstack([wide[32].to_numpy(float), wide[128].to_numpy(float)])\n"
+        "    x, y = OrdinalScale(), LinearScale(min=float(min(0, heights.min())), max=float(heights.max()) * 1.15)\n"
+        "    bars = Bars(x=order, y=heights, scales={'x': x, 'y': y}, type='grouped', colors=['#4c78a8', '#f58518'],\n"
+        "                labels=['group 32', 'group 128'], display_legend=True)\n"
+        "    axes = [Axis(scale=x, label='algorithm'), Axis(scale=y, orientation='vertical', label=column, tick_format='.1f')]\n"
+        "    return Figure(marks=[bars], axes=axes, title=title, layout=Layout(width='440px', height='320px'),\n"
+        "                  fig_margin={'top': 50, 'bottom': 50, 'left': 65, 'right': 20}, legend_location='top-left')\n"
+        "\n"
+        "HBox([grouped_bars('output SQNR (dB)', 'Logits against float (higher is better)'),\n"
+        "      grouped_bars('perplexity above float (%)', 'Perplexity cost (lower is better)')])",
+    ),
+    (
+        "md",
+        "## Which block hurts\n"
+        "\n"
+        "`session.block_sensitivity()` keeps each transformer block (`model.layers.N`, every Linear in it) float "
+        "whole in the simulation, starting from int4 group 128 rounded to nearest: what each block's int4 costs.",
+    ),
+    ("code", "session.block_sensitivity(progress=quiet).round(3)"),
+    (
+        "md",
+        "## A mix within a size budget and a perplexity target\n"
+        "\n"
+        "`fit` picks per module among float, int8 and int4 (every group size and algorithm) on the size front, "
+        "then confirms the pick with a real run: here no larger than all int4 group 128 (plus 5%), at a "
+        "perplexity no worse than halfway between float and rounding to nearest.",
+    ),
+    (
+        "code",
+        "rounded = table.query(\"group == 128 and algorithm == 'rtn'\").iloc[0]\n"
+        "target = float_ppl + (rounded['perplexity'] - float_ppl) / 2\n"
+        "budget = 1.05 * rounded['deployed KB'] * 1024\n"
+        "fitted = session.fit(max_size_bytes=budget, target_metric=target, progress=quiet)\n"
+        "print(fitted.notes[-1])\n"
+        "print(f'perplexity {fitted.eval_metric:.4f} (target {target:.4f}), '\n"
+        "      f'{fitted.deployed_bytes / 1024:.1f} KB (budget {budget / 1024:.1f} KB)')\n"
+        "pd.Series({fqn: s.quantized_format for fqn, s in fitted.settings.items()}).value_counts().rename('modules')",
+    ),
+    (
+        "md",
+        "## In the widget\n"
+        "\n"
+        "**Tune** lists each module with its format, group size and algorithm; the runs above are in its runs "
+        "table, with their perplexity.",
+    ),
+    ("code", "report.widget()"),
+]
+
+
 def main() -> None:
     HERE.mkdir(exist_ok=True)
     notebooks = {
@@ -849,6 +955,7 @@ def main() -> None:
         "08_when_the_simulation_disagrees.ipynb": KERNEL_TRUTH,
         "09_a_transformer.ipynb": TRANSFORMER_EAGER,
         "10_size_budget.ipynb": SIZE_BUDGET,
+        "12_a_language_model_in_int4.ipynb": LANGUAGE_MODEL_INT4,
     }
     for name, cells in notebooks.items():
         nbformat.write(notebook(cells), HERE / name)

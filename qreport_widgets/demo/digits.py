@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .architectures import MobileNetV3Small, PReLUNet
-from .cache import trained_once
+from .cache import USER_CACHE, cached_file, trained_once
 
 MODELS = ("cnn", "mixer", "mobilenet", "prelu", "prelu_chain", "bert")
 _TRAIN = 1280  # the first images train, the rest calibrate (half) and evaluate (half)
@@ -156,9 +156,10 @@ def build_digits_model(name: str) -> nn.Module:
 
 
 def trained_digits_model(
-    name: str = "cnn", cache_dir: str | Path | None = None, epochs: int | None = None
+    name: str = "cnn", cache_dir: str | Path | None = USER_CACHE, epochs: int | None = None
 ) -> tuple[nn.Module, DigitsData]:
-    """A model trained on the first 1,280 digits (fixed seed) in eval mode, and the held-out data.
+    """A model trained on the first 1,280 digits (fixed seed) in eval mode, and the held-out data;
+    trained once and kept in ``cache_dir`` (default: ``cache.cache_folder()``; None: not kept).
 
     Epochs default to 30 (``cnn``, ``mixer``, ``prelu``: seconds), 20 (``mobilenet``: about a
     minute on two cores, 88% accuracy) and 20 (``bert``, a Hugging Face transformer: 20 s, 75% accuracy). ``prelu`` is
@@ -180,5 +181,5 @@ def trained_digits_model(
                 nn.functional.cross_entropy(model(images[index]), labels[index]).backward()
                 optimiser.step()
 
-    cached = Path(cache_dir) / f"digits_{name}_{epochs}.pt" if cache_dir is not None else None
+    cached = cached_file(cache_dir, f"digits_{name}_{epochs}.pt")
     return trained_once(lambda: build_digits_model(name), train, cached), digits_data()

@@ -57,6 +57,7 @@ def build_engine(
     quantizer: Any = None,
     format: str | None = None,  # noqa: A002  (the word users know)
     group_size: int | None = None,
+    algorithms: tuple[str, ...] | None = None,
 ) -> Engine:
     """The engine registered as ``name``, built from its own options among these arguments.
 
@@ -71,6 +72,7 @@ def build_engine(
         "quantizer": quantizer,
         "format": format,
         "group_size": group_size,
+        "algorithms": algorithms,
     }
     given = {key: value for key, value in arguments.items() if value is not None}
     own = {option.name for option in fields(engine.options_type)}

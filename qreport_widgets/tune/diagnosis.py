@@ -9,6 +9,7 @@ with a real run.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -171,6 +172,29 @@ class Diagnosis:
         table = table.set_index("module").sort_values("output_sqnr_gain_db", ascending=False, kind="stable")
         self._sensitivity[metric] = table
         return table.copy()
+
+    def block_sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
+        """Which block hurts: the modules the start quantizes grouped by the numbered block that holds
+        them (``module_blocks``: ``model.layers.3`` of a decoder; a module in none, an embedding or a
+        head, is its own), each block kept float whole, simulated; most harmful first.
+
+        Columns: ``modules`` (how many), ``output_sqnr_gain_db``, ``metric_gain`` (with a metric),
+        ``simulated_output_sqnr_db``; indexed by block."""
+        names = list(self.simulation(progress).tunable)
+        blocks = module_blocks(names)
+        metric = self.runner.eval_fn is not None
+        variants = [[]] + [members for members in blocks.values()]
+        (base_sqnr, base_metric), *each = self.simulate_each(variants, progress, "block sensitivity", metric=metric)
+        rows = []
+        for (block, members), (sqnr, value) in zip(blocks.items(), each, strict=True):
+            row = {"block": block, "modules": len(members), "output_sqnr_gain_db": sqnr - base_sqnr}
+            if value is not None and base_metric is not None:
+                row["metric_gain"] = self._metric.gain(value, base_metric)
+            rows.append({**row, "simulated_output_sqnr_db": sqnr})
+        table = pd.DataFrame(
+            rows, columns=None if rows else ["block", "modules", "output_sqnr_gain_db", "simulated_output_sqnr_db"]
+        )
+        return table.set_index("block").sort_values("output_sqnr_gain_db", ascending=False, kind="stable")
 
     def format_sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
         """What each format costs where: for each module the start quantizes, on an engine with
@@ -427,3 +451,17 @@ def dataflow_neighbours(model: torch.nn.Module, names: Sequence[str]) -> dict[st
 
 def _finite(value: float) -> float:
     return -math.inf if math.isnan(value) else value
+
+
+_NUMBERED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def module_blocks(names: Iterable[str]) -> dict[str, list[str]]:
+    """Module names grouped by the first numbered part of their names (``model.layers.3`` for
+    ``model.layers.3.mlp.down_proj``, ``layer1.0`` for ``layer1.0.conv1``): a transformer's blocks,
+    a ResNet's; a name with no numbered part (``lm_head``) is a block of its own. First-seen order."""
+    blocks: dict[str, list[str]] = {}
+    for name in names:
+        found = _NUMBERED.match(name)
+        blocks.setdefault(found.group(1) if found else name, []).append(name)
+    return blocks

@@ -232,6 +232,10 @@ class QuantizationSession:
         match the real model."""
         return self._warned(self.parts.diagnosis.sensitivity(progress, metric=metric))
 
+    def block_sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
+        """Which block (``model.layers.3``) hurts: each kept float whole, simulated; see ``Diagnosis.block_sensitivity``."""
+        return self._warned(self.parts.diagnosis.block_sensitivity(progress))
+
     def format_sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
         """What each format costs where (eager engine); see ``Diagnosis.format_sensitivity``."""
         return self._warned(self.parts.diagnosis.format_sensitivity(progress))

@@ -48,8 +48,10 @@ class SizeFrontPane(w.VBox):
             tooltip="The deployed size to fit in: the best point under it is selected (0: none)",
             layout={"width": "190px", "flex": "0 0 auto"},
         )
+        measures = controller.session.metric if controller.session is not None else None
+        named = measures.name if measures is not None and measures.label != measures.name else ""  # "perplexity"
         self.axis = w.ToggleButtons(
-            options=[SQNR, METRIC],
+            options=[(SQNR, SQNR), (named or METRIC, METRIC)],
             value=SQNR,
             style={"button_width": "110px"},
             layout={"flex": "0 0 auto", "display": "" if has_metric else "none"},

@@ -47,7 +47,8 @@ INPUT_SCALE = "input_scale"  # the buffer an AWQ module divides its input by
 QMIN, QMAX = -8, 7  # torchao's int4 values
 GPTQ_BLOCK = 128
 GPTQ_DAMPINGS = (0.01, 0.1, 1.0)  # times the mean of diag(H), the first that beats rounding on held-out tokens
-AWQ_GRID = 20  # alpha in 0, 1/20, ..., 1
+AWQ_GRID = 10  # alpha in 0, 0.1, ..., 1
+ROWS_AT_ONCE = 4096  # rows of a weight worked on at once: a decoder head's working copies stay small
 HELD_EVERY = 4  # every 4th sequence of the calibration inputs: what a result is checked on, not fitted to
 
 
@@ -116,13 +117,12 @@ class InputStatistics:
         held = torch.cat(self.held_rows) if self.held_rows else self.fit.new_zeros(0, self.fit.shape[0])
         return self.fit + held.T @ held
 
-    def held_out_error(self, weight: torch.Tensor, approximation: torch.Tensor) -> float:
+    def held_out_error(self, weight: torch.Tensor, approximation: torch.Tensor | QuantizedWeight) -> float:
         """The squared output error of ``approximation`` for ``weight`` summed over the held-out
         tokens (over the fitted ones when none are held out)."""
         if self.held_gram is not None or not self.held_rows:
             return output_error(weight, approximation, self.held_gram if self.held_gram is not None else self.fit)
-        error = torch.cat(self.held_rows) @ (weight.float() - approximation.float()).T
-        return float(error.pow_(2).sum(dtype=torch.float64))
+        return rows_error(weight, approximation, torch.cat(self.held_rows))
 
     @property
     def mean_abs(self) -> torch.Tensor:
@@ -194,6 +194,17 @@ class QuantizedWeight:
         )
         return inner + (0 if self.input_scale is None else self.input_scale.numel() * 4)
 
+    def compact(self) -> CompactWeight | Recipe:
+        """What a simulation keeps of a result it would take seconds to compute again: round to
+        nearest kept, or AWQ's scales, as a ``Recipe`` (rebuilt from the float weight in
+        milliseconds); GPTQ's values packed two per byte (an eighth of the float size)."""
+        if self.input_scale is not None or self.note:
+            return Recipe(self.tensor.block_size[1], self.input_scale, self.note)
+        tensor = self.tensor
+        values = (tensor.qdata.to(torch.int16) - QMIN).to(torch.uint8)
+        packed = values[:, 0::2] | (values[:, 1::2] << 4)
+        return CompactWeight(packed, tensor.scale, tensor.block_size[1], tensor.dtype, self.note)
+
     def assign(self, module: nn.Module) -> None:
         """Give ``module`` this weight (a new Parameter) and, for AWQ, its input scale and the hook
         that divides by it."""
@@ -201,6 +212,46 @@ class QuantizedWeight:
         if self.input_scale is not None:
             module.register_buffer(INPUT_SCALE, self.input_scale.clone())
             module.register_forward_pre_hook(_divide_input)
+
+
+@dataclass(frozen=True)
+class CompactWeight:
+    """A ``QuantizedWeight`` with its int4 values packed two per byte (``QuantizedWeight.compact``)."""
+
+    packed: torch.Tensor  # uint8, rows x inputs / 2: the even inputs' values in the low 4 bits
+    scale: torch.Tensor
+    group_size: int
+    dtype: torch.dtype
+    note: str
+
+    def expand(self, _weight: torch.Tensor) -> QuantizedWeight:
+        low, high = self.packed & 0x0F, self.packed >> 4
+        values = torch.stack((low, high), dim=-1).reshape(self.packed.shape[0], -1).to(torch.int16) + QMIN
+        return QuantizedWeight(int4_tensor(values, self.scale, self.group_size, self.dtype), None, self.note)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scale.numel() * self.scale.element_size()
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A ``QuantizedWeight`` that is round to nearest of the float weight, scaled per input channel
+    by ``input_scale`` first when given (AWQ), rebuilt from the float weight."""
+
+    group_size: int
+    input_scale: torch.Tensor | None
+    note: str
+
+    def expand(self, weight: torch.Tensor) -> QuantizedWeight:
+        original = weight.detach().float()
+        if self.input_scale is None:
+            return QuantizedWeight(round_to_nearest(original, self.group_size), None, self.note)
+        return QuantizedWeight(round_to_nearest(original, self.group_size, self.input_scale), self.input_scale, self.note)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.input_scale is None else self.input_scale.numel() * 4
 
 
 def _divide_input(module: nn.Module, args: tuple) -> tuple | None:
@@ -231,16 +282,56 @@ def group_scales(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     return (amax / ((QMAX - QMIN) / 2)).clamp_min(torch.finfo(torch.float32).eps)
 
 
-def round_to_nearest(weight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """torchao's own round-to-nearest int4 tensor of ``weight`` (rows x inputs)."""
-    return _intx().from_hp(weight.detach(), (1, group_size), torch.int4)
+def round_to_nearest(weight: torch.Tensor, group_size: int, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """torchao's own round-to-nearest int4 tensor of ``weight`` (rows x inputs), each input channel
+    multiplied by ``input_scale`` first when given (AWQ); ``ROWS_AT_ONCE`` rows at a time (each
+    row's groups are its own), so a decoder head's scaled copy is never whole."""
+    weight = weight.detach()
+    if weight.shape[0] <= ROWS_AT_ONCE and input_scale is None:
+        return _intx().from_hp(weight, (1, group_size), torch.int4)
+    values, scales = [], []
+    for first in range(0, weight.shape[0], ROWS_AT_ONCE):
+        chunk = weight[first : first + ROWS_AT_ONCE]
+        found = _intx().from_hp(chunk if input_scale is None else chunk * input_scale, (1, group_size), torch.int4)
+        values.append(found.qdata)
+        scales.append(found.scale)
+    return int4_tensor(torch.cat(values), torch.cat(scales), group_size, weight.dtype)
 
 
-def output_error(weight: torch.Tensor, approximation: torch.Tensor, gram: torch.Tensor) -> float:
+def output_error(weight: torch.Tensor, approximation: torch.Tensor | QuantizedWeight, gram: torch.Tensor) -> float:
     """The squared error a layer's output takes, summed over the calibration tokens, when
-    ``approximation`` replaces ``weight``: ``trace(D H D^T)`` for ``D`` the difference."""
-    difference = weight.float() - approximation.float()
-    return float(((difference @ gram.float()) * difference).sum(dtype=torch.float64))
+    ``approximation`` (a float weight or a ``QuantizedWeight``) replaces ``weight``: ``trace(D H D^T)``
+    for ``D`` the difference, ``ROWS_AT_ONCE`` rows at a time."""
+    total, gram = 0.0, gram.float()
+    for start in range(0, weight.shape[0], ROWS_AT_ONCE):
+        difference = _difference(weight, approximation, start, start + ROWS_AT_ONCE)
+        total += float(((difference @ gram) * difference).sum(dtype=torch.float64))
+    return total
+
+
+def rows_error(weight: torch.Tensor, approximation: torch.Tensor | QuantizedWeight, inputs: torch.Tensor) -> float:
+    """The squared output error of ``approximation`` for ``weight`` summed over the rows of ``inputs``."""
+    total = 0.0
+    for start in range(0, weight.shape[0], ROWS_AT_ONCE):
+        error = inputs @ _difference(weight, approximation, start, start + ROWS_AT_ONCE).T
+        total += float(error.pow_(2).sum(dtype=torch.float64))
+    return total
+
+
+def _difference(weight: torch.Tensor, approximation: torch.Tensor | QuantizedWeight, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of ``approximation - weight`` in float32."""
+    if isinstance(approximation, QuantizedWeight):
+        tensor = approximation.tensor
+        group = tensor.block_size[1]
+        values = tensor.qdata[start:stop].float()
+        rows = values.shape[0]
+        values = values.view(rows, -1, group).sub_(tensor.zero_point[start:stop, :, None].float())
+        found = values.mul_(tensor.scale[start:stop, :, None].float()).view(rows, -1)
+        if approximation.input_scale is not None:
+            found.div_(approximation.input_scale.float())
+    else:
+        found = approximation[start:stop].float().clone()
+    return found.sub_(weight[start:stop].float())
 
 
 def gptq(weight: torch.Tensor, statistics: InputStatistics, group_size: int) -> QuantizedWeight:
@@ -253,10 +344,10 @@ def gptq(weight: torch.Tensor, statistics: InputStatistics, group_size: int) -> 
     if statistics.tokens == 0:
         raise AlgorithmError("GPTQ reads the module's inputs on the calibration batches, and none reached it")
     rounded = round_to_nearest(original, group_size)
-    least = statistics.held_out_error(original, rounded.dequantize())
+    least = statistics.held_out_error(original, QuantizedWeight(rounded))
     for damping in GPTQ_DAMPINGS:
         found = gptq_values(original, statistics.fit, group_size, damping)
-        if statistics.held_out_error(original, found.dequantize()) < least:
+        if statistics.held_out_error(original, QuantizedWeight(found)) < least:
             # the damping that carries over to tokens the fit did not see, fitted again to every token
             return QuantizedWeight(
                 gptq_values(original, statistics.gram, group_size, damping) if statistics.has_held_out else found
@@ -272,36 +363,51 @@ def gptq(weight: torch.Tensor, statistics: InputStatistics, group_size: int) -> 
 
 
 def gptq_values(original: torch.Tensor, gram: torch.Tensor, group_size: int, damping: float) -> torch.Tensor:
-    """GPTQ's int4 tensor of ``original`` (float, rows x inputs) for inputs of Gram matrix ``gram``."""
+    """GPTQ's int4 tensor of ``original`` (float, rows x inputs) for inputs of Gram matrix ``gram``.
+    Rows are independent given the inputs: they go ``ROWS_AT_ONCE`` at a time (a decoder head's
+    working copies stay small)."""
     rows, inputs = original.shape
     hessian = gram.clone()
     dead = hessian.diagonal() == 0  # an input channel that was always 0: its weights do not matter
     hessian[dead, dead] = 1.0
-    work = original.clone()
-    work[:, dead] = 0.0
-    scales = group_scales(work, group_size)  # fixed first: the columns go in activation order
-    order = torch.argsort(hessian.diagonal(), descending=True)
+    order = torch.argsort(hessian.diagonal(), descending=True)  # activation order
     hessian = hessian[order][:, order]
-    work = work[:, order]
-    column_scale = scales.repeat_interleave(group_size, dim=1)[:, order]  # rows x inputs
     hessian.diagonal().add_(damping * float(hessian.diagonal().mean()))
     inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian.double())), upper=True).float()
+    group_of = order // group_size  # each column's group, in the order the columns go
+    restore = torch.argsort(order)
+    values, scales = [], []
+    for first in range(0, rows, ROWS_AT_ONCE):
+        work = original[first : first + ROWS_AT_ONCE].clone()
+        work[:, dead] = 0.0
+        chunk_scales = group_scales(work, group_size)  # fixed first: the columns go in activation order
+        found = _gptq_rows(work[:, order], chunk_scales, group_of, inverse)
+        values.append(found[:, restore])
+        scales.append(chunk_scales)
+    return int4_tensor(torch.cat(values), torch.cat(scales), group_size, original.dtype)
+
+
+def _gptq_rows(work: torch.Tensor, scales: torch.Tensor, group_of: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """The int4 values of ``work`` (rows x inputs in activation order, changed in place) column by
+    column, each column's rounding error spread over the columns after it through ``inverse`` (the
+    upper Cholesky factor of the damped inverse Gram matrix), in blocks of ``GPTQ_BLOCK``."""
+    rows, inputs = work.shape
     values = torch.empty(rows, inputs, dtype=torch.int8)
     for start in range(0, inputs, GPTQ_BLOCK):
         stop = min(start + GPTQ_BLOCK, inputs)
         block = work[:, start:stop].clone()
         errors = torch.empty_like(block)
         block_inverse = inverse[start:stop, start:stop]
+        block_scale = scales[:, group_of[start:stop]]  # rows x block columns
         for i in range(stop - start):
-            column, scale = block[:, i], column_scale[:, start + i]
+            column, scale = block[:, i], block_scale[:, i]
             q = torch.clamp(torch.round(column / scale), QMIN, QMAX)
             values[:, start + i] = q.to(torch.int8)
             error = (column - q * scale) / block_inverse[i, i]
             block[:, i:].sub_(error[:, None] * block_inverse[i, i:][None, :])
             errors[:, i] = error
         work[:, stop:].sub_(errors @ inverse[start:stop, stop:])
-    values = values[:, torch.argsort(order)]
-    return int4_tensor(values, scales, group_size, original.dtype)
+    return values
 
 
 def awq(weight: torch.Tensor, statistics: InputStatistics, group_size: int, *, grid: int = AWQ_GRID) -> QuantizedWeight:
@@ -315,19 +421,17 @@ def awq(weight: torch.Tensor, statistics: InputStatistics, group_size: int, *, g
     magnitude = statistics.mean_abs.clamp_min(1e-8)
     fit = statistics.fit
     rounded = QuantizedWeight(round_to_nearest(original, group_size))
-    best, least = rounded, output_error(original, rounded.dequantize(torch.float32), fit)
+    best, least = rounded, output_error(original, rounded, fit)
     for step in range(1, grid + 1):
         scale = magnitude ** (step / grid)
         scale = scale / (scale.max() * scale.min()).sqrt()  # centred on 1: the weights' range kept
-        candidate = QuantizedWeight(round_to_nearest(original * scale, group_size), scale)
-        error = output_error(original, candidate.dequantize(torch.float32), fit)
+        candidate = QuantizedWeight(round_to_nearest(original, group_size, scale), scale)
+        error = output_error(original, candidate, fit)
         if error < least:
             best, least = candidate, error
     if best is rounded:
         return QuantizedWeight(rounded.tensor, note="AWQ kept round to nearest: no scale lowered the output error")
-    if statistics.held_out_error(original, best.dequantize(torch.float32)) >= statistics.held_out_error(
-        original, rounded.dequantize(torch.float32)
-    ):
+    if statistics.held_out_error(original, best) >= statistics.held_out_error(original, rounded):
         return QuantizedWeight(
             rounded.tensor,
             note="AWQ kept round to nearest: its scales had no lower output error on held-out calibration sequences",

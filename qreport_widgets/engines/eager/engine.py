@@ -24,7 +24,7 @@ from ...core.metrics import sqnr_db
 from ...errors import QReportError
 from ...observe.graph import OBSERVER_CONTAINER
 from ..contract import Engine, Observation, RunNotes, conversion_tables
-from ..settings import ALGORITHM_FORMATS, GROUPED_FORMATS, ModuleSettings, Setting, TunableModule
+from ..settings import ALGORITHM_FORMATS, ALGORITHMS, GROUPED_FORMATS, ModuleSettings, Setting, TunableModule
 from .algorithms import AWQ, GPTQ, HQQ, NEEDS_DATA, InputRecorder, choose
 from .formats import (
     INT4_WEIGHT_ONLY,
@@ -91,17 +91,25 @@ class EagerEngine(Engine[EagerConfig]):
             float. Default ``"int8-dynamic"``, torchao's int8 dynamic activation, int8 weight format.
         group_size: the starting group size of an int4 ``format``; default ``DEFAULT_GROUP_SIZE``.
             A Linear whose rows it does not divide starts float.
+        algorithms: the int4 weight algorithms the size front weighs; default all four.
     """
 
     name = "eager"
     options_type = EagerOptions
     options_hint = "with engine='eager' pass format= (the starting format of Linear layers)"
 
-    def __init__(self, format: str = INT8_DYNAMIC, group_size: int | None = None) -> None:  # noqa: A002  (the word users know)
+    def __init__(
+        self,
+        format: str = INT8_DYNAMIC,  # noqa: A002  (the word users know)
+        group_size: int | None = None,
+        algorithms: tuple[str, ...] | None = None,
+    ) -> None:
         torchao_eager()  # a clear error naming the extra, before anything else
-        EagerOptions(format, group_size)  # the same ValueError as build_engine for a format or group size refused
+        # the same ValueError as build_engine for a format, group size or algorithm refused
+        options = EagerOptions(format, group_size, algorithms)
         self.start_format = format
         self.start_group_size = group_size or 0  # 0: DEFAULT_GROUP_SIZE, as in ModuleSettings
+        self.searched_algorithms = options.algorithms or ALGORITHMS  # what size_choices offers
         self._configs: weakref.WeakKeyDictionary[nn.Module, EagerConfig] = weakref.WeakKeyDictionary()
         # the inputs GPTQ / AWQ read, gathered while a prepared model calibrates
         self._recorders: weakref.WeakKeyDictionary[nn.Module, InputRecorder] = weakref.WeakKeyDictionary()
@@ -111,7 +119,7 @@ class EagerEngine(Engine[EagerConfig]):
 
     @classmethod
     def from_options(cls, options: EagerOptions) -> EagerEngine:
-        return cls(options.format or INT8_DYNAMIC, options.group_size)
+        return cls(options.format or INT8_DYNAMIC, options.group_size, options.algorithms)
 
     # ---- observation ----------------------------------------------------------------------------
     def observe(self, float_model: nn.Module, example_inputs: tuple[Any, ...], *, record: bool = False) -> Observation:
@@ -219,7 +227,9 @@ class EagerEngine(Engine[EagerConfig]):
             if not module.format_allowed(name):
                 continue
             groups = module.group_sizes if name in GROUPED_FORMATS else (0,)
-            algorithms = [a for a, why in module.algorithms.items() if not why] if name in ALGORITHM_FORMATS else [""]
+            algorithms = [""]
+            if name in ALGORITHM_FORMATS:
+                algorithms = [a for a, why in module.algorithms.items() if not why and a in self.searched_algorithms]
             found += [
                 c
                 for g in groups

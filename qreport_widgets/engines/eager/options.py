@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..settings import group_size_problem
+from ..settings import ALGORITHMS, group_size_problem
 from .formats import INT8_DYNAMIC, QUANTIZED_FORMATS
 
 
@@ -17,10 +17,15 @@ class EagerOptions:
             float. None: ``"int8-dynamic"``, torchao's int8 dynamic activation, int8 weight format.
         group_size: the starting group size of an int4 ``format`` (``GROUP_SIZES``: 32, 64 or 128);
             None: ``DEFAULT_GROUP_SIZE``. A Linear whose rows it does not divide starts float.
+        algorithms: the int4 weight algorithms the size front and ``fit`` weigh (``ALGORITHMS``);
+            None: all four. GPTQ and AWQ cost seconds a module per group size (on a 134M decoder,
+            a minute each over every Linear): ``("rtn", "hqq")`` keeps a large model's ``fit`` short.
+            Any algorithm can still be chosen per module by hand.
     """
 
     format: str | None = None
     group_size: int | None = None
+    algorithms: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.format is not None and self.format not in QUANTIZED_FORMATS:
@@ -30,3 +35,10 @@ class EagerOptions:
             if problem:
                 start = repr(self.format) if self.format else f"{INT8_DYNAMIC!r} (the default)"
                 raise ValueError(f"group_size={self.group_size!r} with format={start}: {problem}")
+        if self.algorithms is not None:
+            if isinstance(self.algorithms, str):
+                object.__setattr__(self, "algorithms", (self.algorithms,))
+            unknown = [a for a in self.algorithms if a not in ALGORITHMS]
+            if unknown or not self.algorithms:
+                raise ValueError(f"algorithms must name some of {', '.join(ALGORITHMS)}, got {self.algorithms!r}")
+            object.__setattr__(self, "algorithms", tuple(self.algorithms))

@@ -24,7 +24,7 @@ from ...core.memory import give_back
 from ...core.metrics import sqnr_db
 from ..contract import Variant, WholePasses
 from ..settings import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
-from .algorithms import NEEDS_DATA, InputStatistics, QuantizedWeight, choose, recording
+from .algorithms import NEEDS_DATA, CompactWeight, InputStatistics, QuantizedWeight, Recipe, choose, recording
 from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, ao_config, torchao_eager
 
 FormatKey = tuple[str, int, str]  # (format, group size or 0, weight algorithm or "")
@@ -33,6 +33,9 @@ FormatKey = tuple[str, int, str]  # (format, group size or 0, weight algorithm o
 # quantized again when next needed. The size front tries every format on every module: kept
 # dequantized, a decoder's weights would be held once per format
 OTHER_FORMATS_SHARE = 0.5
+# the input Gram matrices GPTQ and AWQ read, held at once up to this share of the float weights (a
+# 134M decoder's are 0.7 of its weights: five calibration passes instead of one)
+GRAM_SHARE = 0.15
 
 
 def format_key(choice: ModuleSettings) -> FormatKey | None:
@@ -88,7 +91,6 @@ class EagerSimulation(WholePasses):
     ) -> None:
         self.model = model.eval()
         self._calibrate = calibrate  # runs a model over the calibration batches (what GPTQ / AWQ read)
-        self._statistics: dict[str, InputStatistics] = {}
         self._start = {m.fqn: m.current for m in modules}
         self.tunable = [m.fqn for m in modules if not m.current.keep_float]
         self._modules = {fqn: model.get_submodule(fqn) for fqn in self._start}
@@ -98,6 +100,8 @@ class EagerSimulation(WholePasses):
         self._starting: dict[str, QuantizedWeight] = {}
         self._others: OrderedDict[tuple[str, FormatKey], QuantizedWeight] = OrderedDict()  # ... other formats', a few
         self._others_held = 0
+        # GPTQ / AWQ results, packed: computing one again takes seconds a module and its inputs' statistics
+        self._found: dict[tuple[str, FormatKey], CompactWeight | Recipe] = {}
         self._others_room = OTHER_FORMATS_SHARE * sum(tensor_bytes(w) for w in self._float.values())
         self._float_numel = sum(w.numel() for w in self._float.values())
         self._inputs: dict[str, bool | None] = dict.fromkeys(self._modules)  # fqn -> symmetric, or None: float input
@@ -122,8 +126,11 @@ class EagerSimulation(WholePasses):
         dtype = self._float[fqn].dtype
         if key == format_key(self._start[fqn]):
             if fqn not in self._starting:
-                self._starting[fqn] = self._quantized(fqn, key)
+                self._starting[fqn] = self._quantized(fqn, key) if key[2] not in NEEDS_DATA else self._found_now(fqn, key)
             return self._starting[fqn].dequantize(dtype)
+        if key[2] in NEEDS_DATA:
+            self.find_data_weights([(fqn, key)])  # found already inside a pass
+            return self._found[fqn, key].expand(self._float[fqn]).dequantize(dtype)
         quantized = self._others.pop((fqn, key), None)
         if quantized is None:
             quantized = self._quantized(fqn, key)
@@ -133,16 +140,20 @@ class EagerSimulation(WholePasses):
             self._others_held -= self._others.popitem(last=False)[1].nbytes
         return quantized.dequantize(dtype)
 
-    def _quantized(self, fqn: str, key: FormatKey) -> QuantizedWeight:
-        return quantized_weight(self._float_module(fqn), key, self._statistics.get(fqn))
+    def _found_now(self, fqn: str, key: FormatKey) -> QuantizedWeight:
+        self.find_data_weights([(fqn, key)])
+        return self._found[fqn, key].expand(self._float[fqn])
 
-    def gather_inputs(self, chosen: Iterable[tuple[str, FormatKey | None]]) -> None:
-        """The calibration batches' inputs to each module whose format in ``chosen`` (module, format
-        pairs) reads them (GPTQ, AWQ), gathered in one float pass over the batches for those not
-        gathered yet; kept until ``rest``. Called before a pass, never inside one."""
-        missing = list(
-            dict.fromkeys(fqn for fqn, key in chosen if key is not None and key[2] in NEEDS_DATA and fqn not in self._statistics)
-        )
+    def _quantized(self, fqn: str, key: FormatKey) -> QuantizedWeight:
+        return quantized_weight(self._float_module(fqn), key)
+
+    def find_data_weights(self, chosen: Iterable[tuple[str, FormatKey | None]]) -> None:
+        """Each GPTQ / AWQ weight in ``chosen`` (module, format pairs) not found yet: the calibration
+        batches' inputs to those modules gathered in one float pass, each weight computed and kept
+        packed (``CompactWeight``), the inputs' statistics dropped. Called before a pass, never
+        inside one (a pass's hooks take what was found)."""
+        missing = list(dict.fromkeys((fqn, key) for fqn, key in chosen if key is not None and key[2] in NEEDS_DATA))
+        missing = [pair for pair in missing if pair not in self._found]
         if not missing:
             return
         if self._calibrate is None:
@@ -150,11 +161,33 @@ class EagerSimulation(WholePasses):
         before = dict(self._configured or {})
         self.configure(Variant(frozenset(self._modules)))
         try:
-            with torch.no_grad(), recording(self.model, missing) as gathered:
-                self._calibrate(self.model)
-            self._statistics.update(gathered)
+            for modules in self._gram_chunks(list(dict.fromkeys(fqn for fqn, _ in missing))):
+                with torch.no_grad(), recording(self.model, modules) as gathered:
+                    self._calibrate(self.model)
+                for fqn in modules:
+                    statistics = gathered.pop(fqn)  # freed once the module's results are found
+                    for key in (key for other, key in missing if other == fqn):
+                        self._found[fqn, key] = quantized_weight(self._float_module(fqn), key, statistics).compact()
+                del gathered
+                give_back()
         finally:
             self._apply(before)
+
+    def _gram_chunks(self, modules: list[str]) -> list[list[str]]:
+        """``modules`` in runs whose input Gram matrices (inputs x inputs floats each) hold at most
+        ``GRAM_SHARE`` of the float weights together (at least one module a run): each run one
+        calibration pass, so a decoder's Gram matrices are never all held at once."""
+        room = GRAM_SHARE * sum(tensor_bytes(w) for w in self._float.values())
+        runs: list[list[str]] = [[]]
+        held = 0.0
+        for fqn in modules:
+            size = 4.0 * self._float[fqn].shape[1] ** 2
+            if runs[-1] and held + size > room:
+                runs.append([])
+                held = 0.0
+            runs[-1].append(fqn)
+            held += size
+        return runs
 
     def _float_module(self, fqn: str) -> nn.Module:
         """A shallow copy of module ``fqn`` holding its float weight (whatever the model holds now)."""
@@ -189,7 +222,7 @@ class EagerSimulation(WholePasses):
 
             return hook
 
-        self.gather_inputs((fqn, format_key(self._start[fqn])) for fqn in self.tunable)
+        self.find_data_weights((fqn, format_key(self._start[fqn])) for fqn in self.tunable)
         self._float_pass(batch, {fqn: keep(fqn) for fqn in self.tunable})
         local = {}
         with torch.no_grad():
@@ -205,7 +238,7 @@ class EagerSimulation(WholePasses):
         (about a quarter of the float size); the next ``configure`` dequantizes again."""
         self._others.clear()
         self._others_held = 0
-        self._statistics.clear()
+        self._found.clear()
         self._apply(dict.fromkeys(self._modules))
         give_back()
 
@@ -234,7 +267,7 @@ class EagerSimulation(WholePasses):
 
             return hook
 
-        self.gather_inputs((fqn, format_key(c)) for fqn, options in choices.items() for c in options)
+        self.find_data_weights((fqn, format_key(c)) for fqn, options in choices.items() for c in options)
         try:
             self._float_pass(batch, {fqn: measure(fqn) for fqn in choices})
         finally:
@@ -256,7 +289,7 @@ class EagerSimulation(WholePasses):
 
     def _apply(self, chosen: dict[str, FormatKey | None]) -> None:
         """Each module's weight and input quantization as ``chosen`` says (only what changed)."""
-        self.gather_inputs((fqn, key) for fqn, key in chosen.items() if (self._configured or {}).get(fqn, ()) != key)
+        self.find_data_weights((fqn, key) for fqn, key in chosen.items() if (self._configured or {}).get(fqn, ()) != key)
         replaced = 0  # elements of the weights replaced since memory was last handed back
         with torch.no_grad():
             for fqn, key in chosen.items():
