@@ -149,8 +149,9 @@ class EagerSimulation(WholePasses):
 
     def find_data_weights(self, chosen: Iterable[tuple[str, FormatKey | None]]) -> None:
         """Each GPTQ / AWQ weight in ``chosen`` (module, format pairs) not found yet: the calibration
-        batches' inputs to those modules gathered in one float pass, each weight computed and kept
-        packed (``CompactWeight``), the inputs' statistics dropped. Called before a pass, never
+        batches' inputs to those modules gathered in float passes (one per run of modules,
+        ``_gram_chunks``), each weight computed and kept packed or as a recipe
+        (``QuantizedWeight.compact``), the inputs' statistics dropped. Called before a pass, never
         inside one (a pass's hooks take what was found)."""
         missing = list(dict.fromkeys((fqn, key) for fqn, key in chosen if key is not None and key[2] in NEEDS_DATA))
         missing = [pair for pair in missing if pair not in self._found]
