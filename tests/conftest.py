@@ -75,3 +75,13 @@ def text_decoder(digits_cache):
     from qreport_widgets.demo.text import trained_text_decoder
 
     return trained_text_decoder(cache_dir=digits_cache)
+
+
+def text_decoder_report(text_decoder, **overrides):
+    """``analyze`` of the trained byte decoder on the eager engine: its calibration and evaluation
+    text, every Linear starting int4 group 128, perplexity the metric (``overrides`` replace these)."""
+    import qreport_widgets as qw
+
+    model, data = text_decoder
+    given = {"engine": "eager", "format": "int4-weight-only", "group_size": 128, "metric": "perplexity", **overrides}
+    return qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, progress=False, **given)

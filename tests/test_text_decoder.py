@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import text_decoder_report
 
 import qreport_widgets as qw
 from qreport_widgets.core.metrics import perplexity
@@ -61,28 +62,11 @@ def test_int4_weights_cost_perplexity_and_int8_almost_none(text_decoder):
     assert perplexity(int8[0].quantized_model, data.evaluation) == int8[1]  # the latest run's model is kept
 
 
-def _perplexity_session(text_decoder, **kwargs):
-    model, data = text_decoder
-    report = qw.analyze(
-        model,
-        data.calibration[0],
-        data.calibration,
-        eval_data=data.evaluation,
-        engine="eager",
-        format="int4-weight-only",
-        group_size=128,
-        metric="perplexity",
-        progress=False,
-        **kwargs,
-    )
-    return report.session
-
-
 def test_perplexity_is_the_metric_and_targets_on_it_are_met_at_or_below(text_decoder):
     """metric="perplexity": every run's metric is the perplexity on the evaluation text, the runs
     table names it with its direction, and fit / reach meet a perplexity target from below."""
     model, data = text_decoder
-    session = _perplexity_session(text_decoder)
+    session = text_decoder_report(text_decoder).session
     assert session.metric == qw.Metric("perplexity", higher_is_better=False)
     baseline = session.baseline()
     float_ppl = data.perplexity(model)

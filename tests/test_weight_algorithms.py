@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from conftest import text_decoder_report
 from hf_models import tiny_llama
 from torch import nn
 
@@ -30,19 +31,7 @@ def int4(group: int, algorithm: str = "") -> ModuleSettings:
 
 @pytest.fixture(scope="module")
 def decoder_session(text_decoder):
-    model, data = text_decoder
-    report = qw.analyze(
-        model,
-        data.calibration[0],
-        data.calibration,
-        eval_data=data.evaluation,
-        engine="eager",
-        format=INT4,
-        group_size=128,
-        metric="perplexity",
-        progress=False,
-    )
-    return report.session
+    return text_decoder_report(text_decoder).session
 
 
 def linear_names(session) -> list[str]:
@@ -335,15 +324,6 @@ def test_rows_worked_on_a_few_thousand_at_a_time_give_the_same_weights(monkeypat
 
 
 def test_the_size_panes_metric_button_names_perplexity(text_decoder):
-    model, data = text_decoder
-    report = qw.analyze(
-        model,
-        data.calibration[0],
-        data.calibration,
-        eval_data=data.evaluation,
-        engine="eager",
-        metric="perplexity",
-        progress=False,
-    )
+    report = text_decoder_report(text_decoder)
     labels = [label for label, _ in report.widget().tuning.front.axis.options]
     assert labels == ["output SQNR", "perplexity"]

@@ -99,9 +99,9 @@ GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 # how an int4 weight's values are chosen (engines/eager/algorithms.py): round to nearest, torchao's
 # HQQ, GPTQ and AWQ (these two from the calibration batches' inputs to the module)
-ALGORITHMS = ("rtn", "hqq", "gptq", "awq")
-DEFAULT_ALGORITHM = "rtn"
-DATA_ALGORITHMS = ("gptq", "awq")  # chosen from the calibration batches' inputs to the module
+ALGORITHMS = RTN, HQQ, GPTQ, AWQ = ("rtn", "hqq", "gptq", "awq")
+DEFAULT_ALGORITHM = RTN
+DATA_ALGORITHMS = (GPTQ, AWQ)  # chosen from the calibration batches' inputs to the module
 ALGORITHM_FORMATS = ("int4-weight-only",)
 NO_FORMATS = "formats (int8 / int4 weight-only, dynamic int8) are chosen per module on engine='eager'"
 

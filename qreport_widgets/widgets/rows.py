@@ -13,8 +13,12 @@ from traitlets import Bool, Instance, Unicode, observe
 
 from ..engines.settings import (
     ALGORITHM_FORMATS,
+    AWQ,
+    DEFAULT_ALGORITHM,
     DEFAULT_GROUP_SIZE,
+    GPTQ,
     GROUPED_FORMATS,
+    HQQ,
     ModuleSettings,
     Setting,
     TunableModule,
@@ -24,7 +28,7 @@ from ..errors import InvalidSettingsError
 
 STATIC, DYNAMIC = "static", "dynamic"
 PER_TENSOR, PER_CHANNEL = "per-tensor", "per-channel"
-ALGORITHM_LABELS = {"rtn": "round", "hqq": "HQQ", "gptq": "GPTQ", "awq": "AWQ"}
+ALGORITHM_LABELS = {DEFAULT_ALGORITHM: "round", HQQ: "HQQ", GPTQ: "GPTQ", AWQ: "AWQ"}
 OBSERVER_OPTIONS = [("as started", ""), ("MinMax", "minmax"), ("Histogram", "histogram"), ("Percentile", "percentile")]
 RowParts = dict[str, w.Layout | w.Style]  # what the rows of one panel share
 
@@ -114,7 +118,9 @@ class SettingsRow(w.VBox):
             style=dropdown,
         )
         algorithms = [
-            (ALGORITHM_LABELS[name], "" if name == "rtn" else name) for name, why in module.algorithms.items() if not why
+            (ALGORITHM_LABELS[name], "" if name == DEFAULT_ALGORITHM else name)
+            for name, why in module.algorithms.items()
+            if not why
         ]
         refused_algorithms = "; ".join(f"{name}: {why}" for name, why in module.algorithms.items() if why)
         algorithm_tip = (
@@ -123,7 +129,7 @@ class SettingsRow(w.VBox):
             + (f". Not offered here: {refused_algorithms}" if refused_algorithms else "")
         )
         self.algorithm = w.Dropdown(
-            options=algorithms or [(ALGORITHM_LABELS["rtn"], "")],
+            options=algorithms or [(ALGORITHM_LABELS[DEFAULT_ALGORITHM], "")],
             value="",
             disabled=True,
             tooltip=algorithm_tip,

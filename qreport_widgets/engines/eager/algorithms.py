@@ -38,11 +38,9 @@ from torch import nn
 
 from ...core.calibration import call_with
 from ...errors import InvalidSettingsError, QReportError
-from ..settings import ALGORITHMS, DATA_ALGORITHMS
+from ..settings import ALGORITHMS, AWQ, DATA_ALGORITHMS, GPTQ, HQQ, RTN
 from .formats import torchao_eager
 
-RTN, HQQ, GPTQ, AWQ = ALGORITHMS
-NEEDS_DATA = DATA_ALGORITHMS  # chosen from the calibration batches' inputs to the module
 INPUT_SCALE = "input_scale"  # the buffer an AWQ module divides its input by
 QMIN, QMAX = -8, 7  # torchao's int4 values
 GPTQ_BLOCK = 128
@@ -127,11 +125,6 @@ class InputStatistics:
     @property
     def mean_abs(self) -> torch.Tensor:
         return self.abs_sum / max(self.tokens, 1)
-
-    @property
-    def nbytes(self) -> int:
-        held = sum(r.numel() for r in self.held_rows) + (self.held_gram.numel() if self.held_gram is not None else 0)
-        return (self.fit.numel() + self.abs_sum.numel() + held) * 4
 
 
 class InputRecorder:
@@ -473,7 +466,7 @@ def quantize_weights(model: nn.Module, choices: Mapping[str, tuple[str, int]], b
             raise InvalidSettingsError(f"{fqn}: unknown weight algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
         if module.in_features % group_size:
             raise InvalidSettingsError(f"{fqn}: group size {group_size} does not divide its {module.in_features} input features")
-    data = [fqn for fqn, (algorithm, _) in choices.items() if algorithm in NEEDS_DATA]
+    data = [fqn for fqn, (algorithm, _) in choices.items() if algorithm in DATA_ALGORITHMS]
     statistics: dict[str, InputStatistics] = {}
     if data:
         with torch.no_grad(), recording(model, data) as statistics:

@@ -24,8 +24,19 @@ from ...core.metrics import sqnr_db
 from ...errors import QReportError
 from ...observe.graph import OBSERVER_CONTAINER
 from ..contract import Engine, Observation, RunNotes, conversion_tables
-from ..settings import ALGORITHM_FORMATS, ALGORITHMS, GROUPED_FORMATS, ModuleSettings, Setting, TunableModule
-from .algorithms import AWQ, GPTQ, HQQ, NEEDS_DATA, InputRecorder, choose
+from ..settings import (
+    ALGORITHM_FORMATS,
+    ALGORITHMS,
+    AWQ,
+    DATA_ALGORITHMS,
+    GPTQ,
+    GROUPED_FORMATS,
+    HQQ,
+    ModuleSettings,
+    Setting,
+    TunableModule,
+)
+from .algorithms import InputRecorder, choose
 from .formats import (
     INT4_WEIGHT_ONLY,
     INT8_DYNAMIC,
@@ -245,7 +256,7 @@ class EagerEngine(Engine[EagerConfig]):
         if key not in self._sizes:
             holder = nn.Sequential(copy.deepcopy(float_module))
             # GPTQ and AWQ store round-to-nearest's layout (AWQ one scale per input channel more)
-            counted = replace(choice, algorithm="") if choice.algorithm in NEEDS_DATA else choice
+            counted = replace(choice, algorithm="") if choice.algorithm in DATA_ALGORITHMS else choice
             if not counted.keep_float:
                 torchao_eager().quantize_(holder, EagerConfig.of({"0": counted}).fqn_to_config(), filter_fn=None)
             extra = weight.shape[1] * weight.element_size() if choice.algorithm == AWQ else 0

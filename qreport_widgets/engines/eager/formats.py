@@ -32,12 +32,12 @@ from ..settings import (
     FORMATS,
     GROUP_SIZES,
     GROUPED_FORMATS,
+    HQQ,
+    RTN,
     ModuleSettings,
 )
 
 INT8_DYNAMIC, INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY, INT8_DYNAMIC_INT4 = FORMATS[1:]
-HQQ = "hqq"
-NEEDS_DATA = DATA_ALGORITHMS
 QUANTIZED_FORMATS = FORMATS[1:]
 NO_CONV_INT8 = "torchao's int8 tensors have no convolution (int4-weight-only applies to a Conv2d)"
 
@@ -187,9 +187,9 @@ def algorithms_offered(module: nn.Module) -> dict[str, str]:
         return dict.fromkeys(ALGORITHMS, "")
     data = "GPTQ and AWQ weigh a Linear's weights by its input activations"
     if isinstance(module, nn.Embedding):
-        return {"rtn": "", HQQ: "", **dict.fromkeys(NEEDS_DATA, data + "; an embedding looks rows up")}
+        return {RTN: "", HQQ: "", **dict.fromkeys(DATA_ALGORITHMS, data + "; an embedding looks rows up")}
     hqq = "torchao's HQQ takes 2-d weights (Linear, Embedding)"
-    return {"rtn": "", HQQ: hqq, **dict.fromkeys(NEEDS_DATA, data)}
+    return {RTN: "", HQQ: hqq, **dict.fromkeys(DATA_ALGORITHMS, data)}
 
 
 Choice = tuple[str, int, str]  # (format, group size or 0, weight algorithm or "")
@@ -234,16 +234,18 @@ class EagerConfig:
     @property
     def needs_data(self) -> dict[str, tuple[str, int]]:
         """The modules whose weight algorithm reads their inputs on the calibration batches: algorithm, group size."""
-        return {fqn: (algorithm, group) for fqn, (_, group, algorithm) in self.formats.items() if algorithm in NEEDS_DATA}
+        return {fqn: (algorithm, group) for fqn, (_, group, algorithm) in self.formats.items() if algorithm in DATA_ALGORITHMS}
 
     def fqn_to_config(self) -> Any:
         """torchao's config of every module but those ``needs_data`` names."""
         ao = torchao_eager()
-        return ao.FqnToConfig({fqn: ao_config(*choice) for fqn, choice in self.formats.items() if choice[2] not in NEEDS_DATA})
+        return ao.FqnToConfig(
+            {fqn: ao_config(*choice) for fqn, choice in self.formats.items() if choice[2] not in DATA_ALGORITHMS}
+        )
 
     def as_code(self) -> str:
         entries = "".join(
-            f"    {fqn!r}: {config_code(*choice)},\n" for fqn, choice in self.formats.items() if choice[2] not in NEEDS_DATA
+            f"    {fqn!r}: {config_code(*choice)},\n" for fqn, choice in self.formats.items() if choice[2] not in DATA_ALGORITHMS
         )
         code = (
             "# module -> format (modules not named stay float); quantize_ changes model in place\n"

@@ -23,8 +23,8 @@ from ...core.calibration import call_with
 from ...core.memory import give_back
 from ...core.metrics import sqnr_db
 from ..contract import Variant, WholePasses
-from ..settings import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
-from .algorithms import NEEDS_DATA, CompactWeight, InputStatistics, QuantizedWeight, Recipe, choose, recording
+from ..settings import DATA_ALGORITHMS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
+from .algorithms import CompactWeight, InputStatistics, QuantizedWeight, Recipe, choose, recording
 from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, ao_config, torchao_eager
 
 FormatKey = tuple[str, int, str]  # (format, group size or 0, weight algorithm or "")
@@ -50,7 +50,7 @@ def quantized_weight(module: nn.Module, key: FormatKey, statistics: InputStatist
     """``module``'s weight quantized in format ``key``: by torchao, or for GPTQ / AWQ from the
     ``statistics`` of its inputs (``algorithms.choose``) into torchao's int4 layout."""
     name, group, algorithm = key
-    if algorithm in NEEDS_DATA:
+    if algorithm in DATA_ALGORITHMS:
         with torch.no_grad():
             return choose(algorithm, module.weight, group, statistics)
     ao = torchao_eager()
@@ -59,10 +59,9 @@ def quantized_weight(module: nn.Module, key: FormatKey, statistics: InputStatist
     return QuantizedWeight(holder[0].weight.detach())
 
 
-def dequantized_weight(module: nn.Module, key: FormatKey, statistics: InputStatistics | None = None) -> torch.Tensor:
-    """``module``'s weight as quantized in format ``key``, dequantized to float (what the module
-    multiplies its input with)."""
-    return quantized_weight(module, key, statistics).dequantize(module.weight.dtype)
+def dequantized_weight(module: nn.Module, key: FormatKey) -> torch.Tensor:
+    """``module``'s weight as torchao quantizes it in format ``key``, dequantized to float."""
+    return quantized_weight(module, key).dequantize(module.weight.dtype)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -124,13 +123,12 @@ class EagerSimulation(WholePasses):
         if key is None:
             return self._float[fqn]
         dtype = self._float[fqn].dtype
+        if key[2] in DATA_ALGORITHMS:  # found by _apply before it switches (a pass's hooks never gather)
+            return self._found[fqn, key].expand(self._float[fqn]).dequantize(dtype)
         if key == format_key(self._start[fqn]):
             if fqn not in self._starting:
-                self._starting[fqn] = self._quantized(fqn, key) if key[2] not in NEEDS_DATA else self._found_now(fqn, key)
+                self._starting[fqn] = self._quantized(fqn, key)
             return self._starting[fqn].dequantize(dtype)
-        if key[2] in NEEDS_DATA:
-            self.find_data_weights([(fqn, key)])  # found already inside a pass
-            return self._found[fqn, key].expand(self._float[fqn]).dequantize(dtype)
         quantized = self._others.pop((fqn, key), None)
         if quantized is None:
             quantized = self._quantized(fqn, key)
@@ -139,10 +137,6 @@ class EagerSimulation(WholePasses):
         while self._others_held > self._others_room and len(self._others) > 1:
             self._others_held -= self._others.popitem(last=False)[1].nbytes
         return quantized.dequantize(dtype)
-
-    def _found_now(self, fqn: str, key: FormatKey) -> QuantizedWeight:
-        self.find_data_weights([(fqn, key)])
-        return self._found[fqn, key].expand(self._float[fqn])
 
     def _quantized(self, fqn: str, key: FormatKey) -> QuantizedWeight:
         return quantized_weight(self._float_module(fqn), key)
@@ -153,7 +147,7 @@ class EagerSimulation(WholePasses):
         ``_gram_chunks``), each weight computed and kept packed or as a recipe
         (``QuantizedWeight.compact``), the inputs' statistics dropped. Called before a pass, never
         inside one (a pass's hooks take what was found)."""
-        missing = list(dict.fromkeys((fqn, key) for fqn, key in chosen if key is not None and key[2] in NEEDS_DATA))
+        missing = list(dict.fromkeys((fqn, key) for fqn, key in chosen if key is not None and key[2] in DATA_ALGORITHMS))
         missing = [pair for pair in missing if pair not in self._found]
         if not missing:
             return
