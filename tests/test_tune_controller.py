@@ -20,6 +20,7 @@ from qreport_widgets.observe.frame import ReportFrame
 from qreport_widgets.observe.records import Suggestion
 from qreport_widgets.tune.diagnosis import ReachPlan
 from qreport_widgets.tune.run import RunResult
+from qreport_widgets.tune.search import SearchPath
 from qreport_widgets.tune.truth import TruthCheck
 from qreport_widgets.tune.verify import SIMULATED, Candidate, Verdict, VerifiedSuggestions
 from qreport_widgets.widgets.protocols import ReportSource, TuningSession
@@ -130,7 +131,18 @@ class FakeSession:
         progress(1, 1)
         return pd.DataFrame({"added": ["", "fc2", "fc1", "conv"], "simulated_output_sqnr_db": [20.0, 22.0, 23.0, 23.1]})
 
-    def pareto(self, progress=None) -> pd.DataFrame:
+    def blocks(self) -> dict[str, list[str]]:
+        return {"layers.0": ["conv", "fc1"], "fc2": ["fc2"]}
+
+    def block_sensitivity(self, progress=None) -> pd.DataFrame:
+        progress(1, 1)
+        table = pd.DataFrame(
+            {"modules": [1, 2], "output_sqnr_gain_db": [2.0, 1.1], "simulated_output_sqnr_db": [22.0, 21.1]},
+            index=pd.Index(["fc2", "layers.0"], name="block"),
+        )
+        return table
+
+    def pareto(self, progress=None, *, by_block=False) -> pd.DataFrame:
         if self.fail_with is not None:
             raise self.fail_with
         for done in range(1, 4):
@@ -145,7 +157,7 @@ class FakeSession:
             }
         )
 
-    def uniform_points(self, progress=None) -> pd.DataFrame:
+    def uniform_points(self, progress=None, *, by_block=False) -> pd.DataFrame:
         return pd.DataFrame(
             {"size_bytes": [1000], "simulated_output_sqnr_db": [20.0], "formats": ["3 int8"], "settings": [{}]},
             index=pd.Index(["baseline"], name="choice"),
@@ -154,7 +166,11 @@ class FakeSession:
     def computed(self) -> dict[str, pd.DataFrame]:
         return {}  # the fake keeps no diagnosis
 
-    def plan_reach(self, target_sqnr_db=None, target_metric=None, *, progress=None) -> ReachPlan:
+    def plan_reach(self, target_sqnr_db=None, target_metric=None, *, by_block=False, progress=None) -> ReachPlan:
+        if by_block:  # fc2, then the block of conv and fc1
+            met = target_sqnr_db <= 23.1
+            path = SearchPath(20.0, None, [], ("fc2", "layers.0") if met else ("fc2",), 23.1, None, met)
+            return ReachPlan(target_sqnr_db, None, ["fc2", "conv", "fc1"], 3 if met else 1, 23.1, met, [20.0, 22.0, 23.1], path)
         curve = [20.0, 22.0, 23.0, 23.1]
         count = next((i for i, db in enumerate(curve) if db >= target_sqnr_db), None)
         met = count is not None
@@ -352,6 +368,32 @@ def test_sensitivity_and_propose_draw_and_set_the_rows(session):
     pane.target.value = 40.0
     pane.reach.click()
     assert "40 dB is out of reach" in pane.status.value and all(row.keep_float.value for row in panel.rows.values())
+
+
+def test_by_block_the_panes_rank_propose_and_filter_whole_blocks(session):
+    panel = TuningPanel(FakeSource(), session)
+    pane, controller = panel.sensitivity, panel.controller
+    assert panel.block.layout.display != "none" and [v for _, v in panel.block.options] == ["", "layers.0"]
+    pane.compute.click()
+    assert pane.figures in pane.children and len(pane.figures.children) == 2  # bars and the trade-off
+    panel.unit.value = True  # blocks
+    assert controller.by_block and controller.table is None and pane.figures not in pane.children
+    assert "now work with blocks" in pane.status.value and pane.order.disabled
+    pane.compute.click()
+    assert list(pane.bars.x) == ["fc2", "layers.0"] and pane.figures.children == (pane.bars_figure,)
+    assert "each block kept float whole" in pane.bars_figure.title
+    pane.order.value = "most harmful first"  # the rows follow the blocks' order
+    assert [row.fqn for row in panel.rows_box.children] == ["fc2", "conv", "fc1"]
+    pane.target.value = 23.0
+    pane.reach.click()
+    assert {fqn for fqn, row in panel.rows.items() if row.settings.keep_float} == {"fc2", "conv", "fc1"}
+    assert "2 block(s) (3 modules) float reach 23.10 dB" in pane.status.value and "fc2, layers.0" in pane.status.value
+    panel.block.value = "layers.0"  # one block's rows: the buttons on the right set it
+    assert {row.fqn for row in panel.rows_box.children} == {"conv", "fc1"}
+    panel.bulk["reset"].click()
+    assert not panel.rows["conv"].settings.keep_float and panel.rows["fc2"].settings.keep_float
+    panel.focus("fc2")  # a row outside the block: the block filter opens
+    assert panel.block.value == "" and panel.rows_box.children[0].fqn == "fc2"
 
 
 def test_cancel_stops_the_ranking_at_its_next_step(session):

@@ -327,3 +327,34 @@ def test_the_size_panes_metric_button_names_perplexity(text_decoder):
     report = text_decoder_report(text_decoder)
     labels = [label for label, _ in report.widget().tuning.front.axis.options]
     assert labels == ["output SQNR", "perplexity"]
+
+
+def test_reach_and_fit_by_block_keep_each_decoder_block_whole(decoder_session):
+    session = decoder_session
+    blocks = session.blocks()
+    assert list(blocks)[:2] == ["model.embed_tokens", "model.layers.0"] and len(blocks["model.layers.3"]) == 7
+    table = session.block_sensitivity(metric=False)
+    start, _ = session.simulate(Variant())
+    target = start + table["output_sqnr_gain_db"].iloc[0] + 1.0  # more than the most harmful block alone gives back
+
+    def whole_blocks(settings) -> set[str]:
+        kept = {fqn for fqn, s in settings.items() if s.keep_float}
+        chosen = {block for block, members in blocks.items() if kept & set(members)}
+        assert kept == {fqn for block in chosen for fqn in blocks[block]}, "a block kept float in part"
+        return chosen
+
+    plan = session.plan_reach(target, by_block=True)
+    assert plan.met and whole_blocks(dict.fromkeys(plan.float_modules, ModuleSettings(keep_float=True)))
+    assert set(plan.path.chosen) <= set(blocks)
+    run = session.reach(target, by_block=True)
+    assert run.ok and run.output_sqnr_db >= target and len(whole_blocks(run.settings)) >= 2
+    assert "blocks float" in run.notes[-1]
+
+    front = session.pareto(by_block=True)
+    for settings in front["settings"]:
+        for members in blocks.values():
+            assert len({settings[fqn] for fqn in members if fqn in settings}) <= 1, "a block split between choices"
+    budget = front["size_bytes"].iloc[len(front) // 2]
+    fitted = session.fit(max_size_bytes=budget, by_block=True)
+    assert fitted.ok and fitted.deployed_bytes <= budget
+    assert "fits" in fitted.notes[-1]

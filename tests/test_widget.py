@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+
 import bqplot as bq
 import numpy as np
 import pytest
+import torch
 import traitlets
 from conftest import prepared, run
 from models import ConvNet, conv_batches
@@ -135,6 +138,42 @@ def test_table_view_and_prefix_filter(report):
     controls.prefix.value = ""
     controls.module.value = "head"
     assert "Per-channel features" in widget.views.table.value
+
+
+class Blocks(torch.nn.Module):
+    """Two numbered blocks of two Linears each (``layers.0.up``), and a head of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(collections.OrderedDict(up=torch.nn.Linear(8, 16), down=torch.nn.Linear(16, 8)))
+            for _ in range(12)
+        )
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_the_block_dropdown_narrows_explore_and_tune_to_one_block():
+    torch.manual_seed(0)
+    batches = [torch.randn(4, 8) for _ in range(3)]
+    widget = qw.analyze(Blocks().eval(), batches[0], batches, eval_data=batches[:1], progress=False).widget()
+    controls = widget.controls
+    assert [value for _, value in controls.block.options][:3] == ["", "layers.0.", "layers.1."]
+    controls.block.value = "layers.1."  # not layers.10 or layers.11
+    assert [value for _, value in controls.module.options[1:]] == ["layers.1.up", "layers.1.down"]
+    controls.prefix.value = "head"  # typed over the block's text: the block goes, the text stays
+    assert controls.block.value == "" and controls.prefix.value == "head"
+    controls.block.value = "layers.11."
+    controls.block.value = ""  # all blocks again: the Find text it set goes too
+    assert controls.prefix.value == "" and len(controls.module.options) == 1 + 25
+    tune = widget.tuning
+    tune.block.value = "layers.10"
+    assert [row.fqn for row in tune.rows_box.children] == ["layers.10.up", "layers.10.down"]
+    assert tune.unit.layout.display != "none"
 
 
 def test_module_card_lists_suggestions(report):

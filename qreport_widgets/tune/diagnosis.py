@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -87,8 +87,9 @@ class Diagnosis:
     def __init__(self, runner: Runner, simulated: Simulated, real: RealRuns) -> None:
         self.runner, self.simulated, self.real = runner, simulated, real
         self._sensitivity: dict[bool, pd.DataFrame] = {}  # with and without the metric
+        self._block_sensitivity: dict[bool, pd.DataFrame] = {}
         self._tradeoff: pd.DataFrame | None = None
-        self._searches: dict[bool, FloatSearch] = {}  # by SQNR, by the metric
+        self._searches: dict[tuple[bool, bool], FloatSearch] = {}  # (by the metric, over blocks)
         self._searched: tuple[SearchPath, RunResult] | None = None  # the last reach()'s path and run
         self._simulation_version = simulated.version
 
@@ -96,6 +97,7 @@ class Diagnosis:
         """Drop what was estimated in a simulation that has changed since (real kernels adopted)."""
         if self._simulation_version != self.simulated.version:
             self._sensitivity.clear()
+            self._block_sensitivity.clear()
             self._tradeoff, self._searches, self._simulation_version = None, {}, self.simulated.version
 
     def computed(self) -> dict[str, pd.DataFrame]:
@@ -173,16 +175,19 @@ class Diagnosis:
         self._sensitivity[metric] = table
         return table.copy()
 
-    def block_sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
+    def block_sensitivity(self, progress: Progress | None = None, *, metric: bool = True) -> pd.DataFrame:
         """Which block hurts: the modules the start quantizes grouped by the numbered block that holds
         them (``module_blocks``: ``model.layers.3`` of a decoder; a module in none, an embedding or a
-        head, is its own), each block kept float whole, simulated; most harmful first.
+        head, is its own), each block kept float whole, simulated; most harmful first. Computed once
+        per simulation; ``metric=False`` leaves ``eval_fn`` out.
 
         Columns: ``modules`` (how many), ``output_sqnr_gain_db``, ``metric_gain`` (with a metric),
         ``simulated_output_sqnr_db``; indexed by block."""
-        names = list(self.simulation(progress).tunable)
-        blocks = module_blocks(names)
-        metric = self.runner.eval_fn is not None
+        metric = metric and self.runner.eval_fn is not None
+        self._fresh()
+        if metric in self._block_sensitivity or (not metric and True in self._block_sensitivity):
+            return self._block_sensitivity.get(metric, self._block_sensitivity.get(True)).copy()
+        blocks = self.blocks(progress)
         variants = [[]] + [members for members in blocks.values()]
         (base_sqnr, base_metric), *each = self.simulate_each(variants, progress, "block sensitivity", metric=metric)
         rows = []
@@ -194,7 +199,13 @@ class Diagnosis:
         table = pd.DataFrame(
             rows, columns=None if rows else ["block", "modules", "output_sqnr_gain_db", "simulated_output_sqnr_db"]
         )
-        return table.set_index("block").sort_values("output_sqnr_gain_db", ascending=False, kind="stable")
+        table = table.set_index("block").sort_values("output_sqnr_gain_db", ascending=False, kind="stable")
+        self._block_sensitivity[metric] = table
+        return table.copy()
+
+    def blocks(self, progress: Progress | None = None) -> dict[str, list[str]]:
+        """The modules the simulation tunes, grouped by block (``module_blocks``), forward order."""
+        return module_blocks(self.simulation(progress).tunable)
 
     def format_sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
         """What each format costs where: for each module the start quantizes, on an engine with
@@ -252,10 +263,11 @@ class Diagnosis:
         target_sqnr_db: float | None = None,
         target_metric: float | None = None,
         *,
+        by_block: bool = False,
         progress: Progress | None = None,
     ) -> RunResult:
         """The fewest modules kept float that meet the target, found by the in-context search and
-        confirmed by a real run.
+        confirmed by a real run; ``by_block``: the fewest blocks (``module_blocks``), each kept float whole.
 
         The search (``search.py``) picks each module by what it gains given the picks before it, in
         the simulation; a real prepare -> calibrate -> convert run confirms the chosen set. When the
@@ -265,19 +277,21 @@ class Diagnosis:
         the run of the best simulated set is returned. ``notes`` say what happened, the run's
         ``settings`` name the float modules, and ``search_path()`` is the path as a table.
         """
-        plan = self.plan_reach(target_sqnr_db, target_metric, progress=progress)
+        plan = self.plan_reach(target_sqnr_db, target_metric, by_block=by_block, progress=progress)
         path, target, meets = plan.path, plan.target, plan.meets
         assert path is not None
-        label = f"reach {target}"
+        label = f"reach {target}" + (" by block" if by_block else "")
+        units = self._units(by_block, progress)
+        unit = "block" if by_block else "module"
         chosen = list(path.chosen)
         kernels = self.real.truth(quiet).real_kernels  # a real run may find more (``RealRuns.adopt_kernels``)
-        result = self._float_run(chosen, label, progress)
+        result = self._float_run(_members(chosen, units), label, progress)
         if not plan.met:
             self._searched = (path, result)
             return self._unverified(
                 result.noted(
                     f"{target} is out of reach: even in simulation the best the in-context search found is "
-                    f"{plan.simulated_sqnr_db:.2f} dB with {len(chosen)} module(s) float; this run keeps those float",
+                    f"{plan.simulated_sqnr_db:.2f} dB with {len(chosen)} {unit}(s) float; this run keeps those float",
                     *path.notes,
                 )
             )
@@ -286,7 +300,7 @@ class Diagnosis:
         for _ in range(MAX_EXTRA_RUNS):  # the real run falls short: search on from it, aiming higher
             if not result.ok or meets(result.output_sqnr_db, result.eval_metric):
                 break
-            more = self._search_on(path, result, chosen, plan, kernels, progress)
+            more = self._search_on(path, result, chosen, plan, kernels, by_block, progress)
             if more is None:
                 said.append("the search found nothing more to keep float in simulation")
                 break
@@ -294,24 +308,25 @@ class Diagnosis:
             said.append(words)
             chosen = list(path.chosen)
             tried.add(frozenset(chosen))
-            result = self._float_run(chosen, label, progress)
+            result = self._float_run(_members(chosen, units), label, progress)
         if result.ok and meets(result.output_sqnr_db, result.eval_metric) and target_metric is None:
             near = target_sqnr_db - SIMULATION_ERROR_DB  # a smaller set within the simulation's error may meet it for real
             smaller = [s for s in path.smaller(lambda sqnr, _metric: sqnr >= near) if s not in tried]
             for fewer in smaller[:MAX_EXTRA_RUNS]:
                 ordered = [m for m in chosen if m in fewer] + sorted(fewer - set(chosen))
-                run = self._float_run(ordered, label, progress)
+                run = self._float_run(_members(ordered, units), label, progress)
                 if run.ok and meets(run.output_sqnr_db, run.eval_metric):
                     chosen, result = ordered, run
-                    said.append(f"{len(fewer)} module(s) float, within the simulation's error of the target, meet it for real")
+                    said.append(f"{len(fewer)} {unit}(s) float, within the simulation's error of the target, meet it for real")
                     break
         self._searched = (path, result)
         verdict = "met" if result.ok and meets(result.output_sqnr_db, result.eval_metric) else "not met by the real run"
         floats = ", ".join(chosen) or "none"
-        total = len(self.runner.modules)
-        return self._unverified(
-            result.noted(*said, f"{target}: {verdict} with {len(chosen)} of {total} modules float ({floats})")
-        )
+        if by_block:
+            kept = f"{len(chosen)} of {len(units)} blocks float ({floats}: {len(_members(chosen, units))} modules)"
+        else:
+            kept = f"{len(chosen)} of {len(self.runner.modules)} modules float ({floats})"
+        return self._unverified(result.noted(*said, f"{target}: {verdict} with {kept}"))
 
     def _search_on(
         self,
@@ -320,6 +335,7 @@ class Diagnosis:
         chosen: list[str],
         plan: ReachPlan,
         kernels: tuple[str, ...],
+        by_block: bool,
         progress: Progress | None,
     ) -> tuple[SearchPath, str] | None:
         """The search continued from a real run that fell short, for the target raised by the
@@ -330,7 +346,7 @@ class Diagnosis:
             found = self.real.adopted_words(f"the real run with {len(chosen)} module(s) float", adopted)
             said.append(f"{found}; the simulation runs them from now on")
         metric = plan.target_metric is not None
-        (simulated,) = self._searcher(metric, progress).measure([chosen])
+        (simulated,) = self._searcher(metric, by_block, progress).measure([chosen])
         shortfall = max(_finite(simulated[0]) - result.output_sqnr_db, 0.0)
         raised_db = None if plan.target_sqnr_db is None else plan.target_sqnr_db + shortfall + MIN_STEP_DB
         raised_metric = None
@@ -338,7 +354,7 @@ class Diagnosis:
         if plan.target_metric is not None:  # how much better the simulation looked than the run, in the metric
             gap = measures.gain(simulated[1] or 0.0, result.eval_metric if result.eval_metric is not None else 0.0)
             raised_metric = measures.stricter(plan.target_metric, max(_finite(gap), 0.0))
-        search = self._searcher(metric, progress)
+        search = self._searcher(metric, by_block, progress)
         raised = search.aiming(lambda s, m: meets_target(s, m, raised_db, raised_metric, measures), by_metric=raised_db is None)
         found = raised.run(start=chosen)
         if set(found.chosen) <= set(chosen) or not found.met:
@@ -388,16 +404,23 @@ class Diagnosis:
         return self.real.annotated(result)
 
     def plan_reach(
-        self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
+        self,
+        target_sqnr_db: float | None = None,
+        target_metric: float | None = None,
+        *,
+        by_block: bool = False,
+        progress: Progress | None = None,
     ) -> ReachPlan:
         """What reach() would try, from the simulation alone: the float modules the in-context search
-        chose for the target, or the best set it found when none meets it."""
+        chose for the target, or the best set it found when none meets it. ``by_block``: the search
+        picks blocks (``module_blocks``), each kept float whole; the plan's ``order`` names modules,
+        its path blocks."""
         if target_sqnr_db is None and target_metric is None:
             raise ValueError("reach() needs target_sqnr_db, target_metric or both")
         if target_metric is not None and self.runner.eval_fn is None:
             raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
         measures = self._metric
-        search = self._searcher(target_metric is not None, progress).aiming(
+        search = self._searcher(target_metric is not None, by_block, progress).aiming(
             lambda s, m: meets_target(s, m, target_sqnr_db, target_metric, measures), by_metric=target_sqnr_db is None
         )
         path = search.run()
@@ -408,25 +431,38 @@ class Diagnosis:
                 named = tuple(m for m in search.ranking if m in best)
                 path = replace(path, chosen=named, simulated_db=sqnr, simulated_metric=metric)
         chosen = list(path.chosen)
-        order = chosen + [m for m in search.ranking if m not in chosen]
+        units = self._units(by_block, progress)
+        order = _members(chosen + [m for m in search.ranking if m not in chosen], units)
         curve = [path.start_db, *(step.simulated_db for step in path.steps)]
-        return ReachPlan(target_sqnr_db, target_metric, order, len(chosen), path.simulated_db, path.met, curve, path, measures)
+        floats = len(_members(chosen, units))
+        return ReachPlan(target_sqnr_db, target_metric, order, floats, path.simulated_db, path.met, curve, path, measures)
 
-    def _searcher(self, metric: bool, progress: Progress | None) -> FloatSearch:
-        """The in-context search over the tunable modules (each set measured with ``eval_fn`` when
-        ``metric``), every set measured so far kept."""
-        ranking = self.sensitivity(progress, metric=metric)  # fresh
+    def _units(self, by_block: bool, progress: Progress | None) -> dict[str, list[str]]:
+        """What the search picks: each tunable module alone, or the blocks -> their modules."""
+        if by_block:
+            return self.blocks(progress)
+        return {name: [name] for name in self.simulation(progress).tunable}
+
+    def _searcher(self, metric: bool, by_block: bool, progress: Progress | None) -> FloatSearch:
+        """The in-context search over the tunable modules, or their blocks (each set measured with
+        ``eval_fn`` when ``metric``), every set measured so far kept."""
+        if by_block:
+            ranking = self.block_sensitivity(progress, metric=metric)  # fresh
+        else:
+            ranking = self.sensitivity(progress, metric=metric)
         truth = self.real.truth(quiet)
-        key = metric
+        key = (metric, by_block)
         if key not in self._searches:
+            units = self._units(by_block, progress)
 
             def measure(sets: Sequence[frozenset[str]]) -> list[tuple[float, float | None]]:
-                variants = [Variant(float_modules=s) for s in sets]
+                variants = [Variant(float_modules=frozenset(_members(s, units))) for s in sets]
                 return self.simulate_each(variants, progress, "in-context search", metric=metric)
 
-            neighbours = dataflow_neighbours(self.runner.float_model, list(ranking.index))
+            neighbours = unit_neighbours(self.runner.float_model, units)
+            disagreeing = units_of(truth.disagreeing, units)
             self._searches[key] = FloatSearch(
-                measure, list(ranking.index), truth.disagreeing, neighbours, higher_is_better=self._metric.higher_is_better
+                measure, list(ranking.index), disagreeing, neighbours, higher_is_better=self._metric.higher_is_better
             )
         return self._searches[key]
 
@@ -449,8 +485,29 @@ def dataflow_neighbours(model: torch.nn.Module, names: Sequence[str]) -> dict[st
     return found
 
 
+def unit_neighbours(model: torch.nn.Module, units: Mapping[str, Sequence[str]]) -> dict[str, set[str]]:
+    """Unit (a module, or a block of modules) -> the other units it reads its input from or feeds
+    (``dataflow_neighbours`` of their modules)."""
+    unit_of = {name: unit for unit, members in units.items() for name in members}
+    found: dict[str, set[str]] = {unit: set() for unit in units}
+    for name, others in dataflow_neighbours(model, list(unit_of)).items():
+        found[unit_of[name]] |= {unit_of[other] for other in others} - {unit_of[name]}
+    return found
+
+
+def units_of(names: Iterable[str], units: Mapping[str, Sequence[str]]) -> list[str]:
+    """The units holding any of ``names``, first-seen order."""
+    unit_of = {name: unit for unit, members in units.items() for name in members}
+    return list(dict.fromkeys(unit_of[name] for name in names if name in unit_of))
+
+
 def _finite(value: float) -> float:
     return -math.inf if math.isnan(value) else value
+
+
+def _members(units: Iterable[str], members: Mapping[str, Sequence[str]]) -> list[str]:
+    """The modules of ``units`` (modules or blocks), in their order."""
+    return [name for unit in units for name in members[unit]]
 
 
 _NUMBERED = re.compile(r"^(.*?\.\d+)(?:\.|$)")

@@ -29,7 +29,7 @@ from ..core.progress import Progress, quiet
 from ..engines.contract import Variant
 from ..engines.settings import DEFAULT_GROUP_SIZE, ModuleSettings, Setting, TunableModule
 from ..errors import QReportError
-from .diagnosis import MAX_EXTRA_RUNS, dataflow_neighbours, meets_target, target_words
+from .diagnosis import MAX_EXTRA_RUNS, meets_target, module_blocks, target_words, unit_neighbours, units_of
 from .search import SHORTLIST, FloatSearch
 from .truth import SIMULATION_ERROR_DB
 
@@ -94,18 +94,21 @@ class MixedPrecision:
 
     def __init__(self, runner: Runner, simulated: Simulated, real: RealRuns) -> None:
         self.runner, self.simulated, self.real = runner, simulated, real
-        self._front: SizeFront | None = None
+        self._fronts: dict[bool, SizeFront] = {}  # per module, per block
         self._simulation_version = simulated.version
 
-    def front(self, progress: Progress | None = None) -> SizeFront:
-        if self._front is None or self._simulation_version != self.simulated.version:  # built once per simulation
+    def front(self, progress: Progress | None = None, by_block: bool = False) -> SizeFront:
+        if self._simulation_version != self.simulated.version:  # built once per simulation
             self._simulation_version = self.simulated.version
-            self._front = size_front(self.runner, self.simulated, self.real, progress)
-        return self._front
+            self._fronts.clear()
+        if by_block not in self._fronts:
+            self._fronts[by_block] = size_front(self.runner, self.simulated, self.real, progress, by_block=by_block)
+        return self._fronts[by_block]
 
     def computed(self) -> dict[str, pd.DataFrame]:
-        """The front's table where it was asked for, nothing computed."""
-        return {} if self._front is None else {"size_front": self._front.points.copy()}
+        """The front's table where it was asked for (per module, else per block), nothing computed."""
+        front = self._fronts.get(False, self._fronts.get(True))
+        return {} if front is None else {"size_front": front.points.copy()}
 
     def fit(
         self,
@@ -113,6 +116,7 @@ class MixedPrecision:
         target_sqnr_db: float | None = None,
         target_metric: float | None = None,
         progress: Progress | None = None,
+        by_block: bool = False,
     ) -> RunResult:
         """``fit()`` on the front, the run in its place in the history with the notes added."""
         if target_metric is not None and self.runner.eval_fn is None:
@@ -120,21 +124,22 @@ class MixedPrecision:
         if max_size_bytes is None and target_sqnr_db is None and target_metric is None:
             raise ValueError("fit() needs max_size_bytes, target_sqnr_db, target_metric or a combination")
         kernels = self.real.truth(quiet).real_kernels  # a real run may find more (``RealRuns.adopt_kernels``)
-        found = fit(
-            self.real.apply, self.front(progress), max_size_bytes, target_sqnr_db, target_metric, progress, self.runner.metric
-        )
+        goal = (max_size_bytes, target_sqnr_db, target_metric, progress, self.runner.metric)
+        found = fit(self.real.apply, self.front(progress, by_block), *goal)
         adopted = self.real.adopted_since(kernels)
         if adopted:  # a broken kernel the baseline's inputs hid: the front again, with it
             said = self.real.adopted_words("the first fit's real run", adopted)
-            again = fit(
-                self.real.apply, self.front(progress), max_size_bytes, target_sqnr_db, target_metric, progress, self.runner.metric
-            )
+            again = fit(self.real.apply, self.front(progress, by_block), *goal)
             found = again.noted(f"{said}; the front was simulated again with them and this is its fit")
         return self.real.annotated(found)
 
 
-def size_front(runner: Runner, simulated: Simulated, real: RealRuns, progress: Progress | None = None) -> SizeFront:
-    """The size front of ``runner``'s modules, anchored to the baseline's real size; see the module's docstring."""
+def size_front(
+    runner: Runner, simulated: Simulated, real: RealRuns, progress: Progress | None = None, by_block: bool = False
+) -> SizeFront:
+    """The size front of ``runner``'s modules, anchored to the baseline's real size; see the module's
+    docstring. ``by_block``: every module of a block (``module_blocks``) takes the same choice, so the
+    units chosen for are the blocks (a block whose modules start differently is split by start)."""
     engine, modules = runner.engine, runner.modules
     broken = set(real.truth(quiet).disagreeing)
     choices = {m.fqn: engine.size_choices(m) or _kernel_fix(m, broken) for m in modules}
@@ -145,27 +150,35 @@ def size_front(runner: Runner, simulated: Simulated, real: RealRuns, progress: P
     runner.ensure_room("size front", "the size front (every format of every module, simulated)")
     if not baseline.ok:
         raise QReportError(f"the size front is anchored to the baseline's real size, and the baseline failed: {baseline.error}")
-    start = {fqn: found[0] for fqn, found in choices.items()}
-    singles = [(fqn, c) for fqn, found in choices.items() for c in found[1:]]
-    estimate = len(singles) > ESTIMATED_BEYOND and hasattr(simulated.simulation(), "local_noise")
-    whole = [(fqn, c) for fqn, c in singles if c.keep_float or not estimate]
-    variants = [Variant(), *(variant_of({fqn: c}, start) for fqn, c in whole)]
+    units = _block_units(choices) if by_block else {fqn: [fqn] for fqn in choices}
+    offered = {unit: _shared(choices, members) for unit, members in units.items()}
+
+    def spread(point: Mapping[str, ModuleSettings]) -> dict[str, ModuleSettings]:
+        return {fqn: choice for unit, choice in point.items() for fqn in units[unit]}
+
+    start_units = {unit: found[0] for unit, found in offered.items()}
+    start = spread(start_units)
+    singles = [(unit, c) for unit, found in offered.items() for c in found[1:]]
+    estimate = not by_block and len(singles) > ESTIMATED_BEYOND and hasattr(simulated.simulation(), "local_noise")
+    whole = [(unit, c) for unit, c in singles if c.keep_float or not estimate]
+    variants = [Variant(), *(variant_of(spread({unit: c}), start) for unit, c in whole)]
     (start_db, _), *measured = simulated.simulate_each(variants, progress, "size front: each choice alone", metric=False)
     each = dict(zip(whole, measured, strict=True))
-    if estimate:
+    if estimate:  # the units are the modules
         each |= _estimated_alone(runner, simulated, choices, start, each, start_db, progress)
     alone = [each[single] for single in singles]
     start_noise = _noise(start_db)
     float_model = runner.float_model
     sizes = {fqn: {c: engine.module_bytes(float_model.get_submodule(fqn), c) for c in found} for fqn, found in choices.items()}
-    options = {fqn: [Option(found[0], sizes[fqn][found[0]], 0.0)] for fqn, found in choices.items()}
-    for (fqn, c), (sqnr, _) in zip(singles, alone, strict=True):
+    unit_sizes = {unit: {c: sum(sizes[fqn][c] for fqn in units[unit]) for c in found} for unit, found in offered.items()}
+    options = {unit: [Option(found[0], unit_sizes[unit][found[0]], 0.0)] for unit, found in offered.items()}
+    for (unit, c), (sqnr, _) in zip(singles, alone, strict=True):
         if not math.isnan(sqnr):
-            options[fqn].append(Option(c, sizes[fqn][c], _noise(sqnr) - start_noise))
-    chain = _chain({fqn: _hull(found) for fqn, found in options.items()})
+            options[unit].append(Option(c, unit_sizes[unit][c], _noise(sqnr) - start_noise))
+    chain = _chain({unit: _hull(found) for unit, found in options.items()})
     picked = _spread(chain, MAX_SIMULATED)
-    searched = _searched_points(runner, simulated, real, start, choices, alone=each)
-    picked_points = [chain[i] for i in picked] + [p for p in searched if p not in chain]
+    searched = _searched_points(runner, simulated, real, start_units, offered, units, alone=each)
+    picked_points = [spread(chain[i]) for i in picked] + [spread(p) for p in searched if p not in chain]
     uniform = _uniform(choices)
     pool = picked_points + list(uniform.values())
     metric = runner.eval_fn is not None
@@ -187,6 +200,24 @@ def size_front(runner: Runner, simulated: Simulated, real: RealRuns, progress: P
     table = pd.DataFrame(uniform_rows, index=pd.Index(list(uniform), name="choice"))
     quantized = [r for r in rows if not all(c.keep_float for c in r["settings"].values())]  # the float model is no point
     return SizeFront(_front(quantized), table)
+
+
+def _block_units(choices: Mapping[str, list[ModuleSettings]]) -> dict[str, list[str]]:
+    """The blocks of the modules with choices (``module_blocks``), a block whose modules start
+    differently split by how they start (``model.layers.0 [int8-weight-only]``)."""
+    units: dict[str, list[str]] = {}
+    for block, members in module_blocks(choices).items():
+        starts = list(dict.fromkeys(choices[fqn][0] for fqn in members))
+        for first in starts:
+            unit = block if len(starts) == 1 else f"{block} [{choice_words(first)}]"
+            units[unit] = [fqn for fqn in members if choices[fqn][0] == first]
+    return units
+
+
+def _shared(choices: Mapping[str, list[ModuleSettings]], members: Sequence[str]) -> list[ModuleSettings]:
+    """The choices every module of ``members`` offers (they start alike), the start first."""
+    first, *others = members
+    return [c for c in choices[first] if all(c in choices[fqn] for fqn in others)]
 
 
 def _estimated_alone(
@@ -250,31 +281,33 @@ def _searched_points(
     real: RealRuns,
     start: Mapping[str, ModuleSettings],
     choices: Mapping[str, list[ModuleSettings]],
+    units: Mapping[str, Sequence[str]],
     alone: Mapping[tuple[str, ModuleSettings], tuple[float, float | None]],
 ) -> list[dict[str, ModuleSettings]]:
-    """The points of the in-context search's path (``search.py``): modules kept float one pick
-    after the other, each by what it gains given the picks before, so that modules that only help
-    together (broken kernels in series) reach the front. It starts from the single choices measured
-    already, and simulates about as many sets as there are modules that can be kept float (at
-    least ``2 * SHORTLIST``)."""
-    floats = {fqn: c for fqn, found in choices.items() for c in found if c.keep_float}
+    """The points of the in-context search's path (``search.py``): units (modules, or blocks of
+    them: ``units``) kept float one pick after the other, each by what it gains given the picks
+    before, so that modules that only help together (broken kernels in series) reach the front. It
+    starts from the single choices measured already, and simulates about as many sets as there are
+    units that can be kept float (at least ``2 * SHORTLIST``). ``start``, ``choices`` and the
+    points are per unit."""
+    floats = {unit: c for unit, found in choices.items() for c in found if c.keep_float}
     if len(floats) < 2:
         return []
-    gains = {fqn: _finite(alone.get((fqn, c), (math.nan, None))[0]) for fqn, c in floats.items()}
-    ranking = sorted(floats, key=lambda fqn: -gains[fqn])
+    gains = {unit: _finite(alone.get((unit, c), (math.nan, None))[0]) for unit, c in floats.items()}
+    ranking = sorted(floats, key=lambda unit: -gains[unit])
 
     def measure(sets: Sequence[frozenset[str]]) -> list[tuple[float, float | None]]:
-        variants = [Variant(float_modules=s) for s in sets]
+        variants = [Variant(float_modules=frozenset(fqn for unit in s for fqn in units[unit])) for s in sets]
         return simulated.simulate_each(variants, quiet, "size front: in-context search", metric=False)
 
     truth = real.truth(quiet)
-    neighbours = dataflow_neighbours(runner.float_model, ranking)
-    search = FloatSearch(measure, ranking, truth.disagreeing, neighbours)
-    search.known({frozenset([fqn]): alone[fqn, c] for fqn, c in floats.items() if (fqn, c) in alone})
+    neighbours = unit_neighbours(runner.float_model, {unit: units[unit] for unit in ranking})
+    search = FloatSearch(measure, ranking, units_of(truth.disagreeing, units), neighbours)
+    search.known({frozenset([unit]): alone[unit, c] for unit, c in floats.items() if (unit, c) in alone})
     path = search.run(budget=max(len(floats), 2 * SHORTLIST), floor=False)  # the chain is the one-at-a-time order
     points = []
     for kept in path.sets():
-        points.append({fqn: floats[fqn] if fqn in kept else first for fqn, first in start.items()})
+        points.append({unit: floats[unit] if unit in kept else first for unit, first in start.items()})
     return points
 
 

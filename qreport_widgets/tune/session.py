@@ -20,7 +20,7 @@ from ..engines import build_engine
 from ..engines.contract import Engine, Simulation, Variant
 from ..engines.settings import ModuleSettings, TunableModule, with_suggestions
 from ..observe.records import Suggestion
-from .diagnosis import ReachPlan
+from .diagnosis import ReachPlan, module_blocks
 from .migration import Migration, input_producers
 from .parts import Analyzed, build_parts
 from .run import RunResult
@@ -232,9 +232,16 @@ class QuantizationSession:
         match the real model."""
         return self._warned(self.parts.diagnosis.sensitivity(progress, metric=metric))
 
-    def block_sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
+    def block_sensitivity(self, progress: Progress | None = None, *, metric: bool = True) -> pd.DataFrame:
         """Which block (``model.layers.3``) hurts: each kept float whole, simulated; see ``Diagnosis.block_sensitivity``."""
-        return self._warned(self.parts.diagnosis.block_sensitivity(progress))
+        return self._warned(self.parts.diagnosis.block_sensitivity(progress, metric=metric))
+
+    def blocks(self) -> dict[str, list[str]]:
+        """The session's modules grouped by the numbered block that holds them (``model.layers.3`` of
+        a decoder, ``layer1.0`` of a ResNet; a module in none is its own), forward order: the blocks
+        ``block_sensitivity``, ``reach(by_block=True)`` and ``fit(by_block=True)`` work with (they
+        take the modules there is something to choose for). Nothing is computed."""
+        return module_blocks(m.fqn for m in self.modules)
 
     def format_sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
         """What each format costs where (eager engine); see ``Diagnosis.format_sensitivity``."""
@@ -246,17 +253,28 @@ class QuantizationSession:
         return self._warned(self.parts.diagnosis.tradeoff(progress))
 
     def plan_reach(
-        self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
+        self,
+        target_sqnr_db: float | None = None,
+        target_metric: float | None = None,
+        *,
+        by_block: bool = False,
+        progress: Progress | None = None,
     ) -> ReachPlan:
         """What reach() would try, from the simulation alone; see ``Diagnosis.plan_reach``."""
-        return self.parts.diagnosis.plan_reach(target_sqnr_db, target_metric, progress=progress)
+        return self.parts.diagnosis.plan_reach(target_sqnr_db, target_metric, by_block=by_block, progress=progress)
 
     def reach(
-        self, target_sqnr_db: float | None = None, target_metric: float | None = None, *, progress: Progress | None = None
+        self,
+        target_sqnr_db: float | None = None,
+        target_metric: float | None = None,
+        *,
+        by_block: bool = False,
+        progress: Progress | None = None,
     ) -> RunResult:
         """The fewest modules kept float that meet the target, each picked by what it gains given the
-        picks before (the in-context search), confirmed by a real run; see ``Diagnosis.reach``."""
-        return self.parts.diagnosis.reach(target_sqnr_db, target_metric, progress=progress)
+        picks before (the in-context search), confirmed by a real run; ``by_block=True``: the fewest
+        blocks (``blocks()``), each kept float whole; see ``Diagnosis.reach``."""
+        return self.parts.diagnosis.reach(target_sqnr_db, target_metric, by_block=by_block, progress=progress)
 
     def search_path(self) -> pd.DataFrame:
         """The last ``reach()``'s in-context search as a table: each step's modules, its gain given
@@ -265,16 +283,18 @@ class QuantizationSession:
         return self.parts.diagnosis.search_path()
 
     # ---- mixed precision (mixed.py), on the simulation --------------------------------------------
-    def pareto(self, progress: Progress | None = None) -> pd.DataFrame:
+    def pareto(self, progress: Progress | None = None, *, by_block: bool = False) -> pd.DataFrame:
         """The size front of per-module choices, smallest first, each point better than every smaller
         one: ``size_bytes`` (deployed), ``simulated_output_sqnr_db``, ``simulated_metric`` (with
-        ``eval_fn``), ``formats`` and ``settings`` (for ``apply``). Simulated, computed once; see ``mixed.py``."""
-        return self._warned(self.parts.mixed.front(progress).points.copy())
+        ``eval_fn``), ``formats`` and ``settings`` (for ``apply``). Simulated, computed once; see
+        ``mixed.py``. ``by_block=True``: every module of a block (``blocks()``) takes the same choice."""
+        return self._warned(self.parts.mixed.front(progress, by_block).points.copy())
 
-    def uniform_points(self, progress: Progress | None = None) -> pd.DataFrame:
+    def uniform_points(self, progress: Progress | None = None, *, by_block: bool = False) -> pd.DataFrame:
         """The same choice on every module that offers it (``all float``, ``all int4-weight-only
-        (group 32)`` ...) and the baseline, simulated as ``pareto()`` rows, indexed by label."""
-        return self.parts.mixed.front(progress).uniform.copy()
+        (group 32)`` ...) and the baseline, simulated as ``pareto()`` rows, indexed by label
+        (computed with ``pareto(by_block=...)``'s front)."""
+        return self.parts.mixed.front(progress, by_block).uniform.copy()
 
     def fit(
         self,
@@ -282,14 +302,16 @@ class QuantizationSession:
         target_sqnr_db: float | None = None,
         target_metric: float | None = None,
         *,
+        by_block: bool = False,
         progress: Progress | None = None,
     ) -> RunResult:
         """A real run of the size front's best point within ``max_size_bytes`` (deployed bytes), or
         of its smallest point that meets ``target_sqnr_db`` / ``target_metric`` (within the budget
         when both are given). When the real run misses (too large, or short of the target) the next
         point along the front is run, up to three more runs; the notes say met, not met or out of
-        reach, and by how far."""
-        return self.parts.mixed.fit(max_size_bytes, target_sqnr_db, target_metric, progress)
+        reach, and by how far. ``by_block=True``: on the front where every module of a block
+        (``blocks()``) takes the same choice."""
+        return self.parts.mixed.fit(max_size_bytes, target_sqnr_db, target_metric, progress, by_block)
 
     def computed(self) -> dict[str, pd.DataFrame]:
         """The diagnoses computed so far, without computing any: ``sensitivity``, ``tradeoff`` and

@@ -14,6 +14,7 @@ import traitlets
 
 from ..core import features as F
 from ..observe.frame import ReportFrame
+from ..tune.diagnosis import module_blocks
 from .views import ACTIVATION_VALUES, ALL_MODULES, View, flagged_modules, readable
 
 
@@ -174,13 +175,24 @@ class ExploreControls(w.HBox):
             layout={"width": "220px"},
             tooltip="narrows the module list and the tables",
         )
-        super().__init__([self.module, self.feature, self.view, self.prefix], layout={"flex_flow": "row wrap"})
+        blocks = [name for name, members in module_blocks(measured_modules(frame)).items() if len(members) > 1]
+        self.block = w.Dropdown(  # a transformer's blocks (model.layers.3): the Find text that picks one
+            options=[("all blocks", ""), *((name, f"{name}.") for name in blocks)],
+            value="",
+            description="Block",
+            tooltip="narrows the module list and the tables to one block",
+            layout={"width": "230px"} if blocks else {"display": "none"},
+            style={"description_width": "40px"},
+        )
+        children = [self.module, self.feature, self.view, self.prefix, self.block]
+        super().__init__(children, layout={"flex_flow": "row wrap"})
         self._features: dict[str, list[tuple[str, str]]] = {ALL_MODULES: self.feature.options}
         self.selection = self._selected()
         self.module.observe(self._on_module_change, "value")
         self.feature.observe(self._on_feature_change, "value")
         self.view.observe(self._on_view_change, "value")
         self.prefix.observe(self._on_prefix_change, "value")
+        self.block.observe(self._on_block_change, "value")
 
     @traitlets.validate("selection")
     def _validate_selection(self, proposal: traitlets.Bunch) -> Selection:
@@ -209,8 +221,14 @@ class ExploreControls(w.HBox):
     def _on_view_change(self, _change: dict) -> None:
         self.selection = self._selected()
 
+    def _on_block_change(self, change: dict) -> None:
+        if change["new"] or self.prefix.value == change["old"]:  # not when typing over the block's text cleared it
+            self.prefix.value = change["new"]
+
     def _on_prefix_change(self, _change: dict) -> None:
         """Narrow the module list to the modules whose name or type holds the text (the choice stays if it matches)."""
+        if self.block.value and self.prefix.value != self.block.value:  # typed over the block's text
+            self.block.value = ""
         with self.hold_trait_notifications():
             options = module_options(self.frame, self.prefix.value)
             module, feature = self.module.value, self.feature.value

@@ -74,6 +74,7 @@ class SizeFrontPane(w.VBox):
         self.budget.observe(self._on_budget_change, "value")
         self.axis.observe(lambda _change: self._draw(), "value")
         self.points.observe(self._on_select, "selected")
+        controller.observe(self._on_unit_change, "by_block")
 
     @property
     def front(self) -> pd.DataFrame | None:
@@ -90,6 +91,15 @@ class SizeFrontPane(w.VBox):
         if self.controller.front():
             self.budget.disabled = False
             self._draw()
+
+    def _on_unit_change(self, change: dict) -> None:
+        """Modules or blocks: the front drawn was for the other."""
+        with self.hold_sync():
+            self.children = tuple(c for c in self.children if c not in (self.figure, self.chosen, self.uniform_text))
+            self.budget.disabled = True
+            self.chosen.value = ""
+        unit = "Per-block choices (every module of a block alike)" if change["new"] else "Per-module choices"
+        self.compute.tooltip = f"{unit} by deployed size and simulated output SQNR (no real run per point)"
 
     def _on_budget_change(self, change: dict) -> None:
         front, budget = self.front, change["new"]

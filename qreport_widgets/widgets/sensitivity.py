@@ -52,6 +52,7 @@ class SensitivityPane(w.VBox):
         self.bars, self.bars_figure = _bars()
         self.curve, self.target_line, self.curve_figure = _curve()
         self.curve_axis = self.curve_figure.axes[0]
+        self.figures = w.HBox([self.bars_figure, self.curve_figure], layout={"width": "100%", "flex_flow": "row wrap"})
         controls = w.HBox(
             [self.compute, self.order, self.target, self.reach, self.progress, self.remaining, self.cancel],
             layout={"flex_flow": "row wrap", "align_items": "center"},
@@ -74,6 +75,7 @@ class SensitivityPane(w.VBox):
         self.reach.on_click(self._on_reach_click)
         self.cancel.on_click(self._on_cancel_click)
         self.order.observe(self._on_order_change, names="value")
+        controller.observe(self._on_unit_change, "by_block")
 
     @property
     def table(self) -> pd.DataFrame | None:
@@ -95,8 +97,23 @@ class SensitivityPane(w.VBox):
             self._draw()
 
     def _on_order_change(self, change: dict) -> None:
-        if self.table is not None:
-            self._reorder(list(self.table.index) if change["new"] == "most harmful first" else [])
+        if self.table is None:
+            return
+        ranked = list(self.table.index)
+        if self.controller.by_block:  # the blocks' modules, most harmful block first
+            blocks = self.controller.session.blocks()
+            ranked = [fqn for block in ranked for fqn in blocks.get(block, [])]
+        self._reorder(ranked if change["new"] == "most harmful first" else [])
+
+    def _on_unit_change(self, change: dict) -> None:
+        """Modules or blocks: the ranking drawn was for the other; the rows go back to forward order."""
+        with self.hold_sync():
+            self.children = tuple(child for child in self.children if child is not self.figures)
+            self.order.value = "forward order"
+            self.order.disabled = True
+        unit = "block" if change["new"] else "module"
+        self.compute.tooltip = f"Rank {unit}s by the output SQNR gained when each alone stays float"
+        self.reach.tooltip = f"The fewest {unit}s kept float for the target, each picked by what it gains given the picks before"
 
     def _on_cancel_click(self, _button: w.Button) -> None:
         # JupyterLab handles widget messages on another kernel thread while a computation runs, so
@@ -115,8 +132,7 @@ class SensitivityPane(w.VBox):
         top = table.head(TOP)
         gains = top["output_sqnr_gain_db"].to_numpy(dtype=np.float64)
         low, high, span = bar_range(gains)
-        counts = curve.index.to_numpy(dtype=np.float64)
-        sqnr = curve["simulated_output_sqnr_db"].to_numpy(dtype=np.float64)
+        unit = "block" if self.controller.by_block else "module"
         with self.hold_sync():
             with self.bars.hold_sync():
                 # bars rise from the bottom of the axis, so a gain near zero still shows as a short bar
@@ -124,15 +140,20 @@ class SensitivityPane(w.VBox):
                 self.bars.scales["y"].min, self.bars.scales["y"].max = floor, high + 0.1 * span
                 self.bars.base = floor
                 self.bars.x, self.bars.y = list(top.index), gains.astype(np.float32)
-            with self.curve.hold_sync():
-                self.curve.x, self.curve.y = counts.astype(np.float32), sqnr.astype(np.float32)
-            self.target_line.x = np.array([counts.min(), counts.max()], dtype=np.float32)
-            self.target_line.y = np.array([self.target.value] * 2, dtype=np.float32)
-            self.curve_axis.tick_values = np.unique(np.linspace(0, counts.max(initial=0), min(len(counts), 11)).round())
-            self.bars_figure.title = f"Gain if kept float, top {len(top)} of {len(table)} (simulated)"
-            if self.bars_figure not in self.children:
-                figures = w.HBox([self.bars_figure, self.curve_figure], layout={"width": "100%", "flex_flow": "row wrap"})
-                self.children = (*self.children, figures)
+                self.bars.tooltip.labels = [unit, "gain (dB)"]
+            if curve is not None:  # the trade-off is per module
+                counts = curve.index.to_numpy(dtype=np.float64)
+                sqnr = curve["simulated_output_sqnr_db"].to_numpy(dtype=np.float64)
+                with self.curve.hold_sync():
+                    self.curve.x, self.curve.y = counts.astype(np.float32), sqnr.astype(np.float32)
+                self.target_line.x = np.array([counts.min(), counts.max()], dtype=np.float32)
+                self.target_line.y = np.array([self.target.value] * 2, dtype=np.float32)
+                self.curve_axis.tick_values = np.unique(np.linspace(0, counts.max(initial=0), min(len(counts), 11)).round())
+            self.figures.children = (self.bars_figure, self.curve_figure) if curve is not None else (self.bars_figure,)
+            kept = "each block kept float whole" if unit == "block" else "kept float"
+            self.bars_figure.title = f"Gain if {kept}, top {len(top)} of {len(table)} (simulated)"
+            if self.figures not in self.children:
+                self.children = (*self.children, self.figures)
             self.order.disabled = False
 
 

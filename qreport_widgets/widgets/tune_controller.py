@@ -67,6 +67,7 @@ class TuneController(HasTraits):
     remaining = Unicode(help="the running step's time left, estimated from its pace so far ('about 40 s left'; '' early on)")
     target = Float(0.0, help="the output SQNR (dB) Propose aims for; set to the simulated baseline + 3 dB by the first ranking")
     ignored = Int(0, help="clicks dropped because an action was running, since the last Apply began")
+    by_block = Bool(False, help="rank, propose and fit whole blocks (model.layers.3) instead of modules")
 
     def __init__(self, session: TuningSession, source: ReportSource, *, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
@@ -82,6 +83,7 @@ class TuneController(HasTraits):
         self._last_run: tuple[datetime.datetime | None, float] = (None, 0.0)
         self._applied = 0
         self._show_truth()  # a session with runs already: its verdict from the start
+        self.observe(self._on_unit_change, "by_block")
 
     # ---- actions -------------------------------------------------------------------------------
     def apply(self, settings: Mapping[str, ModuleSettings], sent: datetime.datetime | None = None) -> RunResult | None:
@@ -123,17 +125,24 @@ class TuneController(HasTraits):
             return verified
 
     def rank(self) -> bool:
-        """The sensitivity ranking and the trade-off curve (``table``, ``curve``); False when
-        cancelled, failed (``ranking_status`` says why) or another action was running."""
+        """The sensitivity ranking (``table``) and, per module, the trade-off curve (``curve``; None
+        by block); False when cancelled, failed (``ranking_status`` says why) or another action was running."""
+        by_block = self.by_block
 
-        def work() -> tuple[pd.DataFrame, pd.DataFrame]:
+        def work() -> tuple[pd.DataFrame, pd.DataFrame | None]:
+            if by_block:
+                return self.session.block_sensitivity(progress=self._reporter()), None
             return self.session.sensitivity(progress=self._reporter()), self.session.tradeoff(progress=self._reporter())
 
-        found = self._simulated("ranking_status", "Sensitivity", "calibrating once, then one forward pass per module", work)
+        unit = "block" if by_block else "module"
+        found = self._simulated("ranking_status", "Sensitivity", f"calibrating once, then one forward pass per {unit}", work)
         if found is None:
             return False
         self.table, self.curve = table, curve = found
-        base = float(curve["simulated_output_sqnr_db"].iloc[0])
+        if curve is not None:
+            base = float(curve["simulated_output_sqnr_db"].iloc[0])
+        else:  # any block's simulated SQNR less what keeping it float gains
+            base = float(table["simulated_output_sqnr_db"].iloc[0] - table["output_sqnr_gain_db"].iloc[0]) if len(table) else 0.0
         if self.target == 0.0:
             self.target = round(base + 3.0, 1)
         most = ""
@@ -153,8 +162,11 @@ class TuneController(HasTraits):
             self.ranking_status = f"<i>planning for {self.target:g} dB…</i>"
             try:
                 with self._busy(cancellable=True):
-                    plan = self.session.plan_reach(self.target, progress=self._reporter())
-                    if self.table is None:  # the plan ranked the modules: keep the ranking and the curve too
+                    by_block = self.by_block
+                    plan = self.session.plan_reach(self.target, by_block=by_block, progress=self._reporter())
+                    if self.table is None and by_block:  # the plan ranked the blocks: keep the ranking
+                        self.table = self.session.block_sensitivity(progress=self._reporter())
+                    elif self.table is None:  # the plan ranked the modules: keep the ranking and the curve too
                         table = self.session.sensitivity(progress=self._reporter())
                         self.curve = self.session.tradeoff(progress=self._reporter())
                         self.table = table
@@ -165,17 +177,20 @@ class TuneController(HasTraits):
                 self.ranking_status = error_html(f"{type(error).__name__}: {error}")
                 return None
             self._show_truth()
-            names = html.escape(", ".join(plan.float_modules) or "none")
-            count = len(plan.float_modules)
+            picked = list(plan.path.chosen) if by_block and plan.path is not None else plan.float_modules
+            names = html.escape(", ".join(picked) or "none")
+            count = f"{len(picked)} block(s)" if by_block else f"{len(picked)} module(s)"
+            if by_block:
+                count += f" ({len(plan.float_modules)} modules)"
             if plan.met:
                 self.ranking_status = (
-                    f"{count} module(s) float reach {plan.simulated_sqnr_db:.2f} dB in simulation ({names}); "
+                    f"{count} float reach {plan.simulated_sqnr_db:.2f} dB in simulation ({names}); "
                     "the Tune rows are set: Apply to confirm with a real run."
                 )
             else:
                 self.ranking_status = (
                     f"<span style='color:{RED}'>{self.target:g} dB is out of reach</span>: the best simulated point is "
-                    f"{plan.simulated_sqnr_db:.2f} dB with {count} module(s) float ({names}); the Tune rows are set to that."
+                    f"{plan.simulated_sqnr_db:.2f} dB with {count} float ({names}); the Tune rows are set to that."
                 )
             if plan.path is not None and plan.path.steps:
                 self.ranking_status += path_html(plan.path)
@@ -185,12 +200,14 @@ class TuneController(HasTraits):
         """The size front and the uniform choices (``points``, ``uniform``), simulated; False when
         cancelled, failed (``front_status`` says why) or another action was running."""
 
-        def work() -> tuple[pd.DataFrame, pd.DataFrame]:
-            return self.session.pareto(progress=self._reporter()), self.session.uniform_points(progress=self._reporter())
+        by_block = self.by_block
 
-        found = self._simulated(
-            "front_status", "Size front", "each module in each choice alone, then points along the front", work
-        )
+        def work() -> tuple[pd.DataFrame, pd.DataFrame]:
+            front = self.session.pareto(progress=self._reporter(), by_block=by_block)
+            return front, self.session.uniform_points(progress=self._reporter(), by_block=by_block)
+
+        doing = f"each {'block' if by_block else 'module'} in each choice alone, then points along the front"
+        found = self._simulated("front_status", "Size front", doing, work)
         if found is None:
             return False
         self.points, self.uniform = points, _ = found
@@ -203,6 +220,12 @@ class TuneController(HasTraits):
             f"its settings in the Tune rows; Apply measures it.{estimates}"
         )
         return True
+
+    def _on_unit_change(self, _change: dict) -> None:
+        """Modules or blocks: what was ranked or found for the other is not shown any more."""
+        self.table = self.curve = self.points = self.uniform = None
+        unit = "blocks" if self.by_block else "modules"
+        self.ranking_status = self.front_status = f"<i>Sensitivity and the size front now work with {unit}.</i>"
 
     def cancel(self) -> None:
         """Stop the running cancellable action at its next step (a click handled on the kernel's

@@ -91,6 +91,29 @@ class TuningPanel(w.VBox):
             layout={"width": "150px", **FIXED} if ops else {"display": "none"},
         )
         self.shown = w.HTML(layout=FIXED)
+        blocks = {name: members for name, members in session.blocks().items() if len(members) > 1}
+        self._blocks = {name: set(members) for name, members in blocks.items()}
+        self.block = w.Dropdown(  # a transformer's blocks (model.layers.3), a ResNet's (layer1.0)
+            options=[("all blocks", ""), *((f"{name} ({len(members)})", name) for name, members in blocks.items())],
+            value="",
+            tooltip="only the rows of one block: the buttons on the right then set the block",
+            layout={"width": "210px", **FIXED} if blocks else {"display": "none"},
+        )
+        self.unit = w.ToggleButtons(
+            options=[("modules", False), ("blocks", True)],
+            value=False,
+            tooltips=[
+                "rank, propose and find the size front module by module",
+                "rank and propose whole blocks kept float; on the size front every module of a block takes the same choice",
+            ],
+            style={"button_width": "80px"},
+            layout=FIXED,
+        )
+        said = w.HTML("<span style='color:#666'>Sensitivity, Propose and the size front work with</span>", layout=FIXED)
+        unit_line = w.HBox(
+            [said, self.unit],
+            layout={"align_items": "center", "flex_flow": "row wrap", **({} if blocks else {"display": "none"})},
+        )
         self.bulk = {
             name: w.Button(description=name, tooltip=f"{name} on every row shown", layout={"width": "110px", **FIXED})
             for name in BULK
@@ -101,7 +124,7 @@ class TuningPanel(w.VBox):
         self.front = SizeFrontPane(controller, self._take_point, getattr(session, "eval_fn", None) is not None)
         bulk_label = w.HTML("<span style='color:#666'>on the rows shown:</span>", layout={**FIXED, "margin": "0 4px 0 12px"})
         toolbar = w.HBox(
-            [self.filter, self.only_suggested, self.all_ops, self.shown, bulk_label, *self.bulk.values()],
+            [self.filter, self.block, self.only_suggested, self.all_ops, self.shown, bulk_label, *self.bulk.values()],
             layout={"align_items": "center", "flex_flow": "row wrap"},
         )
         # the status line gets the full width under the buttons: measured results take a few lines
@@ -116,6 +139,7 @@ class TuningPanel(w.VBox):
         # the per-layer chart joins after the first run: a bqplot figure laid out in a hidden tab has no size
         super().__init__(
             [
+                unit_line,
                 self.sensitivity,
                 self.front,
                 toolbar,
@@ -136,6 +160,7 @@ class TuningPanel(w.VBox):
         w.dlink((controller, "status"), (self.status, "value"))
         w.dlink((controller, "error"), (self.error, "value"))
         w.dlink((controller, "truth"), (self.truth, "value"))
+        w.link((controller, "by_block"), (self.unit, "value"))
         for button in (self.accept, self.reset, self.apply, *self.bulk.values()):
             w.dlink((controller, "busy"), (button, "disabled"))
         w.dlink((controller, "busy"), (self.progress.layout, "visibility"), lambda busy: "visible" if busy else "hidden")
@@ -151,6 +176,7 @@ class TuningPanel(w.VBox):
         self.filter.observe(self._on_filter_change, "value")
         self.only_suggested.observe(self._on_filter_change, "value")
         self.all_ops.observe(self._on_filter_change, "value")
+        self.block.observe(self._on_filter_change, "value")
 
     def settings(self) -> dict[str, ModuleSettings]:
         """Every row's settings."""
@@ -229,6 +255,8 @@ class TuningPanel(w.VBox):
                 self.filter.value = ""
             if self.only_suggested.value and not row.suggested:
                 self.only_suggested.value = False
+            if self.block.value and fqn not in self._blocks[self.block.value]:
+                self.block.value = ""
             if not row.module.weighted:
                 self.all_ops.value = True
             for other in self.rows.values():  # one picked row: only the ones that change are redrawn
@@ -241,10 +269,12 @@ class TuningPanel(w.VBox):
         ordered = ranked + [row for name, row in self.rows.items() if name not in set(self._order)]
         text, only = self.filter.value.strip(), self.only_suggested.value
         start = self.session.current_settings()
+        block = self._blocks.get(self.block.value)
         return [
             row
             for row in ordered
             if (not text or row.matches(text))
+            and (block is None or row.fqn in block)
             and (not only or row.suggested)
             and (row.module.weighted or self.all_ops.value or _flagged(row, start))
         ]
