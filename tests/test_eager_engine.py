@@ -21,7 +21,7 @@ from qreport_widgets.core.metrics import output_tensor, sqnr_db
 from qreport_widgets.demo.digits import trained_digits_model
 from qreport_widgets.engines.contract import Variant
 from qreport_widgets.engines.eager import EagerConfig, EagerEngine, FormatError
-from qreport_widgets.engines.eager.formats import ao_config, torchao_eager
+from qreport_widgets.engines.eager.formats import ao_config, deployed_bytes, torchao_eager
 from qreport_widgets.engines.settings import FORMATS, ModuleSettings
 from qreport_widgets.errors import InvalidSettingsError, UntraceableModelError
 from qreport_widgets.observe.graph import OBSERVER_CONTAINER
@@ -198,6 +198,36 @@ def test_embeddings_are_tunable_weight_only():
     assert "no activations" in embedding.formats["int8-dynamic"]
     run = session.apply({"embeddings.word_embeddings": ModuleSettings(format="int8-weight-only")})
     assert run.ok and run.per_layer_sqnr_db["embeddings.word_embeddings"] < 60
+
+
+class _ManyRows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(500, 64)
+        self.up = nn.Linear(64, 256)
+        self.down = nn.Linear(256, 136, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.embed(ids))))
+
+
+def test_a_modules_size_read_off_two_few_row_copies_is_its_whole_quantized_size():
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 500, (2, 16)) for _ in range(2)]
+    model = _ManyRows().eval()
+    session = eager(model, batches).session
+    engine, checked = session.engine, 0
+    for module in session.modules:
+        float_module = model.get_submodule(module.fqn)
+        for choice in engine.size_choices(module):
+            if choice.algorithm in ("gptq", "awq"):  # round to nearest's layout (their own test)
+                continue
+            holder = nn.Sequential(copy.deepcopy(float_module))
+            if not choice.keep_float:
+                torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}).fqn_to_config(), filter_fn=None)
+            assert engine.module_bytes(float_module, choice) == deployed_bytes(holder), (module.fqn, choice)
+            checked += 1
+    assert checked >= 20
 
 
 def test_a_decoders_activations_are_observed_per_hidden_feature():

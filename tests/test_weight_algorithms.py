@@ -284,6 +284,30 @@ def test_what_the_simulation_keeps_of_each_result_rebuilds_it_exactly():
         assert torch.equal(again.dequantize(), quantized.dequantize()) and again.note == quantized.note
 
 
+def test_a_real_run_gathers_gptq_inputs_in_runs_of_modules_and_gets_the_same_model(monkeypatch):
+    import qreport_widgets.tune.runner as runner
+
+    model, batches = tiny_llama()
+    session = qw.analyze(model, batches[0], batches, eval_data=batches[:2], engine="eager", format=INT4, progress=False).session
+    settings = {fqn: int4(32, "gptq" if "mlp" in fqn else "awq") for fqn in linear_names(session)}
+    passes = []
+    calibrate = runner.calibrate
+    monkeypatch.setattr(runner, "calibrate", lambda *args, **kwargs: passes.append(kwargs["desc"]) or calibrate(*args, **kwargs))
+    session.baseline()
+    monkeypatch.setattr(algorithms, "GRAM_SHARE", 10.0)  # every Gram matrix at once
+    passes.clear()
+    together = session.apply(settings)
+    assert together.ok and passes == ["run 2: calibrating"]
+    monkeypatch.setattr(algorithms, "GRAM_SHARE", 1e-9)  # one module a run
+    passes.clear()
+    apart = session.apply(settings)
+    assert apart.ok and len(passes) == len(settings)
+    for batch in batches:
+        assert torch.equal(
+            output_tensor(call_with(together.quantized_model, batch)), output_tensor(call_with(apart.quantized_model, batch))
+        )
+
+
 def test_a_report_with_algorithm_runs_saves_reloads_and_exports_them(tmp_path):
     model, batches = tiny_llama()
     report = qw.analyze(model, batches[0], batches, eval_data=batches[:2], engine="eager", format=INT4, progress=False)
@@ -329,8 +353,8 @@ def test_the_size_panes_metric_button_names_perplexity(text_decoder):
     assert labels == ["output SQNR", "perplexity"]
 
 
-def test_reach_and_fit_by_block_keep_each_decoder_block_whole(decoder_session):
-    session = decoder_session
+def test_reach_and_fit_by_block_keep_each_decoder_block_whole(text_decoder):
+    session = text_decoder_report(text_decoder, algorithms=("rtn",)).session  # a front of formats and group sizes
     blocks = session.blocks()
     assert list(blocks)[:2] == ["model.embed_tokens", "model.layers.0"] and len(blocks["model.layers.3"]) == 7
     table = session.block_sensitivity(metric=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
@@ -122,6 +122,11 @@ class Engine(ABC, Generic[ConfigT]):
         """Whether a run with ``config`` needs the calibration data before ``convert``. Default:
         True (static activations observe it); an engine whose formats need none says False."""
         return True
+
+    def calibration_passes(self, prepared: torch.nn.Module) -> Iterator[None]:
+        """The passes over the calibration data a run needs before ``convert``, when it
+        ``calibrates``: the runner calibrates ``prepared`` once per item. Default: one."""
+        yield
 
     def observers_paused(self, prepared: torch.nn.Module) -> AbstractContextManager[None]:
         """The engine's own observers pass tensors through untouched while the context is open.

@@ -7,6 +7,7 @@ the weights prepares fold. It records nothing: the history decides what a run le
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import math
@@ -159,7 +160,9 @@ class Runner:
         config = self.engine.base_config()
         prepared = self.prepare(self.float_model, config)
         if self.engine.calibrates(config):
-            self.calibrate(prepared, desc, progress is None, progress)
+            with contextlib.closing(self.engine.calibration_passes(prepared)) as passes:
+                for _ in passes:
+                    self.calibrate(prepared, desc, progress is None, progress)
         return prepared
 
     def reference_outputs(self) -> list[torch.Tensor]:
@@ -233,7 +236,9 @@ class Runner:
             self.ensure_room("run", f"the run {label!r}", settings)
             prepared = self.prepare(source, config)
             if engine.calibrates(config):
-                self.calibrate(prepared, f"{label}: calibrating", progress is None, progress)
+                with contextlib.closing(engine.calibration_passes(prepared)) as passes:
+                    for _ in passes:
+                        self.calibrate(prepared, f"{label}: calibrating", progress is None, progress)
             # before convert changes prepared
             checks = check_kernels(prepared) if callable(check_kernels) else bool(check_kernels)
             reference = engine.reference_model(prepared) if checks else None

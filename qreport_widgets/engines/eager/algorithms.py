@@ -448,11 +448,34 @@ def choose(algorithm: str, weight: torch.Tensor, group_size: int, statistics: In
     raise ValueError(f"unknown weight algorithm {algorithm!r}")
 
 
+# the input Gram matrices GPTQ and AWQ read, held at once up to this share of the float weights (a
+# 134M decoder's are 0.7 of its weights: five calibration passes instead of one)
+GRAM_SHARE = 0.15
+
+
+def gram_runs(features: Mapping[str, int], weight_bytes: float) -> list[list[str]]:
+    """The modules (name -> input features) in runs whose input Gram matrices (features x features
+    floats each) hold at most ``GRAM_SHARE`` of ``weight_bytes`` together, at least one module a
+    run, in order: each run one calibration pass, so a decoder's Gram matrices are never all held at once."""
+    room = GRAM_SHARE * weight_bytes
+    runs: list[list[str]] = [[]]
+    held = 0.0
+    for fqn, count in features.items():
+        size = 4.0 * count**2
+        if runs[-1] and held + size > room:
+            runs.append([])
+            held = 0.0
+        runs[-1].append(fqn)
+        held += size
+    return runs
+
+
 def quantize_weights(model: nn.Module, choices: Mapping[str, tuple[str, int]], batches: Iterable[Any]) -> nn.Module:
     """Quantize the named Linears of ``model`` to int4 in place, each ``fqn: (algorithm, group_size)``
     with ``algorithm`` one of ``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``: one pass over ``batches``
-    (the calibration data: a tensor, a tuple of inputs or a dict per batch) gathers what GPTQ and
-    AWQ read of each module's input, then each module's weight is replaced. Returns ``model``.
+    (the calibration data: a tensor, a tuple of inputs or a dict per batch; one pass per run of
+    modules, ``gram_runs``) gathers what GPTQ and AWQ read of each module's input on the float
+    model, then each module's weight is replaced. Returns ``model``.
 
     What a session's settings as code call for the modules whose algorithm needs data.
     """
@@ -466,14 +489,21 @@ def quantize_weights(model: nn.Module, choices: Mapping[str, tuple[str, int]], b
             raise InvalidSettingsError(f"{fqn}: unknown weight algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
         if module.in_features % group_size:
             raise InvalidSettingsError(f"{fqn}: group size {group_size} does not divide its {module.in_features} input features")
-    data = [fqn for fqn, (algorithm, _) in choices.items() if algorithm in DATA_ALGORITHMS]
-    statistics: dict[str, InputStatistics] = {}
+    data = {fqn: modules[fqn].in_features for fqn, (algorithm, _) in choices.items() if algorithm in DATA_ALGORITHMS}
+    found: dict[str, CompactWeight | Recipe] = {}
     if data:
-        with torch.no_grad(), recording(model, data) as statistics:
-            for batch in batches:
-                call_with(model, batch)
+        batches = list(batches)
+        for run in gram_runs(data, sum(p.numel() * p.element_size() for p in model.parameters())):
+            with torch.no_grad(), recording(model, run) as statistics:
+                for batch in batches:
+                    call_with(model, batch)
+            with torch.no_grad():
+                for fqn in run:  # each Gram matrix freed once used; assigned after every run (the inputs stay float)
+                    algorithm, group_size = choices[fqn]
+                    found[fqn] = choose(algorithm, modules[fqn].weight, group_size, statistics.pop(fqn)).compact()
     with torch.no_grad():
         for fqn, (algorithm, group_size) in choices.items():
-            choose(algorithm, modules[fqn].weight, group_size, statistics.get(fqn)).assign(modules[fqn])
-            statistics.pop(fqn, None)  # each Gram matrix freed once used
+            weight = modules[fqn].weight
+            chosen = found.pop(fqn).expand(weight) if fqn in found else choose(algorithm, weight, group_size)
+            chosen.assign(modules[fqn])
     return model

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -36,7 +36,7 @@ from ..settings import (
     Setting,
     TunableModule,
 )
-from .algorithms import InputRecorder, choose
+from .algorithms import CompactWeight, Recipe, choose, gram_runs, recording
 from .formats import (
     INT4_WEIGHT_ONLY,
     INT8_DYNAMIC,
@@ -94,6 +94,9 @@ class FormatError(QReportError, RuntimeError):
     """torchao could not apply a format to a module."""
 
 
+SIZE_ROWS = 64  # module_bytes quantizes copies of a Linear's first 64 and 128 rows
+
+
 class EagerEngine(Engine[EagerConfig]):
     """``quantize_(copy, FqnToConfig({module: config}))`` per run.
 
@@ -123,7 +126,8 @@ class EagerEngine(Engine[EagerConfig]):
         self.searched_algorithms = options.algorithms or ALGORITHMS  # what size_choices offers
         self._configs: weakref.WeakKeyDictionary[nn.Module, EagerConfig] = weakref.WeakKeyDictionary()
         # the inputs GPTQ / AWQ read, gathered while a prepared model calibrates
-        self._recorders: weakref.WeakKeyDictionary[nn.Module, InputRecorder] = weakref.WeakKeyDictionary()
+        # GPTQ / AWQ weights a run's calibration passes found, until its convert
+        self._found: weakref.WeakKeyDictionary[nn.Module, dict[str, CompactWeight | Recipe]] = weakref.WeakKeyDictionary()
         # per converted model, the modules where GPTQ / AWQ kept round to nearest, and why
         self._kept_rounding: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
         self._sizes: dict[tuple, int] = {}  # module_bytes, per module shape and choice
@@ -167,10 +171,32 @@ class EagerEngine(Engine[EagerConfig]):
         """A copy of ``float_model`` (sharing its weights: ``quantize_`` assigns new ones); ``convert``
         applies ``config``'s formats to it."""
         model = shared_copy(float_model).eval()
-        self._configs[model] = resolved = config.resolved(model)
-        if resolved.needs_data:  # their inputs are gathered as the model calibrates, float
-            self._recorders[model] = InputRecorder(model, resolved.needs_data)
+        self._configs[model] = config.resolved(model)
         return model
+
+    def calibration_passes(self, prepared: nn.Module) -> Iterator[None]:
+        """One pass per run of GPTQ / AWQ modules (``gram_runs``: their input Gram matrices never all
+        held at once): the run's inputs gathered on the float model, its weights computed and kept
+        packed (``QuantizedWeight.compact``), its statistics freed; ``convert`` assigns them."""
+        needs = self._config_of(prepared).needs_data
+        if not needs:
+            yield
+            return
+        found = self._found[prepared] = {}
+        features = {fqn: int(prepared.get_submodule(fqn).weight.shape[1]) for fqn in needs}
+        for run in gram_runs(features, sum(p.numel() * p.element_size() for p in prepared.parameters())):
+            with torch.no_grad(), recording(prepared, run) as statistics:
+                yield
+            for fqn in run:
+                algorithm, group = needs[fqn]
+                try:
+                    with torch.no_grad():
+                        chosen = choose(algorithm, prepared.get_submodule(fqn).weight, group, statistics.pop(fqn))
+                except Exception as error:
+                    raise FormatError(f"{algorithm} could not quantize {fqn}: {type(error).__name__}: {error}") from error
+                found[fqn] = chosen.compact()
+            del statistics
+            give_back()
 
     def tunable_modules(self, prepared: nn.Module) -> list[TunableModule]:
         return self._tunable(prepared, self._config_of(prepared))
@@ -179,16 +205,14 @@ class EagerEngine(Engine[EagerConfig]):
         config = self._config_of(prepared)
         if not config.formats:
             raise FormatError("every module is float: the result would be the float model. Choose a format for a Linear layer.")
-        recorder = self._recorders.pop(prepared, None)
-        statistics = recorder.close() if recorder is not None else {}
+        found = self._found.pop(prepared, {})
         kept_rounding = {}
-        for fqn, (algorithm, group) in config.needs_data.items():  # first: the calibration saw them float
+        for fqn, (algorithm, _) in config.needs_data.items():  # first: the calibration saw them float
             module = prepared.get_submodule(fqn)
-            try:
-                with torch.no_grad():
-                    chosen = choose(algorithm, module.weight, group, statistics.pop(fqn, None))
-            except Exception as error:
-                raise FormatError(f"{algorithm} could not quantize {fqn}: {type(error).__name__}: {error}") from error
+            if fqn not in found:
+                raise FormatError(f"{algorithm} reads {fqn}'s inputs on the calibration batches: calibrate before convert")
+            with torch.no_grad():
+                chosen = found.pop(fqn).expand(module.weight)
             chosen.assign(module)
             if chosen.note:
                 kept_rounding[fqn] = chosen.note
@@ -250,19 +274,24 @@ class EagerEngine(Engine[EagerConfig]):
         return found if len(found) > 1 else []
 
     def module_bytes(self, float_module: nn.Module, choice: ModuleSettings) -> int:
-        """The module alone quantized by torchao in ``choice`` and counted as ``deployed_bytes``."""
+        """The module alone quantized by torchao in ``choice`` and counted as ``deployed_bytes``.
+        A Linear's or an Embedding's bytes grow by the same amount per row of its weight (every
+        format here scales per row or per group of a row), so two few-row copies are quantized and
+        counted, and the line through them read at the module's rows: a decoder's head is never
+        copied or quantized whole for its size."""
         weight, bias = float_module.weight, getattr(float_module, "bias", None)
         key = (type(float_module), tuple(weight.shape), weight.dtype, bias is not None, choice)  # all the size depends on
         if key not in self._sizes:
-            holder = nn.Sequential(copy.deepcopy(float_module))
             # GPTQ and AWQ store round-to-nearest's layout (AWQ one scale per input channel more)
             counted = replace(choice, algorithm="") if choice.algorithm in DATA_ALGORITHMS else choice
-            if not counted.keep_float:
-                torchao_eager().quantize_(holder, EagerConfig.of({"0": counted}).fqn_to_config(), filter_fn=None)
             extra = weight.shape[1] * weight.element_size() if choice.algorithm == AWQ else 0
-            self._sizes[key] = deployed_bytes(holder) + extra
-            del holder
-            give_back()  # a copy of a decoder's head and its quantization's temporaries, not kept resident
+            rows = weight.shape[0]
+            if type(float_module) in (nn.Linear, nn.Embedding) and rows > 2 * SIZE_ROWS:
+                few, more = (_quantized_bytes(_first_rows(float_module, n), counted) for n in (SIZE_ROWS, 2 * SIZE_ROWS))
+                self._sizes[key] = few + (more - few) * (rows - SIZE_ROWS) // SIZE_ROWS + extra
+            else:
+                self._sizes[key] = _quantized_bytes(copy.deepcopy(float_module), counted) + extra
+                give_back()
         return self._sizes[key]
 
     def run_notes(self, config: EagerConfig, quantized: nn.Module) -> RunNotes:
@@ -387,3 +416,25 @@ def _inputs_of(example_inputs: Any) -> Any:
     if isinstance(example_inputs, tuple) and len(example_inputs) == 1 and isinstance(example_inputs[0], Mapping):
         return example_inputs[0]
     return example_inputs
+
+
+def _quantized_bytes(module: nn.Module, choice: ModuleSettings) -> int:
+    """``module`` (a copy: it is quantized in place) in ``choice``, counted as ``deployed_bytes``."""
+    holder = nn.Sequential(module)
+    if not choice.keep_float:
+        torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}).fqn_to_config(), filter_fn=None)
+    return deployed_bytes(holder)
+
+
+def _first_rows(module: nn.Linear | nn.Embedding, rows: int) -> nn.Module:
+    """A module of ``module``'s type and columns with its first ``rows`` weight rows (and bias)."""
+    weight, bias = module.weight, getattr(module, "bias", None)
+    if isinstance(module, nn.Embedding):
+        small: nn.Module = nn.Embedding(rows, weight.shape[1], dtype=weight.dtype)
+    else:
+        small = nn.Linear(weight.shape[1], rows, bias=bias is not None, dtype=weight.dtype)
+    with torch.no_grad():
+        small.weight.copy_(weight[:rows])
+        if bias is not None:
+            small.bias.copy_(bias[:rows])
+    return small

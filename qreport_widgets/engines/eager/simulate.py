@@ -24,7 +24,7 @@ from ...core.memory import give_back
 from ...core.metrics import sqnr_db
 from ..contract import Variant, WholePasses
 from ..settings import DATA_ALGORITHMS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
-from .algorithms import CompactWeight, InputStatistics, QuantizedWeight, Recipe, choose, recording
+from .algorithms import CompactWeight, InputStatistics, QuantizedWeight, Recipe, choose, gram_runs, recording
 from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, ao_config, torchao_eager
 
 FormatKey = tuple[str, int, str]  # (format, group size or 0, weight algorithm or "")
@@ -33,9 +33,6 @@ FormatKey = tuple[str, int, str]  # (format, group size or 0, weight algorithm o
 # quantized again when next needed. The size front tries every format on every module: kept
 # dequantized, a decoder's weights would be held once per format
 OTHER_FORMATS_SHARE = 0.5
-# the input Gram matrices GPTQ and AWQ read, held at once up to this share of the float weights (a
-# 134M decoder's are 0.7 of its weights: five calibration passes instead of one)
-GRAM_SHARE = 0.15
 
 
 def format_key(choice: ModuleSettings) -> FormatKey | None:
@@ -102,6 +99,7 @@ class EagerSimulation(WholePasses):
         # GPTQ / AWQ results, packed: computing one again takes seconds a module and its inputs' statistics
         self._found: dict[tuple[str, FormatKey], CompactWeight | Recipe] = {}
         self._others_room = OTHER_FORMATS_SHARE * sum(tensor_bytes(w) for w in self._float.values())
+        self._keeping = True  # whether other formats' weights are kept for the next pass
         self._float_numel = sum(w.numel() for w in self._float.values())
         self._inputs: dict[str, bool | None] = dict.fromkeys(self._modules)  # fqn -> symmetric, or None: float input
         for fqn, module in self._modules.items():
@@ -132,6 +130,8 @@ class EagerSimulation(WholePasses):
         quantized = self._others.pop((fqn, key), None)
         if quantized is None:
             quantized = self._quantized(fqn, key)
+            if not self._keeping:  # a pass that takes each weight once (local_noise)
+                return quantized.dequantize(dtype)
             self._others_held += quantized.nbytes
         self._others[fqn, key] = quantized  # the most recently used last
         while self._others_held > self._others_room and len(self._others) > 1:
@@ -144,7 +144,7 @@ class EagerSimulation(WholePasses):
     def find_data_weights(self, chosen: Iterable[tuple[str, FormatKey | None]]) -> None:
         """Each GPTQ / AWQ weight in ``chosen`` (module, format pairs) not found yet: the calibration
         batches' inputs to those modules gathered in float passes (one per run of modules,
-        ``_gram_chunks``), each weight computed and kept packed or as a recipe
+        ``gram_runs``), each weight computed and kept packed or as a recipe
         (``QuantizedWeight.compact``), the inputs' statistics dropped. Called before a pass, never
         inside one (a pass's hooks take what was found)."""
         missing = list(dict.fromkeys((fqn, key) for fqn, key in chosen if key is not None and key[2] in DATA_ALGORITHMS))
@@ -156,7 +156,8 @@ class EagerSimulation(WholePasses):
         before = dict(self._configured or {})
         self.configure(Variant(frozenset(self._modules)))
         try:
-            for modules in self._gram_chunks(list(dict.fromkeys(fqn for fqn, _ in missing))):
+            features = {fqn: int(self._float[fqn].shape[1]) for fqn, _ in missing}
+            for modules in gram_runs(features, sum(tensor_bytes(w) for w in self._float.values())):
                 with torch.no_grad(), recording(self.model, modules) as gathered:
                     self._calibrate(self.model)
                 for fqn in modules:
@@ -167,22 +168,6 @@ class EagerSimulation(WholePasses):
                 give_back()
         finally:
             self._apply(before)
-
-    def _gram_chunks(self, modules: list[str]) -> list[list[str]]:
-        """``modules`` in runs whose input Gram matrices (inputs x inputs floats each) hold at most
-        ``GRAM_SHARE`` of the float weights together (at least one module a run): each run one
-        calibration pass, so a decoder's Gram matrices are never all held at once."""
-        room = GRAM_SHARE * sum(tensor_bytes(w) for w in self._float.values())
-        runs: list[list[str]] = [[]]
-        held = 0.0
-        for fqn in modules:
-            size = 4.0 * self._float[fqn].shape[1] ** 2
-            if runs[-1] and held + size > room:
-                runs.append([])
-                held = 0.0
-            runs[-1].append(fqn)
-            held += size
-        return runs
 
     def _float_module(self, fqn: str) -> nn.Module:
         """A shallow copy of module ``fqn`` holding its float weight (whatever the model holds now)."""
@@ -263,9 +248,11 @@ class EagerSimulation(WholePasses):
             return hook
 
         self.find_data_weights((fqn, format_key(c)) for fqn, options in choices.items() for c in options)
+        self._keeping = False  # every choice of every module taken once: none kept for later (half the weights' size)
         try:
             self._float_pass(batch, {fqn: measure(fqn) for fqn in choices})
         finally:
+            self._keeping = True
             self.configure(())
             give_back()
         return found
