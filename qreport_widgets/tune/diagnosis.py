@@ -506,8 +506,9 @@ def _finite(value: float) -> float:
 
 
 def _members(units: Iterable[str], members: Mapping[str, Sequence[str]]) -> list[str]:
-    """The modules of ``units`` (modules or blocks), in their order."""
-    return [name for unit in units for name in members[unit]]
+    """The modules of ``units`` (modules or blocks), in their order; a name ``members`` does not
+    group is a module (one the simulation tunes since a real run found its kernel broken)."""
+    return [name for unit in units for name in members.get(unit, [unit])]
 
 
 _NUMBERED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
