@@ -933,25 +933,12 @@ LANGUAGE_MODEL_INT4 = [
     ),
     (
         "md",
-        "### Block by block\n"
-        "\n"
-        "`fit(..., by_block=True)` gives every Linear of a block the same choice (the embedding and the head are "
-        "blocks of their own): a mix that is easier to read and to deploy, found on a front of fewer units.",
-    ),
-    (
-        "code",
-        "by_block = session.fit(max_size_bytes=budget, target_metric=target, by_block=True, progress=quiet)\n"
-        "print(by_block.notes[-1])\n"
-        "pd.Series({block: by_block.settings[members[0]].quantized_format\n"
-        "           for block, members in session.blocks().items() if members[0] in by_block.settings}, name='choice')",
-    ),
-    (
-        "md",
         "## In the widget\n"
         "\n"
         "**Tune** lists each module with its format, group size and algorithm; the runs above are in its runs "
         "table, with their perplexity. Its switch \"work with: modules | blocks\" ranks, proposes and finds the "
-        "size front block by block; the block filter shows one block's rows.",
+        "size front block by block (as `reach(target, by_block=True)` and `fit(..., by_block=True)` do: every "
+        "Linear of a block kept float, or given one choice, together); the block filter shows one block's rows.",
     ),
     ("code", "report.widget()"),
 ]
