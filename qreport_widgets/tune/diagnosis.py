@@ -149,8 +149,9 @@ class Diagnosis:
         """
         metric = metric and self.runner.eval_fn is not None
         self._fresh()
-        if metric in self._sensitivity or (not metric and True in self._sensitivity):
-            return self._sensitivity.get(metric, self._sensitivity.get(True)).copy()
+        known = _ranked(self._sensitivity, metric)
+        if known is not None:
+            return known
         names = list(self.simulation(progress).tunable)
         local = self.simulated.local_sqnr()
         variants = [[]] + [[name] for name in names]
@@ -185,8 +186,9 @@ class Diagnosis:
         ``simulated_output_sqnr_db``; indexed by block."""
         metric = metric and self.runner.eval_fn is not None
         self._fresh()
-        if metric in self._block_sensitivity or (not metric and True in self._block_sensitivity):
-            return self._block_sensitivity.get(metric, self._block_sensitivity.get(True)).copy()
+        known = _ranked(self._block_sensitivity, metric)
+        if known is not None:
+            return known
         blocks = self.blocks(progress)
         variants = [[]] + [members for members in blocks.values()]
         (base_sqnr, base_metric), *each = self.simulate_each(variants, progress, "block sensitivity", metric=metric)
@@ -281,11 +283,14 @@ class Diagnosis:
         path, target, meets = plan.path, plan.target, plan.meets
         assert path is not None
         label = f"reach {target}" + (" by block" if by_block else "")
-        units = self._units(by_block, progress)
         unit = "block" if by_block else "module"
+
+        def modules(units: Iterable[str]) -> list[str]:  # a real run may make more modules tunable: asked each time
+            return _members(units, self._units(by_block, progress))
+
         chosen = list(path.chosen)
         kernels = self.real.truth(quiet).real_kernels  # a real run may find more (``RealRuns.adopt_kernels``)
-        result = self._float_run(_members(chosen, units), label, progress)
+        result = self._float_run(modules(chosen), label, progress)
         if not plan.met:
             self._searched = (path, result)
             return self._unverified(
@@ -308,13 +313,13 @@ class Diagnosis:
             said.append(words)
             chosen = list(path.chosen)
             tried.add(frozenset(chosen))
-            result = self._float_run(_members(chosen, units), label, progress)
+            result = self._float_run(modules(chosen), label, progress)
         if result.ok and meets(result.output_sqnr_db, result.eval_metric) and target_metric is None:
             near = target_sqnr_db - SIMULATION_ERROR_DB  # a smaller set within the simulation's error may meet it for real
             smaller = [s for s in path.smaller(lambda sqnr, _metric: sqnr >= near) if s not in tried]
             for fewer in smaller[:MAX_EXTRA_RUNS]:
                 ordered = [m for m in chosen if m in fewer] + sorted(fewer - set(chosen))
-                run = self._float_run(_members(ordered, units), label, progress)
+                run = self._float_run(modules(ordered), label, progress)
                 if run.ok and meets(run.output_sqnr_db, run.eval_metric):
                     chosen, result = ordered, run
                     said.append(f"{len(fewer)} {unit}(s) float, within the simulation's error of the target, meet it for real")
@@ -323,7 +328,7 @@ class Diagnosis:
         verdict = "met" if result.ok and meets(result.output_sqnr_db, result.eval_metric) else "not met by the real run"
         floats = ", ".join(chosen) or "none"
         if by_block:
-            kept = f"{len(chosen)} of {len(units)} blocks float ({floats}: {len(_members(chosen, units))} modules)"
+            kept = f"{len(chosen)} of {len(self.blocks(progress))} blocks float ({floats}: {len(modules(chosen))} modules)"
         else:
             kept = f"{len(chosen)} of {len(self.runner.modules)} modules float ({floats})"
         return self._unverified(result.noted(*said, f"{target}: {verdict} with {kept}"))
@@ -505,10 +510,16 @@ def _finite(value: float) -> float:
     return -math.inf if math.isnan(value) else value
 
 
+def _ranked(tables: Mapping[bool, pd.DataFrame], metric: bool) -> pd.DataFrame | None:
+    """A copy of the ranking computed before with (True) or without the metric, where there is one
+    (one with the metric serves a ranking without it too)."""
+    found = tables.get(metric, None if metric else tables.get(True))
+    return None if found is None else found.copy()
+
+
 def _members(units: Iterable[str], members: Mapping[str, Sequence[str]]) -> list[str]:
-    """The modules of ``units`` (modules or blocks), in their order; a name ``members`` does not
-    group is a module (one the simulation tunes since a real run found its kernel broken)."""
-    return [name for unit in units for name in members.get(unit, [unit])]
+    """The modules of ``units`` (modules or blocks), in their order."""
+    return [name for unit in units for name in members[unit]]
 
 
 _NUMBERED = re.compile(r"^(.*?\.\d+)(?:\.|$)")

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ...core.calibration import call_with
+from ...core.memory import give_back
 from ...errors import InvalidSettingsError, QReportError
 from ..settings import ALGORITHMS, AWQ, DATA_ALGORITHMS, GPTQ, HQQ, RTN
 from .formats import torchao_eager
@@ -470,6 +471,31 @@ def gram_runs(features: Mapping[str, int], weight_bytes: float) -> list[list[str
     return runs
 
 
+def weights_in_runs(
+    model: nn.Module, choices: Mapping[str, tuple[str, int]], found: dict[str, CompactWeight | Recipe]
+) -> Iterator[None]:
+    """GPTQ / AWQ weights of the named Linears (``fqn: (algorithm, group_size)``), a run of modules
+    at a time (``gram_runs``): yields once per run for the caller to pass the calibration batches
+    through ``model`` (float), then computes that run's weights into ``found`` (packed or as a
+    recipe, ``QuantizedWeight.compact``) and frees its statistics."""
+    features = {fqn: int(model.get_submodule(fqn).weight.shape[1]) for fqn in choices}
+    for run in gram_runs(features, sum(p.numel() * p.element_size() for p in model.parameters())):
+        with torch.no_grad(), recording(model, run) as statistics:
+            yield
+        for fqn in run:
+            algorithm, group_size = choices[fqn]
+            try:
+                with torch.no_grad():
+                    chosen = choose(algorithm, model.get_submodule(fqn).weight, group_size, statistics.pop(fqn))
+            except AlgorithmError:
+                raise
+            except Exception as error:
+                raise AlgorithmError(f"{algorithm} could not quantize {fqn}: {type(error).__name__}: {error}") from error
+            found[fqn] = chosen.compact()
+        del statistics
+        give_back()
+
+
 def quantize_weights(model: nn.Module, choices: Mapping[str, tuple[str, int]], batches: Iterable[Any]) -> nn.Module:
     """Quantize the named Linears of ``model`` to int4 in place, each ``fqn: (algorithm, group_size)``
     with ``algorithm`` one of ``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``: one pass over ``batches``
@@ -489,18 +515,14 @@ def quantize_weights(model: nn.Module, choices: Mapping[str, tuple[str, int]], b
             raise InvalidSettingsError(f"{fqn}: unknown weight algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
         if module.in_features % group_size:
             raise InvalidSettingsError(f"{fqn}: group size {group_size} does not divide its {module.in_features} input features")
-    data = {fqn: modules[fqn].in_features for fqn, (algorithm, _) in choices.items() if algorithm in DATA_ALGORITHMS}
+    data = {fqn: chosen for fqn, chosen in choices.items() if chosen[0] in DATA_ALGORITHMS}
     found: dict[str, CompactWeight | Recipe] = {}
     if data:
         batches = list(batches)
-        for run in gram_runs(data, sum(p.numel() * p.element_size() for p in model.parameters())):
-            with torch.no_grad(), recording(model, run) as statistics:
+        for _ in weights_in_runs(model, data, found):  # assigned after every run: the inputs stay float
+            with torch.no_grad():
                 for batch in batches:
                     call_with(model, batch)
-            with torch.no_grad():
-                for fqn in run:  # each Gram matrix freed once used; assigned after every run (the inputs stay float)
-                    algorithm, group_size = choices[fqn]
-                    found[fqn] = choose(algorithm, modules[fqn].weight, group_size, statistics.pop(fqn)).compact()
     with torch.no_grad():
         for fqn, (algorithm, group_size) in choices.items():
             weight = modules[fqn].weight

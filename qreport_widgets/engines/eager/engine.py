@@ -36,7 +36,7 @@ from ..settings import (
     Setting,
     TunableModule,
 )
-from .algorithms import CompactWeight, Recipe, choose, gram_runs, recording
+from .algorithms import CompactWeight, Recipe, weights_in_runs
 from .formats import (
     INT4_WEIGHT_ONLY,
     INT8_DYNAMIC,
@@ -182,21 +182,7 @@ class EagerEngine(Engine[EagerConfig]):
         if not needs:
             yield
             return
-        found = self._found[prepared] = {}
-        features = {fqn: int(prepared.get_submodule(fqn).weight.shape[1]) for fqn in needs}
-        for run in gram_runs(features, sum(p.numel() * p.element_size() for p in prepared.parameters())):
-            with torch.no_grad(), recording(prepared, run) as statistics:
-                yield
-            for fqn in run:
-                algorithm, group = needs[fqn]
-                try:
-                    with torch.no_grad():
-                        chosen = choose(algorithm, prepared.get_submodule(fqn).weight, group, statistics.pop(fqn))
-                except Exception as error:
-                    raise FormatError(f"{algorithm} could not quantize {fqn}: {type(error).__name__}: {error}") from error
-                found[fqn] = chosen.compact()
-            del statistics
-            give_back()
+        yield from weights_in_runs(prepared, needs, self._found.setdefault(prepared, {}))
 
     def tunable_modules(self, prepared: nn.Module) -> list[TunableModule]:
         return self._tunable(prepared, self._config_of(prepared))
