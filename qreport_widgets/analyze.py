@@ -55,6 +55,7 @@ def analyze(
     output_fn: Callable[[Any], torch.Tensor] | None = None,
     process_group: Any = None,
     metric: Metric | str | None = None,
+    target: str | None = None,
 ) -> ModelReport:
     """Prepare a copy of ``float_model`` (``prepare_fx``, or ``torch.export`` for PT2E), observe it
     during calibration and report.
@@ -82,7 +83,13 @@ def analyze(
             what the report observes (PT2E: the exported float graph; eager: the leaf modules,
             by hooks) and runs every tuning run.
         quantizer: PT2E only: the starting quantizer (default: torchao's ``X86InductorQuantizer``
-            with its default config); Tune settings override it per module.
+            with its default config, or XNNPACK's for ``target="xnnpack"``); Tune settings override
+            it per module.
+        target: PT2E only: where the quantized model will run. ``"x86"`` (default), or ``"xnnpack"``
+            (phones, through ExecuTorch): XNNPACK's quantizer (symmetric int8, per-channel weights)
+            is the start, and every run is lowered to XNNPACK, serialised as a ``.pte`` program and
+            measured in ExecuTorch's runtime (output SQNR, metric and latency of the program, size
+            its bytes). Needs the ``[executorch]`` extra.
         format: eager only: the starting format of every ``nn.Linear`` (``"int8-dynamic"`` by
             default; ``"int8-weight-only"``, ``"int4-weight-only"``, ``"int8-dynamic-int4-weight"``).
         group_size: eager only: the group size of a starting int4 format (32, 64 or 128; default 32).
@@ -111,7 +118,14 @@ def analyze(
     detectors = default_detectors(backend) if detectors is None else detectors
     options = {"qconfig_mapping": qconfig_mapping, "prepare_custom_config": prepare_custom_config}
     chosen = build_engine(
-        engine, backend=backend, quantizer=quantizer, format=format, group_size=group_size, algorithms=algorithms, **options
+        engine,
+        backend=backend,
+        quantizer=quantizer,
+        format=format,
+        group_size=group_size,
+        algorithms=algorithms,
+        target=target,
+        **options,
     )
     # the session's own modules around the caller's weights, shared (not held twice); weights changed in
     # place later are refused with an error, not tuned (memory.WatchedCopy); the analysis prepares from it

@@ -58,6 +58,7 @@ def build_engine(
     format: str | None = None,  # noqa: A002  (the word users know)
     group_size: int | None = None,
     algorithms: tuple[str, ...] | None = None,
+    target: str | None = None,
 ) -> Engine:
     """The engine registered as ``name``, built from its own options among these arguments.
 
@@ -73,6 +74,7 @@ def build_engine(
         "format": format,
         "group_size": group_size,
         "algorithms": algorithms,
+        "target": target,
     }
     given = {key: value for key, value in arguments.items() if value is not None}
     own = {option.name for option in fields(engine.options_type)}

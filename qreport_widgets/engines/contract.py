@@ -24,7 +24,7 @@ import torch.fx
 from ..core.calibration import call_with
 from ..core.memory import give_back
 from .settings import ModuleSettings, Setting, TunableModule
-from .sizes import packed_bytes, weight_bytes
+from .sizes import packed_bytes, saved_bytes, weight_bytes
 
 if TYPE_CHECKING:
     from ..observe.graph import ModelGraph
@@ -141,6 +141,11 @@ class Engine(ABC, Generic[ConfigT]):
     @abstractmethod
     def conversions(self, prepared: torch.nn.Module, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
         """(per layer type: total / quantized / float, per module: float type -> converted type)."""
+
+    def stored_bytes(self, quantized: torch.nn.Module) -> int:
+        """What storing the quantized model takes (``RunResult.size_bytes``). Default: the bytes
+        ``torch.save`` writes for its state dict."""
+        return saved_bytes(quantized)
 
     def deployed_bytes(self, quantized: torch.nn.Module) -> int:
         """The quantized model as a deployed (packed) layout stores it (``RunResult.deployed_bytes``).

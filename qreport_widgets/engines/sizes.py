@@ -8,6 +8,7 @@ about the weights, so runs and the size front count them this way on every engin
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable
 from typing import Any
 
@@ -59,3 +60,25 @@ def _tensor_bytes(tensor: torch.Tensor, seen: set[tuple[int, int]]) -> int:
         zero_points = tensor.q_per_channel_zero_points()
         return values + SCALE_BYTES * zero_points.numel() + (4 * zero_points.numel() if bool(zero_points.any()) else 0)
     return values + SCALE_BYTES + (4 if tensor.q_zero_point() else 0)
+
+
+class _Counted(io.RawIOBase):
+    """A write-only stream that keeps nothing and counts the bytes written to it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        self.count += size
+        return size
+
+
+def saved_bytes(model: nn.Module) -> int:
+    """The bytes ``torch.save`` writes for the state dict (counted as written, not held)."""
+    counted = _Counted()
+    torch.save(model.state_dict(), counted)
+    return counted.count

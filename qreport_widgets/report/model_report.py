@@ -36,6 +36,8 @@ from ..tune.verify import VerifiedSuggestions, nan_equalization_metric
 
 if TYPE_CHECKING:
     from ..observe.visualizer import ModelReportVisualizer
+    from ..share.model_explorer import ModelExplorerFiles
+    from ..tune.run import RunResult
     from ..tune.session import QuantizationSession
 
 
@@ -300,6 +302,63 @@ class ModelReport:
 
         return write_html(self.analysis(), path, self._session if runs else None)
 
+    def to_model_explorer(
+        self, directory: str | Path, run: int | str | RunResult | None = None, *, sensitivity: bool = True
+    ) -> ModelExplorerFiles:
+        """The float model for Google's Model Explorer: its exported program as
+        ``directory/model.pt2`` (``torch.export.save``) and a node-data JSON per metric, keyed by
+        the program's node ids: ``run``'s per-layer SQNR (default: the baseline, run if needed) and
+        its kernels' SQNR where it checked them, and with ``sensitivity`` what keeping each module
+        float gains (``session.sensitivity()``, computed if needed). Open them with
+        ``show_in_model_explorer()`` or ``files.command()`` in a shell. Needs the session of
+        ``analyze()`` and the ``[explorer]`` extra."""
+        from ..share.model_explorer import (
+            GAIN_THRESHOLDS,
+            KERNEL_THRESHOLDS,
+            SQNR_THRESHOLDS,
+            NodeMetric,
+            model_explorer_api,
+            write_model_explorer,
+        )
+
+        model_explorer_api()  # the extra named before anything runs
+        session = self._require_session("writing Model Explorer files")
+        chosen = _run_of(session, run)
+        metrics = {
+            f"per-layer SQNR dB ({chosen.label})": NodeMetric(
+                chosen.per_layer_sqnr_db.to_dict(), SQNR_THRESHOLDS, f"each layer's output SQNR in the run {chosen.label!r}"
+            )
+        }
+        if len(chosen.kernel_sqnr_db):
+            metrics[f"kernel SQNR dB ({chosen.label})"] = NodeMetric(
+                chosen.kernel_sqnr_db.to_dict(), KERNEL_THRESHOLDS, "each quantized kernel against its reference"
+            )
+        if sensitivity:
+            gains = session.sensitivity()["output_sqnr_gain_db"]
+            metrics["sensitivity gain dB"] = NodeMetric(
+                gains.to_dict(), GAIN_THRESHOLDS, "output SQNR gained by keeping the module float alone (simulated)"
+            )
+        return write_model_explorer(directory, session.float_model, session.example_inputs, metrics, model_name=self._model_name)
+
+    def show_in_model_explorer(
+        self, directory: str | Path | None = None, run: int | str | RunResult | None = None, *, port: int | None = None
+    ) -> Any:
+        """``to_model_explorer`` (into a new temporary folder when ``directory`` is None), then
+        Model Explorer's server on those files in a process of its own: the returned object shows
+        the app in the notebook, with a link; ``.stop()`` ends the server."""
+        import tempfile
+
+        from ..share.model_explorer import model_explorer_api, show
+
+        model_explorer_api()
+        folder = directory if directory is not None else tempfile.mkdtemp(prefix="qreport-model-explorer-")
+        return show(self.to_model_explorer(folder, run), port=port)
+
+    def _require_session(self, doing: str) -> QuantizationSession:
+        if self._session is None:
+            raise RuntimeError(f"{doing} runs the model: build the report with qreport_widgets.analyze(model, ...)")
+        return self._session
+
     def text_reports(self) -> dict[str, str]:
         """Each detector's text report of the last generated report."""
         return self.analysis().text_reports()
@@ -395,3 +454,22 @@ def _equalization_mapping(settings: Mapping[str, ModuleSettings]) -> QConfigMapp
     fx = _upstream_engine()
     mapping = fx.equalization_mapping_of(fx.config_for(settings, []))
     return mapping if mapping is not None else QConfigMapping()
+
+
+def _run_of(session: QuantizationSession, run: int | str | RunResult | None) -> RunResult:
+    """A recorded run named by its index or label, the run itself, or (None) the baseline, run if needed."""
+    if run is None:
+        found = session.baseline()
+    elif isinstance(run, int):
+        found = session.history[run]
+    elif isinstance(run, str):
+        matches = [r for r in session.history if r.label == run]
+        if not matches:
+            labels = ", ".join(repr(r.label) for r in session.history) or "none yet"
+            raise KeyError(f"no run labelled {run!r}; the runs: {labels}")
+        found = matches[-1]
+    else:
+        found = run
+    if not found.ok:
+        raise RuntimeError(f"the run {found.label!r} failed ({found.error}): nothing to show of it")
+    return found

@@ -8,7 +8,6 @@ the weights prepares fold. It records nothing: the history decides what a run le
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
 import math
 import time
@@ -303,7 +302,7 @@ class Runner:
             "quantized_model": quantized,
             "output_sqnr_db": sqnr_db(*everything),
             "per_layer_sqnr_db": layers,
-            "size_bytes": _serialized_size(quantized),
+            "size_bytes": engine.stored_bytes(quantized),
             "deployed_bytes": engine.deployed_bytes(quantized),
             "latency_ms": float(np.median(seconds) * 1000),
             "latency_spread_ms": float((max(seconds) - min(seconds)) * 1000),
@@ -337,28 +336,6 @@ def _require_float32(model: torch.nn.Module) -> None:
             f"the model has {names} parameters, but torch's quantization works on float32 models: quantize "
             "model.float() with float32 batches (the report of the model as it is stays valid)"
         )
-
-
-class _Counted(io.RawIOBase):
-    """A write-only stream that keeps nothing and counts the bytes written to it."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        size = memoryview(data).nbytes
-        self.count += size
-        return size
-
-
-def _serialized_size(model: torch.nn.Module) -> int:
-    """The bytes ``torch.save`` writes for the state dict (counted as written, not held)."""
-    counted = _Counted()
-    torch.save(model.state_dict(), counted)
-    return counted.count
 
 
 def _timed_calls(

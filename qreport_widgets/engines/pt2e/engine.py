@@ -37,6 +37,7 @@ from .numerics import (
 from .options import Pt2eOptions
 from .quantizer import Pt2eConfig, torchao_pt2e
 from .simulate import Pt2eSimulation
+from .xnnpack import DeployedProgram, executorch_api, lower
 
 __all__ = ["Pt2eConfig", "Pt2eEngine"]
 
@@ -49,30 +50,41 @@ LATENCY_NOTE = (
     "torchao's lower_pt2e_quantized_to_x86 compiles those for deployment"
 )
 DYNAMIC_LINEAR_ONLY = "dynamic activations: torchao's x86 quantizer quantizes only Linear layers dynamically"
+DYNAMIC_GEMM_ONLY = "dynamic activations: XNNPACK's quantizer quantizes only Linear and Conv layers dynamically"
+RUNTIME_NOTE = (
+    "measured in ExecuTorch's runtime: the program lowered to XNNPACK ({size:,} bytes of .pte, lowered in {seconds:.1f} s); "
+    "per-layer SQNR is of the reference-quantized graph it was lowered from"
+)
 
 
 class Pt2eEngine(Engine[Pt2eConfig]):
     """``torch.export`` -> ``prepare_pt2e`` -> calibrate -> ``convert_pt2e``.
 
     Args:
-        quantizer: the starting quantizer (the baseline's); default: torchao's
-            ``X86InductorQuantizer`` with its default config everywhere. Tune settings are applied
-            by a quantizer placed in front of it, for the modules they change.
+        quantizer: the starting quantizer (the baseline's); default: the target's, torchao's
+            ``X86InductorQuantizer`` with its default config everywhere or XNNPACK's symmetric
+            per-channel one. Tune settings are applied by a quantizer placed in front of it, for
+            the modules they change.
+        target: ``"x86"``, or ``"xnnpack"``: every run's converted graph is lowered to XNNPACK and
+            run in ExecuTorch's runtime (``xnnpack.DeployedProgram``), which is what it measures.
     """
 
     name = "pt2e"
     options_type = Pt2eOptions
     options_hint = "with PT2E pass quantizer="
 
-    def __init__(self, quantizer: Any = None) -> None:
+    def __init__(self, quantizer: Any = None, target: str = "x86") -> None:
         torchao_pt2e()  # a clear error naming the extra, before anything else
-        self.quantizer = quantizer
+        if target == "xnnpack":
+            executorch_api()
+        self.quantizer, self.target = quantizer, target
+        self._example_inputs: tuple[Any, ...] = ()  # what a lowering exports the converted graph with
         self._exports: dict[int, tuple[weakref.ref, tuple, torch.fx.GraphModule]] = {}
         self._references: dict[int, tuple[weakref.ref, torch.fx.GraphModule]] = {}
 
     @classmethod
     def from_options(cls, options: Pt2eOptions) -> Pt2eEngine:
-        return cls(options.quantizer)
+        return cls(options.quantizer, options.target)
 
     # ---- observation ----------------------------------------------------------------------------
     def observe(self, float_model: torch.nn.Module, example_inputs: tuple[Any, ...], *, record: bool = False) -> Observation:
@@ -87,12 +99,12 @@ class Pt2eEngine(Engine[Pt2eConfig]):
 
     # ---- configuration --------------------------------------------------------------------------
     def base_config(self) -> Pt2eConfig:
-        return Pt2eConfig(base=self.quantizer)
+        return Pt2eConfig(base=self.quantizer, target=self.target)
 
     def config_for(self, settings: Mapping[str, ModuleSettings], modules: Sequence[TunableModule]) -> Pt2eConfig:
         current = {m.fqn: m.current for m in modules}
         changed = {fqn: choice for fqn, choice in settings.items() if choice != current.get(fqn)}
-        return Pt2eConfig(changed, dict(settings), self.quantizer)
+        return Pt2eConfig(changed, dict(settings), self.quantizer, self.target)
 
     # ---- the workflow ---------------------------------------------------------------------------
     def export(self, float_model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> torch.fx.GraphModule:
@@ -108,6 +120,7 @@ class Pt2eEngine(Engine[Pt2eConfig]):
 
     def prepare(self, float_model: torch.nn.Module, config: Pt2eConfig, example_inputs: tuple[Any, ...]) -> torch.fx.GraphModule:
         ao = torchao_pt2e()
+        self._example_inputs = example_inputs
         with pt2e_warnings_hidden(), models_forgotten():
             exported = copy.deepcopy(self.export(float_model, example_inputs))
             try:
@@ -131,12 +144,16 @@ class Pt2eEngine(Engine[Pt2eConfig]):
                 per_channel = getattr(weight, "qscheme", None) in (torch.per_channel_symmetric, torch.per_channel_affine)
                 current = ModuleSettings(dynamic=bool(getattr(activation, "is_dynamic", False)), per_channel=per_channel)
             unavailable = dict(FX_ONLY)
-            if not str(node.target).startswith("aten.linear"):
+            if self.target == "xnnpack" and not str(node.target).startswith(("aten.linear", "aten.conv")):
+                unavailable[Setting.DYNAMIC] = DYNAMIC_GEMM_ONLY
+            elif self.target != "xnnpack" and not str(node.target).startswith("aten.linear"):
                 unavailable[Setting.DYNAMIC] = DYNAMIC_LINEAR_ONLY
             modules[fqn] = TunableModule(fqn, _type_name(node), current, unavailable, native=current)
         return list(modules.values())
 
-    def convert(self, prepared: torch.nn.Module) -> torch.fx.GraphModule:
+    def convert(self, prepared: torch.nn.Module) -> torch.nn.Module:
+        """convert_pt2e's graph; for the XNNPACK target, that graph lowered and loaded in ExecuTorch's
+        runtime (a ``DeployedProgram``, called like the model)."""
         converted = _without_unused_tensors(convert(prepared))
         layers = converted_layers(converted)
         if not any(layer.weight != "float" or layer.activation != "float" for layer in layers.values()):
@@ -144,13 +161,15 @@ class Pt2eEngine(Engine[Pt2eConfig]):
                 "the PT2E quantizer quantized no Linear or Conv layer: the result would be the float model. "
                 "Check the settings (every module kept float?) and that the model has Linear / Conv layers."
             )
+        if self.target == "xnnpack":
+            return lower(converted, self._example_inputs)
         return converted
 
     # ---- what a run measures --------------------------------------------------------------------
     def per_layer_sqnr(self, float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
         """SQNR (dB) at each Linear / Conv op's output (batch norms folded in), quantized against float."""
         expected = layer_outputs(self.float_reference(float_model, _example_of(batch)), batch)
-        found = layer_outputs(quantized, batch)
+        found = layer_outputs(_graph_of(quantized), batch)
         values = {fqn: sqnr_db(expected[fqn], found[fqn]) for fqn in found if fqn in expected}
         return pd.Series(values, name="SQNR (dB)", dtype=float)
 
@@ -169,6 +188,7 @@ class Pt2eEngine(Engine[Pt2eConfig]):
         return reference
 
     def conversions(self, prepared: torch.nn.Module, quantized: torch.nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
+        quantized = _graph_of(quantized)
         types = {fqn: _type_name(node) for fqn, node in weighted_ops(quantized).items()}
         rows = [
             {
@@ -184,7 +204,8 @@ class Pt2eEngine(Engine[Pt2eConfig]):
     def run_notes(self, config: Pt2eConfig, quantized: torch.nn.Module) -> RunNotes:
         """Per module, a requested setting the converted graph did not carry out; and what the
         run's latency is of."""
-        layers = converted_layers(quantized)
+        program = quantized if isinstance(quantized, DeployedProgram) else None
+        layers = converted_layers(_graph_of(quantized))
         undone = {}
         for fqn, choice in config.requested.items():
             layer = layers.get(fqn)
@@ -192,7 +213,21 @@ class Pt2eEngine(Engine[Pt2eConfig]):
                 undone[fqn] = "no Linear / Conv op of it in the converted graph; its settings did nothing"
             elif not layer.matches(choice):
                 undone[fqn] = f"asked {_asked(choice)}, the converted graph has {_described(layer)}"
-        return RunNotes((LATENCY_NOTE,), undone)
+        if program is None:
+            return RunNotes((LATENCY_NOTE,), undone)
+        runtime = RUNTIME_NOTE.format(size=len(program.pte), seconds=program.lowering_s)
+        return RunNotes((runtime, program.delegation.words), undone)
+
+    def deployed_bytes(self, quantized: torch.nn.Module) -> int:
+        """The ``.pte`` program's bytes for the XNNPACK target; else as every engine counts them."""
+        if isinstance(quantized, DeployedProgram):
+            return len(quantized.pte)
+        return super().deployed_bytes(quantized)
+
+    def stored_bytes(self, quantized: torch.nn.Module) -> int:
+        if isinstance(quantized, DeployedProgram):
+            return len(quantized.pte)
+        return super().stored_bytes(quantized)
 
     def per_layer_failure(self, error: Exception) -> str:
         return f"the Linear / Conv ops could not be read from the graphs ({type(error).__name__})"
@@ -209,6 +244,11 @@ class Pt2eEngine(Engine[Pt2eConfig]):
         calibrate: Callable[[torch.nn.Module], None],
     ) -> Pt2eSimulation:
         return Pt2eSimulation(self, prepared, modules, float_model, example_inputs, calibrate)
+
+
+def _graph_of(quantized: torch.nn.Module) -> torch.fx.GraphModule:
+    """The reference-quantized graph of a run: the model itself, or what a deployed program was lowered from."""
+    return quantized.reference if isinstance(quantized, DeployedProgram) else quantized
 
 
 def _without_unused_tensors(model: torch.fx.GraphModule) -> torch.fx.GraphModule:

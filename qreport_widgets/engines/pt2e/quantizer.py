@@ -107,18 +107,28 @@ def build_quantizer(settings: Mapping[str, ModuleSettings], base=None):
 @dataclass(frozen=True)
 class Pt2eConfig:
     """What a PT2E run quantizes with: the modules whose settings differ from the start, on top of
-    the starting quantizer (``base``: yours, or torchao's x86 default when None); ``requested`` is
-    every setting asked for, checked against the converted graph."""
+    the starting quantizer (``base``: yours, or the target's default when None: torchao's x86 one,
+    or XNNPACK's symmetric per-channel one); ``requested`` is every setting asked for, checked
+    against the converted graph."""
 
     changed: Mapping[str, ModuleSettings] = field(default_factory=dict)
     requested: Mapping[str, ModuleSettings] = field(default_factory=dict)
     base: Any = None
+    target: str = "x86"  # "xnnpack": XNNPACK's quantizer, the program lowered and run in ExecuTorch
 
     def quantizer(self) -> Any:
+        if self.target == "xnnpack":
+            from .xnnpack import xnnpack_quantizer
+
+            return xnnpack_quantizer(self.changed, self.base)
         return build_quantizer(self.changed, self.base)
 
     def as_code(self) -> str:
         """Python that builds this quantizer and runs the PT2E workflow with it."""
+        if self.target == "xnnpack":
+            from .xnnpack import xnnpack_as_code
+
+            return xnnpack_as_code(self.changed, self.base is not None)
         return quantizer_as_code(self)
 
 

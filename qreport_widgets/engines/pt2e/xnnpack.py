@@ -1,0 +1,326 @@
+"""ExecuTorch with XNNPACK as the PT2E engine's target: XNNPACK's quantizer instead of x86's, and a
+converted model lowered to XNNPACK, serialised to a ``.pte`` program and run in ExecuTorch's runtime.
+
+A run's quantized model is then a ``DeployedProgram``: calling it executes the program in the runtime
+(what a phone runs, here on x86), so the output SQNR, the metric and the latency of every run are
+the deployed program's, its size the ``.pte``'s bytes. It keeps the reference-quantized graph it was
+lowered from, which per-layer SQNR and the conversions read (the runtime's delegated subgraphs
+have no layers to read). What XNNPACK left to ExecuTorch's portable kernels, and why, is counted
+from the lowered graph and the partitioner's own log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import logging
+import time
+import types
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from ...core.calibration import torch_warnings_hidden
+from ...errors import MissingExtraError, QReportError
+from ..settings import ModuleSettings
+
+INSTALL = "pip install 'qreport-widgets[executorch]'  (executorch==1.5.1, beside torch 2.13 and torchao 0.18)"
+# nodes of a lowered graph that are bookkeeping, not ops a kernel runs
+BOOKKEEPING = {"getitem", "sym_size", "sym_size.int", "executorch_call_delegate"}
+
+
+class LoweringError(QReportError, RuntimeError):
+    """ExecuTorch could not export, lower to XNNPACK or serialise the quantized model."""
+
+
+class RuntimeFailedError(QReportError, RuntimeError):
+    """ExecuTorch's runtime could not load or execute the program."""
+
+
+@functools.cache
+def executorch_api() -> types.SimpleNamespace:
+    """ExecuTorch's entry points, imported once; a clear error naming the extra when missing."""
+    try:
+        # ExecuTorch's kernels print what they load and the CPUs they find
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+            from executorch.backends.xnnpack.quantizer import xnnpack_quantizer
+            from executorch.exir import to_edge_transform_and_lower
+            from executorch.extension.pybindings import portable_lib
+            from executorch.runtime import Runtime
+            from torchao.quantization.pt2e.quantizer import utils as quantizer_utils
+    except ImportError as error:
+        raise MissingExtraError(f"the XNNPACK target needs ExecuTorch ({error}); install it with: {INSTALL}") from error
+    # one thread, as runs time PyTorch models: the latency of a program, the same on every machine
+    if portable_lib._threadpool_get_thread_count() != 1:
+        portable_lib._unsafe_reset_threadpool(1)
+    return types.SimpleNamespace(
+        XNNPACKQuantizer=xnnpack_quantizer.XNNPACKQuantizer,
+        get_symmetric_quantization_config=xnnpack_quantizer.get_symmetric_quantization_config,
+        module_name_filter=quantizer_utils.get_module_name_filter,
+        XnnpackPartitioner=XnnpackPartitioner,
+        to_edge_transform_and_lower=to_edge_transform_and_lower,
+        Runtime=Runtime,
+    )
+
+
+def xnnpack_config(per_channel: bool, dynamic: bool) -> Any:
+    """XNNPACK's symmetric int8 config: per-channel or per-tensor weights, static or dynamic activations."""
+    return executorch_api().get_symmetric_quantization_config(is_per_channel=per_channel, is_dynamic=dynamic)
+
+
+def xnnpack_quantizer(settings: Mapping[str, ModuleSettings], base: Any = None) -> Any:
+    """XNNPACK's quantizer for ``settings`` (module name -> settings); other modules as ``base``
+    annotates them (default: XNNPACK's symmetric per-channel static config everywhere).
+
+    A module kept float is left out by the quantizer's node filter (XNNPACK's quantizer takes no
+    "None" config per module); a module with other settings gets its own config, which the global
+    one then leaves alone. With a ``base`` of your own, the modules in ``settings`` are annotated
+    first and it annotates the rest."""
+    api = executorch_api()
+    ours = api.XNNPACKQuantizer()
+    if base is None:
+        ours.set_global(xnnpack_config(True, dynamic=False))
+    for fqn, choice in settings.items():
+        if not choice.keep_float:
+            ours.set_module_name(fqn, xnnpack_config(choice.per_channel, choice.dynamic))
+    floats = [api.module_name_filter(fqn) for fqn, choice in settings.items() if choice.keep_float]
+    if floats:
+        ours.set_filter_function(lambda node: not any(inside(node) for inside in floats))
+    if base is None:
+        return ours
+    if not settings:
+        return base
+    from .quantizer import torchao_pt2e
+
+    return torchao_pt2e().ComposableQuantizer([ours, base])
+
+
+def xnnpack_as_code(changed: Mapping[str, ModuleSettings], has_base: bool) -> str:
+    """Python that builds the XNNPACK quantizer of ``changed``, quantizes, lowers and runs the program."""
+    lines = [
+        "import torch",
+        "from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner",
+        "from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (",
+        "    XNNPACKQuantizer,",
+        "    get_symmetric_quantization_config,",
+        ")",
+        "from executorch.exir import to_edge_transform_and_lower",
+        "from executorch.runtime import Runtime",
+        "from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e",
+    ]
+    floats = [fqn for fqn, choice in changed.items() if choice.keep_float]
+    if floats:
+        lines.append("from torchao.quantization.pt2e.quantizer.utils import get_module_name_filter")
+    if has_base:
+        lines.append("from torchao.quantization.pt2e.quantizer import ComposableQuantizer")
+    lines += ["", "", "quantizer = XNNPACKQuantizer()"]
+    if not has_base:
+        lines.append("quantizer.set_global(get_symmetric_quantization_config(is_per_channel=True))")
+    for fqn, choice in changed.items():
+        if not choice.keep_float:
+            arguments = f"is_per_channel={choice.per_channel}" + (", is_dynamic=True" if choice.dynamic else "")
+            lines.append(f"quantizer.set_module_name({fqn!r}, get_symmetric_quantization_config({arguments}))")
+    if floats:
+        lines += [
+            f"kept_float = [get_module_name_filter(name) for name in {floats!r}]",
+            "quantizer.set_filter_function(lambda node: not any(inside(node) for inside in kept_float))",
+        ]
+    if has_base:
+        lines += [
+            "# base_quantizer: the quantizer you started from",
+            "quantizer = ComposableQuantizer([quantizer, base_quantizer])" if changed else "quantizer = base_quantizer",
+        ]
+    lines += [
+        "",
+        "exported = torch.export.export(model.eval(), example_inputs).module()",
+        "prepared = prepare_pt2e(exported, quantizer)",
+        "for batch in calibration_batches:",
+        "    prepared(*batch)",
+        "quantized = convert_pt2e(prepared)",
+        "program = to_edge_transform_and_lower(",
+        "    torch.export.export(quantized, example_inputs), partitioner=[XnnpackPartitioner()]",
+        ").to_executorch()",
+        'with open("model.pte", "wb") as file:',
+        "    file.write(program.buffer)",
+        'method = Runtime.get().load_program(program.buffer).load_method("forward")',
+        "outputs = method.execute(list(example_inputs))",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Delegation:
+    """What XNNPACK took: ops in its delegated subgraphs, ops left to ExecuTorch's portable kernels
+    (op name -> count) and the partitioner's reason per op left out, where it gave one."""
+
+    subgraphs: int
+    delegated: int
+    left: Mapping[str, int] = field(default_factory=dict)
+    reasons: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def words(self) -> str:
+        """In a run's notes: "XNNPACK runs 28 of 29 ops (2 subgraphs); left to ExecuTorch's portable kernels: ..."."""
+        total = self.delegated + sum(self.left.values())
+        said = f"XNNPACK runs {self.delegated} of {total} ops ({self.subgraphs} delegated subgraphs)"
+        if not self.left:
+            return said + "; nothing left to ExecuTorch's portable kernels"
+        each = ", ".join(
+            f"{op} x{count}" + (f" ({self.reasons[op]})" if op in self.reasons else "") for op, count in self.left.items()
+        )
+        return f"{said}; left to ExecuTorch's portable kernels: {each}"
+
+
+class DeployedProgram(torch.nn.Module):
+    """An ExecuTorch program lowered to XNNPACK, called like the model: ``forward`` executes it in
+    ExecuTorch's runtime. ``pte`` is the serialised program (``write(path)`` saves it), ``reference``
+    the reference-quantized graph it was lowered from, ``delegation`` what XNNPACK took."""
+
+    def __init__(self, pte: bytes, reference: torch.fx.GraphModule, out_spec: Any, delegation: Delegation) -> None:
+        super().__init__()
+        self.pte = pte
+        self.delegation = delegation
+        self.lowering_s = 0.0
+        self._out_spec = out_spec
+        object.__setattr__(self, "reference", reference)  # not a submodule: its tensors are not the program's
+        try:
+            with _quiet_runtime():
+                self._method = executorch_api().Runtime.get().load_program(pte).load_method("forward")
+        except Exception as error:
+            raise RuntimeFailedError(
+                f"ExecuTorch's runtime could not load the program ({type(error).__name__}: {error}). "
+                "Quantize for x86 (analyze(..., engine='pt2e') without target) or report the model to ExecuTorch."
+            ) from error
+
+    def forward(self, *inputs: Any) -> Any:
+        flat = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in pytree.tree_leaves(inputs)]
+        try:
+            outputs = self._method.execute(flat)
+        except Exception as error:
+            shapes = ", ".join(str(tuple(x.shape)) for x in flat if isinstance(x, torch.Tensor))
+            raise RuntimeFailedError(
+                f"ExecuTorch's runtime failed to execute the program on inputs of shape {shapes} "
+                f"({type(error).__name__}: {error}). A program exported with a fixed batch size runs only that size: "
+                "give evaluation batches of the example inputs' size."
+            ) from error
+        return pytree.tree_unflatten(list(outputs), self._out_spec)
+
+    def write(self, path: str) -> int:
+        """Save the program as ``path`` (a ``.pte`` file ExecuTorch's runtime loads); the bytes written."""
+        with open(path, "wb") as file:
+            return file.write(self.pte)
+
+    def extra_repr(self) -> str:
+        return f"{len(self.pte):,} bytes of .pte; {self.delegation.words}"
+
+
+def lower(converted: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -> DeployedProgram:
+    """``converted`` (convert_pt2e's graph) exported, lowered to XNNPACK, serialised and loaded in
+    ExecuTorch's runtime; the batch size stays free where the graph allows it."""
+    api = executorch_api()
+    start = time.perf_counter()
+    step = "torch.export of the quantized graph"
+    try:
+        with torch_warnings_hidden(), _quiet_runtime():
+            exported = _exported(converted, example_inputs)
+            step = "to_edge_transform_and_lower with XNNPACK's partitioner"
+            with _reasons() as reasons:
+                edge = api.to_edge_transform_and_lower(exported, partitioner=[api.XnnpackPartitioner()])
+            delegation = _delegation(edge.exported_program().graph_module, reasons)
+            step = "to_executorch (serialising the program)"
+            pte = bytes(edge.to_executorch().buffer)
+    except Exception as error:
+        raise LoweringError(
+            f"ExecuTorch could not lower the quantized model to XNNPACK: {step} failed ({type(error).__name__}: "
+            f"{str(error)[:400]}). Keep the modules around the failing op float, or quantize for x86 "
+            "(analyze(..., engine='pt2e') without target)."
+        ) from error
+    program = DeployedProgram(pte, converted, exported.call_spec.out_spec, delegation)
+    program.lowering_s = time.perf_counter() - start
+    return program
+
+
+def _exported(model: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
+    if all(isinstance(x, torch.Tensor) and x.dim() > 0 for x in example_inputs):
+        batch = torch.export.Dim("batch", min=1)
+        try:
+            return torch.export.export(model, example_inputs, dynamic_shapes=tuple({0: batch} for _ in example_inputs))
+        except Exception:  # the graph fixes its batch size: exported as given
+            pass
+    return torch.export.export(model, example_inputs)
+
+
+def _delegation(lowered: torch.fx.GraphModule, reasons: Mapping[str, str]) -> Delegation:
+    subgraphs, delegated, left = 0, 0, Counter()
+    for node in lowered.graph.nodes:
+        if node.op == "get_attr" and str(node.target).startswith("lowered_module"):
+            subgraphs += 1
+            inner = getattr(lowered, str(node.target)).original_module.graph_module.graph
+            delegated += sum(1 for n in inner.nodes if n.op == "call_function" and _op_name(n) not in BOOKKEEPING)
+        elif node.op == "call_function" and _op_name(node) not in BOOKKEEPING:
+            left[_op_name(node)] += 1
+    return Delegation(subgraphs, delegated, dict(left), {op: why for op, why in reasons.items() if op in left})
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    name = getattr(node.target, "__name__", str(node.target))
+    return name.removesuffix(".default")
+
+
+class _Reasons(logging.Handler):
+    """The partitioner's "why not delegated" records, first reason per op."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.found: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        node, reason = getattr(record.msg, "node", None), getattr(record.msg, "reason", None)
+        if isinstance(node, torch.fx.Node) and reason:
+            self.found.setdefault(_op_name(node), str(reason))
+
+
+@contextlib.contextmanager
+def _reasons() -> Iterator[dict[str, str]]:
+    logger = logging.getLogger("executorch.backends.xnnpack")
+    handler, level, propagate = _Reasons(), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False  # the debug records are read here, not printed
+    try:
+        yield handler.found
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+@contextlib.contextmanager
+def _quiet_runtime() -> Iterator[None]:
+    """ExecuTorch's C++ runtime logs what it reads of the CPU to stderr's file descriptor: kept out
+    of the notebook."""
+    import os
+    import sys
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real stderr (some notebook front ends)
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)

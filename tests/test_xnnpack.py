@@ -1,0 +1,160 @@
+"""The PT2E engine's XNNPACK target: runs lowered to XNNPACK and measured in ExecuTorch's runtime.
+
+Ground truth here is the runtime itself: a run's numbers are checked against the ``.pte`` it wrote,
+loaded and executed again through ExecuTorch's own Python API. Needs the ``[executorch]`` extra.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
+
+from executorch.runtime import Runtime  # noqa: E402
+
+from qreport_widgets import analyze  # noqa: E402
+from qreport_widgets.core.metrics import sqnr_db  # noqa: E402
+from qreport_widgets.demo.digits import trained_digits_model  # noqa: E402
+from qreport_widgets.engines.pt2e import xnnpack  # noqa: E402
+from qreport_widgets.engines.pt2e.xnnpack import DeployedProgram  # noqa: E402
+from qreport_widgets.engines.settings import ModuleSettings  # noqa: E402
+from qreport_widgets.errors import MissingExtraError  # noqa: E402
+from qreport_widgets.tune.truth import SIMULATION_ERROR_DB  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def digits_cnn(digits_cache):
+    model, data = trained_digits_model("cnn", digits_cache)
+    report = analyze(
+        model,
+        data.calibration[0],
+        data.calibration,
+        engine="pt2e",
+        target="xnnpack",
+        eval_data=data.evaluation,
+        eval_fn=data.accuracy,
+        progress=False,
+    )
+    return model, data, report
+
+
+def executed(pte: bytes, batches):
+    """The outputs of ``pte`` loaded and executed by ExecuTorch's runtime, apart from the package."""
+    method = Runtime.get().load_program(pte).load_method("forward")
+    return [method.execute([batch[0]])[0] for batch in batches]
+
+
+def test_the_baseline_is_the_program_executorch_runs_its_size_the_pte(digits_cnn, tmp_path):
+    model, data, report = digits_cnn
+    session = report.session
+    baseline = session.baseline()
+    assert baseline.ok, baseline.error
+    program = baseline.quantized_model
+    assert isinstance(program, DeployedProgram)
+    assert baseline.size_bytes == baseline.deployed_bytes == len(program.pte) == program.write(tmp_path / "model.pte")
+
+    # the run's SQNR and metric are the runtime's: the written program, executed again, gives them
+    outputs = executed((tmp_path / "model.pte").read_bytes(), data.evaluation)
+    with torch.no_grad():
+        expected = torch.cat([model(*batch).flatten() for batch in data.evaluation])
+    assert baseline.output_sqnr_db == pytest.approx(sqnr_db(expected, torch.cat([o.flatten() for o in outputs])), abs=1e-6)
+    labels = torch.cat([o.argmax(dim=1) for o in outputs])
+    assert baseline.eval_metric == pytest.approx(float((labels == data.evaluation_labels).float().mean()))
+    assert math.isfinite(baseline.latency_ms) and baseline.latency_ms > 0
+
+    # per-layer SQNR of the reference graph it was lowered from, every module; what XNNPACK took
+    assert set(baseline.per_layer_sqnr_db.index) == {m.fqn for m in session.modules}
+    assert any("measured in ExecuTorch's runtime" in note for note in baseline.notes)
+    assert any(note.startswith("XNNPACK runs ") for note in baseline.notes)
+
+    # the simulation against the runtime: the truth check compares them
+    truth = session.truth_check()
+    assert truth.real_db == baseline.output_sqnr_db
+    assert abs(truth.gap_db) <= SIMULATION_ERROR_DB
+
+
+def test_reach_and_accept_all_are_confirmed_in_the_runtime_and_their_code_runs(digits_cnn):
+    model, data, report = digits_cnn
+    session = report.session
+    baseline = session.baseline()
+    reached = session.reach(baseline.output_sqnr_db + 2.0)
+    assert reached.ok and reached.output_sqnr_db >= baseline.output_sqnr_db + 2.0
+    floats = [fqn for fqn, choice in reached.settings.items() if choice.keep_float]
+    assert floats and isinstance(reached.quantized_model, DeployedProgram)
+    kept = {row["module"]: row["quantized"] for _, row in reached.conversions.iterrows()}
+    assert all(not kept[fqn] for fqn in floats)
+
+    verified = report.verified_suggestions()
+    accepted = verified.accept_all
+    assert accepted is not None and accepted.ok
+    assert accepted.output_sqnr_db >= baseline.output_sqnr_db - SIMULATION_ERROR_DB
+
+    # the settings as code build the same program: executed, its output is the run's
+    code = session.settings_as_code(reached.settings)
+    scope = {"model": model, "example_inputs": data.calibration[0], "calibration_batches": data.calibration}
+    exec(compile(code, "settings_as_code", "exec"), scope)  # noqa: S102
+    ours = reached.quantized_model(*data.calibration[0])
+    assert sqnr_db(ours, scope["outputs"][0]) > 60  # the same program (histogram observers: to rounding)
+
+
+class WithACumsum(nn.Module):
+    """A conv net with an op XNNPACK has no kernel for in the middle: partly delegated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        y = torch.cumsum(y, dim=3)
+        return self.head(y.flatten(1))
+
+
+def test_a_model_xnnpack_partly_delegates_runs_and_says_what_was_left():
+    torch.manual_seed(0)
+    model = WithACumsum().eval()
+    batches = [(torch.randn(4, 3, 8, 8),) for _ in range(4)]
+    report = analyze(model, batches[0], batches, engine="pt2e", target="xnnpack", progress=False)
+    baseline = report.session.baseline()
+    assert baseline.ok, baseline.error
+    delegation = baseline.quantized_model.delegation
+    assert "aten.cumsum" in delegation.left and delegation.delegated > 0
+    said = next(note for note in baseline.notes if note.startswith("XNNPACK runs "))
+    assert "left to ExecuTorch's portable kernels" in said and "aten.cumsum" in said
+    assert baseline.output_sqnr_db > 20  # the portable cumsum between two delegated parts computes it right
+
+
+def test_a_lowering_that_fails_is_a_failed_run_saying_what_to_do(digits_cnn, monkeypatch):
+    _, data, report = digits_cnn
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("an op the partitioner cannot place")
+
+    api = xnnpack.executorch_api()
+    monkeypatch.setattr(api, "to_edge_transform_and_lower", refused)
+    run = report.session.apply({"fc1": ModuleSettings(keep_float=True)}, label="refused")
+    assert not run.ok
+    assert "could not lower the quantized model to XNNPACK" in run.error
+    assert "Keep the modules around the failing op float" in run.error
+
+
+def test_the_target_is_checked_and_executorch_missing_is_said(monkeypatch):
+    model = nn.Sequential(nn.Linear(4, 4)).eval()
+    batches = [(torch.randn(2, 4),)]
+    with pytest.raises(ValueError, match="target= is not for engine='fx'"):
+        analyze(model, batches[0], batches, target="xnnpack", progress=False)
+    with pytest.raises(ValueError, match="target must be 'x86' or 'xnnpack'"):
+        analyze(model, batches[0], batches, engine="pt2e", target="arm", progress=False)
+    monkeypatch.setitem(__import__("sys").modules, "executorch.runtime", None)
+    xnnpack.executorch_api.cache_clear()
+    try:
+        with pytest.raises(MissingExtraError, match=r"qreport-widgets\[executorch\]"):
+            analyze(model, batches[0], batches, engine="pt2e", target="xnnpack", progress=False)
+    finally:
+        monkeypatch.undo()
+        xnnpack.executorch_api.cache_clear()
