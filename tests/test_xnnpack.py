@@ -158,3 +158,18 @@ def test_the_target_is_checked_and_executorch_missing_is_said(monkeypatch):
     finally:
         monkeypatch.undo()
         xnnpack.executorch_api.cache_clear()
+
+
+def test_a_quantizer_of_your_own_is_the_start_and_keeping_a_module_float_holds_over_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).eval()
+    batches = [(torch.randn(4, 3, 8, 8),) for _ in range(3)]
+    per_tensor = xnnpack.executorch_api().XNNPACKQuantizer().set_global(xnnpack.xnnpack_config(False, dynamic=False))
+    report = analyze(model, batches[0], batches, engine="pt2e", target="xnnpack", quantizer=per_tensor, progress=False)
+    session = report.session
+    assert {m.fqn: m.current.per_channel for m in session.modules} == {"0": False, "3": False}
+    run = session.apply({"3": ModuleSettings(keep_float=True)})
+    assert run.ok, run.error
+    quantized = dict(zip(run.conversions["module"], run.conversions["quantized"], strict=True))
+    assert quantized == {"0": True, "3": False} and not run.module_notes
+    assert "base_quantizer" in session.settings_as_code({"3": ModuleSettings(keep_float=True)})

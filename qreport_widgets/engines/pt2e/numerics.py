@@ -210,8 +210,8 @@ class ConvertedLayer:
 
     def matches(self, settings: ModuleSettings) -> bool:
         """Whether the graph carries out ``settings`` (a silent no-op does not)."""
-        if settings.keep_float:
-            return self.weight == "float" and self.activation == "float"
+        if settings.keep_float:  # a float op may read a tensor the op before it quantized at its output
+            return self.weight == "float"
         wanted = "per-channel" if settings.per_channel else "per-tensor"
         return self.weight == wanted and self.activation == ("dynamic" if settings.dynamic else "static")
 

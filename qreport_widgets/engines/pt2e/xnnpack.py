@@ -54,6 +54,7 @@ def executorch_api() -> types.SimpleNamespace:
             from executorch.exir import to_edge_transform_and_lower
             from executorch.extension.pybindings import portable_lib
             from executorch.runtime import Runtime
+            from torchao.quantization.pt2e.quantizer import ComposableQuantizer
             from torchao.quantization.pt2e.quantizer import utils as quantizer_utils
     except ImportError as error:
         raise MissingExtraError(f"the XNNPACK target needs ExecuTorch ({error}); install it with: {INSTALL}") from error
@@ -64,6 +65,7 @@ def executorch_api() -> types.SimpleNamespace:
         XNNPACKQuantizer=xnnpack_quantizer.XNNPACKQuantizer,
         get_symmetric_quantization_config=xnnpack_quantizer.get_symmetric_quantization_config,
         module_name_filter=quantizer_utils.get_module_name_filter,
+        ComposableQuantizer=ComposableQuantizer,
         XnnpackPartitioner=XnnpackPartitioner,
         to_edge_transform_and_lower=to_edge_transform_and_lower,
         Runtime=Runtime,
@@ -82,7 +84,7 @@ def xnnpack_quantizer(settings: Mapping[str, ModuleSettings], base: Any = None) 
     A module kept float is left out by the quantizer's node filter (XNNPACK's quantizer takes no
     "None" config per module); a module with other settings gets its own config, which the global
     one then leaves alone. With a ``base`` of your own, the modules in ``settings`` are annotated
-    first and it annotates the rest."""
+    first, it annotates the rest, and what it annotates in a module kept float is taken back."""
     api = executorch_api()
     ours = api.XNNPACKQuantizer()
     if base is None:
@@ -97,9 +99,33 @@ def xnnpack_quantizer(settings: Mapping[str, ModuleSettings], base: Any = None) 
         return ours
     if not settings:
         return base
-    from .quantizer import torchao_pt2e
+    return api.ComposableQuantizer([ours, _KeepingFloat(base, floats) if floats else base])
 
-    return torchao_pt2e().ComposableQuantizer([ours, base])
+
+class _KeepingFloat:
+    """``base`` (a quantizer of the user's), whose annotations of the modules kept float are taken
+    back as soon as it made them (it has no way to leave a module out)."""
+
+    def __init__(self, base: Any, floats: list[Any]) -> None:
+        self.base, self.floats = base, floats
+
+    def transform_for_annotation(self, model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        return self.base.transform_for_annotation(model)
+
+    def annotate(self, model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        self.base.annotate(model)
+        for node in model.graph.nodes:
+            if any(inside(node) for inside in self.floats):
+                node.meta.pop("quantization_annotation", None)
+        return model
+
+    def validate(self, model: torch.fx.GraphModule) -> None:
+        self.base.validate(model)
+
+    def prepare_obs_or_fq_callback(self, model: torch.fx.GraphModule, edge_or_node_to_obs_or_fq: dict) -> None:
+        callback = getattr(self.base, "prepare_obs_or_fq_callback", None)
+        if callback is not None:
+            callback(model, edge_or_node_to_obs_or_fq)
 
 
 def xnnpack_as_code(changed: Mapping[str, ModuleSettings], has_base: bool) -> str:
