@@ -7,7 +7,7 @@ STAMP := $(VENV)/.qreport-installed
 # whose tests then skip)
 EXTRAS ?= dev,executorch,explorer
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test test-slow demo bench lint clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: setup
 	$(BIN)/python -m pytest
+
+# the tests marked slow (pyproject.toml), left out of `make test` to keep it near 15 minutes on 2 cores
+test-slow: setup
+	$(BIN)/python -m pytest -m slow
 
 # the report in the terminal, then JupyterLab on the quickstart (127.0.0.1, no browser launched:
 # the printed URL opens the quickstart notebook; works on a machine without a display). Ctrl-C stops the server.

@@ -8,7 +8,8 @@ import torch
 from qreport_widgets.demo.digits import MODELS, build_digits_model, trained_digits_model
 
 
-@pytest.mark.parametrize("name", MODELS)
+# the MobileNet trains for 50 s (20 epochs of 54 layers): run by `make test-slow`
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "mobilenet" else n for n in MODELS])
 def test_trained_models_are_accurate_and_cached(name, tmp_path):
     model, data = trained_digits_model(name, tmp_path)
     # the BERT reads pixels as tokens and learns their positions: 75% after its 20 epochs

@@ -1,6 +1,6 @@
 """The README's Python snippets run as written: the first, then the session and saving ones after
 it (they continue its ``report``), the upstream-workflow one, the PT2E one, the eager one, the
-size-front one and the kernel-check one on their own."""
+size-front one, the kernel-check one and the XNNPACK one on their own."""
 
 from __future__ import annotations
 
@@ -16,12 +16,17 @@ def snippets() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
-def test_the_readme_has_the_eight_snippets_this_test_runs():
-    assert len(snippets()) == 8
+def test_the_readme_has_the_nine_snippets_this_test_runs():
+    assert len(snippets()) == 9
 
 
-@pytest.mark.parametrize("order", [(0, 2, 3), (1,), (4,), (5,), (6,), (7,)])
+XNNPACK_SNIPPET = 8  # needs the [executorch] extra
+
+
+@pytest.mark.parametrize("order", [(0, 2, 3), (1,), (4,), (5,), (6,), (7,), (XNNPACK_SNIPPET,)])
 def test_readme_snippets_run_as_written(order, tmp_path, monkeypatch):
+    if XNNPACK_SNIPPET in order:
+        pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
     monkeypatch.chdir(tmp_path)  # the saving snippet writes demo.qreport here
     namespace: dict = {}
     blocks = snippets()

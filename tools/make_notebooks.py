@@ -944,6 +944,132 @@ LANGUAGE_MODEL_INT4 = [
 ]
 
 
+DEPLOY = [
+    (
+        "md",
+        "# Deploy to a phone: XNNPACK through ExecuTorch\n"
+        "\n"
+        "A model headed for a phone is quantized with XNNPACK's PT2E quantizer, lowered to XNNPACK and run by "
+        "ExecuTorch's runtime. `analyze(..., engine='pt2e', target='xnnpack')` starts from that quantizer "
+        "(symmetric int8, per-channel weights) and measures every run where it will run: the converted graph is "
+        "lowered to XNNPACK, serialised as a `.pte` program and executed in ExecuTorch's runtime (here on x86, the "
+        "same program a phone loads). A run's output SQNR, metric and latency are the program's, its size the "
+        "`.pte`'s bytes. It needs the `[executorch]` extra (`pip install 'qreport-widgets[executorch]'`; "
+        "`executorch==1.5.1` installs beside torch 2.13 and torchao 0.18) and, for the last part, `[explorer]` "
+        "(Google's Model Explorer).\n"
+        "\n"
+        "The model: the small CNN trained on scikit-learn's digits, quantized once for x86 and once for XNNPACK.",
+    ),
+    (
+        "code",
+        "import io\n"
+        "\n"
+        "import pandas as pd\n"
+        "import torch\n"
+        "from qreport_widgets import analyze\n"
+        "from qreport_widgets.demo.digits import trained_digits_model\n"
+        "\n"
+        "model, data = trained_digits_model('cnn')\n"
+        "given = dict(eval_data=data.evaluation, eval_fn=data.accuracy, engine='pt2e', progress=False)\n"
+        "x86 = analyze(model, data.calibration[0], data.calibration, **given).session.baseline()\n"
+        "report = analyze(model, data.calibration[0], data.calibration, target='xnnpack', **given)\n"
+        "session = report.session\n"
+        "baseline = session.baseline()\n"
+        "float_bytes = io.BytesIO()\n"
+        "torch.save(model.state_dict(), float_bytes)\n"
+        "pd.DataFrame({\n"
+        "    target: {'output SQNR (dB)': run.output_sqnr_db, 'accuracy': run.eval_metric,\n"
+        "             'size (KB)': run.deployed_bytes / 1024, 'latency (ms, 1 thread)': run.latency_ms}\n"
+        "    for target, run in {'x86 (convert_pt2e graph)': x86, 'XNNPACK (.pte in ExecuTorch)': baseline}.items()\n"
+        "}).round(3).assign(float=[None, None, len(float_bytes.getvalue()) / 1024, None])",
+    ),
+    (
+        "md",
+        "## The runtime against the simulation\n"
+        "\n"
+        "Every estimate (sensitivity, reach's plan, the verified suggestions) comes from the simulation, which "
+        "follows the reference-quantized graph. The truth check compares it with the program's output in the "
+        "runtime before any estimate is shown. The run's notes say what XNNPACK took and what it left to "
+        "ExecuTorch's portable kernels (and the partitioner's reason):",
+    ),
+    (
+        "code",
+        "truth = session.truth_check()\n"
+        "print(f'runtime {truth.real_db:.2f} dB, simulation {truth.simulated_db:.2f} dB, gap {truth.gap_db:+.2f} dB')\n"
+        "for note in baseline.notes:\n"
+        "    print('-', note)",
+    ),
+    (
+        "md",
+        "## A fix, found in the simulation and confirmed in the runtime\n"
+        "\n"
+        "The sensitivity ranking keeps each module float alone in the simulation; `reach` keeps the fewest modules "
+        "float that meet a target, each picked given the picks before, and confirms the plan with a real run: "
+        "lowered, serialised and executed in ExecuTorch again.",
+    ),
+    (
+        "code",
+        "display(session.sensitivity().round(3).head())\n"
+        "fixed = session.reach(baseline.output_sqnr_db + 3)\n"
+        "print(fixed.label, '->', f'{fixed.output_sqnr_db:.2f} dB in the runtime, accuracy {fixed.eval_metric:.3f}, '\n"
+        "      f'{fixed.deployed_bytes / 1024:.1f} KB of .pte')\n"
+        "print('kept float:', [fqn for fqn, s in fixed.settings.items() if s.keep_float])",
+    ),
+    (
+        "md",
+        "## The program to ship\n"
+        "\n"
+        "A run's model is the deployed program: `write` saves the `.pte` that ExecuTorch's runtime loads on the "
+        "phone. Loaded again here with ExecuTorch's own API, it gives the run's output:",
+    ),
+    (
+        "code",
+        "import tempfile\n"
+        "from pathlib import Path\n"
+        "\n"
+        "from executorch.runtime import Runtime\n"
+        "\n"
+        "folder = Path(tempfile.mkdtemp(prefix='digits-cnn-'))  # a folder of your own in practice\n"
+        "program = fixed.quantized_model\n"
+        "written = program.write(folder / 'digits_cnn_xnnpack.pte')\n"
+        "method = Runtime.get().load_program((folder / 'digits_cnn_xnnpack.pte').read_bytes()).load_method('forward')\n"
+        "images = data.evaluation[0][0]\n"
+        "same = torch.equal(method.execute([images])[0], program(images))\n"
+        "print(f'{written:,} bytes written; the loaded program gives the run\\'s output: {same}')\n"
+        "print(session.settings_as_code(fixed.settings))",
+    ),
+    (
+        "md",
+        "## In Model Explorer\n"
+        "\n"
+        "`report.to_model_explorer(folder, run=...)` writes the float model's exported program (`model.pt2`) and a "
+        "node-data file per metric (the run's per-layer SQNR, the sensitivity gain), keyed by the nodes Model "
+        "Explorer draws; `report.show_in_model_explorer(run=...)` starts Model Explorer on them beside the notebook "
+        "and shows it here (`.stop()` ends its server). Below, the sensitivity gain over the graph: the last "
+        "Linear red (5.5 dB gained kept float alone: XNNPACK quantizes the logits, x86's quantizer does not), the "
+        "first Conv yellow, the rest green; the baseline's per-layer SQNR is the first column of the table beside "
+        "it:\n"
+        "\n"
+        "![Model Explorer: the digits CNN with the sensitivity gain over the graph](images/11_model_explorer.png)",
+    ),
+    (
+        "code",
+        "files = report.to_model_explorer(folder / 'model_explorer')\n"
+        "for name, path in files.node_data.items():\n"
+        "    print(f'{name}: {path}')\n"
+        "print(files.command())",
+    ),
+    (
+        "md",
+        "## In the widget\n"
+        "\n"
+        "The Tune tab works as on x86; every Apply lowers and runs the program in ExecuTorch, and the runs table "
+        "shows its `.pte` size and latency.",
+    ),
+    ("code", "report.widget()"),
+]
+
+
 def main() -> None:
     HERE.mkdir(exist_ok=True)
     notebooks = {
@@ -957,6 +1083,7 @@ def main() -> None:
         "08_when_the_simulation_disagrees.ipynb": KERNEL_TRUTH,
         "09_a_transformer.ipynb": TRANSFORMER_EAGER,
         "10_size_budget.ipynb": SIZE_BUDGET,
+        "11_deploy_to_a_phone.ipynb": DEPLOY,
         "12_a_language_model_in_int4.ipynb": LANGUAGE_MODEL_INT4,
     }
     for name, cells in notebooks.items():

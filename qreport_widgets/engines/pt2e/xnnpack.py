@@ -15,6 +15,7 @@ import contextlib
 import functools
 import io
 import logging
+import os
 import time
 import types
 from collections import Counter
@@ -48,9 +49,10 @@ def executorch_api() -> types.SimpleNamespace:
     """ExecuTorch's entry points, imported once; a clear error naming the extra when missing."""
     try:
         # ExecuTorch's kernels print what they load and the CPUs they find
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), _quiet_runtime():
             from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
             from executorch.backends.xnnpack.quantizer import xnnpack_quantizer
+            from executorch.backends.xnnpack.utils.configs import get_xnnpack_edge_compile_config
             from executorch.exir import to_edge_transform_and_lower
             from executorch.extension.pybindings import portable_lib
             from executorch.runtime import Runtime
@@ -59,8 +61,9 @@ def executorch_api() -> types.SimpleNamespace:
     except ImportError as error:
         raise MissingExtraError(f"the XNNPACK target needs ExecuTorch ({error}); install it with: {INSTALL}") from error
     # one thread, as runs time PyTorch models: the latency of a program, the same on every machine
-    if portable_lib._threadpool_get_thread_count() != 1:
-        portable_lib._unsafe_reset_threadpool(1)
+    with _quiet_runtime():  # the thread pool logs the CPUs it finds when first asked
+        if portable_lib._threadpool_get_thread_count() != 1:
+            portable_lib._unsafe_reset_threadpool(1)
     return types.SimpleNamespace(
         XNNPACKQuantizer=xnnpack_quantizer.XNNPACKQuantizer,
         get_symmetric_quantization_config=xnnpack_quantizer.get_symmetric_quantization_config,
@@ -68,6 +71,7 @@ def executorch_api() -> types.SimpleNamespace:
         ComposableQuantizer=ComposableQuantizer,
         XnnpackPartitioner=XnnpackPartitioner,
         to_edge_transform_and_lower=to_edge_transform_and_lower,
+        edge_compile_config=get_xnnpack_edge_compile_config,
         Runtime=Runtime,
     )
 
@@ -238,7 +242,7 @@ class DeployedProgram(torch.nn.Module):
             ) from error
         return pytree.tree_unflatten(list(outputs), self._out_spec)
 
-    def write(self, path: str) -> int:
+    def write(self, path: str | os.PathLike[str]) -> int:
         """Save the program as ``path`` (a ``.pte`` file ExecuTorch's runtime loads); the bytes written."""
         with open(path, "wb") as file:
             return file.write(self.pte)
@@ -258,7 +262,10 @@ def lower(converted: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -> D
             exported = _exported(converted, example_inputs)
             step = "to_edge_transform_and_lower with XNNPACK's partitioner"
             with _reasons() as reasons:
-                edge = api.to_edge_transform_and_lower(exported, partitioner=[api.XnnpackPartitioner()])
+                # XNNPACK's own edge config: no IR re-validation pass over fake tensors (a third of the lowering)
+                edge = api.to_edge_transform_and_lower(
+                    exported, partitioner=[api.XnnpackPartitioner()], compile_config=api.edge_compile_config()
+                )
             delegation = _delegation(edge.exported_program().graph_module, reasons)
             step = "to_executorch (serialising the program)"
             pte = bytes(edge.to_executorch().buffer)
@@ -332,7 +339,6 @@ def _reasons() -> Iterator[dict[str, str]]:
 def _quiet_runtime() -> Iterator[None]:
     """ExecuTorch's C++ runtime logs what it reads of the CPU to stderr's file descriptor: kept out
     of the notebook."""
-    import os
     import sys
 
     try:
