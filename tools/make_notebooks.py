@@ -981,7 +981,7 @@ DEPLOY = [
         "    target: {'output SQNR (dB)': run.output_sqnr_db, 'accuracy': run.eval_metric,\n"
         "             'size (KB)': run.deployed_bytes / 1024, 'latency (ms, 1 thread)': run.latency_ms}\n"
         "    for target, run in {'x86 (convert_pt2e graph)': x86, 'XNNPACK (.pte in ExecuTorch)': baseline}.items()\n"
-        "}).round(3).assign(float=[None, None, len(float_bytes.getvalue()) / 1024, None])",
+        "}).T.round(3).assign(**{'float size (KB)': round(len(float_bytes.getvalue()) / 1024, 1)})",
     ),
     (
         "md",

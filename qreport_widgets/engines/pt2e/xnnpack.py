@@ -18,6 +18,7 @@ import logging
 import os
 import time
 import types
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -258,7 +259,10 @@ def lower(converted: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -> D
     start = time.perf_counter()
     step = "torch.export of the quantized graph"
     try:
-        with torch_warnings_hidden(), _quiet_runtime():
+        with torch_warnings_hidden(), _quiet_runtime(), warnings.catch_warnings():
+            # ExecuTorch's and torch's own deprecations inside the lowering (copied pytree specs): nothing to act on
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
             exported = _exported(converted, example_inputs)
             step = "to_edge_transform_and_lower with XNNPACK's partitioner"
             with _reasons() as reasons:
