@@ -55,6 +55,7 @@ def test_the_baseline_is_the_program_executorch_runs_its_size_the_pte(digits_cnn
     assert baseline.ok, baseline.error
     program = baseline.quantized_model
     assert isinstance(program, DeployedProgram)
+    assert program.input_shapes is None  # exported with its batch size free: the last batch of 5 runs too
     assert baseline.size_bytes == baseline.deployed_bytes == len(program.pte) == program.write(tmp_path / "model.pte")
 
     # the run's SQNR and metric are the runtime's: the written program, executed again, gives them
@@ -173,3 +174,26 @@ def test_a_quantizer_of_your_own_is_the_start_and_keeping_a_module_float_holds_o
     quantized = dict(zip(run.conversions["module"], run.conversions["quantized"], strict=True))
     assert quantized == {"0": True, "3": False} and not run.module_notes
     assert "base_quantizer" in session.settings_as_code({"3": ModuleSettings(keep_float=True)})
+
+
+class FixedBatch(nn.Module):
+    """A model that reshapes by its example's batch size: exported with that size only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x).reshape(4, 2, 2)
+
+
+def test_a_program_fixed_to_its_batch_size_says_so_on_another_size():
+    torch.manual_seed(0)
+    model = FixedBatch().eval()
+    batches = [(torch.randn(4, 8),) for _ in range(3)]
+    baseline = analyze(model, batches[0], batches, engine="pt2e", target="xnnpack", progress=False).session.baseline()
+    assert baseline.ok, baseline.error
+    program = baseline.quantized_model
+    assert program.input_shapes == ((4, 8),)
+    with pytest.raises(xnnpack.RuntimeFailedError, match=r"exported for inputs of shape \(\(4, 8\),\) only"):
+        program(torch.randn(3, 8))

@@ -219,6 +219,7 @@ class DeployedProgram(torch.nn.Module):
         self.pte = pte
         self.delegation = delegation
         self.lowering_s = 0.0
+        self.input_shapes: tuple[tuple[int, ...], ...] | None = None  # set when the program fixes its input shapes
         self._out_spec = out_spec
         object.__setattr__(self, "reference", reference)  # not a submodule: its tensors are not the program's
         try:
@@ -235,11 +236,20 @@ class DeployedProgram(torch.nn.Module):
         try:
             outputs = self._method.execute(flat)
         except Exception as error:
-            shapes = ", ".join(str(tuple(x.shape)) for x in flat if isinstance(x, torch.Tensor))
+            shapes = tuple(tuple(x.shape) for x in flat if isinstance(x, torch.Tensor))
+            if self.input_shapes is not None and shapes != self.input_shapes:
+                why = (
+                    f"the model fixes its batch size, so the program was exported for inputs of shape {self.input_shapes} "
+                    "only: give evaluation batches of the example inputs' size"
+                )
+            else:
+                why = (
+                    "an op the runtime has no kernel for, or a kernel that failed: keep the modules around it float "
+                    "(the run's notes list the ops left to portable kernels), or quantize for x86"
+                )
             raise RuntimeFailedError(
                 f"ExecuTorch's runtime failed to execute the program on inputs of shape {shapes} "
-                f"({type(error).__name__}: {error}). A program exported with a fixed batch size runs only that size: "
-                "give evaluation batches of the example inputs' size."
+                f"({type(error).__name__}: {error}): {why}."
             ) from error
         return pytree.tree_unflatten(list(outputs), self._out_spec)
 
@@ -281,6 +291,8 @@ def lower(converted: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -> D
         ) from error
     program = DeployedProgram(pte, converted, exported.call_spec.out_spec, delegation)
     program.lowering_s = time.perf_counter() - start
+    if not _batch_free(exported):
+        program.input_shapes = tuple(tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor))
     return program
 
 
@@ -292,6 +304,13 @@ def _exported(model: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -> t
         except Exception:  # the graph fixes its batch size: exported as given
             pass
     return torch.export.export(model, example_inputs)
+
+
+def _batch_free(exported: torch.export.ExportedProgram) -> bool:
+    """Whether a user input of ``exported`` has a symbolic (free) size."""
+    inputs = set(exported.graph_signature.user_inputs)
+    values = [node.meta.get("val") for node in exported.graph.nodes if node.op == "placeholder" and node.name in inputs]
+    return any(isinstance(size, torch.SymInt) for value in values for size in getattr(value, "shape", ()))
 
 
 def _delegation(lowered: torch.fx.GraphModule, reasons: Mapping[str, str]) -> Delegation:
