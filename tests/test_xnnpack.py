@@ -89,6 +89,10 @@ def test_reach_and_accept_all_are_confirmed_in_the_runtime_and_their_code_runs(d
     kept = {row["module"]: row["quantized"] for _, row in reached.conversions.iterrows()}
     assert all(not kept[fqn] for fqn in floats)
 
+    # a widget shown after runs made in code lists them, the program's size and latency included
+    history = report.widget().tuning.history.value
+    assert "reach output SQNR &gt;=" in history and "baseline" in history
+
     verified = report.verified_suggestions()
     accepted = verified.accept_all
     assert accepted is not None and accepted.ok

@@ -155,6 +155,8 @@ class TuningPanel(w.VBox):
         self._wire(controller)
         self._refresh_rows()
         self._show_code()
+        if self.session.history:  # runs made in code before the widget was shown
+            self._show_runs(None)
 
     def _wire(self, controller: TuneController) -> None:
         w.dlink((controller, "status"), (self.status, "value"))
