@@ -12,7 +12,7 @@ Models: the digits CNN and MobileNet trained in fixtures, and the MobileNetV3-Sm
 and ResNet-18 (224 x 224) layouts with random weights on random images (4 calibration, 2 evaluation
 batches of 4).
 
-python benchmarks/xnnpack_target.py [--models digits-cnn mobilenet_v3_small resnet18 ...] [--cache-dir DIR]
+python benchmarks/xnnpack_target.py [--models digits-cnn mobilenet_v3_small resnet18 ...] [--baseline-only] [--cache-dir DIR]
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def float_bytes(model: torch.nn.Module) -> int:
     return len(buffer.getvalue())
 
 
-def measure(name: str, cache_dir: str | None) -> tuple[str, str]:
+def measure(name: str, cache_dir: str | None, tune: bool = True) -> tuple[str, str]:
     model, calibration, evaluation, eval_fn = build(name, cache_dir)
     given = {"eval_data": evaluation, "eval_fn": eval_fn, "engine": "pt2e", "progress": False}
     x86 = analyze(model, calibration[0], calibration, **given).session.baseline(progress=quiet)
@@ -73,6 +73,8 @@ def measure(name: str, cache_dir: str | None) -> tuple[str, str]:
         f"| {truth.simulated_db:.2f} ({truth.gap_db:+.2f}) | {len(program.pte) / 1024:,.0f} | {x86.latency_ms:.2f} "
         f"| {baseline.latency_ms:.2f} | {program.lowering_s:.1f} | {program.delegation.delegated} | {left} | {first:.0f} s |"
     )
+    if not tune:
+        return line, ""
 
     began = time.perf_counter()
     sensitivity = session.sensitivity(progress=quiet)
@@ -105,11 +107,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--baseline-only", action="store_true", help="the first table only (no sensitivity, reach, Accept all)")
     args = parser.parse_args()
     setup()
     lines, tunings = [], []
     for name in args.models:
-        line, tuning = measure(name, args.cache_dir)
+        line, tuning = measure(name, args.cache_dir, tune=not args.baseline_only)
         print(line, flush=True)
         lines.append(line)
         tunings.append(tuning)
