@@ -276,7 +276,7 @@ def lower(converted: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -> D
             exported = _exported(converted, example_inputs)
             step = "to_edge_transform_and_lower with XNNPACK's partitioner"
             with _reasons() as reasons:
-                # XNNPACK's own edge config: no IR re-validation pass over fake tensors (a third of the lowering)
+                # XNNPACK's own edge config: the edge IR is not validated again over fake tensors
                 edge = api.to_edge_transform_and_lower(
                     exported, partitioner=[api.XnnpackPartitioner()], compile_config=api.edge_compile_config()
                 )
