@@ -33,7 +33,6 @@ from .numerics import (
     observer_nodes,
     observers_paused,
     op_on,
-    pt2e_warnings_hidden,
     weighted_ops,
 )
 
@@ -61,8 +60,11 @@ class Pt2eSimulation(WholePasses):
         self.float_model, self.example_inputs, self._calibrate = float_model, example_inputs, calibrate
         self.recalibrated = 0  # variants that needed a calibration of their own
         self._observers = {_key(prepared, node): prepared.get_submodule(str(node.target)) for node in observer_nodes(prepared)}
-        with pt2e_warnings_hidden():
-            self._start = convert(copy.deepcopy(prepared))
+        # a fresh prepare given the calibrated observers, not a deep copy of ``prepared``: torchao's convert
+        # cannot place a dynamic quantization's choose_qparams in a copied graph (its annotations are copies)
+        start = engine.prepare(float_model, engine.base_config(), example_inputs)
+        self._calibrated(start)
+        self._start = convert(start)
         self._built: tuple[Variant, torch.fx.GraphModule] = (Variant(), self._start)
         self.model: torch.nn.Module = self._start
 
