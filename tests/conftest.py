@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import tempfile
 import warnings
@@ -85,3 +86,17 @@ def text_decoder_report(text_decoder, **overrides):
     model, data = text_decoder
     given = {"engine": "eager", "format": "int4-weight-only", "group_size": 128, "metric": "perplexity", **overrides}
     return qw.analyze(model, data.calibration[0], data.calibration, eval_data=data.evaluation, progress=False, **given)
+
+
+# notebook -> the (module, extra) pairs it runs; its cells are skipped where one is not installed
+NOTEBOOK_EXTRAS = {"11_deploy_to_a_phone.ipynb": (("executorch", "executorch"), ("model_explorer", "explorer"))}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Notebooks that need an optional extra skip, cell by cell, where it is not installed (the tests
+    of an extra skip at import, ``pytest.importorskip``)."""
+    for item in items:
+        for module, extra in NOTEBOOK_EXTRAS.get(item.path.name, ()):
+            if importlib.util.find_spec(module) is None:
+                item.add_marker(pytest.mark.skip(reason=f"the [{extra}] extra is not installed"))
+                break
