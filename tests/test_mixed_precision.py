@@ -98,7 +98,10 @@ def uniform_and_split(session, front_modules: list[str], first: str, second: str
     return {fqn: ModuleSettings(format=first if i < half else second) for i, fqn in enumerate(front_modules)}
 
 
-@pytest.mark.parametrize("name", ["digits bert", "tiny llama", "tiny llama, most choices estimated"])
+# digits bert: 33 s for what the tiny llama cases show in a few seconds; `make test-slow` runs it
+@pytest.mark.parametrize(
+    "name", [pytest.param("digits bert", marks=pytest.mark.slow), "tiny llama", "tiny llama, most choices estimated"]
+)
 def test_the_eager_front_beats_naive_splits_and_all_int4_at_the_same_size(name, cache, monkeypatch):
     if name.endswith("estimated"):  # as on a decoder with hundreds of single choices
         monkeypatch.setattr(mixed, "ESTIMATED_BEYOND", 0)

@@ -155,8 +155,11 @@ class TuningPanel(w.VBox):
         self._wire(controller)
         self._refresh_rows()
         self._show_code()
-        if self.session.history:  # runs made in code before the widget was shown
-            self._show_runs(None)
+        if self.session.history:  # runs made in code before the widget was shown: their table (the chart on the next run)
+            self.history.show(self.session.compare()[0], run_changes(self.session))
+            self.restore_from.options = self.controller.restorable()
+            self.restore_from.value = self.restore_from.options[-1] if self.restore_from.options else None
+            self.restore.disabled = not self.restore_from.options
 
     def _wire(self, controller: TuneController) -> None:
         w.dlink((controller, "status"), (self.status, "value"))
