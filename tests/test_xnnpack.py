@@ -78,7 +78,7 @@ def test_the_baseline_is_the_program_executorch_runs_its_size_the_pte(digits_cnn
     assert abs(truth.gap_db) <= SIMULATION_ERROR_DB
 
 
-def test_reach_and_accept_all_are_confirmed_in_the_runtime_and_their_code_runs(digits_cnn):
+def test_reach_and_accept_all_are_confirmed_in_the_runtime_and_their_code_runs(digits_cnn, tmp_path, monkeypatch):
     model, data, report = digits_cnn
     session = report.session
     baseline = session.baseline()
@@ -100,6 +100,7 @@ def test_reach_and_accept_all_are_confirmed_in_the_runtime_and_their_code_runs(d
 
     # the settings as code build the same program: executed, its output is the run's
     code = session.settings_as_code(reached.settings)
+    monkeypatch.chdir(tmp_path)  # the code writes model.pte
     scope = {"model": model, "example_inputs": data.calibration[0], "calibration_batches": data.calibration}
     exec(compile(code, "settings_as_code", "exec"), scope)  # noqa: S102
     ours = reached.quantized_model(*data.calibration[0])

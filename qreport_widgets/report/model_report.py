@@ -338,7 +338,7 @@ class ModelReport:
             metrics["sensitivity gain dB"] = NodeMetric(
                 gains.to_dict(), GAIN_THRESHOLDS, "output SQNR gained by keeping the module float alone (simulated)"
             )
-        return write_model_explorer(directory, session.float_model, session.example_inputs, metrics, model_name=self._model_name)
+        return write_model_explorer(directory, session.float_model, session.example_inputs, metrics)
 
     def show_in_model_explorer(
         self, directory: str | Path | None = None, run: int | str | RunResult | None = None, *, port: int | None = None

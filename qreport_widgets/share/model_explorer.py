@@ -114,8 +114,6 @@ def write_model_explorer(
     model: torch.nn.Module,
     example_inputs: tuple[Any, ...],
     metrics: Mapping[str, NodeMetric],
-    *,
-    model_name: str = "model",
 ) -> ModelExplorerFiles:
     """``model``'s exported program as ``directory/model.pt2`` and ``metrics`` (name -> NodeMetric)
     as ``directory/<name>.json`` each, in Model Explorer's node-data format."""

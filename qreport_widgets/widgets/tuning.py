@@ -157,9 +157,7 @@ class TuningPanel(w.VBox):
         self._show_code()
         if self.session.history:  # runs made in code before the widget was shown: their table (the chart on the next run)
             self.history.show(self.session.compare()[0], run_changes(self.session))
-            self.restore_from.options = self.controller.restorable()
-            self.restore_from.value = self.restore_from.options[-1] if self.restore_from.options else None
-            self.restore.disabled = not self.restore_from.options
+            self._show_restorable(None)
 
     def _wire(self, controller: TuneController) -> None:
         w.dlink((controller, "status"), (self.status, "value"))
@@ -325,20 +323,21 @@ class TuningPanel(w.VBox):
     def _show_code(self) -> None:
         self.code.value = self.controller.code(self.settings())
 
+    def _show_restorable(self, latest: RunResult | None) -> None:
+        """The runs whose settings can be restored; a new run is chosen, otherwise (a pin) the run chosen stays."""
+        restorable, chosen = self.controller.restorable(), self.restore_from.value
+        self.restore_from.options = restorable
+        self.restore_from.value = chosen if latest is None and chosen in restorable else (restorable[-1] if restorable else None)
+        self.restore.disabled = not restorable
+        self._show_pin()
+
     def _show_runs(self, latest: RunResult | None) -> None:
         runs, layers = self.session.compare()
         with self.hold_sync():
             self.history.show(runs, run_changes(self.session))
             self.layers.draw(layers, _kernels_apart(self.session.history))
             self.front.show_runs()
-            restorable, chosen = self.controller.restorable(), self.restore_from.value
-            self.restore_from.options = restorable
-            # a new run is chosen; otherwise (a pin) the run chosen stays
-            self.restore_from.value = (
-                chosen if latest is None and chosen in restorable else (restorable[-1] if restorable else None)
-            )
-            self.restore.disabled = not restorable
-            self._show_pin()
+            self._show_restorable(latest)
             if self.layers not in self.children:
                 self.children = (*self.children[:-1], self.layers, self.children[-1])  # above the summary
             if latest is not None:

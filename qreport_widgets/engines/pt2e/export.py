@@ -1,4 +1,4 @@
-"""``torch.export`` of a float model for the PT2E engine, and the error of a run that quantized nothing."""
+"""``torch.export`` of a float model for PT2E, the workflow after it as code, and the error of a run that quantized nothing."""
 
 from __future__ import annotations
 
@@ -10,6 +10,15 @@ import torch.fx
 from ...core.calibration import torch_warnings_hidden
 from ...core.memory import shared_copy
 from ...errors import QReportError, UntraceableModelError
+
+# the PT2E workflow after its quantizer is built, in the code ``settings_as_code`` gives (x86 and XNNPACK alike)
+WORKFLOW_CODE = (
+    "exported = torch.export.export(model.eval(), example_inputs).module()",
+    "prepared = prepare_pt2e(exported, quantizer)",
+    "for batch in calibration_batches:",
+    "    prepared(*batch)",
+    "quantized = convert_pt2e(prepared)",
+)
 
 
 class NothingQuantizedError(QReportError, RuntimeError):

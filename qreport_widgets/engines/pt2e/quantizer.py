@@ -23,6 +23,7 @@ import torch.fx
 
 from ...errors import MissingExtraError
 from ..settings import ModuleSettings
+from .export import WORKFLOW_CODE
 
 
 @functools.cache
@@ -184,11 +185,7 @@ def quantizer_as_code(config: Pt2eConfig) -> str:
     lines += [
         f"quantizer = {quantizer}",
         "",
-        "exported = torch.export.export(model.eval(), example_inputs).module()",
-        "prepared = prepare_pt2e(exported, quantizer)",
-        "for batch in calibration_batches:",
-        "    prepared(*batch)",
-        "quantized = convert_pt2e(prepared)",
+        *WORKFLOW_CODE,
     ]
     return "\n".join(lines) + "\n"
 

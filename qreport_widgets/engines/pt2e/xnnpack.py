@@ -16,6 +16,7 @@ import functools
 import io
 import logging
 import os
+import sys
 import time
 import types
 import warnings
@@ -31,6 +32,7 @@ from torch.utils import _pytree as pytree
 from ...core.calibration import torch_warnings_hidden
 from ...errors import MissingExtraError, QReportError
 from ..settings import ModuleSettings
+from .export import WORKFLOW_CODE
 
 INSTALL = "pip install 'qreport-widgets[executorch]'  (executorch==1.5.1, beside torch 2.13 and torchao 0.18)"
 # nodes of a lowered graph that are bookkeeping, not ops a kernel runs
@@ -170,11 +172,7 @@ def xnnpack_as_code(changed: Mapping[str, ModuleSettings], has_base: bool) -> st
         ]
     lines += [
         "",
-        "exported = torch.export.export(model.eval(), example_inputs).module()",
-        "prepared = prepare_pt2e(exported, quantizer)",
-        "for batch in calibration_batches:",
-        "    prepared(*batch)",
-        "quantized = convert_pt2e(prepared)",
+        *WORKFLOW_CODE,
         "program = to_edge_transform_and_lower(",
         "    torch.export.export(quantized, example_inputs), partitioner=[XnnpackPartitioner()]",
         ").to_executorch()",
@@ -362,8 +360,6 @@ def _reasons() -> Iterator[dict[str, str]]:
 def _quiet_runtime() -> Iterator[None]:
     """ExecuTorch's C++ runtime logs what it reads of the CPU to stderr's file descriptor: kept out
     of the notebook."""
-    import sys
-
     try:
         sys.stderr.flush()
         saved = os.dup(2)
