@@ -189,13 +189,33 @@ class FixedBatch(nn.Module):
         return self.fc(x).reshape(4, 2, 2)
 
 
-def test_a_program_fixed_to_its_batch_size_says_so_on_another_size():
+def test_a_program_fixed_to_its_batch_size_runs_other_batch_sizes_in_chunks_and_says_so_on_other_shapes():
     torch.manual_seed(0)
     model = FixedBatch().eval()
     batches = [(torch.randn(4, 8),) for _ in range(3)]
     baseline = analyze(model, batches[0], batches, engine="pt2e", target="xnnpack", progress=False).session.baseline()
     assert baseline.ok, baseline.error
     program = baseline.quantized_model
-    assert program.input_shapes == ((4, 8),)
+    assert program.input_shapes == ((4, 8),) and program.batch_limit == 4
+    rows = torch.randn(10, 8)
+    whole = torch.cat([program(rows[i : i + 4]) for i in range(0, 8, 4)] + [program(rows[8:].repeat(2, 1))[:2]])
+    assert torch.equal(program(rows), whole)  # 4 + 4 + 2 padded to 4
+    assert torch.equal(program(rows[:3]), program(torch.cat([rows[:3], rows[2:3]]))[:3])
     with pytest.raises(xnnpack.RuntimeFailedError, match=r"exported for inputs of shape \(\(4, 8\),\) only"):
-        program(torch.randn(3, 8))
+        program(torch.randn(4, 9))
+
+
+def test_evaluation_batches_larger_and_smaller_than_calibration_batches_run(digits_cache):
+    """The program's memory is planned for the calibration batch (32 rows): a batch of 64 runs in two
+    executions, one of 5 in one, each row's output the same as alone."""
+    model, data = trained_digits_model("cnn", digits_cache)
+    images = torch.cat([b[0] for b in data.evaluation])
+    calibration = [(b[0][:32],) for b in data.calibration]
+    evaluation = [(images[:64],), (images[64:69],)]
+    report = analyze(model, calibration[0], calibration, engine="pt2e", target="xnnpack", eval_data=evaluation, progress=False)
+    baseline = report.session.baseline()
+    assert baseline.ok, baseline.error
+    program = baseline.quantized_model
+    assert program.batch_limit == 32 and program.input_shapes is None
+    assert torch.equal(program(images[:64]), torch.cat([program(images[:32]), program(images[32:64])]))
+    assert torch.allclose(program(images[64:69])[2], program(images[66:67])[0], atol=1e-5)

@@ -218,6 +218,8 @@ class DeployedProgram(torch.nn.Module):
         self.delegation = delegation
         self.lowering_s = 0.0
         self.input_shapes: tuple[tuple[int, ...], ...] | None = None  # set when the program fixes its input shapes
+        # the most batch rows one execution takes (its memory is planned for them); None: unknown, as given
+        self.batch_limit: int | None = None
         self._out_spec = out_spec
         object.__setattr__(self, "reference", reference)  # not a submodule: its tensors are not the program's
         try:
@@ -231,6 +233,33 @@ class DeployedProgram(torch.nn.Module):
 
     def forward(self, *inputs: Any) -> Any:
         flat = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in pytree.tree_leaves(inputs)]
+        batch = _batch_rows(flat)
+        limit = self.batch_limit
+        if batch is not None and limit and (batch > limit or (self.input_shapes is not None and batch != limit)):
+            return self._in_chunks(flat, batch, limit)
+        return pytree.tree_unflatten(self._executed(flat), self._out_spec)
+
+    def _in_chunks(self, flat: list[Any], batch: int, limit: int) -> Any:
+        """A batch the program's planned memory does not hold (or, for a program fixed to its batch
+        size, of another size) run ``limit`` rows at a time, the last chunk padded with copies of its
+        last row where the size is fixed; the outputs joined along their batch dimension."""
+        pieces = []
+        for start in range(0, batch, limit):
+            rows = min(limit, batch - start)
+            chunk = [x[start : start + rows] if isinstance(x, torch.Tensor) else x for x in flat]
+            if self.input_shapes is not None and rows < limit:
+                chunk = [_padded(x, limit) if isinstance(x, torch.Tensor) else x for x in chunk]
+            outputs = self._executed(chunk)
+            if not all(isinstance(o, torch.Tensor) and o.dim() > 0 and o.shape[0] == len(chunk[0]) for o in outputs):
+                raise RuntimeFailedError(
+                    f"a batch of {batch} rows does not fit the program (it runs at most {limit} at once) and its "
+                    "outputs have no batch dimension to join chunks along: give batches of at most "
+                    f"{limit} rows, or export with example inputs of the largest batch"
+                )
+            pieces.append([o[:rows] for o in outputs])
+        return pytree.tree_unflatten([torch.cat(parts) for parts in zip(*pieces, strict=True)], self._out_spec)
+
+    def _executed(self, flat: list[Any]) -> list[Any]:
         try:
             outputs = self._method.execute(flat)
         except Exception as error:
@@ -249,7 +278,7 @@ class DeployedProgram(torch.nn.Module):
                 f"ExecuTorch's runtime failed to execute the program on inputs of shape {shapes} "
                 f"({type(error).__name__}: {error}): {why}."
             ) from error
-        return pytree.tree_unflatten(list(outputs), self._out_spec)
+        return list(outputs)
 
     def write(self, path: str | os.PathLike[str]) -> int:
         """Save the program as ``path`` (a ``.pte`` file ExecuTorch's runtime loads); the bytes written."""
@@ -289,19 +318,35 @@ def lower(converted: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -> D
         ) from error
     program = DeployedProgram(pte, converted, exported.call_spec.out_spec, delegation)
     program.lowering_s = time.perf_counter() - start
+    program.batch_limit = _batch_rows(list(example_inputs))
     if not _batch_free(exported):
         program.input_shapes = tuple(tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor))
     return program
 
 
 def _exported(model: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
-    if all(isinstance(x, torch.Tensor) and x.dim() > 0 for x in example_inputs):
-        batch = torch.export.Dim("batch", min=1)
+    rows = _batch_rows(list(example_inputs))
+    if rows is not None and rows > 1:
+        # ExecuTorch plans the program's memory for the bound: the example's batch, stated (larger ones run in chunks)
+        batch = torch.export.Dim("batch", min=1, max=rows)
         try:
             return torch.export.export(model, example_inputs, dynamic_shapes=tuple({0: batch} for _ in example_inputs))
         except Exception:  # the graph fixes its batch size: exported as given
             pass
     return torch.export.export(model, example_inputs)
+
+
+def _batch_rows(flat: list[Any]) -> int | None:
+    """The batch size of a call's inputs: the first dimension every tensor input shares (None when they do not)."""
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    if not tensors or any(x.dim() == 0 for x in tensors) or len({x.shape[0] for x in tensors}) != 1:
+        return None
+    return int(tensors[0].shape[0])
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with copies of its last row appended up to ``rows`` rows."""
+    return torch.cat([x, x[-1:].expand(rows - len(x), *x.shape[1:])]).contiguous()
 
 
 def _batch_free(exported: torch.export.ExportedProgram) -> bool:
