@@ -19,6 +19,7 @@ from executorch.runtime import Runtime  # noqa: E402
 from qreport_widgets import analyze  # noqa: E402
 from qreport_widgets.core.metrics import sqnr_db  # noqa: E402
 from qreport_widgets.demo.digits import trained_digits_model  # noqa: E402
+from qreport_widgets.engines import executorch as lowering  # noqa: E402
 from qreport_widgets.engines.pt2e import xnnpack  # noqa: E402
 from qreport_widgets.engines.pt2e.xnnpack import DeployedProgram  # noqa: E402
 from qreport_widgets.engines.settings import ModuleSettings  # noqa: E402
@@ -138,7 +139,7 @@ def test_a_lowering_that_fails_is_a_failed_run_saying_what_to_do(digits_cnn, mon
     def refused(*args, **kwargs):
         raise RuntimeError("an op the partitioner cannot place")
 
-    api = xnnpack.executorch_api()
+    api = lowering.executorch_api()
     monkeypatch.setattr(api, "to_edge_transform_and_lower", refused)
     run = report.session.apply({"fc1": ModuleSettings(keep_float=True)}, label="refused")
     assert not run.ok
@@ -155,12 +156,14 @@ def test_the_target_is_checked_and_executorch_missing_is_said(monkeypatch):
         analyze(model, batches[0], batches, engine="pt2e", target="arm", progress=False)
     monkeypatch.setitem(__import__("sys").modules, "executorch.runtime", None)
     xnnpack.executorch_api.cache_clear()
+    lowering.executorch_api.cache_clear()
     try:
         with pytest.raises(MissingExtraError, match=r"qreport-widgets\[executorch\]"):
             analyze(model, batches[0], batches, engine="pt2e", target="xnnpack", progress=False)
     finally:
         monkeypatch.undo()
         xnnpack.executorch_api.cache_clear()
+        lowering.executorch_api.cache_clear()
 
 
 def test_a_quantizer_of_your_own_is_the_start_and_keeping_a_module_float_holds_over_it():

@@ -1,0 +1,497 @@
+"""ExecuTorch as an engine's target: a quantized model exported, lowered to XNNPACK, serialised as a
+``.pte`` program and executed by ExecuTorch's runtime, engine-neutral (the PT2E engine lowers its
+converted graph, the eager engine its ``quantize_``-d model).
+
+A run's quantized model is then a ``DeployedProgram``: calling it executes the program in the
+runtime (what a phone runs, here on x86), so the output SQNR, the metric and the latency of every
+run are the deployed program's, its size the ``.pte``'s bytes. It keeps the model it was lowered
+from (``reference``), which per-layer SQNR and the conversions read (the runtime's delegated
+subgraphs have no layers to read). What XNNPACK left to ExecuTorch's portable kernels, and why, is
+counted from the lowered graph and the partitioner's own log.
+
+The runtime is native code: a kernel it lacks, a freed buffer or a partitioner bug can end the
+process it runs in. Programs therefore run in a worker process (``RuntimeWorker``, one per Python
+process, started when a program first runs); tensors cross to it through shared memory. A crash
+there ends the worker, not the notebook's kernel: the call raises ``RuntimeFailedError`` saying what
+was running, and the next call starts a new worker.
+
+May import: ``core``, ``errors`` (the engine packages import this module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import types
+import warnings
+import weakref
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.multiprocessing  # noqa: F401  (tensors sent to the worker travel through shared memory)
+from torch.utils import _pytree as pytree
+
+from ..core.calibration import torch_warnings_hidden
+from ..errors import MissingExtraError, QReportError
+
+INSTALL = "pip install 'qreport-widgets[executorch]'  (executorch==1.5.1, beside torch 2.13 and torchao 0.18)"
+# nodes of a lowered graph that are bookkeeping, not ops a kernel runs
+BOOKKEEPING = {"getitem", "sym_size", "sym_size.int", "executorch_call_delegate"}
+FULL, DYNAMIC = "full", "dynamic"  # XNNPACK's partitioners: every op it takes, or dynamically quantized GEMMs only
+X86_HINT = "or quantize for x86 (analyze(...) without target=)"
+
+
+class LoweringError(QReportError, RuntimeError):
+    """ExecuTorch could not export, lower to XNNPACK or serialise the quantized model."""
+
+
+class RuntimeFailedError(QReportError, RuntimeError):
+    """ExecuTorch's runtime could not load or execute the program (or crashed doing so)."""
+
+
+@functools.cache
+def executorch_api() -> types.SimpleNamespace:
+    """ExecuTorch's lowering entry points, imported once; a clear error naming the extra when missing."""
+    try:
+        # ExecuTorch's kernels print what they load and the CPUs they find
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), quiet_runtime():
+            from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+                XnnpackDynamicallyQuantizedPartitioner,
+                XnnpackPartitioner,
+            )
+            from executorch.backends.xnnpack.utils.configs import get_xnnpack_edge_compile_config
+            from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+            from executorch.runtime import Runtime  # noqa: F401  (the worker's; missing means no runtime)
+    except ImportError as error:
+        raise MissingExtraError(f"the XNNPACK target needs ExecuTorch ({error}); install it with: {INSTALL}") from error
+    return types.SimpleNamespace(
+        XnnpackPartitioner=XnnpackPartitioner,
+        XnnpackDynamicallyQuantizedPartitioner=XnnpackDynamicallyQuantizedPartitioner,
+        ExecutorchBackendConfig=ExecutorchBackendConfig,
+        to_edge_transform_and_lower=to_edge_transform_and_lower,
+        edge_compile_config=get_xnnpack_edge_compile_config,
+    )
+
+
+@dataclass(frozen=True)
+class Delegation:
+    """What XNNPACK took: ops in its delegated subgraphs, ops left to ExecuTorch's portable kernels
+    (op name -> count) and the partitioner's reason per op left out, where it gave one."""
+
+    subgraphs: int
+    delegated: int
+    left: Mapping[str, int] = field(default_factory=dict)
+    reasons: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def words(self) -> str:
+        """In a run's notes: "XNNPACK runs 28 of 29 ops (2 subgraphs); left to ExecuTorch's portable kernels: ..."."""
+        total = self.delegated + sum(self.left.values())
+        said = f"XNNPACK runs {self.delegated} of {total} ops ({self.subgraphs} delegated subgraphs)"
+        if not self.left:
+            return said + "; nothing left to ExecuTorch's portable kernels"
+        each = ", ".join(
+            f"{op} x{count}" + (f" ({self.reasons[op]})" if op in self.reasons else "") for op, count in self.left.items()
+        )
+        return f"{said}; left to ExecuTorch's portable kernels: {each}"
+
+
+class DeployedProgram(torch.nn.Module):
+    """An ExecuTorch program lowered to XNNPACK, called like the model: ``forward`` executes it in
+    ExecuTorch's runtime (in the ``RuntimeWorker``). ``pte`` is the serialised program
+    (``write(path)`` saves it), ``reference`` the quantized model it was lowered from,
+    ``delegation`` what XNNPACK took."""
+
+    def __init__(self, pte: bytes, reference: torch.nn.Module, out_spec: Any, delegation: Delegation) -> None:
+        super().__init__()
+        self.pte = pte
+        self.delegation = delegation
+        self.lowering_s = 0.0
+        self.input_shapes: tuple[tuple[int, ...], ...] | None = None  # set when the program fixes its input shapes
+        # the most batch rows one execution takes (its memory is planned for them); None: unknown, as given
+        self.batch_limit: int | None = None
+        self._out_spec = out_spec
+        object.__setattr__(self, "reference", reference)  # not a submodule: its tensors are not the program's
+        self._key = runtime_worker().load(pte)  # loaded once now: a program the runtime refuses fails its run here
+        weakref.finalize(self, runtime_worker().forget, self._key)
+
+    def forward(self, *inputs: Any) -> Any:
+        flat = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in pytree.tree_leaves(inputs)]
+        batch = _batch_rows(flat)
+        limit = self.batch_limit
+        if batch is not None and limit and (batch > limit or (self.input_shapes is not None and batch != limit)):
+            return self._in_chunks(flat, batch, limit)
+        return pytree.tree_unflatten(self._executed(flat), self._out_spec)
+
+    def _in_chunks(self, flat: list[Any], batch: int, limit: int) -> Any:
+        """A batch the program's planned memory does not hold (or, for a program fixed to its batch
+        size, of another size) run ``limit`` rows at a time, the last chunk padded with copies of its
+        last row where the size is fixed; the outputs joined along their batch dimension."""
+        pieces = []
+        for start in range(0, batch, limit):
+            rows = min(limit, batch - start)
+            chunk = [x[start : start + rows] if isinstance(x, torch.Tensor) else x for x in flat]
+            if self.input_shapes is not None and rows < limit:
+                chunk = [_padded(x, limit) if isinstance(x, torch.Tensor) else x for x in chunk]
+            outputs = self._executed(chunk)
+            if not all(isinstance(o, torch.Tensor) and o.dim() > 0 and o.shape[0] == len(chunk[0]) for o in outputs):
+                raise RuntimeFailedError(
+                    f"a batch of {batch} rows does not fit the program (it runs at most {limit} at once) and its "
+                    "outputs have no batch dimension to join chunks along: give batches of at most "
+                    f"{limit} rows, or export with example inputs of the largest batch"
+                )
+            pieces.append([o[:rows] for o in outputs])
+        return pytree.tree_unflatten([torch.cat(parts) for parts in zip(*pieces, strict=True)], self._out_spec)
+
+    def _executed(self, flat: list[Any]) -> list[Any]:
+        try:
+            return runtime_worker().execute(self._key, self.pte, flat)
+        except RuntimeFailedError:
+            raise
+        except Exception as error:
+            shapes = tuple(tuple(x.shape) for x in flat if isinstance(x, torch.Tensor))
+            if self.input_shapes is not None and shapes != self.input_shapes:
+                why = (
+                    f"the model fixes its batch size, so the program was exported for inputs of shape {self.input_shapes} "
+                    "only: give evaluation batches of the example inputs' size"
+                )
+            else:
+                why = (
+                    "an op the runtime has no kernel for, or a kernel that failed: keep the modules around it float "
+                    f"(the run's notes list the ops left to portable kernels), {X86_HINT}"
+                )
+            raise RuntimeFailedError(
+                f"ExecuTorch's runtime failed to execute the program on inputs of shape {shapes} ({error}): {why}."
+            ) from None
+
+    def write(self, path: str | os.PathLike[str]) -> int:
+        """Save the program as ``path`` (a ``.pte`` file ExecuTorch's runtime loads); the bytes written."""
+        with open(path, "wb") as file:
+            return file.write(self.pte)
+
+    def extra_repr(self) -> str:
+        return f"{len(self.pte):,} bytes of .pte; {self.delegation.words}"
+
+
+def lower(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    *,
+    partitioner: str = FULL,
+    fuse_quantized_ops: bool = False,
+    reference: torch.nn.Module | None = None,
+) -> DeployedProgram:
+    """``model`` (a quantized model) exported, lowered to XNNPACK, serialised and loaded in
+    ExecuTorch's runtime; the batch size stays free where the graph allows it, up to the example's.
+
+    ``partitioner``: ``FULL`` (XNNPACK takes every op it can) or ``DYNAMIC`` (only dynamically
+    quantized Linears, as ExecuTorch's LLM export lowers decoders). ``fuse_quantized_ops``: torchao's
+    quantize / dequantize ops outside XNNPACK fused into ExecuTorch's quantized kernels (a grouped
+    int4 / int8 embedding becomes ``embedding_4bit`` / ``embedding_byte``). ``reference``: what
+    per-layer SQNR reads (default ``model``)."""
+    api = executorch_api()
+    start = time.perf_counter()
+    step = "torch.export of the quantized model"
+    try:
+        with torch_warnings_hidden(), quiet_runtime(), warnings.catch_warnings():
+            # ExecuTorch's and torch's own deprecations inside the lowering (copied pytree specs): nothing to act on
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", UserWarning)
+            exported = _exported(model, example_inputs)
+            step = "to_edge_transform_and_lower with XNNPACK's partitioner"
+            chosen = api.XnnpackDynamicallyQuantizedPartitioner() if partitioner == DYNAMIC else api.XnnpackPartitioner()
+            with _reasons() as reasons:
+                # XNNPACK's own edge config: the edge IR is not validated again over fake tensors
+                edge = api.to_edge_transform_and_lower(exported, partitioner=[chosen], compile_config=api.edge_compile_config())
+            delegation = _delegation(edge.exported_program().graph_module, reasons)
+            step = "to_executorch (serialising the program)"
+            config = api.ExecutorchBackendConfig(do_quant_fusion_and_const_prop=fuse_quantized_ops)
+            pte = bytes(edge.to_executorch(config).buffer)
+    except Exception as error:
+        raise LoweringError(
+            f"ExecuTorch could not lower the quantized model to XNNPACK: {step} failed ({type(error).__name__}: "
+            f"{str(error)[:400]}). Keep the modules around the failing op float, {X86_HINT}."
+        ) from error
+    program = DeployedProgram(pte, model if reference is None else reference, exported.call_spec.out_spec, delegation)
+    program.lowering_s = time.perf_counter() - start
+    program.batch_limit = _batch_rows(list(example_inputs))
+    if not _batch_free(exported):
+        program.input_shapes = tuple(tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor))
+    return program
+
+
+def _exported(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
+    rows = _batch_rows(list(example_inputs))
+    if rows is not None and rows > 1:
+        # ExecuTorch plans the program's memory for the bound: the example's batch, stated (larger ones run in chunks)
+        batch = torch.export.Dim("batch", min=1, max=rows)
+        try:
+            return torch.export.export(model, example_inputs, dynamic_shapes=tuple({0: batch} for _ in example_inputs))
+        except Exception:  # the model fixes its batch size: exported as given
+            pass
+    return torch.export.export(model, example_inputs)
+
+
+def _batch_rows(flat: list[Any]) -> int | None:
+    """The batch size of a call's inputs: the first dimension every tensor input shares (None when they do not)."""
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    if not tensors or any(x.dim() == 0 for x in tensors) or len({x.shape[0] for x in tensors}) != 1:
+        return None
+    return int(tensors[0].shape[0])
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with copies of its last row appended up to ``rows`` rows."""
+    return torch.cat([x, x[-1:].expand(rows - len(x), *x.shape[1:])]).contiguous()
+
+
+def _batch_free(exported: torch.export.ExportedProgram) -> bool:
+    """Whether a user input of ``exported`` has a symbolic (free) size."""
+    inputs = set(exported.graph_signature.user_inputs)
+    values = [node.meta.get("val") for node in exported.graph.nodes if node.op == "placeholder" and node.name in inputs]
+    return any(isinstance(size, torch.SymInt) for value in values for size in getattr(value, "shape", ()))
+
+
+def _delegation(lowered: torch.fx.GraphModule, reasons: Mapping[str, str]) -> Delegation:
+    subgraphs, delegated, left = 0, 0, Counter()
+    for node in lowered.graph.nodes:
+        if node.op == "get_attr" and str(node.target).startswith("lowered_module"):
+            subgraphs += 1
+            inner = getattr(lowered, str(node.target)).original_module.graph_module.graph
+            delegated += sum(1 for n in inner.nodes if n.op == "call_function" and _op_name(n) not in BOOKKEEPING)
+        elif node.op == "call_function" and _op_name(node) not in BOOKKEEPING:
+            left[_op_name(node)] += 1
+    return Delegation(subgraphs, delegated, dict(left), {op: why for op, why in reasons.items() if op in left})
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    name = getattr(node.target, "__name__", str(node.target))
+    return name.removesuffix(".default")
+
+
+class _Reasons(logging.Handler):
+    """The partitioner's "why not delegated" records, first reason per op."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.found: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        node, reason = getattr(record.msg, "node", None), getattr(record.msg, "reason", None)
+        if isinstance(node, torch.fx.Node) and reason:
+            self.found.setdefault(_op_name(node), str(reason))
+
+
+@contextlib.contextmanager
+def _reasons() -> Iterator[dict[str, str]]:
+    logger = logging.getLogger("executorch.backends.xnnpack")
+    handler, level, propagate = _Reasons(), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False  # the debug records are read here, not printed
+    try:
+        yield handler.found
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+@contextlib.contextmanager
+def quiet_runtime() -> Iterator[None]:
+    """ExecuTorch's C++ code logs what it reads of the CPU to stderr's file descriptor: kept out
+    of the notebook."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real stderr (some notebook front ends)
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+
+
+# ---- the worker process the runtime executes in ---------------------------------------------------
+class RuntimeWorker:
+    """A process of its own that loads and executes ExecuTorch programs, so that a crash of the
+    native runtime ends it and not the caller. Started when first needed and again after a crash;
+    the programs it holds are loaded again from their bytes when a new worker first runs them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._process: Any = None
+        self._connection: Any = None
+        self._loaded: set[int] = set()  # the programs the current worker holds
+        self._forgotten: list[int] = []  # programs dropped by the caller, to drop in the worker at the next call
+        self._keys = itertools.count(1)
+        self.starts = 0  # processes started (a crash makes the next call start another)
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id, while it runs."""
+        process = self._process
+        return process.pid if process is not None and process.is_alive() else None
+
+    def load(self, pte: bytes) -> int:
+        """Load ``pte`` in the worker; the key that runs it (``execute``)."""
+        key = next(self._keys)
+        with self._lock:
+            self._ask(("load", key, pte), f"loading a program of {len(pte):,} bytes")
+            self._loaded.add(key)
+        return key
+
+    def execute(self, key: int, pte: bytes, flat: Sequence[Any]) -> list[Any]:
+        """The outputs of program ``key`` (``pte``, loaded again if this worker does not hold it) on ``flat``."""
+        shapes = tuple(tuple(x.shape) for x in flat if isinstance(x, torch.Tensor))
+        with self._lock:
+            if key not in self._loaded or self._process is None:
+                self._ask(("load", key, pte), f"loading a program of {len(pte):,} bytes")
+                self._loaded.add(key)
+            return self._ask(("run", key, list(flat)), f"executing the program on inputs of shape {shapes}")
+
+    def forget(self, key: int) -> None:
+        """Program ``key`` is no longer needed (its worker drops it at the next call)."""
+        self._forgotten.append(key)
+
+    def stop(self) -> None:
+        """End the worker process (a later call starts another)."""
+        with self._lock:
+            if self._process is not None:
+                with contextlib.suppress(Exception):
+                    self._connection.send(("stop",))
+                self._process.join(timeout=5)
+                if self._process.is_alive():
+                    self._process.kill()
+                self._ended()
+
+    def _ask(self, request: tuple, doing: str) -> Any:
+        if self._process is None or not self._process.is_alive():
+            self._ended()
+            self._start()
+        try:
+            if self._forgotten:
+                dropped, self._forgotten = [k for k in self._forgotten if k in self._loaded], []
+                self._loaded -= set(dropped)
+                self._connection.send(("forget", dropped))
+                self._connection.recv()
+            self._connection.send(request)
+            status, value = self._connection.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            raise RuntimeFailedError(self._crashed(doing)) from None
+        if status == "error":
+            raise RuntimeError(value)
+        return value
+
+    def _crashed(self, doing: str) -> str:
+        self._process.join(timeout=5)
+        code = self._process.exitcode
+        self._ended()
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        return (
+            f"ExecuTorch's runtime crashed while {doing}: the worker process it runs in {how} (a native crash: a "
+            "kernel the runtime lacks, a partitioner or runtime bug). Your Python session is unaffected and the next "
+            f"program runs in a new worker. Keep the modules around the ops left to portable kernels float, {X86_HINT}."
+        )
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copied threads or runtime state
+        ours, theirs = context.Pipe()
+        process = context.Process(target=_serve, args=(theirs,), name="executorch-runtime", daemon=True)
+        process.start()
+        theirs.close()
+        self._process, self._connection, self._loaded = process, ours, set()
+        self.starts += 1
+        status, value = ours.recv() if ours.poll(120) else ("error", "the worker did not start within 120 s")
+        if status != "ready":
+            self.stop()
+            raise RuntimeFailedError(f"ExecuTorch's runtime could not start in its worker process: {value}")
+
+    def _ended(self) -> None:
+        if self._connection is not None:
+            with contextlib.suppress(Exception):
+                self._connection.close()
+        self._process, self._connection, self._loaded = None, None, set()
+
+
+_WORKER: RuntimeWorker | None = None
+
+
+def runtime_worker() -> RuntimeWorker:
+    """The process's one ``RuntimeWorker``."""
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = RuntimeWorker()
+    return _WORKER
+
+
+def _serve(connection: Any) -> None:  # pragma: no cover - runs in the worker process
+    """The worker's loop: load, run and forget programs until told to stop or the pipe closes."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)  # the runtime's C++ logs (CPU probing, resize errors) go nowhere; errors come back as text
+        from executorch.extension.pybindings import portable_lib
+        from executorch.runtime import Runtime
+
+        with contextlib.suppress(ImportError):
+            import executorch.kernels.quantized  # noqa: F401  (embedding_4bit / embedding_byte kernels)
+        # one thread, as runs time PyTorch models: the latency of a program, the same on every machine
+        if portable_lib._threadpool_get_thread_count() != 1:
+            portable_lib._unsafe_reset_threadpool(1)
+        runtime = Runtime.get()
+    except Exception as error:
+        connection.send(("error", f"{type(error).__name__}: {error}"))
+        return
+    connection.send(("ready", None))
+    # the bytes stay beside their program: the runtime reads them while a method runs
+    programs: dict[int, tuple[bytes, Any, Any]] = {}
+    while True:
+        try:
+            request = connection.recv()
+        except EOFError:
+            return
+        kind = request[0]
+        try:
+            if kind == "stop":
+                return
+            if kind == "forget":
+                for key in request[1]:
+                    programs.pop(key, None)
+                reply: Any = None
+            elif kind == "load":
+                _, key, pte = request
+                program = runtime.load_program(pte)
+                programs[key] = (pte, program, program.load_method("forward"))
+                reply = None
+            else:
+                _, key, flat = request
+                reply = list(programs[key][2].execute(flat))
+            connection.send(("ok", reply))
+        except Exception as error:
+            connection.send(("error", f"{type(error).__name__}: {error}"))
