@@ -85,11 +85,14 @@ def analyze(
         quantizer: PT2E only: the starting quantizer (default: torchao's ``X86InductorQuantizer``
             with its default config, or XNNPACK's for ``target="xnnpack"``); Tune settings override
             it per module.
-        target: PT2E only: where the quantized model will run. ``"x86"`` (default), or ``"xnnpack"``
-            (phones, through ExecuTorch): XNNPACK's quantizer (symmetric int8, per-channel weights)
-            is the start, and every run is lowered to XNNPACK, serialised as a ``.pte`` program and
-            measured in ExecuTorch's runtime (output SQNR, metric and latency of the program, size
-            its bytes). Needs the ``[executorch]`` extra.
+        target: PT2E and eager: where the quantized model will run. ``"x86"`` (default), or
+            ``"xnnpack"`` (phones, through ExecuTorch): every run is lowered to XNNPACK, serialised
+            as a ``.pte`` program and measured in ExecuTorch's runtime (output SQNR, metric and
+            latency of the program, size its bytes). On PT2E, XNNPACK's quantizer (symmetric int8,
+            per-channel weights) is the start; on eager, decoders as ExecuTorch's LLM export ships
+            them: Linears ``"int8-dynamic-int4-weight"`` ("8da4w", grouped int4 weights) or
+            ``"int8-dynamic"`` ("8da8w"), Embeddings int4 / int8 weight-only, lowered with XNNPACK's
+            dynamically quantized partitioner. Needs the ``[executorch]`` extra.
         format: eager only: the starting format of every ``nn.Linear`` (``"int8-dynamic"`` by
             default; ``"int8-weight-only"``, ``"int4-weight-only"``, ``"int8-dynamic-int4-weight"``).
         group_size: eager only: the group size of a starting int4 format (32, 64 or 128; default 32).

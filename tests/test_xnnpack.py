@@ -7,6 +7,10 @@ loaded and executed again through ExecuTorch's own Python API. Needs the ``[exec
 from __future__ import annotations
 
 import math
+import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -222,3 +226,31 @@ def test_evaluation_batches_larger_and_smaller_than_calibration_batches_run(digi
     assert program.batch_limit == 32 and program.input_shapes is None
     assert torch.equal(program(images[:64]), torch.cat([program(images[:32]), program(images[32:64])]))
     assert torch.allclose(program(images[64:69])[2], program(images[66:67])[0], atol=1e-5)
+
+
+def test_a_crash_of_the_runtime_fails_the_call_and_leaves_the_session_and_its_process_alive(digits_cnn):
+    """The runtime is native code: a segfault in it (here the signal a freed buffer raises, sent to
+    the worker process while the program runs over and over) ends the worker, and the call says so;
+    the session runs its next program in a new worker."""
+    _, data, report = digits_cnn
+    session = report.session
+    program = session.baseline().quantized_model
+    worker = lowering.runtime_worker()
+    images = data.evaluation[0][0]
+    program(images)  # the worker holds the program
+    pid, starts = worker.pid, worker.starts
+    killer = threading.Timer(0.3, os.kill, (pid, signal.SIGSEGV))
+    killer.start()
+    deadline = time.monotonic() + 30
+    with pytest.raises(lowering.RuntimeFailedError, match="killed by SIGSEGV") as failure:
+        while time.monotonic() < deadline:
+            program(images)
+    killer.join()
+    assert "Your Python session is unaffected" in str(failure.value)
+    assert "executing the program on inputs of shape" in str(failure.value) or "loading" in str(failure.value)
+
+    # the same program runs again (in a new worker), and so does a new run of the session
+    assert torch.equal(program(images), program(images))
+    assert worker.starts == starts + 1 and worker.pid != pid
+    run = session.apply({"fc1": ModuleSettings(keep_float=True)}, label="after the crash")
+    assert run.ok, run.error

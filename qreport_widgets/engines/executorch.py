@@ -26,8 +26,11 @@ import io
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -52,6 +55,7 @@ INSTALL = "pip install 'qreport-widgets[executorch]'  (executorch==1.5.1, beside
 BOOKKEEPING = {"getitem", "sym_size", "sym_size.int", "executorch_call_delegate"}
 FULL, DYNAMIC = "full", "dynamic"  # XNNPACK's partitioners: every op it takes, or dynamically quantized GEMMs only
 X86_HINT = "or quantize for x86 (analyze(...) without target=)"
+WORKER_SOCKET, WORKER_KEY = "QREPORT_WIDGETS_RUNTIME_SOCKET", "QREPORT_WIDGETS_RUNTIME_KEY"  # what the worker is started with
 
 
 class LoweringError(QReportError, RuntimeError):
@@ -351,7 +355,7 @@ class RuntimeWorker:
     def pid(self) -> int | None:
         """The worker's process id, while it runs."""
         process = self._process
-        return process.pid if process is not None and process.is_alive() else None
+        return process.pid if process is not None and process.poll() is None else None
 
     def load(self, pte: bytes) -> int:
         """Load ``pte`` in the worker; the key that runs it (``execute``)."""
@@ -380,13 +384,15 @@ class RuntimeWorker:
             if self._process is not None:
                 with contextlib.suppress(Exception):
                     self._connection.send(("stop",))
-                self._process.join(timeout=5)
-                if self._process.is_alive():
+                try:
+                    self._process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
                     self._process.kill()
+                    self._process.wait()
                 self._ended()
 
     def _ask(self, request: tuple, doing: str) -> Any:
-        if self._process is None or not self._process.is_alive():
+        if self._process is None or self._process.poll() is not None:
             self._ended()
             self._start()
         try:
@@ -404,8 +410,11 @@ class RuntimeWorker:
         return value
 
     def _crashed(self, doing: str) -> str:
-        self._process.join(timeout=5)
-        code = self._process.exitcode
+        try:
+            code = self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # the pipe broke but the process lives on: ended here
+            self._process.kill()
+            code = self._process.wait()
         self._ended()
         if code is not None and code < 0:
             try:
@@ -421,11 +430,21 @@ class RuntimeWorker:
         )
 
     def _start(self) -> None:
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copied threads or runtime state
-        ours, theirs = context.Pipe()
-        process = context.Process(target=_serve, args=(theirs,), name="executorch-runtime", daemon=True)
-        process.start()
+        # a fresh interpreter (no copied threads or runtime state) that imports only this module: not
+        # multiprocessing's spawn, which runs the caller's script again where it has no main guard
+        ours, theirs = socket.socketpair()
+        key = multiprocessing.current_process().authkey.hex()
+        environment = {**os.environ, WORKER_SOCKET: str(theirs.fileno()), WORKER_KEY: key}
+        process = subprocess.Popen(
+            [sys.executable, "-c", f"from {__name__} import serve; serve()"],
+            pass_fds=(theirs.fileno(),),
+            env=environment,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,  # the runtime's C++ logs; its errors come back as text
+        )
         theirs.close()
+        ours = multiprocessing.connection.Connection(ours.detach())
         self._process, self._connection, self._loaded = process, ours, set()
         self.starts += 1
         status, value = ours.recv() if ours.poll(120) else ("error", "the worker did not start within 120 s")
@@ -451,11 +470,12 @@ def runtime_worker() -> RuntimeWorker:
     return _WORKER
 
 
-def _serve(connection: Any) -> None:  # pragma: no cover - runs in the worker process
+def serve() -> None:  # pragma: no cover - runs in the worker process
     """The worker's loop: load, run and forget programs until told to stop or the pipe closes."""
+    # the caller's key: tensors it shares through shared memory are handed over after authentication
+    multiprocessing.current_process().authkey = bytes.fromhex(os.environ[WORKER_KEY])
+    connection = multiprocessing.connection.Connection(int(os.environ[WORKER_SOCKET]))
     try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 2)  # the runtime's C++ logs (CPU probing, resize errors) go nowhere; errors come back as text
         from executorch.extension.pybindings import portable_lib
         from executorch.runtime import Runtime
 

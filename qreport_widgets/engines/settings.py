@@ -28,7 +28,7 @@ class ModuleSettings:
     observer: str = ""  # the output's activation observer: "" keeps the starting one, else "minmax", "histogram", "percentile"
     format: str = ""  # engines with formats (eager): one of FORMATS; "float" is keep_float
     group_size: int = 0  # int4 formats: weights per scale (0: DEFAULT_GROUP_SIZE)
-    algorithm: str = ""  # int4-weight-only: how the int4 values are chosen, one of ALGORITHMS ("": "rtn")
+    algorithm: str = ""  # int4 formats: how the int4 values are chosen, one of ALGORITHMS ("": "rtn")
 
     def __post_init__(self) -> None:
         # one way to say float on an engine with formats: keep_float and format "float" together
@@ -102,7 +102,7 @@ DEFAULT_GROUP_SIZE = 32
 ALGORITHMS = RTN, HQQ, GPTQ, AWQ = ("rtn", "hqq", "gptq", "awq")
 DEFAULT_ALGORITHM = RTN
 DATA_ALGORITHMS = (GPTQ, AWQ)  # chosen from the calibration batches' inputs to the module
-ALGORITHM_FORMATS = ("int4-weight-only",)
+ALGORITHM_FORMATS = GROUPED_FORMATS  # a weight algorithm chooses the int4 values of either
 NO_FORMATS = "formats (int8 / int4 weight-only, dynamic int8) are chosen per module on engine='eager'"
 
 

@@ -39,7 +39,7 @@ from torch import nn
 from ...core.calibration import call_with
 from ...core.memory import give_back
 from ...errors import InvalidSettingsError, QReportError
-from ..settings import ALGORITHMS, AWQ, DATA_ALGORITHMS, GPTQ, HQQ, RTN
+from ..settings import ALGORITHMS, AWQ, DATA_ALGORITHMS, GPTQ, GROUPED_FORMATS, HQQ, RTN
 from .formats import torchao_eager
 
 INPUT_SCALE = "input_scale"  # the buffer an AWQ module divides its input by
@@ -199,10 +199,22 @@ class QuantizedWeight:
         packed = values[:, 0::2] | (values[:, 1::2] << 4)
         return CompactWeight(packed, tensor.scale, tensor.block_size[1], tensor.dtype, self.note)
 
-    def assign(self, module: nn.Module) -> None:
+    def assign(self, module: nn.Module, dynamic_activations: bool = False) -> None:
         """Give ``module`` this weight (a new Parameter) and, for AWQ, its input scale and the hook
-        that divides by it."""
-        module.weight = nn.Parameter(self.tensor, requires_grad=False)
+        that divides by it. ``dynamic_activations``: the module quantizes its input to int8 per token
+        as it runs (int8-dynamic-int4-weight, "8da4w"), the same int4 values."""
+        tensor = self.tensor
+        if dynamic_activations:
+            tensor = _intx()(
+                tensor.qdata,
+                tensor.scale,
+                tensor.zero_point,
+                tensor.target_dtype,
+                tensor.block_size,
+                tensor.dtype,
+                torchao_eager().PerTokenActivations,
+            )
+        module.weight = nn.Parameter(tensor, requires_grad=False)
         if self.input_scale is not None:
             module.register_buffer(INPUT_SCALE, self.input_scale.clone())
             module.register_forward_pre_hook(_divide_input)
@@ -496,9 +508,11 @@ def weights_in_runs(
         give_back()
 
 
-def quantize_weights(model: nn.Module, choices: Mapping[str, tuple[str, int]], batches: Iterable[Any]) -> nn.Module:
+def quantize_weights(model: nn.Module, choices: Mapping[str, tuple], batches: Iterable[Any]) -> nn.Module:
     """Quantize the named Linears of ``model`` to int4 in place, each ``fqn: (algorithm, group_size)``
-    with ``algorithm`` one of ``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``: one pass over ``batches``
+    with ``algorithm`` one of ``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"`` (and a third element
+    ``"int8-dynamic-int4-weight"`` for a Linear that quantizes its input to int8 per token as it
+    runs, "8da4w"; default ``"int4-weight-only"``): one pass over ``batches``
     (the calibration data: a tensor, a tuple of inputs or a dict per batch; one pass per run of
     modules, ``gram_runs``) gathers what GPTQ and AWQ read of each module's input on the float
     model, then each module's weight is replaced. Returns ``model``.
@@ -506,8 +520,12 @@ def quantize_weights(model: nn.Module, choices: Mapping[str, tuple[str, int]], b
     What a session's settings as code call for the modules whose algorithm needs data.
     """
     modules = dict(model.named_modules())
+    formats = {fqn: chosen[2] if len(chosen) > 2 else GROUPED_FORMATS[0] for fqn, chosen in choices.items()}
+    choices = {fqn: (chosen[0], chosen[1]) for fqn, chosen in choices.items()}
     for fqn, (algorithm, group_size) in choices.items():
         module = modules.get(fqn)
+        if formats[fqn] not in GROUPED_FORMATS:
+            raise InvalidSettingsError(f"{fqn}: the format must be one of {', '.join(GROUPED_FORMATS)}, got {formats[fqn]!r}")
         if not isinstance(module, nn.Linear):
             found = type(module).__name__ if module is not None else "no module of that name"
             raise InvalidSettingsError(f"{fqn}: quantize_weights takes Linear modules, found {found}")
@@ -527,5 +545,5 @@ def quantize_weights(model: nn.Module, choices: Mapping[str, tuple[str, int]], b
         for fqn, (algorithm, group_size) in choices.items():
             weight = modules[fqn].weight
             chosen = found.pop(fqn).expand(weight) if fqn in found else choose(algorithm, weight, group_size)
-            chosen.assign(modules[fqn])
+            chosen.assign(modules[fqn], dynamic_activations=formats[fqn] == GROUPED_FORMATS[1])
     return model

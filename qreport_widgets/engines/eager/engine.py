@@ -24,6 +24,7 @@ from ...core.metrics import sqnr_db
 from ...errors import QReportError
 from ...observe.graph import OBSERVER_CONTAINER
 from ..contract import Engine, Observation, RunNotes, conversion_tables
+from ..executorch import DYNAMIC, DeployedProgram, executorch_api, lower
 from ..settings import (
     ALGORITHM_FORMATS,
     ALGORITHMS,
@@ -43,6 +44,8 @@ from .formats import (
     INT8_DYNAMIC_INT4,
     INT8_WEIGHT_ONLY,
     QUANTIZED_FORMATS,
+    X86,
+    XNNPACK,
     EagerConfig,
     algorithms_offered,
     choice_words,
@@ -83,6 +86,12 @@ ALGORITHM_NOTES = {
         "module's input divided by the same scales at run time (a buffer, counted in the size)"
     ),
 }
+RUNTIME_NOTE = (
+    "measured in ExecuTorch's runtime: the quantized model exported, lowered with XNNPACK's dynamically "
+    "quantized partitioner (as ExecuTorch's LLM export does), serialised ({size:,} bytes of .pte) and executed on "
+    "one thread in a worker process; lowering took {seconds:.1f} s. Per-layer SQNR is of the eager model it was "
+    "lowered from"
+)
 INT8_DYNAMIC_NOTE = (
     "int8 dynamic: torchao's CPU kernel (torch._int_mm on each batch's int8 activations) is written for "
     "torch.compile to fuse; run eagerly, as here, it can be many times slower than int8 weight-only: its "
@@ -106,6 +115,11 @@ class EagerEngine(Engine[EagerConfig]):
         group_size: the starting group size of an int4 ``format``; default ``DEFAULT_GROUP_SIZE``.
             A Linear whose rows it does not divide starts float.
         algorithms: the int4 weight algorithms the size front weighs; default all four.
+        target: ``"x86"`` (the quantized model runs here), or ``"xnnpack"``: every run's model is
+            exported, lowered to XNNPACK as ExecuTorch ships decoders and run in ExecuTorch's runtime
+            (``executorch.DeployedProgram``), which is what it measures; Linears take
+            int8-dynamic ("8da8w") or int8-dynamic-int4-weight ("8da4w"), Embeddings int8 / int4
+            weight-only.
     """
 
     name = "eager"
@@ -117,10 +131,15 @@ class EagerEngine(Engine[EagerConfig]):
         format: str = INT8_DYNAMIC,  # noqa: A002  (the word users know)
         group_size: int | None = None,
         algorithms: tuple[str, ...] | None = None,
+        target: str = X86,
     ) -> None:
         torchao_eager()  # a clear error naming the extra, before anything else
         # the same ValueError as build_engine for a format, group size or algorithm refused
-        options = EagerOptions(format, group_size, algorithms)
+        options = EagerOptions(format, group_size, algorithms, target)
+        if target == XNNPACK:
+            executorch_api()  # ExecuTorch, or the error naming the extra
+        self.target = target
+        self._example_inputs: tuple[Any, ...] = ()  # what a program is exported with
         self.start_format = format
         self.start_group_size = group_size or 0  # 0: DEFAULT_GROUP_SIZE, as in ModuleSettings
         self.searched_algorithms = options.algorithms or ALGORITHMS  # what size_choices offers
@@ -134,7 +153,7 @@ class EagerEngine(Engine[EagerConfig]):
 
     @classmethod
     def from_options(cls, options: EagerOptions) -> EagerEngine:
-        return cls(options.format or INT8_DYNAMIC, options.group_size, options.algorithms)
+        return cls(options.format or INT8_DYNAMIC, options.group_size, options.algorithms, options.target)
 
     # ---- observation ----------------------------------------------------------------------------
     def observe(self, float_model: nn.Module, example_inputs: tuple[Any, ...], *, record: bool = False) -> Observation:
@@ -142,6 +161,7 @@ class EagerEngine(Engine[EagerConfig]):
         modules with the starting formats. The pass that maps the modules' dataflow runs the example
         inputs; with ``record`` it keeps what each module read and wrote for the observers (a decoder's
         analysis over 4 batches: one forward pass less, a fifth of its time)."""
+        self._example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         observed = observed_modules(shared_copy(float_model), _inputs_of(example_inputs), record)  # hooks read, never write
         modules = self._tunable(float_model, self.base_config().resolved(float_model))
         weights = {m.fqn: True for m in modules if not m.current.keep_float}  # int8 per row, int4 per group
@@ -153,10 +173,10 @@ class EagerEngine(Engine[EagerConfig]):
 
     # ---- configuration --------------------------------------------------------------------------
     def base_config(self) -> EagerConfig:
-        return EagerConfig(linears=self.start_format, group_size=self.start_group_size)
+        return EagerConfig(linears=self.start_format, group_size=self.start_group_size, target=self.target)
 
     def config_for(self, settings: Mapping[str, ModuleSettings], modules: Sequence[TunableModule]) -> EagerConfig:
-        return EagerConfig.of({m.fqn: settings.get(m.fqn, m.current) for m in modules})
+        return EagerConfig.of({m.fqn: settings.get(m.fqn, m.current) for m in modules}, self.target)
 
     def config_as_code(self, config: EagerConfig) -> str:
         return config.as_code()
@@ -199,7 +219,7 @@ class EagerEngine(Engine[EagerConfig]):
                 raise FormatError(f"{algorithm} reads {fqn}'s inputs on the calibration batches: calibrate before convert")
             with torch.no_grad():
                 chosen = found.pop(fqn).expand(module.weight)
-            chosen.assign(module)
+            chosen.assign(module, dynamic_activations=config.formats[fqn][0] == INT8_DYNAMIC_INT4)
             if chosen.note:
                 kept_rounding[fqn] = chosen.note
         self._kept_rounding[prepared] = kept_rounding
@@ -207,17 +227,21 @@ class EagerEngine(Engine[EagerConfig]):
             torchao_eager().quantize_(prepared, config.fqn_to_config(), filter_fn=None)
         except Exception as error:  # name the module and format torchao failed on
             raise FormatError(_failure(prepared, config, error)) from error
+        if self.target == XNNPACK:
+            return lower(prepared, self._example_inputs, partitioner=DYNAMIC, fuse_quantized_ops=True)
         return prepared
 
     # ---- what a run measures --------------------------------------------------------------------
     def per_layer_sqnr(self, float_model: nn.Module, quantized: nn.Module, batch: Any) -> pd.Series:
         """SQNR (dB) at each Linear / Embedding / Conv module's output, quantized against float."""
+        quantized = _eager_model(quantized)
         names = [fqn for fqn, module in float_model.named_modules() if isinstance(module, WEIGHTED)]
         expected = module_outputs(float_model, names, batch)
         values = module_outputs(quantized, list(expected), batch, lambda fqn, found: sqnr_db(expected.pop(fqn), found))
         return pd.Series({fqn: values[fqn] for fqn in names if fqn in values}, name="SQNR (dB)", dtype=float)
 
     def conversions(self, prepared: nn.Module, quantized: nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
+        quantized = _eager_model(quantized)
         config = self._configs.get(prepared) or self._configs.get(quantized) or EagerConfig()
         rows = []
         for fqn, module in quantized.named_modules():
@@ -238,7 +262,15 @@ class EagerEngine(Engine[EagerConfig]):
         return conversion_tables(rows)
 
     def deployed_bytes(self, quantized: nn.Module) -> int:
+        """The ``.pte`` program's bytes for the XNNPACK target; else the weights as a packed layout stores them."""
+        if isinstance(quantized, DeployedProgram):
+            return len(quantized.pte)
         return deployed_bytes(quantized)
+
+    def stored_bytes(self, quantized: nn.Module) -> int:
+        if isinstance(quantized, DeployedProgram):
+            return len(quantized.pte)
+        return super().stored_bytes(quantized)
 
     def size_choices(self, module: TunableModule) -> list[ModuleSettings]:
         """Float and every format the module takes, with each group size its rows divide into and,
@@ -273,15 +305,20 @@ class EagerEngine(Engine[EagerConfig]):
             extra = weight.shape[1] * weight.element_size() if choice.algorithm == AWQ else 0
             rows = weight.shape[0]
             if type(float_module) in (nn.Linear, nn.Embedding) and rows > 2 * SIZE_ROWS:
-                few, more = (_quantized_bytes(_first_rows(float_module, n), counted) for n in (SIZE_ROWS, 2 * SIZE_ROWS))
+                few, more = (
+                    _quantized_bytes(_first_rows(float_module, n), counted, self.target) for n in (SIZE_ROWS, 2 * SIZE_ROWS)
+                )
                 self._sizes[key] = few + (more - few) * (rows - SIZE_ROWS) // SIZE_ROWS + extra
             else:
-                self._sizes[key] = _quantized_bytes(copy.deepcopy(float_module), counted) + extra
+                self._sizes[key] = _quantized_bytes(copy.deepcopy(float_module), counted, self.target) + extra
                 give_back()
         return self._sizes[key]
 
     def run_notes(self, config: EagerConfig, quantized: nn.Module) -> RunNotes:
-        """Which kernels torchao ran on this CPU, and per module a format it did not carry out."""
+        """Which kernels torchao ran on this CPU (or what XNNPACK took of the program), and per module
+        a format it did not carry out."""
+        program = quantized if isinstance(quantized, DeployedProgram) else None
+        quantized = _eager_model(quantized)
         modules = dict(quantized.named_modules())
         undone = {
             fqn: f"asked {choice_words(*chosen)}, its weight stayed float"
@@ -289,9 +326,12 @@ class EagerEngine(Engine[EagerConfig]):
             if not is_quantized_weight(getattr(modules.get(fqn), "weight", None))
         }
         used = {name for name, _, _ in config.formats.values()}
-        notes = [INT4_NOTE] if used & {INT4_WEIGHT_ONLY, INT8_DYNAMIC_INT4} else []
-        notes += [INT8_WEIGHT_ONLY_NOTE] if INT8_WEIGHT_ONLY in used else []
-        notes += [INT8_DYNAMIC_NOTE] if INT8_DYNAMIC in used else []
+        if program is not None:
+            notes = [RUNTIME_NOTE.format(size=len(program.pte), seconds=program.lowering_s), program.delegation.words]
+        else:
+            notes = [INT4_NOTE] if used & {INT4_WEIGHT_ONLY, INT8_DYNAMIC_INT4} else []
+            notes += [INT8_WEIGHT_ONLY_NOTE] if INT8_WEIGHT_ONLY in used else []
+            notes += [INT8_DYNAMIC_NOTE] if INT8_DYNAMIC in used else []
         algorithms = {algorithm for _, _, algorithm in config.formats.values()}
         notes += [note for name, note in ALGORITHM_NOTES.items() if name in algorithms]
         kept = self._kept_rounding.get(quantized, {})
@@ -312,7 +352,7 @@ class EagerEngine(Engine[EagerConfig]):
         example_inputs: tuple[Any, ...],
         calibrate: Callable[[nn.Module], None],
     ) -> EagerSimulation:
-        return EagerSimulation(prepared, modules, calibrate)
+        return EagerSimulation(prepared, modules, calibrate, self.target)
 
     # ---- helpers --------------------------------------------------------------------------------
     def _config_of(self, prepared: nn.Module) -> EagerConfig:
@@ -326,7 +366,7 @@ class EagerEngine(Engine[EagerConfig]):
         for fqn, module in model.named_modules():
             if not fqn or not isinstance(module, WEIGHTED) or next(module.children(), None) is not None:
                 continue
-            formats, groups = offered(module)
+            formats, groups = offered(module, self.target)
             chosen = config.formats.get(fqn)
             current = (
                 ModuleSettings(format="float")
@@ -347,7 +387,7 @@ class EagerEngine(Engine[EagerConfig]):
                     native=chosen,
                     formats=formats,
                     group_sizes=groups,
-                    algorithms=algorithms_offered(module),
+                    algorithms=algorithms_offered(module, self.target),
                 )
             )
         return modules
@@ -388,13 +428,18 @@ def _failure(prepared: nn.Module, config: EagerConfig, error: Exception) -> str:
             continue
         single = nn.Sequential(copy.deepcopy(modules[fqn]))
         try:
-            ao.quantize_(single, EagerConfig({"0": chosen}).fqn_to_config(), filter_fn=None)
+            ao.quantize_(single, EagerConfig({"0": chosen}, target=config.target).fqn_to_config(), filter_fn=None)
         except Exception as cause:
             return (
                 f"torchao could not apply {choice_words(*chosen)} to {fqn} ({type(modules[fqn]).__name__}): "
                 f"{type(cause).__name__}: {cause}. Choose another format for it, or keep it float."
             )
     return f"torchao's quantize_ failed ({type(error).__name__}: {error}); every format applies to its module alone"
+
+
+def _eager_model(quantized: nn.Module) -> nn.Module:
+    """The eager quantized model: itself, or the one an ExecuTorch program was lowered from."""
+    return quantized.reference if isinstance(quantized, DeployedProgram) else quantized
 
 
 def _inputs_of(example_inputs: Any) -> Any:
@@ -404,11 +449,11 @@ def _inputs_of(example_inputs: Any) -> Any:
     return example_inputs
 
 
-def _quantized_bytes(module: nn.Module, choice: ModuleSettings) -> int:
+def _quantized_bytes(module: nn.Module, choice: ModuleSettings, target: str = X86) -> int:
     """``module`` (a copy: it is quantized in place) in ``choice``, counted as ``deployed_bytes``."""
     holder = nn.Sequential(module)
     if not choice.keep_float:
-        torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}).fqn_to_config(), filter_fn=None)
+        torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}, target).fqn_to_config(), filter_fn=None)
     return deployed_bytes(holder)
 
 

@@ -7,6 +7,15 @@ Embedding, Conv2d) whose rows divide into groups; ``Int8DynamicActivationIntxWei
 Linear weights only. On an x86 CPU, int4 weights stay unpacked in int8 (``IntxUnpackedToInt8Tensor``)
 and run as dequantize-then-float-matmul; the packed layouts need ARM KleidiAI, torchao's low-bit
 C++ kernels or CUDA.
+
+Each format has a torchao config per target. On ``"x86"`` (the model runs in this process) int8
+dynamic is ``Int8DynamicActivationInt8WeightConfig`` and int8 weight-only ``Int8WeightOnlyConfig``.
+On ``"xnnpack"`` (the model is lowered to an ExecuTorch program, as ExecuTorch's LLM export does)
+every format is one of the two configs XNNPACK and ExecuTorch's kernels take: a Linear
+``Int8DynamicActivationIntxWeightConfig`` with int4 grouped ("8da4w") or int8 per-row ("8da8w")
+weights, an Embedding ``IntxWeightOnlyConfig`` with int4 grouped or int8 per-row weights (its
+lookups become ``embedding_4bit`` / ``embedding_byte``). XNNPACK delegates grouped int4 only in
+groups of a multiple of 32, and no weight-only Linear.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from ...errors import MissingExtraError
 from ..settings import (
     ALGORITHM_FORMATS,
     ALGORITHMS,
+    AWQ,
     DATA_ALGORITHMS,
     DEFAULT_GROUP_SIZE,
     FORMATS,
@@ -39,6 +49,10 @@ from ..settings import (
 
 INT8_DYNAMIC, INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY, INT8_DYNAMIC_INT4 = FORMATS[1:]
 QUANTIZED_FORMATS = FORMATS[1:]
+TARGETS = X86, XNNPACK = ("x86", "xnnpack")
+# what XNNPACK's program runs, per module type (ExecuTorch's LLM export: Linear 8da4w / 8da8w, Embedding 4w / 8w)
+XNNPACK_LINEAR = (INT8_DYNAMIC, INT8_DYNAMIC_INT4)
+XNNPACK_EMBEDDING = (INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY)
 NO_CONV_INT8 = "torchao's int8 tensors have no convolution (int4-weight-only applies to a Conv2d)"
 
 
@@ -60,11 +74,14 @@ def torchao_eager() -> types.SimpleNamespace:
                 IntxWeightOnlyConfig,
                 quantize_,
             )
-            from torchao.quantization.granularity import PerGroup, PerRow
+            from torchao.quantization.granularity import PerAxis, PerGroup, PerRow
             from torchao.quantization.quant_primitives import MappingType
             from torchao.quantization.quantize_.workflows import Int8Tensor, IntxUnpackedToInt8Tensor
             from torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm import (
                 IntxChooseQParamsAlgorithm,
+            )
+            from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
+                IntxUnpackedToInt8TensorActivationQuantization,
             )
             from torchao.utils import TorchAOBaseTensor
     except ImportError as error:
@@ -76,6 +93,7 @@ def torchao_eager() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         quantize_=quantize_,
         FqnToConfig=FqnToConfig,
+        PerAxis=PerAxis,
         PerGroup=PerGroup,
         PerRow=PerRow,
         MappingType=MappingType,
@@ -86,46 +104,49 @@ def torchao_eager() -> types.SimpleNamespace:
         Int8Tensor=Int8Tensor,
         IntxUnpackedToInt8Tensor=IntxUnpackedToInt8Tensor,
         IntxChooseQParamsAlgorithm=IntxChooseQParamsAlgorithm,
+        # the dynamic int8 activations of an int4-weight Linear (8da4w): asymmetric, per token
+        PerTokenActivations=IntxUnpackedToInt8TensorActivationQuantization.INT8_ASYM_PER_TOKEN,
         TorchAOBaseTensor=TorchAOBaseTensor,
     )
 
 
-def ao_config(name: str, group_size: int = 0, algorithm: str = "") -> Any:
-    """The torchao config of one format (not "float"); ``algorithm`` "" (round to nearest) or "hqq"
-    (GPTQ and AWQ are not torchao configs here: ``algorithms.choose``)."""
+def ao_config(name: str, group_size: int = 0, algorithm: str = "", target: str = X86) -> Any:
+    """The torchao config of one format (not "float") on ``target``; ``algorithm`` "" (round to
+    nearest) or "hqq" (GPTQ and AWQ are not torchao configs here: ``algorithms.choose``)."""
     ao = torchao_eager()
     group = group_size or DEFAULT_GROUP_SIZE
     if algorithm not in ("", HQQ) or (algorithm and name not in ALGORITHM_FORMATS):
         raise ValueError(f"no torchao config for {name!r} with weight algorithm {algorithm!r}")
+    hqq = {"intx_choose_qparams_algorithm": "hqq_scale_only"} if algorithm == HQQ else {}
+    if name == INT8_DYNAMIC and target == XNNPACK:
+        return ao.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=ao.PerAxis(0))
     if name == INT8_DYNAMIC:
         return ao.Int8DynamicActivationInt8WeightConfig()
+    if name == INT8_WEIGHT_ONLY and target == XNNPACK:
+        return ao.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=ao.PerAxis(0))
     if name == INT8_WEIGHT_ONLY:
         return ao.Int8WeightOnlyConfig()
-    if name == INT4_WEIGHT_ONLY and algorithm == HQQ:
-        return ao.IntxWeightOnlyConfig(
-            weight_dtype=torch.int4, granularity=ao.PerGroup(group), intx_choose_qparams_algorithm="hqq_scale_only"
-        )
     if name == INT4_WEIGHT_ONLY:
-        return ao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=ao.PerGroup(group))
+        return ao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=ao.PerGroup(group), **hqq)
     if name == INT8_DYNAMIC_INT4:
-        return ao.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=ao.PerGroup(group))
+        return ao.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=ao.PerGroup(group), **hqq)
     raise ValueError(f"no torchao config for format {name!r}")
 
 
-def config_code(name: str, group_size: int = 0, algorithm: str = "") -> str:
-    """``ao_config(name, group_size, algorithm)`` as Python (the names ``CODE_IMPORTS`` imports)."""
+def config_code(name: str, group_size: int = 0, algorithm: str = "", target: str = X86) -> str:
+    """``ao_config(name, group_size, algorithm, target)`` as Python (the names ``CODE_IMPORTS`` imports)."""
     group = group_size or DEFAULT_GROUP_SIZE
-    if algorithm == HQQ:
-        return (
-            f"IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup({group}), "
-            'intx_choose_qparams_algorithm="hqq_scale_only")'
-        )
+    hqq = ', intx_choose_qparams_algorithm="hqq_scale_only"' if algorithm == HQQ else ""
+    if target == XNNPACK and name == INT8_DYNAMIC:
+        return "Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))"
+    if target == XNNPACK and name == INT8_WEIGHT_ONLY:
+        return "IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))"
     return {
         INT8_DYNAMIC: "Int8DynamicActivationInt8WeightConfig()",
         INT8_WEIGHT_ONLY: "Int8WeightOnlyConfig()",
-        INT4_WEIGHT_ONLY: f"IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup({group}))",
+        INT4_WEIGHT_ONLY: f"IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup({group}){hqq})",
         INT8_DYNAMIC_INT4: (
-            f"Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup({group}))"
+            f"Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup({group}){hqq})"
         ),
     }[name]
 
@@ -140,13 +161,13 @@ CODE_IMPORTS = (
     "    IntxWeightOnlyConfig,\n"
     "    quantize_,\n"
     ")\n"
-    "from torchao.quantization.granularity import PerGroup\n"
+    "from torchao.quantization.granularity import PerAxis, PerGroup\n"
 )
 
 
-def offered(module: nn.Module) -> tuple[dict[str, str], tuple[int, ...]]:
-    """What torchao can apply to ``module``: format -> why not ("" where it applies; "float" always),
-    and the group sizes its weight's rows divide into (for the int4 formats)."""
+def offered(module: nn.Module, target: str = X86) -> tuple[dict[str, str], tuple[int, ...]]:
+    """What torchao can apply to ``module`` for ``target``: format -> why not ("" where it applies;
+    "float" always), and the group sizes its weight's rows divide into (for the int4 formats)."""
     weight = getattr(module, "weight", None)
     width = int(weight.shape[1]) if isinstance(weight, torch.Tensor) and weight.dim() >= 2 else 0
     groups = tuple(g for g in GROUP_SIZES if width and width % g == 0)
@@ -154,36 +175,63 @@ def offered(module: nn.Module) -> tuple[dict[str, str], tuple[int, ...]]:
     no_groups = f"int4 weights are grouped along rows of {width}, which no group size ({sizes}) divides"
     int4 = "" if groups else no_groups
     if isinstance(module, nn.Linear):
-        return {"float": "", INT8_DYNAMIC: "", INT8_WEIGHT_ONLY: "", INT4_WEIGHT_ONLY: int4, INT8_DYNAMIC_INT4: int4}, groups
-    if isinstance(module, nn.Embedding):
+        formats = {"float": "", INT8_DYNAMIC: "", INT8_WEIGHT_ONLY: "", INT4_WEIGHT_ONLY: int4, INT8_DYNAMIC_INT4: int4}
+    elif isinstance(module, nn.Embedding):
         no_activation = "an embedding looks rows up: it has no activations to quantize (use a weight-only format)"
-        return {
+        formats = {
             "float": "",
             INT8_DYNAMIC: no_activation,
             INT8_WEIGHT_ONLY: "",
             INT4_WEIGHT_ONLY: int4,
             INT8_DYNAMIC_INT4: no_activation,
-        }, groups
-    if isinstance(module, nn.Conv2d):
+        }
+    elif isinstance(module, nn.Conv2d):
         dynamic_int4 = "torchao's dynamic int8 + int4 format takes Linear weights only"
-        return {
+        formats = {
             "float": "",
             INT8_DYNAMIC: NO_CONV_INT8,
             INT8_WEIGHT_ONLY: NO_CONV_INT8,
             INT4_WEIGHT_ONLY: int4,
             INT8_DYNAMIC_INT4: dynamic_int4,
-        }, groups
-    kind = type(module).__name__
-    why = f"torchao's formats take Linear, Embedding and Conv2d weights, not a {kind}"
-    return {"float": "", **dict.fromkeys(QUANTIZED_FORMATS, why)}, ()
+        }
+    else:
+        kind = type(module).__name__
+        why = f"torchao's formats take Linear, Embedding and Conv2d weights, not a {kind}"
+        return {"float": "", **dict.fromkeys(QUANTIZED_FORMATS, why)}, ()
+    if target == XNNPACK:
+        formats = {name: why or _xnnpack_refuses(module, name) for name, why in formats.items()}
+    return formats, groups
 
 
-def algorithms_offered(module: nn.Module) -> dict[str, str]:
-    """The weight algorithms ``module``'s int4 weights can take: algorithm -> why not ("" where it
-    applies; round-to-nearest wherever int4 does)."""
-    if offered(module)[0].get(INT4_WEIGHT_ONLY) != "":
+def _xnnpack_refuses(module: nn.Module, name: str) -> str:
+    """Why an ExecuTorch program with XNNPACK does not run ``module`` in format ``name`` ("" where it does)."""
+    if name == "float":
+        return ""
+    if isinstance(module, nn.Linear) and name not in XNNPACK_LINEAR:
+        return (
+            "XNNPACK delegates a Linear with dynamically quantized int8 activations only (int8-dynamic, "
+            "int8-dynamic-int4-weight): weight-only Linears would run in ExecuTorch's portable kernels"
+        )
+    if isinstance(module, nn.Embedding) and name not in XNNPACK_EMBEDDING:
+        return "ExecuTorch quantizes an embedding's weights only (int8-weight-only, int4-weight-only)"
+    if isinstance(module, nn.Conv2d):
+        return (
+            "the eager engine's XNNPACK target quantizes Linears and Embeddings: "
+            "for convolutions use engine='pt2e', target='xnnpack'"
+        )
+    return ""
+
+
+def algorithms_offered(module: nn.Module, target: str = X86) -> dict[str, str]:
+    """The weight algorithms ``module``'s int4 weights can take on ``target``: algorithm -> why not
+    ("" where it applies; round-to-nearest wherever int4 does)."""
+    formats = offered(module, target)[0]
+    if all(formats.get(name) != "" for name in ALGORITHM_FORMATS):
         return {}
     if isinstance(module, nn.Linear):
+        if target == XNNPACK:
+            awq = "AWQ divides the Linear's input by its scales, an extra op in the program: not offered on XNNPACK"
+            return {**dict.fromkeys(ALGORITHMS, ""), AWQ: awq}
         return dict.fromkeys(ALGORITHMS, "")
     data = "GPTQ and AWQ weigh a Linear's weights by its input activations"
     if isinstance(module, nn.Embedding):
@@ -201,11 +249,13 @@ class EagerConfig:
     (the rest float), applied by one ``quantize_(copy, FqnToConfig(...))``, then GPTQ / AWQ for the
     modules whose algorithm reads the calibration inputs (``needs_data``). ``linears``: a format for
     every Linear not named (the start, before a model is known; ``resolved`` names them), with
-    ``group_size`` when it is an int4 format (0: ``DEFAULT_GROUP_SIZE``)."""
+    ``group_size`` when it is an int4 format (0: ``DEFAULT_GROUP_SIZE``). ``target``: whose torchao
+    configs the formats are (``ao_config``): ``"x86"``, or ``"xnnpack"`` for an ExecuTorch program."""
 
     formats: Mapping[str, Choice] = field(default_factory=dict)
     linears: str = ""
     group_size: int = 0
+    target: str = X86
 
     def resolved(self, model: nn.Module) -> EagerConfig:
         """Every module named: ``linears``' format given to each Linear it applies to (int4: each
@@ -216,12 +266,12 @@ class EagerConfig:
         chosen = {
             fqn: (self.linears, group, "")
             for fqn, module in model.named_modules()
-            if isinstance(module, nn.Linear) and _takes(module, self.linears, group)
+            if isinstance(module, nn.Linear) and _takes(module, self.linears, group, self.target)
         }
-        return EagerConfig({**chosen, **self.formats})
+        return EagerConfig({**chosen, **self.formats}, target=self.target)
 
     @classmethod
-    def of(cls, settings: Mapping[str, ModuleSettings]) -> EagerConfig:
+    def of(cls, settings: Mapping[str, ModuleSettings], target: str = X86) -> EagerConfig:
         """The quantized modules of ``settings`` with their formats (group size only where it counts)."""
         chosen = {}
         for fqn, choice in settings.items():
@@ -229,7 +279,7 @@ class EagerConfig:
                 continue
             group = (choice.group_size or DEFAULT_GROUP_SIZE) if choice.format in GROUPED_FORMATS else 0
             chosen[fqn] = (choice.format, group, choice.algorithm)
-        return cls(chosen)
+        return cls(chosen, target=target)
 
     @property
     def needs_data(self) -> dict[str, tuple[str, int]]:
@@ -240,28 +290,63 @@ class EagerConfig:
         """torchao's config of every module but those ``needs_data`` names."""
         ao = torchao_eager()
         return ao.FqnToConfig(
-            {fqn: ao_config(*choice) for fqn, choice in self.formats.items() if choice[2] not in DATA_ALGORITHMS}
+            {
+                fqn: ao_config(*choice, target=self.target)
+                for fqn, choice in self.formats.items()
+                if choice[2] not in DATA_ALGORITHMS
+            }
         )
 
     def as_code(self) -> str:
         entries = "".join(
-            f"    {fqn!r}: {config_code(*choice)},\n" for fqn, choice in self.formats.items() if choice[2] not in DATA_ALGORITHMS
+            f"    {fqn!r}: {config_code(*choice, target=self.target)},\n"
+            for fqn, choice in self.formats.items()
+            if choice[2] not in DATA_ALGORITHMS
         )
         code = (
             "# module -> format (modules not named stay float); quantize_ changes model in place\n"
             f"config = FqnToConfig({{\n{entries}}})\n"
             "quantize_(model, config, filter_fn=None)\n"
         )
+        if self.target == XNNPACK:
+            code += XNNPACK_CODE
         data = self.needs_data
         if not data:
-            return f"{CODE_IMPORTS}\n{code}"
-        choices = "".join(f"    {fqn!r}: ({algorithm!r}, {group}),\n" for fqn, (algorithm, group) in data.items())
+            return f"{CODE_IMPORTS}{XNNPACK_IMPORTS if self.target == XNNPACK else ''}\n{code}"
+        choices = "".join(
+            f"    {fqn!r}: ({algorithm!r}, {group}{_format_argument(self.formats[fqn][0])}),\n"
+            for fqn, (algorithm, group) in data.items()
+        )
         return (
-            f"{CODE_IMPORTS}from qreport_widgets import quantize_weights\n\n"
+            f"{CODE_IMPORTS}{XNNPACK_IMPORTS if self.target == XNNPACK else ''}from qreport_widgets import quantize_weights\n\n"
             "# first, on the float model: int4 weights chosen by GPTQ / AWQ from one pass over the\n"
-            "# calibration batches the session calibrated on (module -> (algorithm, group size))\n"
+            "# calibration batches the session calibrated on (module -> (algorithm, group size[, format]))\n"
             f"quantize_weights(model, {{\n{choices}}}, calibration_batches)\n{code}"
         )
+
+
+def _format_argument(name: str) -> str:
+    return "" if name == INT4_WEIGHT_ONLY else f", {name!r}"
+
+
+XNNPACK_IMPORTS = (
+    "from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackDynamicallyQuantizedPartitioner\n"
+    "from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower\n"
+    "from executorch.runtime import Runtime\n"
+)
+# the quantized model lowered as ExecuTorch's LLM export lowers a decoder, its .pte written and run
+XNNPACK_CODE = (
+    "\n"
+    "program = to_edge_transform_and_lower(\n"
+    "    torch.export.export(model, example_inputs),\n"
+    "    partitioner=[XnnpackDynamicallyQuantizedPartitioner()],\n"
+    ").to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True))\n"
+    'with open("model.pte", "wb") as file:\n'
+    "    file.write(program.buffer)\n"
+    "import executorch.kernels.quantized  # noqa: F401  (the runtime's quantized embedding kernels)\n"
+    'method = Runtime.get().load_program(program.buffer).load_method("forward")\n'
+    "outputs = method.execute(list(example_inputs))\n"
+)
 
 
 def choice_words(name: str, group: int, algorithm: str = "") -> str:
@@ -271,8 +356,8 @@ def choice_words(name: str, group: int, algorithm: str = "") -> str:
     return f"{name} (group {group}, {algorithm})" if algorithm else f"{name} (group {group})"
 
 
-def _takes(module: nn.Module, name: str, group: int) -> bool:
-    formats, groups = offered(module)
+def _takes(module: nn.Module, name: str, group: int, target: str = X86) -> bool:
+    formats, groups = offered(module, target)
     return formats.get(name) == "" and (not group or group in groups)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..settings import ALGORITHMS, group_size_problem
-from .formats import INT8_DYNAMIC, QUANTIZED_FORMATS
+from .formats import INT8_DYNAMIC, QUANTIZED_FORMATS, TARGETS, XNNPACK, XNNPACK_LINEAR
 
 
 @dataclass(frozen=True)
@@ -21,13 +21,26 @@ class EagerOptions:
             None: all four. GPTQ and AWQ cost seconds a module per group size (on a 134M decoder,
             a minute each over every Linear): ``("rtn", "hqq")`` keeps a large model's ``fit`` short.
             Any algorithm can still be chosen per module by hand.
+        target: ``"x86"`` (default), or ``"xnnpack"``: every run is an ExecuTorch program lowered to
+            XNNPACK and measured in ExecuTorch's runtime; ``format`` then one of ``XNNPACK_LINEAR``.
     """
 
     format: str | None = None
     group_size: int | None = None
     algorithms: tuple[str, ...] | None = None
+    target: str | None = None
 
     def __post_init__(self) -> None:
+        if self.target is None:
+            object.__setattr__(self, "target", TARGETS[0])
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be {' or '.join(map(repr, TARGETS))}, got {self.target!r}")
+        if self.target == XNNPACK and (self.format or INT8_DYNAMIC) not in XNNPACK_LINEAR:
+            raise ValueError(
+                f"format={self.format!r} with target='xnnpack': XNNPACK runs a Linear with int8 dynamic activations, "
+                f"format must be {' or '.join(map(repr, XNNPACK_LINEAR))} (other formats per module: Embeddings take "
+                "int8-weight-only / int4-weight-only)"
+            )
         if self.format is not None and self.format not in QUANTIZED_FORMATS:
             raise ValueError(f"format must be one of {', '.join(QUANTIZED_FORMATS)}, got {self.format!r}")
         if self.group_size is not None:

@@ -25,7 +25,7 @@ from ...core.metrics import sqnr_db
 from ..contract import Variant, WholePasses
 from ..settings import DATA_ALGORITHMS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
 from .algorithms import CompactWeight, InputStatistics, QuantizedWeight, Recipe, choose, gram_runs, recording
-from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, ao_config, torchao_eager
+from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, ao_config, torchao_eager
 
 FormatKey = tuple[str, int, str]  # (format, group size or 0, weight algorithm or "")
 # other formats' quantized weights kept (torchao's own int8 / int4-as-int8 tensors, about a quarter
@@ -43,16 +43,18 @@ def format_key(choice: ModuleSettings) -> FormatKey | None:
     return choice.format, group, choice.algorithm
 
 
-def quantized_weight(module: nn.Module, key: FormatKey, statistics: InputStatistics | None = None) -> QuantizedWeight:
-    """``module``'s weight quantized in format ``key``: by torchao, or for GPTQ / AWQ from the
-    ``statistics`` of its inputs (``algorithms.choose``) into torchao's int4 layout."""
+def quantized_weight(
+    module: nn.Module, key: FormatKey, statistics: InputStatistics | None = None, target: str = X86
+) -> QuantizedWeight:
+    """``module``'s weight quantized in format ``key`` for ``target``: by torchao, or for GPTQ / AWQ
+    from the ``statistics`` of its inputs (``algorithms.choose``) into torchao's int4 layout."""
     name, group, algorithm = key
     if algorithm in DATA_ALGORITHMS:
         with torch.no_grad():
             return choose(algorithm, module.weight, group, statistics)
     ao = torchao_eager()
     holder = nn.Sequential(copy.deepcopy(module))
-    ao.quantize_(holder, ao.FqnToConfig({"0": ao_config(*key)}), filter_fn=None)
+    ao.quantize_(holder, ao.FqnToConfig({"0": ao_config(*key, target=target)}), filter_fn=None)
     return QuantizedWeight(holder[0].weight.detach())
 
 
@@ -83,9 +85,14 @@ class EagerSimulation(WholePasses):
     formats (``Variant.settings``), by swapping weights and input fake-quantization, no calibration."""
 
     def __init__(
-        self, model: nn.Module, modules: Sequence[TunableModule], calibrate: Callable[[nn.Module], None] | None = None
+        self,
+        model: nn.Module,
+        modules: Sequence[TunableModule],
+        calibrate: Callable[[nn.Module], None] | None = None,
+        target: str = X86,
     ) -> None:
         self.model = model.eval()
+        self._target = target  # whose torchao configs the formats are (x86's int8 dynamic quantizes tokens symmetrically)
         self._calibrate = calibrate  # runs a model over the calibration batches (what GPTQ / AWQ read)
         self._start = {m.fqn: m.current for m in modules}
         self.tunable = [m.fqn for m in modules if not m.current.keep_float]
@@ -139,7 +146,7 @@ class EagerSimulation(WholePasses):
         return quantized.dequantize(dtype)
 
     def _quantized(self, fqn: str, key: FormatKey) -> QuantizedWeight:
-        return quantized_weight(self._float_module(fqn), key)
+        return quantized_weight(self._float_module(fqn), key, target=self._target)
 
     def find_data_weights(self, chosen: Iterable[tuple[str, FormatKey | None]]) -> None:
         """Each GPTQ / AWQ weight in ``chosen`` (module, format pairs) not found yet: the calibration
@@ -163,7 +170,7 @@ class EagerSimulation(WholePasses):
                 for fqn in modules:
                     statistics = gathered.pop(fqn)  # freed once the module's results are found
                     for key in (key for other, key in missing if other == fqn):
-                        self._found[fqn, key] = quantized_weight(self._float_module(fqn), key, statistics).compact()
+                        self._found[fqn, key] = quantized_weight(self._float_module(fqn), key, statistics, self._target).compact()
                 del gathered
                 give_back()
         finally:
@@ -284,7 +291,7 @@ class EagerSimulation(WholePasses):
                 # a new Parameter, never written into: the model's float weights may be the session's own
                 self._modules[fqn].weight = nn.Parameter(self.weight(fqn, key), requires_grad=False)
                 dynamic = key is not None and key[0] in (INT8_DYNAMIC, INT8_DYNAMIC_INT4)
-                self._inputs[fqn] = (key[0] == INT8_DYNAMIC) if dynamic else None
+                self._inputs[fqn] = (key[0] == INT8_DYNAMIC and self._target == X86) if dynamic else None
         self._configured = {**(self._configured or {}), **chosen}
 
     def run_real_kernels(self, quantized: nn.Module, names: Iterable[str]) -> list[str]:

@@ -1,0 +1,129 @@
+"""The eager engine's XNNPACK target: a decoder quantized as ExecuTorch ships one to phones (8da4w
+Linears, int4 / int8 embeddings), every run an ExecuTorch program measured in its runtime.
+
+Ground truth is an independent program: torchao's ``quantize_`` -> ``torch.export`` -> XNNPACK's
+dynamically quantized partitioner -> ExecuTorch's runtime, written here from their APIs alone.
+Needs the ``[executorch]`` extra; the decoder is the byte-level one trained on Python's help topics.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
+
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import (  # noqa: E402
+    XnnpackDynamicallyQuantizedPartitioner,
+)
+from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower  # noqa: E402
+from executorch.runtime import Runtime  # noqa: E402
+from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_  # noqa: E402
+from torchao.quantization.granularity import PerGroup  # noqa: E402
+
+from qreport_widgets import analyze  # noqa: E402
+from qreport_widgets.core.metrics import perplexity  # noqa: E402
+from qreport_widgets.engines.executorch import DeployedProgram  # noqa: E402
+from qreport_widgets.engines.settings import ModuleSettings  # noqa: E402
+from qreport_widgets.errors import InvalidSettingsError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def phone_decoder(text_decoder):
+    """The trained decoder for XNNPACK, every Linear 8da4w in groups of 32, its perplexity the metric;
+    evaluation batches of 8 sequences against calibration batches of 4 (what the program's memory
+    is planned for)."""
+    model, data = text_decoder
+    evaluation = [(torch.cat([a[0], b[0]]),) for a, b in zip(data.evaluation[::2], data.evaluation[1::2], strict=True)]
+    report = analyze(
+        model,
+        data.calibration[0],
+        data.calibration,
+        eval_data=evaluation,
+        engine="eager",
+        target="xnnpack",
+        format="int8-dynamic-int4-weight",
+        group_size=32,
+        metric="perplexity",
+        progress=False,
+    )
+    return model, data, evaluation, report
+
+
+def independent_program(model, example, evaluation):
+    """8da4w g32 on every Linear by torchao's quantize_, exported with a batch of up to 8 sequences,
+    lowered as ExecuTorch's LLM export lowers decoders, and run by ExecuTorch's runtime: (perplexity, .pte bytes)."""
+    quantized = copy.deepcopy(model)
+    quantize_(quantized, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32)))
+    exported = torch.export.export(quantized, example, dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=8)},))
+    program = to_edge_transform_and_lower(exported, partitioner=[XnnpackDynamicallyQuantizedPartitioner()]).to_executorch(
+        ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True)
+    )
+    pte = bytes(program.buffer)
+    method = Runtime.get().load_program(pte).load_method("forward")
+
+    def logits(ids):
+        return method.execute([ids])[0]
+
+    return perplexity(lambda ids: logits(ids), evaluation), len(pte)
+
+
+def test_the_baseline_is_the_program_executorch_ships_its_perplexity_and_size_an_independent_programs(phone_decoder):
+    model, data, evaluation, report = phone_decoder
+    session = report.session
+    baseline = session.baseline()
+    assert baseline.ok, baseline.error
+    program = baseline.quantized_model
+    assert isinstance(program, DeployedProgram)
+    assert program.batch_limit == 4  # batches of 8 ran in two executions each
+    assert baseline.size_bytes == baseline.deployed_bytes == len(program.pte)
+    assert any("measured in ExecuTorch's runtime" in note for note in baseline.notes)
+    assert any(note.startswith("XNNPACK runs ") for note in baseline.notes)
+
+    expected_perplexity, expected_bytes = independent_program(model, data.calibration[0], evaluation)
+    assert baseline.eval_metric == pytest.approx(expected_perplexity, rel=1e-3)
+    assert baseline.size_bytes == pytest.approx(expected_bytes, rel=0.02)
+    assert perplexity(model, evaluation) < baseline.eval_metric < 1.02 * perplexity(model, evaluation)
+
+    # the eager model is the simulation: the truth check compares it with the program
+    truth = session.truth_check()
+    assert truth.real_db == baseline.output_sqnr_db and abs(truth.gap_db) < 0.2
+    # per-layer SQNR of the eager model the program was lowered from
+    assert set(baseline.per_layer_sqnr_db.index) >= {m.fqn for m in session.modules if m.type_name == "Linear"}
+
+
+def test_gptq_in_the_8da4w_layout_beats_round_to_nearest_in_the_runtime(phone_decoder):
+    _, _, _, report = phone_decoder
+    session = report.session
+    baseline = session.baseline()
+    linears = [m.fqn for m in session.modules if m.type_name == "Linear"]
+    chosen = {fqn: ModuleSettings(format="int8-dynamic-int4-weight", group_size=32, algorithm="gptq") for fqn in linears}
+    run = session.apply(chosen, label="gptq")
+    assert run.ok, run.error
+    assert run.eval_metric < baseline.eval_metric and run.output_sqnr_db > baseline.output_sqnr_db + 3
+    assert run.size_bytes == pytest.approx(baseline.size_bytes, rel=0.001)  # the same layout, other int4 values
+    assert not run.module_notes or all("kept round to nearest" in note for note in run.module_notes.values())
+
+    # as code: GPTQ's weights for 8da4w Linears, an int4 embedding, the lowering ExecuTorch's LLM export does
+    chosen["model.embed_tokens"] = ModuleSettings(format="int4-weight-only", group_size=32)
+    code = session.settings_as_code(chosen)
+    assert "XnnpackDynamicallyQuantizedPartitioner" in code and "'int8-dynamic-int4-weight'" in code
+    assert "IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))" in code
+
+
+def test_formats_the_program_cannot_run_are_refused_naming_what_it_can(phone_decoder, text_decoder):
+    _, _, _, report = phone_decoder
+    session = report.session
+    with pytest.raises(InvalidSettingsError, match="XNNPACK delegates a Linear with dynamically quantized int8"):
+        session.apply({"lm_head": ModuleSettings(format="int4-weight-only")})
+    with pytest.raises(InvalidSettingsError, match="AWQ divides the Linear's input"):
+        session.apply({"lm_head": ModuleSettings(format="int8-dynamic-int4-weight", algorithm="awq")})
+    model, data = text_decoder
+    with pytest.raises(ValueError, match="format must be 'int8-dynamic' or 'int8-dynamic-int4-weight'"):
+        analyze(model, data.calibration[0], data.calibration, engine="eager", target="xnnpack", format="int4-weight-only")
+    with pytest.raises(ValueError, match="target must be 'x86' or 'xnnpack'"):
+        analyze(model, data.calibration[0], data.calibration, engine="eager", target="arm")
+    assert math.isfinite(session.baseline().latency_ms)
