@@ -1,6 +1,6 @@
 """The README's Python snippets run as written: the first, then the session and saving ones after
 it (they continue its ``report``), the upstream-workflow one, the PT2E one, the eager one, the
-size-front one, the kernel-check one and the XNNPACK one on their own."""
+size-front one, the kernel-check one, the XNNPACK one and the phone decoder one on their own."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ def snippets() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
-def test_the_readme_has_the_nine_snippets_this_test_runs():
-    assert len(snippets()) == 9
+def test_the_readme_has_the_ten_snippets_this_test_runs():
+    assert len(snippets()) == 10
 
 
-XNNPACK_SNIPPET = 8  # needs the [executorch] extra
+XNNPACK_SNIPPETS = (8, 9)  # need the [executorch] extra
 
 
-@pytest.mark.parametrize("order", [(0, 2, 3), (1,), (4,), (5,), (6,), (7,), (XNNPACK_SNIPPET,)])
+@pytest.mark.parametrize("order", [(0, 2, 3), (1,), (4,), (5,), (6,), (7,), (8,), (9,)])
 def test_readme_snippets_run_as_written(order, tmp_path, monkeypatch):
-    if XNNPACK_SNIPPET in order:
+    if set(order) & set(XNNPACK_SNIPPETS):
         pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
     monkeypatch.chdir(tmp_path)  # the saving snippet writes demo.qreport here
     namespace: dict = {}
@@ -33,6 +33,8 @@ def test_readme_snippets_run_as_written(order, tmp_path, monkeypatch):
     for index in order:
         exec(compile(blocks[index], f"README snippet {index}", "exec"), namespace)
     assert "report" in namespace
+    if 9 in order:
+        assert (tmp_path / "decoder.pte").stat().st_size == namespace["baseline"].size_bytes
     if 3 in order:
         assert (tmp_path / "demo.qreport").exists()
         assert "widget-view+json" in (tmp_path / "demo.html").read_text()

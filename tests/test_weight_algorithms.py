@@ -187,7 +187,7 @@ def test_settings_as_code_with_gptq_builds_the_same_model():
 
 def test_what_cannot_take_an_algorithm_is_refused_with_the_reason(decoder_session):
     session = decoder_session
-    with pytest.raises(InvalidSettingsError, match="for int4-weight-only, not int8-weight-only"):
+    with pytest.raises(InvalidSettingsError, match="for int4-weight-only, int8-dynamic-int4-weight, not int8-weight-only"):
         session.apply({"lm_head": ModuleSettings(format="int8-weight-only", algorithm="gptq")})
     with pytest.raises(InvalidSettingsError, match="an embedding looks rows up"):
         session.apply({"model.embed_tokens": int4(32, "gptq")})

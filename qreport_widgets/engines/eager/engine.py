@@ -274,14 +274,16 @@ class EagerEngine(Engine[EagerConfig]):
 
     def size_choices(self, module: TunableModule) -> list[ModuleSettings]:
         """Float and every format the module takes, with each group size its rows divide into and,
-        for int4 weight-only, each weight algorithm it takes."""
+        for the int4 format the target ships, each weight algorithm it takes (on x86 int4
+        weight-only: its 8da4w layout has the same int4 values, and weighing both doubles the cost)."""
         found = [module.current]
+        weighed = ALGORITHM_FORMATS if self.target == XNNPACK else (INT4_WEIGHT_ONLY,)
         for name in ("float", *QUANTIZED_FORMATS):
             if not module.format_allowed(name):
                 continue
             groups = module.group_sizes if name in GROUPED_FORMATS else (0,)
             algorithms = [""]
-            if name in ALGORITHM_FORMATS:
+            if name in weighed:
                 algorithms = [a for a, why in module.algorithms.items() if not why and a in self.searched_algorithms]
             found += [
                 c
