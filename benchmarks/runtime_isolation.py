@@ -63,7 +63,7 @@ def main() -> None:
         method = Runtime.get().load_program(program.pte).load_method("forward")
         batch = batches[0][0]
         with torch.no_grad():
-            inside = median_ms(lambda x: method.execute([x]), batch, args.repeats)
+            inside = median_ms(lambda x, run=method.execute: run([x]), batch, args.repeats)
             worker = median_ms(program, batch, args.repeats)
         print(f"{name:36} {len(program.pte):>11,} {inside:>14.3f} {worker:>10.3f} {worker - inside:>8.3f}")
 

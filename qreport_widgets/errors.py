@@ -84,6 +84,10 @@ class NotEnoughMemoryError(QReportError, MemoryError):
     nothing the session holds is lost."""
 
 
+class DecodeSpeedError(QReportError, ValueError):
+    """A run's decode speed cannot be measured: not a decoder program, or no way to export it with a cache."""
+
+
 def warn_user(message: str) -> None:
     """A QReportWarning attributed to the first caller outside this package and torch (the notebook
     cell or script line that called analyze / generate_model_report), however deep it was raised."""

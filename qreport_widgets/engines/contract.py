@@ -23,11 +23,13 @@ import torch.fx
 
 from ..core.calibration import call_with
 from ..core.memory import give_back
+from ..errors import DecodeSpeedError
 from .settings import ModuleSettings, Setting, TunableModule
 from .sizes import packed_bytes, saved_bytes, weight_bytes
 
 if TYPE_CHECKING:
     from ..observe.graph import ModelGraph
+    from .executorch import DecodeSpeed
 
 ConfigT = TypeVar("ConfigT")
 
@@ -151,6 +153,14 @@ class Engine(ABC, Generic[ConfigT]):
         """The quantized model as a deployed (packed) layout stores it (``RunResult.deployed_bytes``).
         Default: its state dict counted by ``sizes.packed_bytes`` (int8 one byte, scales four)."""
         return packed_bytes(quantized)
+
+    def decode_speed(self, quantized: torch.nn.Module, prompt: Sequence[int], new_tokens: int) -> DecodeSpeed:
+        """How fast a run's decoder generates where it is deployed: ``prompt`` fed, ``new_tokens``
+        generated greedily (``executorch.DecodeSpeed``). Default: not measured by this engine."""
+        raise DecodeSpeedError(
+            "decode speed is measured for Hugging Face decoders quantized for a phone: "
+            "analyze(..., engine='eager', target='xnnpack')"
+        )
 
     # ---- mixed precision (mixed.py) -------------------------------------------------------------
     def size_choices(self, module: TunableModule) -> list[ModuleSettings]:

@@ -91,6 +91,28 @@ def executorch_api() -> types.SimpleNamespace:
 
 
 @dataclass(frozen=True)
+class DecodeSpeed:
+    """A decoder program's speed in ExecuTorch's runtime, one thread, timed inside the worker: the
+    prompt fed one token a call (``prefill_ms``, the median per token), then ``new_tokens`` tokens
+    generated greedily, each from the one before (``decode_ms``, the median per token)."""
+
+    prompt_tokens: int
+    new_tokens: int
+    prefill_ms: float
+    decode_ms: float
+    pte_bytes: int
+    lowering_s: float
+    generated: tuple[int, ...] = ()
+
+    @property
+    def words(self) -> str:
+        return (
+            f"{self.decode_ms:.2f} ms a generated token ({self.new_tokens} after a {self.prompt_tokens}-token prompt, "
+            f"{self.prefill_ms:.2f} ms a prompt token), {self.pte_bytes:,} bytes of .pte with its KV cache"
+        )
+
+
+@dataclass(frozen=True)
 class Delegation:
     """What XNNPACK took: ops in its delegated subgraphs, ops left to ExecuTorch's portable kernels
     (op name -> count) and the partitioner's reason per op left out, where it gave one."""
@@ -181,6 +203,20 @@ class DeployedProgram(torch.nn.Module):
                 f"ExecuTorch's runtime failed to execute the program on inputs of shape {shapes} ({error}): {why}."
             ) from None
 
+    def decode(self, prompt: Sequence[int], new_tokens: int) -> DecodeSpeed:
+        """For a program exported one token and its cache position a call (a decoder with a static
+        KV cache): the prompt fed, then ``new_tokens`` generated greedily, timed in the runtime."""
+        prefill, decode, generated = runtime_worker().decode(self._key, self.pte, [int(t) for t in prompt], new_tokens)
+        return DecodeSpeed(
+            len(prompt),
+            new_tokens,
+            _median_ms(prefill),
+            _median_ms(decode),
+            len(self.pte),
+            self.lowering_s,
+            tuple(generated),
+        )
+
     def write(self, path: str | os.PathLike[str]) -> int:
         """Save the program as ``path`` (a ``.pte`` file ExecuTorch's runtime loads); the bytes written."""
         with open(path, "wb") as file:
@@ -197,6 +233,7 @@ def lower(
     partitioner: str = FULL,
     fuse_quantized_ops: bool = False,
     reference: torch.nn.Module | None = None,
+    exported: torch.export.ExportedProgram | None = None,
 ) -> DeployedProgram:
     """``model`` (a quantized model) exported, lowered to XNNPACK, serialised and loaded in
     ExecuTorch's runtime; the batch size stays free where the graph allows it, up to the example's.
@@ -205,7 +242,8 @@ def lower(
     quantized Linears, as ExecuTorch's LLM export lowers decoders). ``fuse_quantized_ops``: torchao's
     quantize / dequantize ops outside XNNPACK fused into ExecuTorch's quantized kernels (a grouped
     int4 / int8 embedding becomes ``embedding_4bit`` / ``embedding_byte``). ``reference``: what
-    per-layer SQNR reads (default ``model``)."""
+    per-layer SQNR reads (default ``model``). ``exported``: ``model`` already exported (on
+    ``example_inputs``), as it is."""
     api = executorch_api()
     start = time.perf_counter()
     step = "torch.export of the quantized model"
@@ -215,7 +253,7 @@ def lower(
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", UserWarning)
-            exported = _exported(model, example_inputs)
+            exported = exported or _exported(model, example_inputs)
             step = "to_edge_transform_and_lower with XNNPACK's partitioner"
             chosen = api.XnnpackDynamicallyQuantizedPartitioner() if partitioner == DYNAMIC else api.XnnpackPartitioner()
             with _reasons() as reasons:
@@ -248,6 +286,11 @@ def _exported(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> torch.
         except Exception:  # the model fixes its batch size: exported as given
             pass
     return torch.export.export(model, example_inputs)
+
+
+def _median_ms(seconds: Sequence[float]) -> float:
+    ordered = sorted(seconds)
+    return ordered[len(ordered) // 2] * 1000 if ordered else float("nan")
 
 
 def _batch_rows(flat: list[Any]) -> int | None:
@@ -373,6 +416,17 @@ class RuntimeWorker:
                 self._ask(("load", key, pte), f"loading a program of {len(pte):,} bytes")
                 self._loaded.add(key)
             return self._ask(("run", key, list(flat)), f"executing the program on inputs of shape {shapes}")
+
+    def decode(self, key: int, pte: bytes, prompt: list[int], new_tokens: int) -> tuple[list[float], list[float], list[int]]:
+        """Program ``key`` fed ``prompt`` a token a call, then ``new_tokens`` generated greedily (a
+        fresh method: its KV cache empty): the seconds of each prompt call, of each generated token's
+        call, and the tokens generated."""
+        with self._lock:
+            if key not in self._loaded or self._process is None:
+                self._ask(("load", key, pte), f"loading a program of {len(pte):,} bytes")
+                self._loaded.add(key)
+            doing = f"generating {new_tokens} tokens after a prompt of {len(prompt)}"
+            return self._ask(("decode", key, prompt, new_tokens), doing)
 
     def forget(self, key: int) -> None:
         """Program ``key`` is no longer needed (its worker drops it at the next call)."""
@@ -509,9 +563,33 @@ def serve() -> None:  # pragma: no cover - runs in the worker process
                 program = runtime.load_program(pte)
                 programs[key] = (pte, program, program.load_method("forward"))
                 reply = None
+            elif kind == "decode":
+                _, key, prompt, new_tokens = request
+                reply = _generated(programs[key][1].load_method("forward"), prompt, new_tokens)
             else:
                 _, key, flat = request
                 reply = list(programs[key][2].execute(flat))
             connection.send(("ok", reply))
         except Exception as error:
             connection.send(("error", f"{type(error).__name__}: {error}"))
+
+
+def _generated(method: Any, prompt: list[int], new_tokens: int) -> tuple[list[float], list[float], list[int]]:  # pragma: no cover
+    """The worker's greedy generation: each call one token id (1 x 1) and its cache position (1,)."""
+
+    def step(token: int, position: int) -> tuple[int, float]:
+        inputs = [torch.tensor([[token]], dtype=torch.long), torch.tensor([position], dtype=torch.long)]
+        start = time.perf_counter()
+        logits = method.execute(inputs)[0]
+        seconds = time.perf_counter() - start
+        return int(logits.reshape(-1, logits.shape[-1])[-1].argmax()), seconds
+
+    prefill, decode, generated = [], [], []
+    for position, token in enumerate(prompt):
+        following, seconds = step(token, position)
+        prefill.append(seconds)
+    for position in range(len(prompt), len(prompt) + new_tokens):
+        generated.append(following)
+        following, seconds = step(generated[-1], position)
+        decode.append(seconds)
+    return prefill, decode, generated

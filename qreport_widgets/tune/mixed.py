@@ -361,7 +361,7 @@ def fit(
         if not fits(result) and at > 0:
             at -= 1
         elif targeted and not meets(result.output_sqnr_db, result.eval_metric) and at + 1 < len(fitting):
-            at += 1
+            at = _corrected_step(fitting, at, result, meets)
         else:
             break
         runs += 1
@@ -390,6 +390,25 @@ def fit(
         f"{said}, {_run_words(result, target_sqnr_db, measures)} (simulated {point['simulated_output_sqnr_db']:.2f} dB); "
         f"point {at + 1} of {len(points)} on the front: {point['formats']}"
     )
+
+
+def _corrected_step(fitting: pd.DataFrame, at: int, result: RunResult, meets: Callable[[float, float | None], bool]) -> int:
+    """The next point to run after point ``at``'s real run ``result`` missed the target: the first
+    larger point whose simulated numbers, moved by what the real run differed from its own point's,
+    meet the target (a perplexity front is not monotone along its SQNR order, and the simulation's
+    bias on a point carries to its neighbours); the next point when none does."""
+    point = fitting.iloc[at]
+    sqnr_shift = result.output_sqnr_db - point["simulated_output_sqnr_db"]
+    simulated_metric = point.get("simulated_metric")
+    has_metric = result.eval_metric is not None and simulated_metric is not None and not pd.isna(simulated_metric)
+    metric_shift = result.eval_metric - simulated_metric if has_metric else 0.0
+    for index in range(at + 1, len(fitting)):
+        candidate = fitting.iloc[index]
+        metric = candidate.get("simulated_metric")
+        moved = None if metric is None or pd.isna(metric) else metric + metric_shift
+        if meets(candidate["simulated_output_sqnr_db"] + sqnr_shift, moved):
+            return index
+    return at + 1
 
 
 # ---- the search -------------------------------------------------------------------------------------

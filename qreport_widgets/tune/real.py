@@ -7,19 +7,22 @@ import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..core.progress import Progress, quiet
 from ..engines.settings import ModuleSettings
-from ..errors import QReportWarning
+from ..errors import DecodeSpeedError, ModelReleasedError, QReportWarning
 from .history import History
 from .migration import Migrations
-from .run import RunResult
+from .run import ReleasedModel, RunResult
 from .runner import Runner
 from .simulation import Simulated
 from .truth import KERNEL_AGREEMENT_DB, TruthCheck, check_truth
+
+if TYPE_CHECKING:
+    from ..engines.executorch import DecodeSpeed
 
 
 class RealRuns:
@@ -138,6 +141,26 @@ class RealRuns:
     def annotated(self, result: RunResult) -> RunResult:
         """``result`` (a recorded run with notes added) in its run's place in the history."""
         return self.history.annotated(result)
+
+    def decode_speed(self, run: int | RunResult | None, prompt_tokens: int, new_tokens: int) -> DecodeSpeed:
+        """``run``'s (default the latest; the baseline first if there is none) decode speed where it is
+        deployed, its prompt the first ``prompt_tokens`` tokens of the first evaluation batch."""
+        if prompt_tokens < 1 or new_tokens < 1:
+            raise ValueError(f"prompt_tokens and new_tokens must be at least 1, got {prompt_tokens} and {new_tokens}")
+        if run is None:
+            chosen = self.history.runs[-1] if self.history.runs else self.baseline()
+        else:
+            chosen = self.history.runs[self.history.position(run)]
+        if not chosen.ok:
+            raise DecodeSpeedError(f"{chosen.label} failed: it has no program to time ({chosen.error})")
+        if isinstance(chosen.quantized_model, ReleasedModel):
+            raise ModelReleasedError(f"{chosen.quantized_model.why}; pin it with session.keep(run) while it is the latest")
+        batch = self.runner.eval_data[0]
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch[0] if isinstance(batch, (tuple, list)) else batch
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+            raise DecodeSpeedError("decode speed takes its prompt from evaluation batches of token ids (batch x tokens)")
+        prompt = ids[0, :prompt_tokens].tolist()
+        return self.runner.engine.decode_speed(chosen.quantized_model, prompt, new_tokens)
 
     def as_code(self, settings: Mapping[str, ModuleSettings]) -> str:
         """Python that builds the engine's configuration for ``settings``, after the code of any

@@ -8,7 +8,7 @@ copy shares its weights and refuses them once they were changed in place.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pandas as pd
 import torch
@@ -26,6 +26,9 @@ from .parts import Analyzed, build_parts
 from .run import RunResult
 from .truth import TruthCheck
 from .verify import VerifiedSuggestions
+
+if TYPE_CHECKING:
+    from ..engines.executorch import DecodeSpeed
 
 T = TypeVar("T")
 
@@ -162,6 +165,14 @@ class QuantizationSession:
         """Python that builds the engine's configuration for ``settings``, to paste into a pipeline
         (after the code of any outlier-channel migration, which changes the float model first)."""
         return self.parts.real.as_code(settings)
+
+    def decode_speed(self, run: int | RunResult | None = None, prompt_tokens: int = 32, new_tokens: int = 32) -> DecodeSpeed:
+        """Milliseconds per generated token of a run's decoder where it is deployed (engine='eager',
+        target='xnnpack'): the run's quantized model exported again with a static KV cache, lowered the
+        same way, fed a prompt (the first evaluation sequence's first ``prompt_tokens`` tokens) and
+        generating ``new_tokens`` greedily in ExecuTorch's runtime. ``run``: its position or the run
+        (default the latest)."""
+        return self.parts.real.decode_speed(run, prompt_tokens, new_tokens)
 
     def truth_check(self, progress: Progress | None = None) -> TruthCheck:
         """The simulation against the real model on the starting configuration (see ``truth.py``):

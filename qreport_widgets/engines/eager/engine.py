@@ -21,10 +21,10 @@ from torch import nn
 from ...core.calibration import call_with
 from ...core.memory import give_back, shared_copy
 from ...core.metrics import sqnr_db
-from ...errors import QReportError
+from ...errors import DecodeSpeedError, QReportError
 from ...observe.graph import OBSERVER_CONTAINER
 from ..contract import Engine, Observation, RunNotes, conversion_tables
-from ..executorch import DYNAMIC, DeployedProgram, executorch_api, lower
+from ..executorch import DYNAMIC, DecodeSpeed, DeployedProgram, executorch_api, lower
 from ..settings import (
     ALGORITHM_FORMATS,
     ALGORITHMS,
@@ -343,6 +343,35 @@ class EagerEngine(Engine[EagerConfig]):
             )
         return RunNotes(tuple(notes), {**kept, **undone})
 
+    def decode_speed(self, quantized: nn.Module, prompt: Sequence[int], new_tokens: int) -> DecodeSpeed:
+        """A run's program exported again with a static KV cache (transformers' ExecuTorch
+        integration, one token and its cache position a call, the cache as long as the prompt and
+        the tokens generated), lowered the same way, and timed generating in the runtime."""
+        if not isinstance(quantized, DeployedProgram):
+            raise DecodeSpeedError(
+                "decode speed is a program's, measured in ExecuTorch's runtime: analyze(..., engine='eager', target='xnnpack')"
+            )
+        cached = _with_static_cache(quantized.reference)
+        try:
+            from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+        except ImportError as error:
+            raise DecodeSpeedError(f"decode speed exports with transformers' ExecuTorch integration ({error})") from error
+        length = len(prompt) + new_tokens
+        example = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        try:
+            with torch.no_grad():
+                module = TorchExportableModuleForDecoderOnlyLM(cached, batch_size=1, max_cache_len=length)
+                exported = module.export(input_ids=example[0], cache_position=example[1])
+        except Exception as error:
+            raise DecodeSpeedError(
+                f"the decoder could not be exported with a static KV cache ({type(error).__name__}: {str(error)[:300]}): "
+                "decode speed needs a Hugging Face causal language model transformers can export for ExecuTorch"
+            ) from error
+        program = lower(
+            module, example, partitioner=DYNAMIC, fuse_quantized_ops=True, reference=quantized.reference, exported=exported
+        )
+        return program.decode(prompt, new_tokens)
+
     def per_layer_failure(self, error: Exception) -> str:
         return f"the modules' outputs could not be read ({type(error).__name__}: {error})"
 
@@ -437,6 +466,24 @@ def _failure(prepared: nn.Module, config: EagerConfig, error: Exception) -> str:
                 f"{type(cause).__name__}: {cause}. Choose another format for it, or keep it float."
             )
     return f"torchao's quantize_ failed ({type(error).__name__}: {error}); every format applies to its module alone"
+
+
+def _with_static_cache(model: nn.Module) -> nn.Module:
+    """``model`` (a Hugging Face causal LM) as transformers exports it with a static KV cache: a
+    shallow copy (the same modules and weights) with its own configuration saying so."""
+    config, generation = getattr(model, "config", None), getattr(model, "generation_config", None)
+    if config is None or generation is None:
+        raise DecodeSpeedError(
+            f"decode speed is measured on Hugging Face causal language models (a config and a generation config); "
+            f"this is a {type(model).__name__}"
+        )
+    cached = copy.copy(model)
+    cached.config = copy.deepcopy(config)
+    cached.config.use_cache = True
+    cached.generation_config = copy.deepcopy(generation)
+    cached.generation_config.use_cache = True
+    cached.generation_config.cache_implementation = "static"
+    return cached
 
 
 def _eager_model(quantized: nn.Module) -> nn.Module:
