@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from conftest import text_decoder_report
 
 pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
 
@@ -28,7 +29,7 @@ from qreport_widgets import analyze  # noqa: E402
 from qreport_widgets.core.metrics import perplexity  # noqa: E402
 from qreport_widgets.engines.executorch import DeployedProgram  # noqa: E402
 from qreport_widgets.engines.settings import ModuleSettings  # noqa: E402
-from qreport_widgets.errors import InvalidSettingsError  # noqa: E402
+from qreport_widgets.errors import DecodeSpeedError, InvalidSettingsError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +128,31 @@ def test_formats_the_program_cannot_run_are_refused_naming_what_it_can(phone_dec
     with pytest.raises(ValueError, match="target must be 'x86' or 'xnnpack'"):
         analyze(model, data.calibration[0], data.calibration, engine="eager", target="arm")
     assert math.isfinite(session.baseline().latency_ms)
+
+
+def test_decode_speed_is_the_program_with_a_kv_cache_generating_what_the_eager_model_generates(phone_decoder):
+    _, data, _, report = phone_decoder
+    session = report.session
+    baseline = session.baseline()
+    speed = session.decode_speed(baseline, prompt_tokens=16, new_tokens=8)
+    assert speed.prompt_tokens == 16 and speed.new_tokens == 8 and len(speed.generated) == 8
+    assert 0 < speed.decode_ms < baseline.latency_ms and 0 < speed.prefill_ms
+    assert "ms a generated token" in speed.words
+
+    # greedy generation by the eager quantized model the program was lowered from, whole sequences each step
+    tokens = data.evaluation[0][0][0, :16].tolist()
+    with torch.no_grad():
+        for _ in range(8):
+            tokens.append(int(baseline.quantized_model.reference(torch.tensor([tokens])).logits[0, -1].argmax()))
+    assert list(speed.generated) == tokens[16:]
+
+
+def test_decode_speed_elsewhere_says_where_it_is_measured(text_decoder):
+    session = text_decoder_report(text_decoder).session  # x86: the quantized model runs in PyTorch
+    with pytest.raises(DecodeSpeedError, match="engine='eager', target='xnnpack'"):
+        session.decode_speed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
+    batches = [(torch.randn(4, 8),) for _ in range(3)]
+    with pytest.raises(DecodeSpeedError, match="evaluation batches of token ids"):
+        analyze(model, batches[0], batches, progress=False).session.decode_speed()
