@@ -11,7 +11,7 @@ counted from the lowered graph and the partitioner's own log.
 
 The runtime is native code: a kernel it lacks, a freed buffer or a partitioner bug can end the
 process it runs in. Programs therefore run in a worker process (``RuntimeWorker``, one per Python
-process, started when a program first runs); tensors cross to it through shared memory. A crash
+process, started when a program first runs); tensors cross to it as their bytes through a socket. A crash
 there ends the worker, not the notebook's kernel: the call raises ``RuntimeFailedError`` saying what
 was running, and the next call starts a new worker.
 
@@ -42,9 +42,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 import torch.fx
-import torch.multiprocessing  # noqa: F401  (tensors sent to the worker travel through shared memory)
+import torch.multiprocessing  # noqa: F401  (a tensor of a dtype NumPy lacks crosses to the worker through shared memory)
 from torch.utils import _pytree as pytree
 
 from ..core.calibration import torch_warnings_hidden
@@ -415,7 +416,8 @@ class RuntimeWorker:
             if key not in self._loaded or self._process is None:
                 self._ask(("load", key, pte), f"loading a program of {len(pte):,} bytes")
                 self._loaded.add(key)
-            return self._ask(("run", key, list(flat)), f"executing the program on inputs of shape {shapes}")
+            outputs = self._ask(("run", key, _as_arrays(flat)), f"executing the program on inputs of shape {shapes}")
+            return _as_tensors(outputs)
 
     def decode(self, key: int, pte: bytes, prompt: list[int], new_tokens: int) -> tuple[list[float], list[float], list[int]]:
         """Program ``key`` fed ``prompt`` a token a call, then ``new_tokens`` generated greedily (a
@@ -568,10 +570,34 @@ def serve() -> None:  # pragma: no cover - runs in the worker process
                 reply = _generated(programs[key][1].load_method("forward"), prompt, new_tokens)
             else:
                 _, key, flat = request
-                reply = list(programs[key][2].execute(flat))
+                reply = _as_arrays(programs[key][2].execute(_as_tensors(flat)))
             connection.send(("ok", reply))
         except Exception as error:
             connection.send(("error", f"{type(error).__name__}: {error}"))
+
+
+def _as_arrays(values: Sequence[Any]) -> list[Any]:
+    """Tensors as NumPy arrays for the pipe (pickled as their bytes: for the inputs and outputs of a
+    call, one copy through the socket costs less than a shared-memory segment per tensor, whose file
+    descriptor is handed over by a connection of its own); a dtype NumPy lacks stays a tensor."""
+    return [x.detach().numpy() if isinstance(x, torch.Tensor) and x.dtype in _NUMPY_DTYPES else x for x in values]
+
+
+def _as_tensors(values: Sequence[Any]) -> list[Any]:
+    return [torch.from_numpy(x) if isinstance(x, numpy.ndarray) else x for x in values]
+
+
+_NUMPY_DTYPES = {
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+}
 
 
 def _generated(method: Any, prompt: list[int], new_tokens: int) -> tuple[list[float], list[float], list[int]]:  # pragma: no cover
