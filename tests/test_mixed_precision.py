@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 from hf_models import tiny_llama
@@ -204,3 +205,31 @@ def test_the_size_pane_draws_the_front_puts_a_point_in_the_rows_and_a_budget_sel
 
     pane.axis.value = "your metric"
     assert list(pane.points.y) == pytest.approx(list(front["simulated_metric"])) and pane.figure.axes[1].label == "metric"
+
+
+def test_after_a_real_run_misses_a_metric_target_fit_runs_the_first_point_the_miss_leaves_meeting_it():
+    """Points of the trained byte decoder's 8da4w front on the XNNPACK target (simulated SQNR and
+    perplexity, in SQNR order: the perplexity is not monotone along it). The smallest point meeting
+    perplexity <= 5.07 in simulation (5.068) ran at 5.0745 in ExecuTorch's runtime; the next run is the
+    first larger point whose simulated perplexity, moved by that miss, still meets it, not the next
+    point (5.0775 simulated: certain to miss too)."""
+    from qreport_widgets.core.metrics import Metric
+    from qreport_widgets.tune.diagnosis import meets_target
+    from qreport_widgets.tune.run import RunResult
+
+    front = pd.DataFrame(
+        {
+            "size_bytes": [621_696, 628_864, 630_912, 633_984, 635_008, 663_168, 672_384],
+            "simulated_output_sqnr_db": [29.07, 29.20, 29.37, 29.52, 29.60, 30.43, 30.76],
+            "simulated_metric": [5.0681, 5.0775, 5.0724, 5.0794, 5.0747, 5.0589, 5.0599],
+        }
+    )
+    perplexity = Metric("perplexity", higher_is_better=False)
+    missed = RunResult(None, None, 29.05, pd.Series(dtype=float), 650_000, 50.0, 60.0, eval_metric=5.0745)
+
+    def meets(sqnr, metric):
+        return meets_target(sqnr, metric, None, 5.07, perplexity)
+
+    assert mixed._corrected_step(front, 0, missed, meets) == 5
+    # with no point left that the miss lets meet it, the next point
+    assert mixed._corrected_step(front.iloc[:5], 0, missed, meets) == 1
