@@ -38,7 +38,7 @@ import types
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -405,30 +405,35 @@ class RuntimeWorker:
         """Load ``pte`` in the worker; the key that runs it (``execute``)."""
         key = next(self._keys)
         with self._lock:
-            self._ask(("load", key, pte), f"loading a program of {len(pte):,} bytes")
-            self._loaded.add(key)
+            self._holding(key, pte)
         return key
 
     def execute(self, key: int, pte: bytes, flat: Sequence[Any]) -> list[Any]:
         """The outputs of program ``key`` (``pte``, loaded again if this worker does not hold it) on ``flat``."""
-        shapes = tuple(tuple(x.shape) for x in flat if isinstance(x, torch.Tensor))
+
+        def doing() -> str:  # said only when the worker crashed
+            shapes = tuple(tuple(x.shape) for x in flat if isinstance(x, torch.Tensor))
+            return f"executing the program on inputs of shape {shapes}"
+
         with self._lock:
-            if key not in self._loaded or self._process is None:
-                self._ask(("load", key, pte), f"loading a program of {len(pte):,} bytes")
-                self._loaded.add(key)
-            outputs = self._ask(("run", key, _as_arrays(flat)), f"executing the program on inputs of shape {shapes}")
-            return _as_tensors(outputs)
+            self._holding(key, pte)
+            return _as_tensors(self._ask(("run", key, _as_arrays(flat)), doing))
 
     def decode(self, key: int, pte: bytes, prompt: list[int], new_tokens: int) -> tuple[list[float], list[float], list[int]]:
         """Program ``key`` fed ``prompt`` a token a call, then ``new_tokens`` generated greedily (a
         fresh method: its KV cache empty): the seconds of each prompt call, of each generated token's
         call, and the tokens generated."""
         with self._lock:
-            if key not in self._loaded or self._process is None:
-                self._ask(("load", key, pte), f"loading a program of {len(pte):,} bytes")
-                self._loaded.add(key)
-            doing = f"generating {new_tokens} tokens after a prompt of {len(prompt)}"
-            return self._ask(("decode", key, prompt, new_tokens), doing)
+            self._holding(key, pte)
+            return self._ask(
+                ("decode", key, prompt, new_tokens), lambda: f"generating {new_tokens} tokens after a prompt of {len(prompt)}"
+            )
+
+    def _holding(self, key: int, pte: bytes) -> None:
+        """Program ``key`` loaded in the current worker (again, in a worker started since it was)."""
+        if key not in self._loaded or self._process is None:
+            self._ask(("load", key, pte), lambda: f"loading a program of {len(pte):,} bytes")
+            self._loaded.add(key)
 
     def forget(self, key: int) -> None:
         """Program ``key`` is no longer needed (its worker drops it at the next call)."""
@@ -447,7 +452,7 @@ class RuntimeWorker:
                     self._process.wait()
                 self._ended()
 
-    def _ask(self, request: tuple, doing: str) -> Any:
+    def _ask(self, request: tuple, doing: Callable[[], str]) -> Any:
         if self._process is None or self._process.poll() is not None:
             self._ended()
             self._start()
@@ -460,7 +465,7 @@ class RuntimeWorker:
             self._connection.send(request)
             status, value = self._connection.recv()
         except (EOFError, OSError, BrokenPipeError):
-            raise RuntimeFailedError(self._crashed(doing)) from None
+            raise RuntimeFailedError(self._crashed(doing())) from None
         if status == "error":
             raise RuntimeError(value)
         return value
