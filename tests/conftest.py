@@ -89,13 +89,26 @@ def text_decoder_report(text_decoder, **overrides):
 
 
 # notebook -> the (module, extra) pairs it runs; its cells are skipped where one is not installed
-NOTEBOOK_EXTRAS = {"11_deploy_to_a_phone.ipynb": (("executorch", "executorch"), ("model_explorer", "explorer"))}
+NOTEBOOK_EXTRAS = {
+    "11_deploy_to_a_phone.ipynb": (("executorch", "executorch"), ("model_explorer", "explorer")),
+    "13_a_language_model_on_a_phone.ipynb": (("executorch", "executorch"),),
+}
+
+
+# notebooks run by `make test-slow` only: minutes of lowering, each claim tested at smaller cost elsewhere
+SLOW_NOTEBOOKS = {
+    # seven ExecuTorch programs of the trained decoder (about 7 minutes); the baseline against an independent
+    # program, GPTQ in the runtime and decode speed: tests/test_eager_xnnpack.py, the fit: tests/test_mixed_precision.py
+    "13_a_language_model_on_a_phone.ipynb",
+}
 
 
 def pytest_collection_modifyitems(config, items):
     """Notebooks that need an optional extra skip, cell by cell, where it is not installed (the tests
-    of an extra skip at import, ``pytest.importorskip``)."""
+    of an extra skip at import, ``pytest.importorskip``); the slow notebooks' cells are marked slow."""
     for item in items:
+        if item.path.name in SLOW_NOTEBOOKS:
+            item.add_marker(pytest.mark.slow)
         for module, extra in NOTEBOOK_EXTRAS.get(item.path.name, ()):
             if importlib.util.find_spec(module) is None:
                 item.add_marker(pytest.mark.skip(reason=f"the [{extra}] extra is not installed"))

@@ -131,13 +131,18 @@ def test_formats_the_program_cannot_run_are_refused_naming_what_it_can(phone_dec
 
 
 def test_decode_speed_is_the_program_with_a_kv_cache_generating_what_the_eager_model_generates(phone_decoder):
-    _, data, _, report = phone_decoder
+    _, data, evaluation, report = phone_decoder
     session = report.session
     latest = session.keep(-1)  # the latest run (earlier runs' programs are released as later ones are recorded)
     speed = session.decode_speed(prompt_tokens=16, new_tokens=8)
     assert speed.prompt_tokens == 16 and speed.new_tokens == 8 and len(speed.generated) == 8
     assert 0 < speed.decode_ms < latest.latency_ms and 0 < speed.prefill_ms
     assert "ms a generated token" in speed.words
+    # the runs table: prefill per token of every run, decode per token where it was measured
+    runs = session.compare()[0]
+    tokens = evaluation[0][0].numel()  # 8 sequences of 128
+    assert runs["prefill (ms / token)"].tolist() == pytest.approx((runs["latency (ms, 1 thread)"] / tokens).tolist())
+    assert runs["decode (ms / token)"].iloc[-1] == speed.decode_ms and runs["decode (ms / token)"].iloc[:-1].isna().all()
 
     # greedy generation by the eager quantized model the program was lowered from, whole sequences each step
     tokens = data.evaluation[0][0][0, :16].tolist()

@@ -150,6 +150,9 @@ class DeployedProgram(torch.nn.Module):
         self.input_shapes: tuple[tuple[int, ...], ...] | None = None  # set when the program fixes its input shapes
         # the most batch rows one execution takes (its memory is planned for them); None: unknown, as given
         self.batch_limit: int | None = None
+        # seconds the runtime spent executing the last call (its chunks summed), timed in the worker:
+        # the program's latency without the hand-over between processes
+        self.last_call_s = 0.0
         self._out_spec = out_spec
         object.__setattr__(self, "reference", reference)  # not a submodule: its tensors are not the program's
         self._key = runtime_worker().load(pte)  # loaded once now: a program the runtime refuses fails its run here
@@ -159,6 +162,7 @@ class DeployedProgram(torch.nn.Module):
         flat = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in pytree.tree_leaves(inputs)]
         batch = _batch_rows(flat)
         limit = self.batch_limit
+        self.last_call_s = 0.0
         if batch is not None and limit and (batch > limit or (self.input_shapes is not None and batch != limit)):
             return self._in_chunks(flat, batch, limit)
         return pytree.tree_unflatten(self._executed(flat), self._out_spec)
@@ -185,7 +189,9 @@ class DeployedProgram(torch.nn.Module):
 
     def _executed(self, flat: list[Any]) -> list[Any]:
         try:
-            return runtime_worker().execute(self._key, self.pte, flat)
+            outputs, seconds = runtime_worker().execute(self._key, self.pte, flat)
+            self.last_call_s += seconds
+            return outputs
         except RuntimeFailedError:
             raise
         except Exception as error:
@@ -408,8 +414,9 @@ class RuntimeWorker:
             self._holding(key, pte)
         return key
 
-    def execute(self, key: int, pte: bytes, flat: Sequence[Any]) -> list[Any]:
-        """The outputs of program ``key`` (``pte``, loaded again if this worker does not hold it) on ``flat``."""
+    def execute(self, key: int, pte: bytes, flat: Sequence[Any]) -> tuple[list[Any], float]:
+        """The outputs of program ``key`` (``pte``, loaded again if this worker does not hold it) on
+        ``flat``, and the seconds the runtime took to execute it (timed in the worker)."""
 
         def doing() -> str:  # said only when the worker crashed
             shapes = tuple(tuple(x.shape) for x in flat if isinstance(x, torch.Tensor))
@@ -417,7 +424,8 @@ class RuntimeWorker:
 
         with self._lock:
             self._holding(key, pte)
-            return _as_tensors(self._ask(("run", key, _as_arrays(flat)), doing))
+            outputs, seconds = self._ask(("run", key, _as_arrays(flat)), doing)
+            return _as_tensors(outputs), seconds
 
     def decode(self, key: int, pte: bytes, prompt: list[int], new_tokens: int) -> tuple[list[float], list[float], list[int]]:
         """Program ``key`` fed ``prompt`` a token a call, then ``new_tokens`` generated greedily (a
@@ -575,7 +583,10 @@ def serve() -> None:  # pragma: no cover - runs in the worker process
                 reply = _generated(programs[key][1].load_method("forward"), prompt, new_tokens)
             else:
                 _, key, flat = request
-                reply = _as_arrays(programs[key][2].execute(_as_tensors(flat)))
+                inputs = _as_tensors(flat)
+                start = time.perf_counter()
+                outputs = programs[key][2].execute(inputs)
+                reply = (_as_arrays(outputs), time.perf_counter() - start)
             connection.send(("ok", reply))
         except Exception as error:
             connection.send(("error", f"{type(error).__name__}: {error}"))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
@@ -11,6 +13,9 @@ import torch
 from ..engines.settings import ModuleSettings
 from ..errors import ModelReleasedError
 from .run import ReleasedModel, RunResult
+
+if TYPE_CHECKING:
+    from ..engines.executorch import DecodeSpeed
 
 
 class History:
@@ -24,6 +29,7 @@ class History:
     def __init__(self) -> None:
         self.runs: list[RunResult] = []
         self._pinned: set[int] = set()  # positions whose quantized model is kept
+        self._decode: dict[int, DecodeSpeed] = {}  # position -> its decode speed, where one was measured
 
     @property
     def baseline(self) -> RunResult | None:
@@ -63,6 +69,11 @@ class History:
         (self._pinned.add if keep else self._pinned.discard)(index)
         return found
 
+    def record_decode(self, run: RunResult, speed: DecodeSpeed) -> DecodeSpeed:
+        """``speed``, measured on ``run``'s program, kept for the runs table."""
+        self._decode[self.position(run)] = speed
+        return speed
+
     def kept(self, run: int | RunResult) -> bool:
         """Whether a run is pinned."""
         return self.position(run) in self._pinned
@@ -77,9 +88,20 @@ class History:
                 return i
         raise ValueError(f"{run.label!r} is not a run of this session's history")
 
-    def compare(self, start: Mapping[str, ModuleSettings], metric_column: str | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    def compare(
+        self, start: Mapping[str, ModuleSettings], metric_column: str | None, tokens: int | None = None
+    ) -> tuple[pd.DataFrame, pd.DataFrame]:
         """One row per run (metrics as columns; the session's own metric under ``metric_column``, when
-        it has one), and per-layer SQNR with one column per run."""
+        it has one), and per-layer SQNR with one column per run. ``tokens``: the tokens of an
+        evaluation batch (a language model's), for the latency per token; the decode speed per
+        generated token where one was measured."""
+        per_token = {}
+        if tokens:
+            per_token["prefill (ms / token)"] = [r.latency_ms / tokens for r in self.runs]
+        if self._decode:
+            per_token["decode (ms / token)"] = [
+                self._decode[i].decode_ms if i in self._decode else math.nan for i in range(len(self.runs))
+            ]
         rows = [
             {
                 "run": r.label,
@@ -91,6 +113,7 @@ class History:
                 "deployed size (KB)": r.deployed_bytes / 1024,
                 "latency (ms, 1 thread)": r.latency_ms,
                 "latency spread (ms)": r.latency_spread_ms,
+                **{column: values[i] for column, values in per_token.items()},
                 **({metric_column: r.eval_metric} if metric_column else {}),
                 "duration (s)": r.duration_s,
                 "model": self._model_state(i, r),

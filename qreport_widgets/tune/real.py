@@ -155,12 +155,20 @@ class RealRuns:
             raise DecodeSpeedError(f"{chosen.label} failed: it has no program to time ({chosen.error})")
         if isinstance(chosen.quantized_model, ReleasedModel):
             raise ModelReleasedError(f"{chosen.quantized_model.why}; pin it with session.keep(run) while it is the latest")
-        batch = self.runner.eval_data[0]
-        ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch[0] if isinstance(batch, (tuple, list)) else batch
-        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+        ids = self.token_ids()
+        if ids is None:
             raise DecodeSpeedError("decode speed takes its prompt from evaluation batches of token ids (batch x tokens)")
         prompt = ids[0, :prompt_tokens].tolist()
-        return self.runner.engine.decode_speed(chosen.quantized_model, prompt, new_tokens)
+        speed = self.runner.engine.decode_speed(chosen.quantized_model, prompt, new_tokens)
+        return self.history.record_decode(chosen, speed)
+
+    def token_ids(self) -> torch.Tensor | None:
+        """The first evaluation batch's token ids (batch x tokens), for a language model; else None."""
+        batch = self.runner.eval_data[0] if self.runner.eval_data else None
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch[0] if isinstance(batch, (tuple, list)) else batch
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+            return None
+        return ids
 
     def as_code(self, settings: Mapping[str, ModuleSettings]) -> str:
         """Python that builds the engine's configuration for ``settings``, after the code of any

@@ -192,7 +192,10 @@ class QuantizationSession:
 
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         """One row per run (metrics as columns), and per-layer SQNR with one column per run."""
-        return self.parts.history.compare(self.current_settings(), self.metric.column if self.metric is not None else None)
+        ids = self.parts.real.token_ids()
+        return self.parts.history.compare(
+            self.current_settings(), self.metric.column if self.metric is not None else None, None if ids is None else ids.numel()
+        )
 
     # ---- what the data allows (migration.py, verify.py) -------------------------------------------
     def migrations(self) -> dict[str, Migration]:
