@@ -79,6 +79,8 @@ def executorch_api() -> types.SimpleNamespace:
             )
             from executorch.backends.xnnpack.utils.configs import get_xnnpack_edge_compile_config
             from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+            from executorch.exir.backend.compile_spec_schema import CompileSpec
+            from executorch.exir.backend.partitioner import DelegationSpec
             from executorch.runtime import Runtime  # noqa: F401  (the worker's; missing means no runtime)
     except ImportError as error:
         raise MissingExtraError(f"the XNNPACK target needs ExecuTorch ({error}); install it with: {INSTALL}") from error
@@ -88,6 +90,8 @@ def executorch_api() -> types.SimpleNamespace:
         ExecutorchBackendConfig=ExecutorchBackendConfig,
         to_edge_transform_and_lower=to_edge_transform_and_lower,
         edge_compile_config=get_xnnpack_edge_compile_config,
+        CompileSpec=CompileSpec,
+        DelegationSpec=DelegationSpec,
     )
 
 
@@ -262,7 +266,7 @@ def lower(
             warnings.simplefilter("ignore", UserWarning)
             exported = exported or _exported(model, example_inputs)
             step = "to_edge_transform_and_lower with XNNPACK's partitioner"
-            chosen = api.XnnpackDynamicallyQuantizedPartitioner() if partitioner == DYNAMIC else api.XnnpackPartitioner()
+            chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
             with _reasons() as reasons:
                 # XNNPACK's own edge config: the edge IR is not validated again over fake tensors
                 edge = api.to_edge_transform_and_lower(exported, partitioner=[chosen], compile_config=api.edge_compile_config())
@@ -281,6 +285,18 @@ def lower(
     if not _batch_free(exported):
         program.input_shapes = tuple(tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor))
     return program
+
+
+def _dynamic_partitioner(api: types.SimpleNamespace) -> Any:
+    """XNNPACK's dynamically quantized partitioner, its partitions (dynamically quantized Linears
+    only) marked as such for XNNPACK's preprocess (the ``dqlinear_partitioner`` compile spec): it
+    then runs the one pass such a partition needs (to ``linear``) instead of its whole pass list,
+    once per partition. The same program's outputs; a third less lowering time on a decoder."""
+    chosen = api.XnnpackDynamicallyQuantizedPartitioner()
+    spec = chosen.delegation_spec
+    marked = [*spec.compile_specs, api.CompileSpec("dqlinear_partitioner", b"")]
+    chosen.delegation_spec = api.DelegationSpec(spec.backend_id, marked)
+    return chosen
 
 
 def _exported(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
