@@ -60,7 +60,8 @@ def main() -> None:
     for name, model, batches, options in cases:
         report = analyze(model, batches[0], batches, eval_data=batches[:1], progress=False, **options)
         program = report.session.baseline().quantized_model
-        method = Runtime.get().load_program(program.pte).load_method("forward")
+        loaded = Runtime.get().load_program(program.pte)  # kept while its method executes
+        method = loaded.load_method("forward")
         batch = batches[0][0]
         with torch.no_grad():
             inside = median_ms(lambda x, run=method.execute: run([x]), batch, args.repeats)

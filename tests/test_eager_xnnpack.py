@@ -64,7 +64,8 @@ def independent_program(model, example, evaluation):
         ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True)
     )
     pte = bytes(program.buffer)
-    method = Runtime.get().load_program(pte).load_method("forward")
+    loaded = Runtime.get().load_program(pte)  # kept while its method executes: it holds the program's memory
+    method = loaded.load_method("forward")
 
     def logits(ids):
         return method.execute([ids])[0]

@@ -49,7 +49,8 @@ def digits_cnn(digits_cache):
 
 def executed(pte: bytes, batches):
     """The outputs of ``pte`` loaded and executed by ExecuTorch's runtime, apart from the package."""
-    method = Runtime.get().load_program(pte).load_method("forward")
+    loaded = Runtime.get().load_program(pte)  # kept while its method executes: it holds the program's memory
+    method = loaded.load_method("forward")
     return [method.execute([batch[0]])[0] for batch in batches]
 
 

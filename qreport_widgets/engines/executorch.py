@@ -291,7 +291,7 @@ def _dynamic_partitioner(api: types.SimpleNamespace) -> Any:
     """XNNPACK's dynamically quantized partitioner, its partitions (dynamically quantized Linears
     only) marked as such for XNNPACK's preprocess (the ``dqlinear_partitioner`` compile spec): it
     then runs the one pass such a partition needs (to ``linear``) instead of its whole pass list,
-    once per partition. The same program's outputs; a third less lowering time on a decoder."""
+    once per partition. The same program's outputs; a third to a half less lowering time on a decoder."""
     chosen = api.XnnpackDynamicallyQuantizedPartitioner()
     spec = chosen.delegation_spec
     marked = [*spec.compile_specs, api.CompileSpec("dqlinear_partitioner", b"")]

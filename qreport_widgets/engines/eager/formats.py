@@ -344,7 +344,8 @@ XNNPACK_CODE = (
     'with open("model.pte", "wb") as file:\n'
     "    file.write(program.buffer)\n"
     "import executorch.kernels.quantized  # noqa: F401  (the runtime's quantized embedding kernels)\n"
-    'method = Runtime.get().load_program(program.buffer).load_method("forward")\n'
+    "loaded = Runtime.get().load_program(program.buffer)  # keep it: its method executes from it\n"
+    'method = loaded.load_method("forward")\n'
     "outputs = method.execute(list(example_inputs))\n"
 )
 

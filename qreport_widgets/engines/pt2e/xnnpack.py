@@ -159,7 +159,8 @@ def xnnpack_as_code(changed: Mapping[str, ModuleSettings], has_base: bool) -> st
         ").to_executorch()",
         'with open("model.pte", "wb") as file:',
         "    file.write(program.buffer)",
-        'method = Runtime.get().load_program(program.buffer).load_method("forward")',
+        "loaded = Runtime.get().load_program(program.buffer)  # keep it: its method executes from it",
+        'method = loaded.load_method("forward")',
         "outputs = method.execute(list(example_inputs))",
     ]
     return "\n".join(lines) + "\n"
