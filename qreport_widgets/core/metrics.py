@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -114,6 +115,19 @@ class Metric:
 PERPLEXITY = Metric("perplexity", higher_is_better=False)
 
 
+def token_ids(batch: Any) -> torch.Tensor | None:
+    """A language model's batch's token ids (an integer tensor, batch x tokens): the batch itself,
+    the first element of a tuple, or a dict's ``input_ids``; None when it holds none."""
+    ids = _first_input(batch)
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+        return None
+    return ids
+
+
+def _first_input(batch: Any) -> Any:
+    return batch.get("input_ids") if isinstance(batch, Mapping) else batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
 def perplexity(model: torch.nn.Module, batches: Any) -> float:
     """exp(mean negative log-likelihood of each next token) of a causal language model on ``batches``.
 
@@ -126,11 +140,12 @@ def perplexity(model: torch.nn.Module, batches: Any) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for index, batch in enumerate(batches):
-            ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
-            if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+            ids = token_ids(batch)
+            if ids is None:
                 raise ValueError(
                     f"perplexity needs batches of token ids (an integer tensor of batch x tokens, first in a tuple, or "
-                    f"input_ids in a dict); batch {index} gives {_described(ids)}. Pass your own eval_fn= for other data."
+                    f"input_ids in a dict); batch {index} gives {_described(_first_input(batch))}. "
+                    "Pass your own eval_fn= for other data."
                 )
             output = call_with(model, batch)
             logits = getattr(output, "logits", None)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..core.metrics import token_ids
 from ..core.progress import Progress, quiet
 from ..engines.settings import ModuleSettings
 from ..errors import DecodeSpeedError, ModelReleasedError, QReportWarning
@@ -164,11 +165,7 @@ class RealRuns:
 
     def token_ids(self) -> torch.Tensor | None:
         """The first evaluation batch's token ids (batch x tokens), for a language model; else None."""
-        batch = self.runner.eval_data[0] if self.runner.eval_data else None
-        ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch[0] if isinstance(batch, (tuple, list)) else batch
-        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
-            return None
-        return ids
+        return token_ids(self.runner.eval_data[0]) if self.runner.eval_data else None
 
     def as_code(self, settings: Mapping[str, ModuleSettings]) -> str:
         """Python that builds the engine's configuration for ``settings``, after the code of any
