@@ -40,7 +40,7 @@ class ReportWidget(w.VBox):
         self.controls = ExploreControls(self.frame)
         self.views = ExploreViews(self.frame)
         self.card = ModuleCard(self.frame)
-        self.views.layout = w.Layout(flex="1 1 0%", min_width="480px")
+        self.views.layout.flex, self.views.layout.min_width = "1 1 0%", "480px"  # its own Layout, not a new one
         # the card goes under the figure when the tab is too narrow for both side by side
         explore = w.VBox([self.controls, w.HBox([self.views, self.card], layout={"width": "100%", "flex_flow": "row wrap"})])
         self.tuning = TuningPanel(source, session, unavailable=tuning_unavailable, error=tuning_error)

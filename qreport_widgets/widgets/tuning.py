@@ -56,7 +56,9 @@ class TuningPanel(w.VBox):
         for suggestion in source.suggestions():
             reasons.setdefault(suggestion.module_fqn, []).append(f"{suggestion.kind.value}: {suggestion.reason}")
         migrations = {fqn: m.summary for fqn, m in session.migrations().items()}
-        parts = row_parts()
+        # kept with the panel: a shared Layout no row holds any more (an eager row trades the FX controls'
+        # layouts for the hidden one) would be garbage-collected, closing a model the page may still resolve
+        self._row_parts = parts = row_parts()
         self.rows = {m.fqn: SettingsRow(m, reasons.get(m.fqn, []), migrations.get(m.fqn, ""), parts) for m in session.modules}
         self._order: list[str] = []  # forward order
         self.progress = w.IntProgress(value=0, min=0, max=1, layout={"width": "220px", "visibility": "hidden", **FIXED})
