@@ -50,8 +50,8 @@ def plain_model(model: torch.nn.Module, example: torch.Tensor) -> torch.fx.Graph
     return prepare(model, get_default_qconfig_mapping("x86"), (example,))
 
 
-def our_model(model: torch.nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
-    report = ModelReport(plain_model(model, example), default_detectors("x86"))
+def our_model(model: torch.nn.Module, example: torch.Tensor, exact_percentiles: bool = False) -> torch.fx.GraphModule:
+    report = ModelReport(plain_model(model, example), default_detectors("x86"), exact_percentiles=exact_percentiles)
     return report.prepare_detailed_calibration()
 
 

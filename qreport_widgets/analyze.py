@@ -56,6 +56,7 @@ def analyze(
     process_group: Any = None,
     metric: Metric | str | None = None,
     target: str | None = None,
+    exact_percentiles: bool = False,
 ) -> ModelReport:
     """Prepare a copy of ``float_model`` (``prepare_fx``, or ``torch.export`` for PT2E), observe it
     during calibration and report.
@@ -106,6 +107,11 @@ def analyze(
             rank calibrates on the batches it was given, and the observers are merged so every rank
             holds the report one process would make from all the batches; the session's runs merge
             their observers likewise. See docs/SCALE.md.
+        exact_percentiles: the outlier detector's reference percentile (p97.5) of a channel that
+            holds more than 4,096 values in a batch is estimated from 4,096 or more of them, evenly
+            spread (its rank within the p96.8-p97.5-p98.2, three standard errors; the report's
+            text says so). ``True`` computes every percentile exactly, at up to twice the cost of
+            a plain calibration pass on large activations.
 
     The report's model (``report.model``) is for analysis: ``prepare_fx``'s own observers rest
     while it calibrates, since no detector reads them. To quantize, use ``report.session`` (or
@@ -137,7 +143,11 @@ def analyze(
     observed = chosen.observe(watched.model, example_inputs, record=first_is_example)
     name = type(float_model).__name__
     report = ModelReport(
-        observed.model, detectors, model_name=name, graph_of=observed.graph_of, engine=chosen, tunable_modules=observed.modules
+        observed.model, detectors, model_name=name,
+        graph_of=observed.graph_of,
+        engine=chosen,
+        tunable_modules=observed.modules,
+        exact_percentiles=exact_percentiles,
     )
     instrumented = report.prepare_detailed_calibration()
 

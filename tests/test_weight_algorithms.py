@@ -15,7 +15,7 @@ from torch import nn
 
 import qreport_widgets as qw
 from qreport_widgets.core.calibration import call_with
-from qreport_widgets.core.metrics import output_tensor
+from qreport_widgets.core.metrics import output_tensor, perplexity
 from qreport_widgets.engines.contract import Variant
 from qreport_widgets.engines.eager import algorithms
 from qreport_widgets.engines.eager.formats import ao_config, torchao_eager
@@ -228,14 +228,26 @@ def test_block_sensitivity_keeps_each_decoder_block_float_whole(decoder_session)
     from qreport_widgets.tune.diagnosis import module_blocks
 
     session = decoder_session
-    table = session.block_sensitivity()
+    simulation = session.parts.diagnosis.simulation()  # the baseline and its check against the simulation first
+    passes = []
+    counting = simulation.model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    try:
+        table = session.block_sensitivity()  # perplexity and output SQNR from the same pass
+    finally:
+        counting.remove()
+    batches = len(session.parts.runner.eval_data)
+    assert len(passes) == (len(table) + 1) * batches  # the start and each block: one pass over the evaluation batches
     names = [m.fqn for m in session.modules if not m.current.keep_float]
     blocks = module_blocks(names)
     assert list(blocks) == ["model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3", "lm_head"]
     assert set(table.index) == set(blocks) and table.loc["model.layers.2", "modules"] == 7
     assert (table["output_sqnr_gain_db"] > 0).all() and "metric_gain" in table
-    whole, _ = session.simulate(Variant(frozenset(blocks["model.layers.1"])))
+    variant = Variant(frozenset(blocks["model.layers.1"]))
+    whole, value = session.simulate(variant)
     assert table.loc["model.layers.1", "simulated_output_sqnr_db"] == pytest.approx(whole)
+    simulation.configure(variant)  # the metric read from the outputs equals perplexity() of the simulated model
+    assert value == pytest.approx(perplexity(simulation.model, session.parts.runner.eval_data), rel=1e-6)
+    simulation.configure(())
     assert module_blocks(["layer1.0.conv1", "layer1.0.bn1", "layer1.1.conv1", "fc"]) == {
         "layer1.0": ["layer1.0.conv1", "layer1.0.bn1"],
         "layer1.1": ["layer1.1.conv1"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -78,10 +78,39 @@ class Metric:
     """What the session's ``eval_fn`` measures: its name, and whether a higher value is better.
 
     Targets on it (``fit`` / ``reach``'s ``target_metric``) are met at or above them when higher is
-    better (accuracy), at or below them when lower is (perplexity, a loss)."""
+    better (accuracy), at or below them when lower is (perplexity, a loss).
+
+    A metric that needs only the model's outputs on the evaluation batches says so with
+    ``batch_terms(batch, output) -> tuple of floats`` (what one batch adds) and ``combine(terms of
+    every batch) -> float``: every simulated variant then gives its output SQNR and its metric from
+    one pass, and no ``eval_fn`` is needed (``metric="perplexity"`` is one such)."""
 
     name: str = "metric"
     higher_is_better: bool = True
+    batch_terms: Callable[[Any, Any], Sequence[float]] | None = dataclasses.field(default=None, compare=False, repr=False)
+    combine: Callable[[Sequence[Sequence[float]]], float] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.batch_terms is None) != (self.combine is None):
+            raise ValueError("a Metric read from the outputs needs both batch_terms= and combine= (or neither)")
+
+    @property
+    def from_outputs(self) -> bool:
+        """Whether the metric is computed from the model's outputs on the evaluation batches alone."""
+        return self.batch_terms is not None
+
+    def of_outputs(self, batches: Sequence[Any], outputs: Sequence[Any]) -> float:
+        """The metric of ``outputs``, the model's outputs on ``batches`` (``from_outputs`` metrics only)."""
+        if self.batch_terms is None or self.combine is None:
+            raise ValueError(f"the metric {self.name!r} is not computed from outputs; call its eval_fn")
+        return float(self.combine([tuple(self.batch_terms(b, o)) for b, o in zip(batches, outputs, strict=True)]))
+
+    def of_model(self, model: torch.nn.Module, batches: Sequence[Any]) -> float:
+        """The metric of ``model`` on ``batches``: one pass (``from_outputs`` metrics only)."""
+        from .calibration import call_with
+
+        with torch.no_grad():
+            return self.of_outputs(batches, [call_with(model, batch) for batch in batches])
 
     @property
     def label(self) -> str:
@@ -112,7 +141,6 @@ class Metric:
         return f"{self.name} {'>=' if self.higher_is_better else '<='} {target:g}"
 
 
-PERPLEXITY = Metric("perplexity", higher_is_better=False)
 
 
 def token_ids(batch: Any) -> torch.Tensor | None:
@@ -135,33 +163,47 @@ def perplexity(model: torch.nn.Module, batches: Any) -> float:
     or a dict with ``input_ids``; the model returns logits (batch x tokens x vocabulary), as a
     tensor or as a Hugging Face output's ``logits``. Every token after the first of each sequence is
     predicted from those before it."""
-    from .calibration import call_with
+    batches = list(batches)
+    for batch in batches:  # said before the model is called with what it cannot take
+        _ids_of(batch)
+    return PERPLEXITY.of_model(model, batches)
 
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for index, batch in enumerate(batches):
-            ids = token_ids(batch)
-            if ids is None:
-                raise ValueError(
-                    f"perplexity needs batches of token ids (an integer tensor of batch x tokens, first in a tuple, or "
-                    f"input_ids in a dict); batch {index} gives {_described(_first_input(batch))}. "
-                    "Pass your own eval_fn= for other data."
-                )
-            output = call_with(model, batch)
-            logits = getattr(output, "logits", None)
-            logits = logits if isinstance(logits, torch.Tensor) else _first_tensor(output)
-            if logits is None or logits.dim() != 3 or logits.shape[:2] != ids.shape:
-                raise ValueError(
-                    f"perplexity needs a causal language model's logits (batch x tokens x vocabulary) for token ids of "
-                    f"shape {tuple(ids.shape)}; the model returned {_described(logits)}. A model whose output has no "
-                    "logits needs its own eval_fn= (and metric=Metric(name, higher_is_better=...))."
-                )
-            predicted = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-            total += float(torch.nn.functional.cross_entropy(predicted, ids[:, 1:].reshape(-1), reduction="sum"))
-            count += ids[:, 1:].numel()
+
+def _ids_of(batch: Any) -> torch.Tensor:
+    ids = token_ids(batch)
+    if ids is None:
+        raise ValueError(
+            f"perplexity needs batches of token ids (an integer tensor of batch x tokens, first in a tuple, or "
+            f"input_ids in a dict); a batch gives {_described(_first_input(batch))}. Pass your own eval_fn= for other data."
+        )
+    return ids
+
+
+def perplexity_terms(batch: Any, output: Any) -> tuple[float, int]:
+    """(summed negative log-likelihood, tokens predicted) of one batch's next tokens, from the
+    model's ``output`` on it: what perplexity adds over batches."""
+    ids = _ids_of(batch)
+    logits = getattr(output, "logits", None)
+    logits = logits if isinstance(logits, torch.Tensor) else _first_tensor(output)
+    if logits is None or logits.dim() != 3 or logits.shape[:2] != ids.shape:
+        raise ValueError(
+            f"perplexity needs a causal language model's logits (batch x tokens x vocabulary) for token ids of "
+            f"shape {tuple(ids.shape)}; the model returned {_described(logits)}. A model whose output has no "
+            "logits needs its own eval_fn= (and metric=Metric(name, higher_is_better=...))."
+        )
+    predicted = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    total = float(torch.nn.functional.cross_entropy(predicted, ids[:, 1:].reshape(-1), reduction="sum"))
+    return total, ids[:, 1:].numel()
+
+
+def _perplexity_of(terms: Sequence[Sequence[float]]) -> float:
+    count = sum(t[1] for t in terms)
     if count == 0:
         raise ValueError("perplexity needs sequences of at least two tokens")
-    return math.exp(total / count)
+    return math.exp(sum(t[0] for t in terms) / count)
+
+
+PERPLEXITY = Metric("perplexity", higher_is_better=False, batch_terms=perplexity_terms, combine=_perplexity_of)
 
 
 def _described(value: Any) -> str:

@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from ..core.features import Stat
 from .detectors.base import ObservationRequest
 from .graph import OBSERVER_CONTAINER, ModelGraph
-from .observer import ModelReportObserver
+from .observer import PERCENTILE_SAMPLE, ModelReportObserver
 
 _PER_CHANNEL = frozenset({Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
 
@@ -36,7 +36,7 @@ class Placement:
     histogram_bins: int = 0
     factory: Callable[[int], nn.Module] | None = None
 
-    def build(self) -> nn.Module:
+    def build(self, percentile_sample: int | None = PERCENTILE_SAMPLE) -> nn.Module:
         if self.factory is not None:
             return self.factory(self.ch_axis)
         percentiles = self.percentiles or [0.9]
@@ -46,6 +46,7 @@ class Placement:
             stats=self.stats,
             percentiles=percentiles[1:],
             histogram_bins=self.histogram_bins,
+            percentile_sample=percentile_sample,
         )
 
 
@@ -120,16 +121,19 @@ def _merge(placement: Placement, request: ObservationRequest) -> None:
     placement.histogram_bins = max(placement.histogram_bins, request.histogram_bins)
 
 
-def insert(model: nn.Module, placements: list[Placement], index: dict) -> ObserverContainer:
+def insert(
+    model: nn.Module, placements: list[Placement], index: dict, percentile_sample: int | None = PERCENTILE_SAMPLE
+) -> ObserverContainer:
     """Add the observers to ``model`` (in place) as call_module nodes right after their tensors, or
-    as hooks on the modules of an eagerly run model's sites."""
+    as hooks on the modules of an eagerly run model's sites; ``percentile_sample``: see
+    :class:`ModelReportObserver` (None: exact percentiles)."""
     container = ObserverContainer()
     container.index = index
     model.add_module(OBSERVER_CONTAINER, container)
     if not isinstance(model, torch.fx.GraphModule):
         watch: dict[Site, list[nn.Module]] = {}
         for placement in placements:
-            container.add_module(placement.name, placement.build())
+            container.add_module(placement.name, placement.build(percentile_sample))
             watch.setdefault(placement.node.meta["site"], []).append(container.get_submodule(placement.name))
         container.handles, container.feeds = attach(model, watch)
         return container
@@ -138,7 +142,7 @@ def insert(model: nn.Module, placements: list[Placement], index: dict) -> Observ
         if node.op == "placeholder":
             last_placeholder = node
     for placement in placements:
-        container.add_module(placement.name, placement.build())
+        container.add_module(placement.name, placement.build(percentile_sample))
         anchor = last_placeholder if placement.node.op == "placeholder" else placement.node
         with model.graph.inserting_after(anchor):
             model.graph.call_module(f"{OBSERVER_CONTAINER}.{placement.name}", (placement.node,))

@@ -16,11 +16,15 @@ import torch
 from torch.ao.quantization.observer import ObserverBase
 
 from ..core.features import Stat
-from .selection import kth_largest_per_channel
+from .selection import channel_view, kth_largest_per_channel
 
 ALL_STATS = frozenset({Stat.RANGE, Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
 _NEEDS_CHANNELS = frozenset({Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
 HISTOGRAM_SAMPLE = 1 << 14  # at most this many values per batch enter the value histogram
+# A channel holding more values than this in one batch has its percentiles estimated from this many
+# of them, evenly spread (``percentile_sample``); None keeps them exact
+PERCENTILE_SAMPLE = 4096
+_STANDARD_ERRORS = 3.0  # the stated bound of an estimated percentile's rank
 _MIN_EXPONENT = -126.0  # the histogram never zooms below float32's smallest normal range
 _MAX_EXPONENT = 127.0
 
@@ -36,6 +40,27 @@ def percentile_rank(q: float, n: int) -> int:
     return int(np.floor(position)) + 1
 
 
+def estimate_bounds(q: float, sample: int) -> tuple[float, float]:
+    """The percentile ranks (in (0, 1)) between which the ``q`` percentile of an evenly spread sample
+    of ``sample`` values lies, stated as three standard errors of a sample quantile's rank,
+    sqrt(q (1 - q) / sample): 4,096 values put the 97.5th within the 96.8th-98.2th."""
+    spread = _STANDARD_ERRORS * math.sqrt(q * (1.0 - q) / sample)
+    return max(q - spread, 0.0), min(q + spread, 1.0)
+
+
+def spread_positions(n: int, sample: int, sizes: Iterable[int]) -> torch.Tensor:
+    """At least ``sample`` positions in ``range(n)``, evenly spread over all of it: a stride that shares
+    no factor with ``sizes`` (the layout's other dimensions), so the sample does not come back to the
+    same pixel column or token position in every row (a stride equal to a sequence length would
+    read only its first token)."""
+    stride = max(n // sample, 1)
+    while stride > 1 and any(math.gcd(stride, size) > 1 for size in sizes if size > 1):
+        stride -= 1
+    count = -(-n // stride) if stride > 1 else n
+    offset = (n - 1 - (count - 1) * stride) // 2  # centred: the margins at both ends differ by at most one
+    return torch.arange(count, dtype=torch.int64) * stride + offset
+
+
 class ModelReportObserver(ObserverBase):
     r"""Collects the statistics the detectors need from the tensor passed to ``forward``.
 
@@ -48,6 +73,9 @@ class ModelReportObserver(ObserverBase):
         percentiles: further reference percentiles tracked next to ``comp_percentile``.
         histogram_bins: bins of the running value histogram (even, > 0) when ``Stat.HISTOGRAM``
             is requested.
+        percentile_sample: a channel holding more values than this in a batch has its percentiles
+            estimated from about this many of them, evenly spread (:func:`estimate_bounds` states
+            how far off the estimate's rank can be); None: exact percentiles, however large the batch.
 
     The attributes read by PyTorch's detectors keep their names: ``epoch_activation_min``,
     ``epoch_activation_max``, ``average_batch_activation_range``, ``min_val``, ``max_val``,
@@ -73,8 +101,11 @@ class ModelReportObserver(ObserverBase):
         stats: Iterable[Stat | str] | None = None,
         percentiles: Iterable[float] = (),
         histogram_bins: int = 128,
+        percentile_sample: int | None = PERCENTILE_SAMPLE,
     ) -> None:
         super().__init__(torch.qint8)
+        if percentile_sample is not None and (isinstance(percentile_sample, bool) or not isinstance(percentile_sample, int) or percentile_sample < 16):
+            raise ValueError(f"percentile_sample must be None (exact) or an int >= 16, got {percentile_sample!r}")
         if not isinstance(ch_axis, int) or isinstance(ch_axis, bool):
             raise ValueError(f"ch_axis must be an int, got {ch_axis!r}")
         self.stats = ALL_STATS if stats is None else frozenset(Stat(s) for s in stats)
@@ -87,7 +118,11 @@ class ModelReportObserver(ObserverBase):
         self.ch_axis = ch_axis
         self.comp_percentile_value = float(comp_percentile)
         self.histogram_bins = histogram_bins
+        self.percentile_sample = percentile_sample
         self.num_batches_tracked = 0
+        # (smallest sample, most values a channel held) over the batches whose percentiles were
+        # estimated; None while every percentile was exact
+        self.estimated_from: tuple[int, int] | None = None
         self.empty_batches = 0
         self.observed_ndim: int | None = None
         self._selection_hints: dict[int, torch.Tensor | None] = {}  # speeds up the next batch only
@@ -171,14 +206,31 @@ class ModelReportObserver(ObserverBase):
             return
         self.constant_channels.add_(cmax == cmin)
         axis, n = self._axis(t), t.numel() // n_channels
+        source, source_axis, count = t, axis, n
+        if self.percentile_sample is not None and n > self.percentile_sample:
+            source, source_axis = self._spread_sample(t, axis), 1
+            count = source.shape[0]
+            seen = self.estimated_from or (count, n)
+            self.estimated_from = (min(seen[0], count), max(seen[1], n))
         for i, q in enumerate(self.percentiles):
-            rank = n - percentile_rank(q, n) + 1
-            reference, self._selection_hints[i] = kth_largest_per_channel(t, axis, rank, self._selection_hints.get(i))
+            rank = count - percentile_rank(q, count) + 1
+            hint = self._selection_hints.get(i) if source is t else None
+            reference, found_hint = kth_largest_per_channel(source, source_axis, rank, hint)
+            if source is t:
+                self._selection_hints[i] = found_hint
             reference = reference + 0.0  # -0.0 -> +0.0
             counted = (reference != 0) | (cmax != 0)
             ratio = torch.where(counted, cmax / reference, torch.zeros_like(cmax))
             self._buffers[f"_ratio_sum_{i}"].add_(ratio.to(self.min_val.dtype))
             self._buffers[f"_ratio_count_{i}"].add_(counted)
+
+    def _spread_sample(self, t: torch.Tensor, axis: int | None) -> torch.Tensor:
+        """(values, channels): about ``percentile_sample`` values of every channel, evenly spread."""
+        view = channel_view(t, axis)
+        before, _, after = view.shape
+        others = [size for d, size in enumerate(t.shape) if d != axis] if axis is not None else list(t.shape)
+        positions = spread_positions(before * after, self.percentile_sample or 1, others).to(t.device)
+        return view[torch.div(positions, after, rounding_mode="floor"), :, positions.remainder(after)]
 
     def _init_channel_state(self, n_channels: int, device: torch.device) -> None:
         self.min_val = torch.full((n_channels,), math.inf, device=device)
@@ -255,11 +307,12 @@ class ModelReportObserver(ObserverBase):
     # ------------------------------------------------------------------ merging and resetting
     def merge_(self, other: ModelReportObserver) -> ModelReportObserver:
         """Fold in the state of ``other`` (same settings), as if this observer had seen its batches."""
-        if (other.ch_axis, other.percentiles, other.stats, other.histogram_bins) != (
+        if (other.ch_axis, other.percentiles, other.stats, other.histogram_bins, other.percentile_sample) != (
             self.ch_axis,
             self.percentiles,
             self.stats,
             self.histogram_bins,
+            self.percentile_sample,
         ):
             raise ValueError("only observers with the same settings can be merged")
         n_a, n_b = self.num_batches_tracked, other.num_batches_tracked
@@ -289,10 +342,13 @@ class ModelReportObserver(ObserverBase):
             self.histogram, self.histogram_exponent = mine + theirs, exponent
         self.num_batches_tracked = n
         self.empty_batches += other.empty_batches
+        if other.estimated_from is not None:
+            mine = self.estimated_from or other.estimated_from
+            self.estimated_from = (min(mine[0], other.estimated_from[0]), max(mine[1], other.estimated_from[1]))
         return self
 
     def _copy_counters(self, other: ModelReportObserver) -> None:
-        for name in ("num_batches_tracked", "empty_batches", "observed_ndim"):
+        for name in ("num_batches_tracked", "empty_batches", "observed_ndim", "estimated_from"):
             setattr(self, name, getattr(other, name))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
@@ -313,6 +369,7 @@ class ModelReportObserver(ObserverBase):
             stats=self.stats,
             percentiles=self.percentiles[1:],
             histogram_bins=self.histogram_bins,
+            percentile_sample=self.percentile_sample,
         ).to(device)
         for name, value in fresh._buffers.items():
             self._buffers[name] = value
@@ -324,7 +381,8 @@ class ModelReportObserver(ObserverBase):
 
     def extra_repr(self) -> str:
         stats = ", ".join(sorted(s.value for s in self.stats))
-        return f"ch_axis={self.ch_axis}, percentiles={self.percentiles}, stats=[{stats}]"
+        sample = "exact" if self.percentile_sample is None else f"estimated above {self.percentile_sample} values a channel"
+        return f"ch_axis={self.ch_axis}, percentiles={self.percentiles} ({sample}), stats=[{stats}]"
 
 
 def _first_tensor(values) -> torch.Tensor | None:

@@ -31,6 +31,7 @@ from ..observe.analysis import Analysis, GraphSummary, build_analysis
 from ..observe.detectors.base import DetectorBase, ReportContext
 from ..observe.frame import ReportFrame
 from ..observe.graph import OBSERVER_CONTAINER, ModelGraph
+from ..observe.observer import PERCENTILE_SAMPLE
 from ..observe.records import DetectorResult, Suggestion
 from ..tune.verify import VerifiedSuggestions, nan_equalization_metric
 
@@ -67,6 +68,8 @@ class ModelReport:
 
     ``engine`` and ``tunable_modules``: the engine that prepared ``model`` and the modules it can
     tune (``analyze()`` gives them; without them FX's rules read the prepared model).
+    ``exact_percentiles``: percentiles of channels with more than 4,096 values a batch are
+    estimated from an evenly spread sample unless this is True (see ``analyze``).
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class ModelReport:
         graph_of: Callable[[torch.fx.GraphModule], ModelGraph] = ModelGraph.of,
         engine: Engine | None = None,
         tunable_modules: Sequence[TunableModule] | None = None,
+        exact_percentiles: bool = False,
     ) -> None:
         if not isinstance(model, torch.fx.GraphModule) and graph_of == ModelGraph.of:  # an eager map comes with its reader
             raise TypeError(
@@ -108,6 +112,7 @@ class ModelReport:
         self._session_problem = ""
         self._engine = engine  # analyze()'s engine and the tunable modules it read
         self._modules = None if tunable_modules is None else list(tunable_modules)
+        self._percentile_sample = None if exact_percentiles else PERCENTILE_SAMPLE
 
     # ------------------------------------------------------------------ PyTorch-compatible API
     def get_desired_reports_names(self) -> set[str]:
@@ -128,7 +133,7 @@ class ModelReport:
         graph = self._graph_of(self._model)
         requests = {d.get_detector_name(): d.requests(graph) for d in self._detectors}
         placements, index = instrument.plan(graph, (r for rs in requests.values() for r in rs))
-        instrument.insert(self._model, placements, index)
+        instrument.insert(self._model, placements, index, self._percentile_sample)
         for name, wanted in requests.items():
             self._observer_names[name] = {
                 f"{OBSERVER_CONTAINER}.{index[(r.unit, r.side.value, r.ch_axis)]}"

@@ -10,7 +10,7 @@ import torch
 
 from ..core.calibration import CalibrationData
 from ..core.memory import WatchedCopy, WeightPool
-from ..core.metrics import PERPLEXITY, Metric, perplexity
+from ..core.metrics import PERPLEXITY, Metric
 from ..engines.contract import Engine
 from ..engines.settings import TunableModule
 from ..observe.distributed import group_of
@@ -64,11 +64,16 @@ def resolved_metric(
             )
         if eval_fn is not None:
             raise ValueError("pass either eval_fn= or metric='perplexity' (computed on the evaluation batches), not both")
-        return lambda model: perplexity(model, eval_batches), PERPLEXITY
+        return lambda model: PERPLEXITY.of_model(model, eval_batches), PERPLEXITY
     if metric is not None and not isinstance(metric, Metric):
         raise TypeError(f"metric= takes 'perplexity' or a Metric(name, higher_is_better=...), got {type(metric).__name__}")
     if metric is not None and eval_fn is None:
-        raise ValueError("metric=Metric(...) says what eval_fn= measures: pass eval_fn= too (or metric='perplexity')")
+        if metric.from_outputs:  # computed from the outputs on the evaluation batches
+            return lambda model: metric.of_model(model, eval_batches), metric
+        raise ValueError(
+            "metric=Metric(...) says what eval_fn= measures: pass eval_fn= too, give the Metric batch_terms= and "
+            "combine= (computed from the outputs), or pass metric='perplexity'"
+        )
     return eval_fn, (metric or Metric()) if eval_fn is not None else None
 
 

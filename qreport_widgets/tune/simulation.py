@@ -25,7 +25,8 @@ class Simulated:
         self.runner = runner
         self._simulation: Simulation | None = None
         self.version = 0  # counts the changes made to the simulation after it was built (real kernels adopted)
-        self._known: dict[Variant, float] = {}  # output SQNR of each variant simulated at this version
+        # output SQNR and (None when not asked) metric of each variant simulated at this version
+        self._known: dict[Variant, tuple[float, float | None]] = {}
         self._known_version = 0
 
     def simulation(self, progress: Progress | None = None) -> Simulation:
@@ -58,12 +59,18 @@ class Simulated:
     def simulate(self, variant: Variant | Iterable[str] = ()) -> tuple[float, float | None]:
         """Simulated output SQNR (dB) and ``eval_fn`` metric of ``variant`` (or with those modules kept float)."""
         simulation, runner = self.simulation(), self.runner
-        sqnr = runner.output_sqnr(simulation.outputs(runner.eval_data, variant))
-        metric = None
-        if runner.eval_fn is not None:
+        outputs = simulation.outputs(runner.eval_data, variant)
+        sqnr, metric = runner.output_sqnr(outputs), None
+        if self._reads_outputs():  # the same pass gives both
+            metric = runner.metric.of_outputs(runner.eval_data, outputs)  # type: ignore[union-attr]
+        elif runner.eval_fn is not None:
             with torch.no_grad():
                 metric = float(runner.eval_fn(simulation.model))
         return sqnr, metric
+
+    def _reads_outputs(self) -> bool:
+        """Whether the session's metric is computed from the outputs on the evaluation batches."""
+        return self.runner.eval_fn is not None and self.runner.metric is not None and self.runner.metric.from_outputs
 
     def simulate_each(
         self,
@@ -74,12 +81,14 @@ class Simulated:
     ) -> list[tuple[float, float | None]]:
         """``simulate(v)`` for each ``v`` in ``variants``, without the metric unless ``metric``.
 
-        For the output SQNR alone each variant recomputes only what it changes (one step per variant
-        and batch), and a variant simulated before (by sensitivity, the search, the size front) is
-        not simulated again until the simulation changes (``version``); ``eval_fn`` needs the whole
-        model, so with it each variant is a whole pass (one step per variant)."""
+        Each variant recomputes only what it changes (one step per variant and batch), for its
+        output SQNR and for a metric computed from the outputs (perplexity; ``Metric.from_outputs``),
+        both from that one pass; a variant simulated before (by sensitivity, the search, the size
+        front) is not simulated again until the simulation changes (``version``). An ``eval_fn``
+        that needs the whole model costs a whole pass more per variant (one step per variant)."""
         simulation, runner = self.simulation(), self.runner
-        if metric and runner.eval_fn is not None:
+        with_metric = metric and runner.eval_fn is not None
+        if with_metric and not self._reads_outputs():
             try:
                 with steps(len(variants), desc, "step", progress) as step:
                     found = []
@@ -92,15 +101,24 @@ class Simulated:
         if self._known_version != self.version:
             self._known, self._known_version = {}, self.version
         keys = [Variant.of(variant) for variant in variants]
-        new = list(dict.fromkeys(key for key in keys if key not in self._known))  # each once, those not known yet
+        # each once, those not known yet (or known without the metric now asked for)
+        new = list(dict.fromkeys(k for k in keys if k not in self._known or (with_metric and self._known[k][1] is None)))
+        reads = runner.metric if with_metric else None
+
+        def reduce(index: int, output: object) -> tuple[tuple[float, float], tuple[float, ...] | None]:
+            terms = None if reads is None else tuple(reads.batch_terms(runner.eval_data[index], output))  # type: ignore[misc]
+            return runner.output_terms(index, output), terms
+
         try:
             with steps(len(new) * len(runner.eval_data), desc, "step", progress) as step:
-                terms = simulation.outputs_each(runner.eval_data, new, step, runner.output_terms)
+                found = simulation.outputs_each(runner.eval_data, new, step, reduce)
         finally:
             simulation.configure(())
-        for key, each in zip(new, terms, strict=True):
-            self._known[key] = sqnr_of(*map(sum, zip(*each, strict=True)))
-        return [(self._known[key], None) for key in keys]
+        for key, each in zip(new, found, strict=True):
+            sqnr = sqnr_of(*map(sum, zip(*(power for power, _ in each), strict=True)))
+            value = None if reads is None else float(reads.combine([terms for _, terms in each]))  # type: ignore[misc]
+            self._known[key] = (sqnr, value)
+        return [(self._known[key][0], self._known[key][1] if with_metric else None) for key in keys]
 
     def local_sqnr(self) -> dict[str, float]:
         """Each module's own error (dB) on the inputs the float model gives it, on the first evaluation batch."""

@@ -80,6 +80,11 @@ class ObservedTensor:
     def constant_counts(self) -> np.ndarray:
         return self.observer.constant_channels.cpu().numpy().copy()
 
+    @property
+    def estimated_from(self) -> tuple[int, int] | None:
+        """(fewest values sampled, most values a channel held) when percentiles were estimated."""
+        return self.observer.estimated_from
+
     def histogram(self) -> tuple[np.ndarray, np.ndarray]:
         """Counts and bin edges of the observed values (empty when no histogram was kept)."""
         counts = self.observer.histogram.detach().cpu().numpy().copy()

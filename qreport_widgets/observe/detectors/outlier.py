@@ -9,6 +9,7 @@ import numpy as np
 from ...core import features as F
 from ...core.features import DetectorName, Side, Stat, SuggestionKind
 from ..graph import ModelGraph
+from ..observer import estimate_bounds
 from .base import DetectorBase, DetectorResult, ObservationRequest, ReportContext, Suggestion, check_axis, check_range
 
 DEFAULT_HISTOGRAM_BINS = 128
@@ -96,10 +97,13 @@ class OutlierDetector(DetectorBase):
 
     def analyze(self, context: ReportContext) -> DetectorResult:
         records, notes, suggestions = [], [], []
+        estimated: list[tuple[int, int]] = []
         for fqn in context.graph.units:
             seen = context.observed(fqn, Side.INPUT, self.ch_axis)
             if seen is None:
                 continue
+            if seen.estimated_from is not None:
+                estimated.append(seen.estimated_from)
             ratios, used = seen.percentile_ratio(self.reference_percentile)
             record = OutlierRecord(
                 fqn,
@@ -129,7 +133,20 @@ class OutlierDetector(DetectorBase):
                 percentile = f"p{self.reference_percentile * 100:g}"
                 reason = f"{int(flagged.sum())}/{flagged.size} input channels have outliers (max/{percentile} up to {worst:.3g})"
                 suggestions.append(Suggestion(fqn, self.name, SuggestionKind.OUTLIERS, reason, worst))
+        if estimated:
+            notes.append(estimate_note(self.reference_percentile, estimated, len(records)))
         return DetectorResult(self.name, tuple(records), tuple(notes), tuple(suggestions))
+
+
+def estimate_note(q: float, estimated: list[tuple[int, int]], observed: int) -> str:
+    """What an estimated reference percentile means, in one sentence."""
+    sample, most = min(s for s, _ in estimated), max(n for _, n in estimated)
+    low, high = estimate_bounds(q, sample)
+    return (
+        f"p{q * 100:g} estimated on {len(estimated)} of {observed} inputs, from an evenly spread sample of "
+        f"{sample:,} or more of up to {most:,} values a channel and batch: within the p{low * 100:.1f}-p{high * 100:.1f} "
+        "(3 standard errors); analyze(..., exact_percentiles=True) computes it exactly"
+    )
 
     def describe(self, result: DetectorResult) -> str:
         lines = ["Outlier detection:"]

@@ -1,0 +1,115 @@
+"""Estimated percentiles: an evenly spread sample of a large channel, its stated rank bound checked on
+real activations, and the same outlier verdicts as the exact path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from zoo import ARCHITECTURES, image_batches
+
+from qreport_widgets import ModelReportObserver, analyze
+from qreport_widgets.demo.digits import trained_digits_model
+from qreport_widgets.observe.detectors.outlier import OutlierDetector
+from qreport_widgets.observe.observer import PERCENTILE_SAMPLE, estimate_bounds, percentile_rank, spread_positions
+from qreport_widgets.observe.selection import channel_major, channel_view
+
+Q = 0.975
+
+
+def inputs_of(model: nn.Module, batches) -> list[tuple[str, torch.Tensor, int]]:
+    """Every Conv / Linear input (name, tensor, channel axis) the batches produce."""
+    seen: list[tuple[str, torch.Tensor, int]] = []
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda m, args, name=name: seen.append((name, args[0].detach().clone(), 1 if isinstance(m, nn.Conv2d) else -1))
+        )
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Conv2d, nn.Linear))
+    ]
+    with torch.no_grad():
+        for batch in batches:
+            model(*batch)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def test_spread_positions_cover_the_range_and_avoid_the_layouts_periods():
+    positions = spread_positions(8 * 56 * 56, 4096, [8, 56, 56])
+    stride = int(positions[1] - positions[0])
+    assert len(positions) >= 4096 and all(np.gcd(stride, s) == 1 for s in (8, 56))
+    assert positions[0] <= stride and positions[-1] >= 8 * 56 * 56 - stride  # both ends reached
+    assert len(set((positions % 56).tolist())) == 56  # every pixel column, not one column per row
+    tokens = spread_positions(4 * 128, 16, [4, 128])  # a stride of 32 would read 4 token positions
+    assert len(set((tokens % 128).tolist())) == len(tokens)
+
+
+def test_the_stated_rank_bound_holds_on_real_activations(digits_cache):
+    """The estimate's rank in the whole channel lies within estimate_bounds on every channel of every
+    Conv / Linear input of a trained digits CNN (batches of 288) and two zoo models at 8 x 64 x 64."""
+    model, data = trained_digits_model("cnn", digits_cache)
+    images = torch.cat([b[0] for b in (*data.calibration, *data.evaluation)])  # 576 images: batches of 288
+    cases = [("digits-cnn", model.eval(), [(images[:288],), (images[288:],)])]
+    for name in ("resnet", "mobilenet_v3"):
+        torch.manual_seed(0)
+        cases.append((name, ARCHITECTURES[name][0]().eval(), image_batches(2, batch=8, size=64)))
+    checked, low, high = 0, *estimate_bounds(Q, PERCENTILE_SAMPLE)
+    worst = 0.0
+    for name, net, batches in cases:
+        for layer, t, axis in inputs_of(net, batches):
+            view = channel_view(t, axis % t.dim())
+            whole = channel_major(view).double()
+            n = whole.shape[1]
+            if n <= PERCENTILE_SAMPLE:
+                continue
+            observer = ModelReportObserver(axis, Q)
+            sample = observer._spread_sample(t, axis % t.dim()).double()
+            count = sample.shape[0]
+            estimate = sample.kthvalue(percentile_rank(Q, count), dim=0).values
+            below = (whole < estimate[:, None]).sum(1).double() / n  # the estimate's rank interval in the channel
+            at_most = (whole <= estimate[:, None]).sum(1).double() / n
+            assert bool(((at_most >= low) & (below <= high)).all()), (name, layer, float(below.min()), float(at_most.max()))
+            off = torch.where(at_most < Q, Q - at_most, torch.where(below > Q, below - Q, torch.zeros_like(below)))
+            worst, checked = max(worst, float(off.max())), checked + whole.shape[0]
+    assert checked > 100  # channels estimated and checked against their whole data
+    assert worst < (high - low) / 2
+
+
+@pytest.mark.parametrize("name", ["resnet", "convnext", "prelu_net"])
+def test_estimated_and_exact_percentiles_give_the_same_outlier_verdicts(name):
+    torch.manual_seed(0)
+    model = ARCHITECTURES[name][0]().eval()
+    batches = image_batches(2, batch=16, size=32) if name == "prelu_net" else image_batches(2, batch=8, size=64)
+    verdicts, texts = [], []
+    for exact in (True, False):
+        report = analyze(
+            model, batches[0], batches, detectors=[OutlierDetector()], exact_percentiles=exact, progress=False
+        )
+        text, found = report.generate_model_report()["outlier_detector"]
+        verdicts.append({fqn: (np.asarray(v["outliers_detected"]), np.asarray(v["outlier_detection_percentile_ratios"])) for fqn, v in found.items()})
+        texts.append(text)
+    exact, estimated = verdicts
+    assert exact.keys() == estimated.keys()
+    for fqn in exact:
+        np.testing.assert_array_equal(exact[fqn][0], estimated[fqn][0], err_msg=fqn)
+        np.testing.assert_allclose(exact[fqn][1], estimated[fqn][1], rtol=0.15, err_msg=fqn)
+    assert "estimated" not in texts[0]
+    assert "p97.5 estimated on" in texts[1] and "exact_percentiles=True" in texts[1]
+
+
+def test_merging_keeps_what_was_estimated():
+    torch.manual_seed(0)
+    small, large = torch.randn(2, 4, 8, 8), torch.randn(16, 4, 32, 32)
+    first, second = ModelReportObserver(1, Q), ModelReportObserver(1, Q)
+    first(small)
+    assert first.estimated_from is None  # 128 values a channel: exact
+    second(large)
+    assert second.estimated_from is not None and second.estimated_from[1] == 16 * 32 * 32
+    first.merge_(second)
+    assert first.estimated_from == second.estimated_from
+    with pytest.raises(ValueError, match="same settings"):
+        first.merge_(ModelReportObserver(1, Q, percentile_sample=None))
+    with pytest.raises(ValueError, match="percentile_sample"):
+        ModelReportObserver(1, Q, percentile_sample=4)
