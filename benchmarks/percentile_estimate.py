@@ -44,7 +44,9 @@ def build(name: str, cache_dir: str | None):
 def verdicts(model, batches, exact: bool):
     report = analyze(model, batches[0], batches, detectors=[OutlierDetector()], exact_percentiles=exact, progress=False)
     text, found = report.generate_model_report()["outlier_detector"]
-    flags = {f: np.asarray(v["outliers_detected"]) & np.asarray(v["outlier_detection_is_sufficient_batches"]) for f, v in found.items()}
+    flags = {
+        f: np.asarray(v["outliers_detected"]) & np.asarray(v["outlier_detection_is_sufficient_batches"]) for f, v in found.items()
+    }
     ratios = {f: np.asarray(v["outlier_detection_percentile_ratios"], dtype=np.float64) for f, v in found.items()}
     return flags, ratios, text
 
@@ -63,10 +65,16 @@ def main() -> None:
         flags, ratios, text = verdicts(model, batches, False)
         differ = sum(int((exact_flags[f] != flags[f]).sum()) for f in exact_flags)
         change = max(
-            (float(np.nanmax(np.abs(ratios[f] - exact_ratios[f]) / np.maximum(np.abs(exact_ratios[f]), 1e-12))) for f in exact_ratios if exact_ratios[f].size),
+            (
+                float(np.nanmax(np.abs(ratios[f] - exact_ratios[f]) / np.maximum(np.abs(exact_ratios[f]), 1e-12)))
+                for f in exact_ratios
+                if exact_ratios[f].size
+            ),
             default=0.0,
         )
-        note = next((line.split("note: ")[1].split(",")[0] for line in text.splitlines() if "estimated on" in line), "none (all exact)")
+        note = next(
+            (line.split("note: ")[1].split(",")[0] for line in text.splitlines() if "estimated on" in line), "none (all exact)"
+        )
         exact_count = sum(int(v.sum()) for v in exact_flags.values())
         count = sum(int(v.sum()) for v in flags.values())
         print(f"| {name} | {note} | {exact_count} | {count} | {differ} | {change:.1%} |", flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_properties import layer_inputs
 from torch import nn
 from zoo import ARCHITECTURES, image_batches
 
@@ -20,20 +21,12 @@ Q = 0.975
 
 def inputs_of(model: nn.Module, batches) -> list[tuple[str, torch.Tensor, int]]:
     """Every Conv / Linear input (name, tensor, channel axis) the batches produce."""
-    seen: list[tuple[str, torch.Tensor, int]] = []
-    hooks = [
-        module.register_forward_pre_hook(
-            lambda m, args, name=name: seen.append((name, args[0].detach().clone(), 1 if isinstance(m, nn.Conv2d) else -1))
-        )
-        for name, module in model.named_modules()
-        if isinstance(module, (nn.Conv2d, nn.Linear))
+    kinds = {name: type(module) for name, module in model.named_modules()}
+    return [
+        (name, torch.from_numpy(x), 1 if issubclass(kinds[name], (nn.Conv1d, nn.Conv2d)) else -1)
+        for name, xs in layer_inputs(model, batches).items()
+        for x in xs
     ]
-    with torch.no_grad():
-        for batch in batches:
-            model(*batch)
-    for hook in hooks:
-        hook.remove()
-    return seen
 
 
 def test_spread_positions_cover_the_range_and_avoid_the_layouts_periods():
@@ -84,11 +77,14 @@ def test_estimated_and_exact_percentiles_give_the_same_outlier_verdicts(name):
     batches = image_batches(2, batch=16, size=32) if name == "prelu_net" else image_batches(2, batch=8, size=64)
     verdicts, texts = [], []
     for exact in (True, False):
-        report = analyze(
-            model, batches[0], batches, detectors=[OutlierDetector()], exact_percentiles=exact, progress=False
-        )
+        report = analyze(model, batches[0], batches, detectors=[OutlierDetector()], exact_percentiles=exact, progress=False)
         text, found = report.generate_model_report()["outlier_detector"]
-        verdicts.append({fqn: (np.asarray(v["outliers_detected"]), np.asarray(v["outlier_detection_percentile_ratios"])) for fqn, v in found.items()})
+        verdicts.append(
+            {
+                fqn: (np.asarray(v["outliers_detected"]), np.asarray(v["outlier_detection_percentile_ratios"]))
+                for fqn, v in found.items()
+            }
+        )
         texts.append(text)
     exact, estimated = verdicts
     assert exact.keys() == estimated.keys()

@@ -104,7 +104,9 @@ class ModelReportObserver(ObserverBase):
         percentile_sample: int | None = PERCENTILE_SAMPLE,
     ) -> None:
         super().__init__(torch.qint8)
-        if percentile_sample is not None and (isinstance(percentile_sample, bool) or not isinstance(percentile_sample, int) or percentile_sample < 16):
+        if percentile_sample is not None and (
+            isinstance(percentile_sample, bool) or not isinstance(percentile_sample, int) or percentile_sample < 16
+        ):
             raise ValueError(f"percentile_sample must be None (exact) or an int >= 16, got {percentile_sample!r}")
         if not isinstance(ch_axis, int) or isinstance(ch_axis, bool):
             raise ValueError(f"ch_axis must be an int, got {ch_axis!r}")
