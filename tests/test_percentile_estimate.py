@@ -30,12 +30,12 @@ def inputs_of(model: nn.Module, batches) -> list[tuple[str, torch.Tensor, int]]:
 
 
 def test_spread_positions_cover_the_range_and_avoid_the_layouts_periods():
-    positions = spread_positions(8 * 56 * 56, 4096, [8, 56, 56])
+    positions = spread_positions(8 * 56 * 56, 4096, (8, 56, 56))
     stride = int(positions[1] - positions[0])
     assert len(positions) >= 4096 and all(np.gcd(stride, s) == 1 for s in (8, 56))
     assert positions[0] <= stride and positions[-1] >= 8 * 56 * 56 - stride  # both ends reached
     assert len(set((positions % 56).tolist())) == 56  # every pixel column, not one column per row
-    tokens = spread_positions(4 * 128, 16, [4, 128])  # a stride of 32 would read 4 token positions
+    tokens = spread_positions(4 * 128, 16, (4, 128))  # a stride of 32 would read 4 token positions
     assert len(set((tokens % 128).tolist())) == len(tokens)
 
 

@@ -48,11 +48,13 @@ def estimate_bounds(q: float, sample: int) -> tuple[float, float]:
     return max(q - spread, 0.0), min(q + spread, 1.0)
 
 
-def spread_positions(n: int, sample: int, sizes: Iterable[int]) -> torch.Tensor:
+@functools.lru_cache(maxsize=256)
+def spread_positions(n: int, sample: int, sizes: tuple[int, ...]) -> torch.Tensor:
     """At least ``sample`` positions in ``range(n)``, evenly spread over all of it: a stride that shares
     no factor with ``sizes`` (the layout's other dimensions), so the sample does not come back to the
     same pixel column or token position in every row (a stride equal to a sequence length would
-    read only its first token)."""
+    read only its first token). Cached: every batch of the same shape samples the same positions
+    (callers only read the tensor)."""
     stride = max(n // sample, 1)
     while stride > 1 and any(math.gcd(stride, size) > 1 for size in sizes if size > 1):
         stride -= 1
@@ -230,7 +232,7 @@ class ModelReportObserver(ObserverBase):
         """(values, channels): about ``percentile_sample`` values of every channel, evenly spread."""
         view = channel_view(t, axis)
         before, _, after = view.shape
-        others = [size for d, size in enumerate(t.shape) if d != axis] if axis is not None else list(t.shape)
+        others = tuple(size for d, size in enumerate(t.shape) if d != axis)
         positions = spread_positions(before * after, self.percentile_sample or 1, others).to(t.device)
         return view[torch.div(positions, after, rounding_mode="floor"), :, positions.remainder(after)]
 
