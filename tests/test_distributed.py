@@ -1,7 +1,8 @@
 """Calibration across torch.distributed processes (two gloo ranks spawned on this machine): each rank
 analyzes half the batches and ends with the report one process makes from all of them, and a
-baseline run whose output SQNR is one process's; shards of different sizes, or a rank with no
-data, raise a clear error on every rank instead of hanging."""
+baseline run whose output SQNR is one process's; GPTQ and AWQ on the trained decoder fit the same
+int4 weights from two ranks' inputs as from one process's; shards of different sizes, or a rank with
+no data, raise a clear error on every rank instead of hanging."""
 
 from __future__ import annotations
 
@@ -125,6 +126,74 @@ def test_two_ranks_with_half_the_batches_each_make_one_process_report(cache, tmp
         np.testing.assert_array_equal(b.histograms[module][1], edges)
     assert [(s.module_fqn, s.kind) for s in saved.suggestions()] == [(s.module_fqn, s.kind) for s in alone.suggestions()]
     assert saved.calibration_batches() == alone.calibration_batches()
+
+
+def int4_weights_by_algorithm(cache: str, calibration: list, evaluation: list) -> dict:
+    """The trained byte decoder's Linears in int4 (group 32), GPTQ on the MLPs and AWQ on the
+    attention: each module's int4 values, scales and AWQ input scale, the output SQNR and perplexity."""
+    from qreport_widgets.demo.text import trained_text_decoder
+    from qreport_widgets.engines.eager.algorithms import INPUT_SCALE
+
+    model, data = trained_text_decoder(cache_dir=cache)
+    given = {"engine": "eager", "format": "int4-weight-only", "metric": "perplexity", "progress": False}
+    session = qw.analyze(model, data.calibration[0], calibration, eval_data=evaluation, **given).session
+    settings = {
+        m.fqn: qw.ModuleSettings(format="int4-weight-only", group_size=32, algorithm="gptq" if ".mlp." in m.fqn else "awq")
+        for m in session.modules
+        if m.type_name == "Linear" and "layers" in m.fqn
+    }
+    run = session.apply(settings)
+    assert run.ok, run.error
+    weights = {}
+    for fqn in settings:
+        module = run.quantized_model.get_submodule(fqn)
+        weights[fqn] = [module.weight.qdata, module.weight.scale, getattr(module, INPUT_SCALE, torch.zeros(0))]
+    return {"weights": weights, "sqnr": run.output_sqnr_db, "perplexity": run.eval_metric, "kept": run.notes}
+
+
+def decoder_rank_main(rank: int, port: int, cache: str, out: str) -> None:
+    from qreport_widgets.demo.text import trained_text_decoder
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    try:
+        _, data = trained_text_decoder(cache_dir=cache)
+        half = len(data.calibration) // RANKS
+        found = int4_weights_by_algorithm(cache, data.calibration[rank * half : (rank + 1) * half], data.evaluation)
+    except Exception as error:
+        found = {"error": type(error).__name__, "message": str(error), "trace": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    torch.save(found, os.path.join(out, f"decoder{rank}.pt"))
+
+
+def test_gptq_and_awq_from_two_ranks_inputs_are_one_processs(text_decoder, digits_cache, tmp_path):
+    """Each rank gathers GPTQ's Gram matrices and AWQ's input magnitudes on half the calibration
+    batches; summed across the ranks they give the int4 weights (values, scales, AWQ's input scales)
+    one process fits on all of them, bit for bit, and the same output SQNR and perplexity."""
+    _, data = text_decoder
+    alone = int4_weights_by_algorithm(str(digits_cache), data.calibration, data.evaluation)
+    context = mp.start_processes(
+        decoder_rank_main, args=(free_port(), str(digits_cache), str(tmp_path)), nprocs=RANKS, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + DEADLINE_S
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the ranks did not finish within {DEADLINE_S} s (a rank is waiting in a collective)")
+    awq_scaled = 0
+    for rank in range(RANKS):
+        found = torch.load(tmp_path / f"decoder{rank}.pt", weights_only=False)
+        assert "error" not in found, found.get("trace")
+        assert found["weights"].keys() == alone["weights"].keys()
+        for fqn, expected in alone["weights"].items():
+            for ours, theirs in zip(found["weights"][fqn], expected, strict=True):
+                assert torch.equal(ours, theirs), f"rank {rank}: {fqn}"
+        assert found["sqnr"] == alone["sqnr"] and found["perplexity"] == alone["perplexity"]
+        awq_scaled = sum(len(tensors[2]) > 0 for tensors in found["weights"].values())
+    assert awq_scaled > 0  # AWQ chose input scales somewhere, and they match too
 
 
 @pytest.mark.parametrize(

@@ -72,14 +72,35 @@ def test_the_output_error_is_the_layers_squared_output_error_on_its_inputs():
     assert algorithms.output_error(layer.weight.detach(), approximation, inputs["0"].gram) == pytest.approx(direct, rel=1e-4)
 
 
-def test_whole_sequences_are_held_out_and_too_few_tokens_keep_rounding_with_the_reason():
+def test_whole_sequences_are_held_out_the_same_ones_in_any_order_and_too_few_tokens_keep_rounding_with_the_reason():
     torch.manual_seed(0)
+    batches = [torch.randn(4, 10, 64) for _ in range(2)]
     statistics = algorithms.InputStatistics.empty(64)
-    for _ in range(2):
-        statistics.add(torch.randn(4, 10, 64))  # 8 sequences: the 4th and the 8th held out
+    for batch in batches:
+        statistics.add(batch)
     held = torch.cat(statistics.held_rows)
-    assert held.shape == (20, 64) and statistics.tokens == 80
-    assert torch.allclose(statistics.gram, statistics.fit + held.T @ held)
+    sequences = torch.cat(batches)
+    chosen = algorithms.held_out(sequences)
+    assert 0 < int(chosen.sum()) < len(sequences) and statistics.tokens == 80
+    assert torch.equal(held, sequences[chosen].reshape(-1, 64))  # whole sequences of 10 tokens
+    torch.testing.assert_close(statistics.gram, statistics.fit + held.T @ held, rtol=1e-5, atol=1e-4)
+    # the same sequences held out in another batch order and at other positions in their batches
+    shuffled = algorithms.InputStatistics.empty(64)
+    for batch in (sequences[[5, 0, 7, 2]], sequences[[6, 1, 4, 3]]):
+        shuffled.add(batch)
+    assert shuffled.fitted_tokens == statistics.fitted_tokens
+    torch.testing.assert_close(shuffled.fit, statistics.fit, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(shuffled.gram, statistics.gram, rtol=1e-6, atol=1e-5)
+    # the same batches gathered apart (two ranks) and merged, in either order: the same float32 sums
+    for first, second in (batches, batches[::-1]):
+        apart = [algorithms.InputStatistics.empty(64) for _ in range(2)]
+        apart[0].add(first)
+        apart[1].add(second)
+        merged = apart[0].merge_(apart[1])
+        assert torch.equal(merged.fit, statistics.fit) and torch.equal(merged.gram, statistics.gram)
+        assert torch.equal(merged.mean_abs, statistics.mean_abs) and merged.tokens == statistics.tokens
+    many = algorithms.held_out(torch.randn(4000, 10, 64))
+    assert 0.22 < float(many.float().mean()) < 0.28  # about one in HELD_EVERY = 4
     # 96 tokens of 256 features: GPTQ's fit follows the tokens it saw and fails on the held-out ones
     layer = nn.Linear(256, 32)
     few = algorithms.InputStatistics.empty(256)
@@ -89,8 +110,9 @@ def test_whole_sequences_are_held_out_and_too_few_tokens_keep_rounding_with_the_
     assert torch.equal(found.tensor.qdata, algorithms.choose("rtn", layer.weight.detach(), 128).tensor.qdata)
     # enough tokens: GPTQ's own weights
     many = algorithms.InputStatistics.empty(256)
+    mixing = torch.randn(64, 256)  # correlated input channels, as a model's activations are
     for _ in range(8):
-        many.add(torch.randn(8, 64, 256) * torch.linspace(0.2, 2, 256))
+        many.add(torch.randn(8, 64, 64) @ mixing + 0.1 * torch.randn(8, 64, 256))
     assert algorithms.gptq(layer.weight.detach(), many, 128).note == ""
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
@@ -125,10 +125,12 @@ class Engine(ABC, Generic[ConfigT]):
         True (static activations observe it); an engine whose formats need none says False."""
         return True
 
-    def calibration_passes(self, prepared: torch.nn.Module) -> Iterator[None]:
+    def calibration_passes(self, prepared: torch.nn.Module) -> Iterator[MutableMapping[str, Any] | None]:
         """The passes over the calibration data a run needs before ``convert``, when it
-        ``calibrates``: the runner calibrates ``prepared`` once per item. Default: one."""
-        yield
+        ``calibrates``: the runner calibrates ``prepared`` once per item. An item is None, or what
+        the pass gathers besides observers (name -> an object with ``merge_``), which the runner
+        merges across torch.distributed ranks as it does observers. Default: one pass, None."""
+        yield None
 
     def observers_paused(self, prepared: torch.nn.Module) -> AbstractContextManager[None]:
         """The engine's own observers pass tensors through untouched while the context is open.

@@ -8,6 +8,8 @@ process would have after calibrating on all the batches.
 - The report's own observers (``ModelReportObserver``) merge exactly with ``merge_``: ranges,
   per-channel min / max and histograms exactly, the batch-range averages and variances to float
   rounding.
+- What a pass gathers besides observers (GPTQ's input Gram matrices, AWQ's input magnitudes:
+  ``InputStatistics``) by adding the ranks' sums.
 - A prepared model's own observers: the min / max family (``MinMaxObserver``,
   ``PerChannelMinMaxObserver``, the percentile observer, the equalization observers' inner ones)
   exactly; moving-average observers by averaging the ranks' ranges (their result depends on batch
@@ -23,7 +25,7 @@ collective the others never reach.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -48,12 +50,18 @@ def group_of(process_group: Any = None) -> Any | None:
 
 
 def calibrated_across(
-    group: Any | None, model: nn.Module, calibrate_here: Callable[[], int], what: str, report_observers: bool = False
+    group: Any | None,
+    model: nn.Module,
+    calibrate_here: Callable[[], int],
+    what: str,
+    report_observers: bool = False,
+    statistics: MutableMapping[str, Any] | None = None,
 ) -> int:
     """``calibrate_here()`` on this rank (its batch count), then the observers of ``model`` merged
     across ``group`` (the report's observers with ``report_observers``, else the model's own
-    quantization observers). Without a group it is ``calibrate_here()``. Returns the batches seen
-    by all ranks together."""
+    quantization observers), and ``statistics`` the pass gathered besides (name -> an object with
+    ``merge_``, such as GPTQ's and AWQ's input statistics) replaced by every rank's merged in rank
+    order. Without a group it is ``calibrate_here()``. Returns the batches seen by all ranks together."""
     if group is None:
         return calibrate_here()
     import torch.distributed as dist
@@ -64,15 +72,22 @@ def calibrated_across(
     except Exception as error:  # said on every rank after the exchange, not left to hang the others
         failure, local = f"{type(error).__name__}: {error}", error
     states = {} if failure else _states(model, report_observers)
+    found = {} if failure or statistics is None else dict(statistics)
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (count, failure, states), group=group)
+    dist.all_gather_object(gathered, (count, failure, states, found), group=group)
     _refuse_uneven(gathered, what, local)
-    _merge(model, [states for _, _, states in gathered], report_observers)
-    return sum(max(c, 0) for c, _, _ in gathered)
+    _merge(model, [states for _, _, states, _ in gathered], report_observers)
+    if statistics is not None:
+        for name in statistics:
+            merged = copy.deepcopy(gathered[0][3][name])
+            for rank in gathered[1:]:
+                merged.merge_(rank[3][name])
+            statistics[name] = merged
+    return sum(max(c, 0) for c, _, _, _ in gathered)
 
 
 def _refuse_uneven(gathered: list[Any], what: str, local: Exception | None) -> None:
-    failed = {r: failure for r, (_, failure, _) in enumerate(gathered) if failure}
+    failed = {r: failure for r, (_, failure, *_) in enumerate(gathered) if failure}
     if failed:
         said = "; ".join(f"rank {r}: {failure}" for r, failure in failed.items())
         raise DistributedCalibrationError(
@@ -80,7 +95,7 @@ def _refuse_uneven(gathered: list[Any], what: str, local: Exception | None) -> N
             "A rank with no batch needs a share of the data: shard it with "
             "torch.utils.data.DistributedSampler(dataset, drop_last=True) or give each rank the same number of batches."
         ) from local
-    counts = [count for count, _, _ in gathered]
+    counts = [count for count, *_ in gathered]
     if min(counts) >= 0 and len(set(counts)) > 1:  # -1: a calibration callable, whose batches are not counted
         listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
         raise DistributedCalibrationError(

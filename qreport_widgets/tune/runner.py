@@ -12,7 +12,7 @@ import itertools
 import math
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,18 +141,26 @@ class Runner:
         """The engine's prepare, holding the weights it folds (a batch norm into a conv) once across runs."""
         return self._weights.share(self.engine.prepare(source, config, self.example_inputs))
 
-    def calibrate(self, model: torch.nn.Module, desc: str, bar: bool = False, on_batch: Progress | None = None) -> None:
-        """Calibrate ``model`` on this process's batches, then merge its observers across the
+    def calibrate(
+        self,
+        model: torch.nn.Module,
+        desc: str,
+        bar: bool = False,
+        on_batch: Progress | None = None,
+        statistics: MutableMapping[str, Any] | None = None,
+    ) -> None:
+        """Calibrate ``model`` on this process's batches, then merge its observers, and the
+        ``statistics`` the pass gathered (an engine's calibration pass item), across the
         torch.distributed group (if any) so every rank converts the same model."""
         data = self.batches.calibration
 
         def here() -> int:
             return calibrate(model, data, desc=desc, progress=bar, on_batch=on_batch)
 
-        calibrated_across(self._group, model, here, desc)
+        calibrated_across(self._group, model, here, desc, statistics=statistics)
 
-    def calibrate_quietly(self, model: torch.nn.Module) -> None:
-        self.calibrate(model, "calibrating a variant")
+    def calibrate_quietly(self, model: torch.nn.Module, statistics: MutableMapping[str, Any] | None = None) -> None:
+        self.calibrate(model, "calibrating a variant", statistics=statistics)
 
     def calibrated_start(self, desc: str, progress: Progress | None) -> torch.nn.Module:
         """The starting configuration, prepared and calibrated (not converted)."""
@@ -160,8 +168,8 @@ class Runner:
         prepared = self.prepare(self.float_model, config)
         if self.engine.calibrates(config):
             with contextlib.closing(self.engine.calibration_passes(prepared)) as passes:
-                for _ in passes:
-                    self.calibrate(prepared, desc, progress is None, progress)
+                for statistics in passes:
+                    self.calibrate(prepared, desc, progress is None, progress, statistics)
         return prepared
 
     def reference_outputs(self) -> list[torch.Tensor]:
@@ -236,8 +244,8 @@ class Runner:
             prepared = self.prepare(source, config)
             if engine.calibrates(config):
                 with contextlib.closing(engine.calibration_passes(prepared)) as passes:
-                    for _ in passes:
-                        self.calibrate(prepared, f"{label}: calibrating", progress is None, progress)
+                    for statistics in passes:
+                        self.calibrate(prepared, f"{label}: calibrating", progress is None, progress, statistics)
             # before convert changes prepared
             checks = check_kernels(prepared) if callable(check_kernels) else bool(check_kernels)
             reference = engine.reference_model(prepared) if checks else None

@@ -48,7 +48,7 @@ GPTQ_BLOCK = 128
 GPTQ_DAMPINGS = (0.01, 0.1, 1.0)  # times the mean of diag(H), the first that beats rounding on held-out tokens
 AWQ_GRID = 10  # alpha in 0, 0.1, ..., 1
 ROWS_AT_ONCE = 4096  # rows of a weight worked on at once: a decoder head's working copies stay small
-HELD_EVERY = 4  # every 4th sequence of the calibration inputs: what a result is checked on, not fitted to
+HELD_EVERY = 4  # about one sequence in 4 of the calibration inputs: what a result is checked on, not fitted to
 
 
 class AlgorithmError(QReportError, RuntimeError):
@@ -64,68 +64,119 @@ class InputStatistics:
     """What GPTQ and AWQ read of a Linear's inputs on the calibration batches.
 
     The inputs come in units: a sequence of tokens (a 3-d input's rows of one batch element) or a
-    row of a 2-d input. Every ``HELD_EVERY``-th unit is held out: a result is fitted to the Gram
+    row of a 2-d input. About one unit in ``HELD_EVERY`` is held out: a result is fitted to the Gram
     matrix ``sum(x^T x)`` of the other units' tokens (``fit``) and checked on the held-out ones
     (their rows while fewer than the input features, then their Gram matrix). Whole sequences, not
     tokens: a token's neighbours in its sequence share its context, and a fit that saw them passes
     a check on it that it fails on new text. Also the sum of ``|x|`` per input channel and the
     token count.
+
+    Whether a unit is held out depends on its values alone (``held_out``), not on how many came
+    before it, and every sum adds one batch's float32 terms into float64: statistics gathered on
+    parts of the batches (torch.distributed ranks) and merged (``merge_``) are those of one pass
+    over all of them, to float64 rounding.
     """
 
-    fit: torch.Tensor
-    abs_sum: torch.Tensor
+    fit_sum: torch.Tensor  # float64
+    abs_sum: torch.Tensor  # float64
     tokens: int = 0
+    fitted_tokens: int = 0
     units: int = 0
-    held_rows: list[torch.Tensor] = field(default_factory=list)
-    held_gram: torch.Tensor | None = None
+    held_rows: list[torch.Tensor] = field(default_factory=list)  # float32, one tensor a batch
+    held_gram: torch.Tensor | None = None  # float64
 
     @classmethod
     def empty(cls, features: int) -> InputStatistics:
-        return cls(torch.zeros(features, features), torch.zeros(features))
+        return cls(torch.zeros(features, features, dtype=torch.float64), torch.zeros(features, dtype=torch.float64))
 
     def add(self, x: torch.Tensor) -> None:
         features = x.shape[-1]
         units = x.detach().float().reshape(-1, x.shape[-2] if x.dim() >= 3 else 1, features)
-        held = (torch.arange(len(units)) + self.units) % HELD_EVERY == HELD_EVERY - 1
+        held = held_out(units)
         self.units += len(units)
         self.tokens += units.shape[0] * units.shape[1]
-        self.abs_sum.add_(units.abs().sum((0, 1)))
+        self.abs_sum.add_(units.abs().sum((0, 1)).double())
         fitted = units[~held].reshape(-1, features)
-        self.fit.addmm_(fitted.T, fitted)
+        self.fitted_tokens += len(fitted)
+        if len(fitted):
+            self.fit_sum.add_((fitted.T @ fitted).double())
         if bool(held.any()):
-            self._hold(units[held].reshape(-1, features))
+            self._hold([units[held].reshape(-1, features).clone()])
 
-    def _hold(self, rows: torch.Tensor) -> None:
-        if self.held_gram is not None:
-            self.held_gram.addmm_(rows.T, rows)
-            return
-        self.held_rows.append(rows.clone())
-        if sum(len(r) for r in self.held_rows) >= rows.shape[1]:  # rows would outweigh their Gram matrix
-            stacked = torch.cat(self.held_rows)
-            self.held_gram, self.held_rows = stacked.T @ stacked, []
+    def _hold(self, batches: list[torch.Tensor]) -> None:
+        if self.held_gram is None:
+            self.held_rows.extend(batches)
+            if sum(len(r) for r in self.held_rows) < self.fit_sum.shape[0]:
+                return
+            # rows would outweigh their Gram matrix
+            batches, self.held_rows = self.held_rows, []
+            self.held_gram = torch.zeros_like(self.fit_sum)
+        for rows in batches:
+            self.held_gram.add_((rows.T @ rows).double())
+
+    def merge_(self, other: InputStatistics) -> InputStatistics:
+        """Add ``other``'s statistics (another rank's batches) to these; returns self."""
+        if other.fit_sum.shape != self.fit_sum.shape:
+            raise ValueError(f"input statistics of {other.fit_sum.shape[0]} features cannot merge into {self.fit_sum.shape[0]}")
+        self.fit_sum.add_(other.fit_sum)
+        self.abs_sum.add_(other.abs_sum)
+        self.tokens += other.tokens
+        self.fitted_tokens += other.fitted_tokens
+        self.units += other.units
+        if other.held_gram is not None:
+            if self.held_gram is None:
+                self.held_gram = torch.zeros_like(self.fit_sum)
+                self._hold(self._take_rows())
+            self.held_gram.add_(other.held_gram)
+        self._hold(list(other.held_rows))
+        return self
+
+    def _take_rows(self) -> list[torch.Tensor]:
+        rows, self.held_rows = self.held_rows, []
+        return rows
 
     @property
     def has_held_out(self) -> bool:
-        return self.held_gram is not None or bool(self.held_rows)
+        """Whether some units are held out while others are fitted (with every unit held out, as can
+        happen on a handful of them, all are fitted and none is checked)."""
+        return self.fitted_tokens > 0 and (self.held_gram is not None or bool(self.held_rows))
+
+    @property
+    def fit(self) -> torch.Tensor:
+        """The Gram matrix of the fitted tokens (of every token when none is fitted), float32."""
+        return self.fit_sum.float() if self.fitted_tokens else self.gram
 
     @property
     def gram(self) -> torch.Tensor:
-        """The Gram matrix of every token."""
+        """The Gram matrix of every token, float32."""
+        total = self.fit_sum.clone()
         if self.held_gram is not None:
-            return self.fit + self.held_gram
-        held = torch.cat(self.held_rows) if self.held_rows else self.fit.new_zeros(0, self.fit.shape[0])
-        return self.fit + held.T @ held
+            total.add_(self.held_gram)
+        for rows in self.held_rows:
+            total.add_((rows.T @ rows).double())
+        return total.float()
 
     def held_out_error(self, weight: torch.Tensor, approximation: torch.Tensor | QuantizedWeight) -> float:
         """The squared output error of ``approximation`` for ``weight`` summed over the held-out
         tokens (over the fitted ones when none are held out)."""
-        if self.held_gram is not None or not self.held_rows:
-            return output_error(weight, approximation, self.held_gram if self.held_gram is not None else self.fit)
+        if not self.has_held_out:
+            return output_error(weight, approximation, self.fit)
+        if self.held_gram is not None:
+            return output_error(weight, approximation, self.held_gram)
         return rows_error(weight, approximation, torch.cat(self.held_rows))
 
     @property
     def mean_abs(self) -> torch.Tensor:
-        return self.abs_sum / max(self.tokens, 1)
+        return (self.abs_sum / max(self.tokens, 1)).float()
+
+
+def held_out(units: torch.Tensor) -> torch.Tensor:
+    """Which of ``units`` (units x tokens x features, float32) are held out: those whose values'
+    bit patterns sum to ``HELD_EVERY - 1`` modulo ``HELD_EVERY``, about one in ``HELD_EVERY`` of
+    them (the low bits of float values vary freely) and the same units whichever process, batch
+    order or batch position they come in."""
+    bits = units.contiguous().reshape(len(units), -1).view(torch.int32)
+    return bits.sum(1, dtype=torch.int64).remainder(HELD_EVERY) == HELD_EVERY - 1
 
 
 class InputRecorder:
@@ -474,7 +525,7 @@ def gram_runs(features: Mapping[str, int], weight_bytes: float) -> list[list[str
     runs: list[list[str]] = [[]]
     held = 0.0
     for fqn, count in features.items():
-        size = 4.0 * count**2
+        size = 8.0 * count**2  # float64 sums
         if runs[-1] and held + size > room:
             runs.append([])
             held = 0.0
@@ -485,15 +536,16 @@ def gram_runs(features: Mapping[str, int], weight_bytes: float) -> list[list[str
 
 def weights_in_runs(
     model: nn.Module, choices: Mapping[str, tuple[str, int]], found: dict[str, CompactWeight | Recipe]
-) -> Iterator[None]:
+) -> Iterator[dict[str, InputStatistics]]:
     """GPTQ / AWQ weights of the named Linears (``fqn: (algorithm, group_size)``), a run of modules
-    at a time (``gram_runs``): yields once per run for the caller to pass the calibration batches
-    through ``model`` (float), then computes that run's weights into ``found`` (packed or as a
-    recipe, ``QuantizedWeight.compact``) and frees its statistics."""
+    at a time (``gram_runs``): yields the run's statistics, filling, for the caller to pass the
+    calibration batches through ``model`` (float; the caller may replace entries, with statistics
+    merged across ranks), then computes that run's weights into ``found`` (packed or as a recipe,
+    ``QuantizedWeight.compact``) and frees its statistics."""
     features = {fqn: int(model.get_submodule(fqn).weight.shape[1]) for fqn in choices}
     for run in gram_runs(features, sum(p.numel() * p.element_size() for p in model.parameters())):
         with torch.no_grad(), recording(model, run) as statistics:
-            yield
+            yield statistics
         for fqn in run:
             algorithm, group_size = choices[fqn]
             try:

@@ -37,7 +37,7 @@ from ..settings import (
     Setting,
     TunableModule,
 )
-from .algorithms import CompactWeight, Recipe, weights_in_runs
+from .algorithms import CompactWeight, InputStatistics, Recipe, weights_in_runs
 from .formats import (
     INT4_WEIGHT_ONLY,
     INT8_DYNAMIC,
@@ -194,13 +194,14 @@ class EagerEngine(Engine[EagerConfig]):
         self._configs[model] = config.resolved(model)
         return model
 
-    def calibration_passes(self, prepared: nn.Module) -> Iterator[None]:
+    def calibration_passes(self, prepared: nn.Module) -> Iterator[dict[str, InputStatistics] | None]:
         """One pass per run of GPTQ / AWQ modules (``gram_runs``: their input Gram matrices never all
-        held at once): the run's inputs gathered on the float model, its weights computed and kept
-        packed (``QuantizedWeight.compact``), its statistics freed; ``convert`` assigns them."""
+        held at once): the run's inputs gathered on the float model (the item: merged across ranks),
+        its weights computed and kept packed (``QuantizedWeight.compact``), its statistics freed;
+        ``convert`` assigns them."""
         needs = self._config_of(prepared).needs_data
         if not needs:
-            yield
+            yield None
             return
         yield from weights_in_runs(prepared, needs, self._found.setdefault(prepared, {}))
 

@@ -88,7 +88,7 @@ class EagerSimulation(WholePasses):
         self,
         model: nn.Module,
         modules: Sequence[TunableModule],
-        calibrate: Callable[[nn.Module], None] | None = None,
+        calibrate: Callable[[nn.Module, dict[str, InputStatistics]], None] | None = None,
         target: str = X86,
     ) -> None:
         self.model = model.eval()
@@ -166,7 +166,7 @@ class EagerSimulation(WholePasses):
             features = {fqn: int(self._float[fqn].shape[1]) for fqn, _ in missing}
             for modules in gram_runs(features, sum(tensor_bytes(w) for w in self._float.values())):
                 with torch.no_grad(), recording(self.model, modules) as gathered:
-                    self._calibrate(self.model)
+                    self._calibrate(self.model, gathered)  # merged across ranks, if any
                 for fqn in modules:
                     statistics = gathered.pop(fqn)  # freed once the module's results are found
                     for key in (key for other, key in missing if other == fqn):
