@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import shutil
 import tempfile
 import warnings
 
@@ -103,9 +104,32 @@ SLOW_NOTEBOOKS = {
 }
 
 
+# notebooks the browser tests (tests/browser) open in JupyterLab and run cell by cell, failing on a cell
+# that raises: where those tests run (Chromium installed and the tests collected), nbval does not run
+# them a second time
+BROWSER_NOTEBOOKS = {
+    "01_quickstart.ipynb",
+    "06_a_54_layer_model.ipynb",
+    "08_when_the_simulation_disagrees.ipynb",
+    "09_a_transformer.ipynb",
+    "10_size_budget.ipynb",
+}
+
+
+def _browser_runs_notebooks(items) -> bool:
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    return os.path.exists(chromium) and any(item.path.name == "test_quickstart_browser.py" for item in items)
+
+
 def pytest_collection_modifyitems(config, items):
     """Notebooks that need an optional extra skip, cell by cell, where it is not installed (the tests
-    of an extra skip at import, ``pytest.importorskip``); the slow notebooks' cells are marked slow."""
+    of an extra skip at import, ``pytest.importorskip``); the slow notebooks' cells are marked slow;
+    the notebooks the browser tests run are left to them where they run."""
+    if _browser_runs_notebooks(items):
+        covered = [item for item in items if item.path.name in BROWSER_NOTEBOOKS]
+        if covered:
+            config.hook.pytest_deselected(items=covered)
+            items[:] = [item for item in items if item.path.name not in BROWSER_NOTEBOOKS]
     for item in items:
         if item.path.name in SLOW_NOTEBOOKS:
             item.add_marker(pytest.mark.slow)
