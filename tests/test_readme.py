@@ -21,9 +21,16 @@ def test_the_readme_has_the_ten_snippets_this_test_runs():
 
 
 XNNPACK_SNIPPETS = (8, 9)  # need the [executorch] extra
+# `make test-slow` runs them: the same calls, with their claims checked, run in tests/test_xnnpack.py
+# (the CNN's program, its truth check and reach) and tests/test_eager_xnnpack.py (the decoder's 8da4w
+# program against an independent one), about 70 s of lowering a second time
+COVERED = pytest.mark.slow
 
 
-@pytest.mark.parametrize("order", [(0, 2, 3), (1,), (4,), (5,), (6,), (7,), (8,), (9,)])
+@pytest.mark.parametrize(
+    "order",
+    [(0, 2, 3), (1,), (4,), (5,), (6,), (7,), pytest.param((8,), marks=COVERED), pytest.param((9,), marks=COVERED)],
+)
 def test_readme_snippets_run_as_written(order, tmp_path, monkeypatch):
     if set(order) & set(XNNPACK_SNIPPETS):
         pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
