@@ -101,6 +101,13 @@ SLOW_NOTEBOOKS = {
     # seven ExecuTorch programs of the trained decoder (about 7 minutes); the baseline against an independent
     # program, GPTQ in the runtime and decode speed: tests/test_eager_xnnpack.py, the fit: tests/test_mixed_precision.py
     "13_a_language_model_on_a_phone.ipynb",
+    # two ExecuTorch programs of the digits CNN, a reach and a Model Explorer export (about 45 s): the program
+    # against the runtime, the truth check, reach and the written .pte: tests/test_xnnpack.py; the export:
+    # tests/test_model_explorer.py
+    "11_deploy_to_a_phone.ipynb",
+    # eight int4 runs of the trained decoder, its block sensitivity and a fit (about 35 s): the algorithms'
+    # runs and perplexity, blocks and fit by block: tests/test_weight_algorithms.py
+    "12_a_language_model_in_int4.ipynb",
 }
 
 
