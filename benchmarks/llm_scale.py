@@ -6,8 +6,9 @@ depend on what the weights are), eager engine, each size and format in a fresh p
 1 x 256 tokens: 4 to calibrate, 2 held out. Steps: ``analyze`` (against a plain pass over the 4
 calibration batches; also timed again after the steps without the memory probe, side by side with
 a plain pass), ``baseline``, ``sensitivity`` (per module, against a plain pass over the 2
-held-out batches), ``fit`` to a size budget, three ``apply``. Memory above the process with the
-float model loaded and the tool's code imported (a tiny decoder is taken through the same steps
+held-out batches), ``fit`` to a size budget, three ``apply``, ``block_sensitivity`` with perplexity
+the metric (per block, against a plain pass over the held-out batches: one pass a block variant).
+Memory above the process with the float model loaded and the tool's code imported (a tiny decoder is taken through the same steps
 first), sampled every 2 ms (``memory.RssProbe``). With ``--calibration``: the instrumented
 calibration against a plain ``prepare_fx`` calibration (``calibration_overhead.py``'s cases).
 
@@ -40,7 +41,7 @@ SIZES = {  # name -> LlamaConfig's sizes (vocabulary 32,000, untied embeddings)
     "1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 32},
 }
 FORMATS = ("int8-weight-only", "int4-weight-only")
-STEPS = ("analyze", "baseline", "sensitivity", "fit", "apply 1", "apply 2", "apply 3")
+STEPS = ("analyze", "baseline", "sensitivity", "fit", "apply 1", "apply 2", "apply 3", "block sensitivity")
 
 
 def decoder(size: str) -> tuple[torch.nn.Module, list[tuple[torch.Tensor]]]:
@@ -57,7 +58,8 @@ def decoder(size: str) -> tuple[torch.nn.Module, list[tuple[torch.Tensor]]]:
 def take_through(
     model: torch.nn.Module, batches: list, fmt: str, step: Callable[[str, Callable[[], object]], object], until: str = STEPS[-1]
 ) -> None:
-    """analyze -> baseline -> sensitivity -> fit -> three applies, each through ``step``, up to ``until``."""
+    """analyze -> baseline -> sensitivity -> fit -> three applies -> block sensitivity with perplexity the
+    metric (a session of its own), each through ``step``, up to ``until``."""
     last = STEPS.index(until)
     calibration, held_out = batches[:CALIBRATION], batches[CALIBRATION:]
     report = step(
@@ -73,8 +75,13 @@ def take_through(
         return
     step("fit", lambda: session.fit(max_size_bytes=baseline.deployed_bytes * 1.05, progress=quiet))
     tunable = [m.fqn for m in session.modules if not m.current.keep_float]
-    for i in range(last - STEPS.index("fit")):
+    for i in range(min(last, STEPS.index("apply 3")) - STEPS.index("fit")):
         step(f"apply {i + 1}", lambda i=i: session.apply({tunable[i]: ModuleSettings(keep_float=True)}, progress=quiet))
+    if last < STEPS.index("block sensitivity"):
+        return
+    given = {"engine": "eager", "format": fmt, "metric": "perplexity", "progress": False}
+    by_perplexity = analyze(model, calibration[0], calibration, eval_data=held_out, **given).session
+    step("block sensitivity", lambda: by_perplexity.block_sensitivity(progress=quiet))
 
 
 def child(size: str, fmt: str, until: str) -> None:
@@ -101,7 +108,14 @@ def child(size: str, fmt: str, until: str) -> None:
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         return value
 
-    take_through(model, batches, fmt, step, until)
+    found = {}
+
+    def step_keeping(name: str, action: Callable[[], object]) -> object:
+        found[name] = step(name, action)
+        return found[name]
+
+    take_through(model, batches, fmt, step_keeping, until)
+    blocks = len(found["block sensitivity"]) if "block sensitivity" in found else 0
     analyze_alone = analyze_side_by_side(model, batches, fmt)
     modules = sum(1 for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)))
     print(
@@ -114,6 +128,7 @@ def child(size: str, fmt: str, until: str) -> None:
                 "plain_calibration_s": plain_calibration,
                 "plain_held_out_s": plain_held_out,
                 "modules": modules,
+                "block_variants": blocks,
                 "fixed_mb": (base - loaded) / 2**20,
                 "analyze_alone": analyze_alone,
                 "rows": rows,
@@ -138,6 +153,9 @@ def analyze_side_by_side(model: torch.nn.Module, batches: list, fmt: str, repeat
 def versus_plain(row: dict, table: dict) -> str:
     if row["step"] == "analyze":
         return f"{row['seconds'] / table['plain_calibration_s']:.2f}x a plain pass over the calibration batches"
+    if row["step"] == "block sensitivity":  # one variant per block, each one pass over the held-out batches
+        per_variant = row["seconds"] / max(table["block_variants"], 1) / table["plain_held_out_s"]
+        return f"{per_variant:.2f}x a plain pass over the held-out batches, per block ({table['block_variants']} blocks)"
     if row["step"] == "sensitivity":
         per_module = row["seconds"] / table["modules"] / table["plain_held_out_s"]
         return f"{per_module:.2f}x a plain pass over the held-out batches, per module"
