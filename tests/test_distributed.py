@@ -88,16 +88,19 @@ def flat(reports: dict) -> dict[str, float]:
     return values
 
 
-def spawn(case: str, cache, tmp_path) -> list[dict]:
-    context = mp.start_processes(
-        rank_main, args=(free_port(), str(cache), case, str(tmp_path)), nprocs=RANKS, join=False, start_method="spawn"
-    )
+def run_ranks(main, args: tuple, what: str) -> None:
+    """``main(rank, *args)`` in RANKS spawned processes, waited for; a hang fails the test."""
+    context = mp.start_processes(main, args=args, nprocs=RANKS, join=False, start_method="spawn")
     deadline = time.monotonic() + DEADLINE_S
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"{case}: the ranks did not finish within {DEADLINE_S} s (a rank is waiting in a collective)")
+            pytest.fail(f"{what}: the ranks did not finish within {DEADLINE_S} s (a rank is waiting in a collective)")
+
+
+def spawn(case: str, cache, tmp_path) -> list[dict]:
+    run_ranks(rank_main, (free_port(), str(cache), case, str(tmp_path)), case)
     return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
 
 
@@ -174,15 +177,7 @@ def test_gptq_and_awq_from_two_ranks_inputs_are_one_processs(text_decoder, digit
     one process fits on all of them, bit for bit, and the same output SQNR and perplexity."""
     _, data = text_decoder
     alone = int4_weights_by_algorithm(str(digits_cache), data.calibration, data.evaluation)
-    context = mp.start_processes(
-        decoder_rank_main, args=(free_port(), str(digits_cache), str(tmp_path)), nprocs=RANKS, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {DEADLINE_S} s (a rank is waiting in a collective)")
+    run_ranks(decoder_rank_main, (free_port(), str(digits_cache), str(tmp_path)), "GPTQ and AWQ")
     awq_scaled = 0
     for rank in range(RANKS):
         found = torch.load(tmp_path / f"decoder{rank}.pt", weights_only=False)
