@@ -63,6 +63,14 @@ def spread_positions(n: int, sample: int, sizes: tuple[int, ...]) -> torch.Tenso
     return torch.arange(count, dtype=torch.int64) * stride + offset
 
 
+@functools.lru_cache(maxsize=256)
+def _spread_rows_and_columns(before: int, after: int, sample: int, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``spread_positions`` over a (before, channels, after) view, as its row and column indices
+    (computed once per shape, like the positions)."""
+    positions = spread_positions(before * after, sample, sizes)
+    return torch.div(positions, after, rounding_mode="floor"), positions.remainder(after)
+
+
 class ModelReportObserver(ObserverBase):
     r"""Collects the statistics the detectors need from the tensor passed to ``forward``.
 
@@ -233,8 +241,8 @@ class ModelReportObserver(ObserverBase):
         view = channel_view(t, axis)
         before, _, after = view.shape
         others = tuple(size for d, size in enumerate(t.shape) if d != axis)
-        positions = spread_positions(before * after, self.percentile_sample or 1, others).to(t.device)
-        return view[torch.div(positions, after, rounding_mode="floor"), :, positions.remainder(after)]
+        rows, columns = _spread_rows_and_columns(before, after, self.percentile_sample or 1, others)
+        return view[rows.to(t.device), :, columns.to(t.device)]
 
     def _init_channel_state(self, n_channels: int, device: torch.device) -> None:
         self.min_val = torch.full((n_channels,), math.inf, device=device)
