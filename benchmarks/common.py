@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 import warnings
@@ -75,3 +76,11 @@ def seconds_per_batch(model: torch.nn.Module, batches: list[torch.Tensor]) -> fl
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def model_arguments(description: str, models: list[str]) -> argparse.Namespace:
+    """``--models`` (default: ``models``) and ``--cache-dir`` (the trained weights' folder), parsed."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--models", nargs="+", default=models)
+    parser.add_argument("--cache-dir", default=None)
+    return parser.parse_args()

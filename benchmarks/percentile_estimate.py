@@ -10,13 +10,12 @@ and the largest relative change of a ratio max / p97.5.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import setup
+from common import model_arguments, setup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import zoo  # noqa: E402
@@ -52,10 +51,7 @@ def verdicts(model, batches, exact: bool):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=MODELS)
-    parser.add_argument("--cache-dir", default=None)
-    args = parser.parse_args()
+    args = model_arguments(__doc__.splitlines()[0], MODELS)
     setup()
     print("| model | estimated (note) | channels flagged, exact | estimated | verdicts that differ | largest ratio change |")
     print("|---|---|---|---|---|---|")

@@ -13,10 +13,9 @@ python benchmarks/pt2e_models.py [--models resnet digits-cnn ...] [--cache-dir D
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from common import setup
+from common import model_arguments, setup
 from suggestion_quality import build, zoo
 
 from qreport_widgets import analyze
@@ -50,10 +49,7 @@ def measure(name: str, cache_dir: str | None) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=MODELS)
-    parser.add_argument("--cache-dir", default=None)
-    args = parser.parse_args()
+    args = model_arguments(__doc__.splitlines()[0], MODELS)
     setup()
     print(
         "| model | FX baseline (layers quantized) | PT2E baseline (layers quantized) | PT2E Accept all, verified "
