@@ -79,10 +79,7 @@ def calibrated_across(
     _merge(model, [states for _, _, states, _ in gathered], report_observers)
     if statistics is not None:
         for name in statistics:
-            merged = copy.deepcopy(gathered[0][3][name])
-            for rank in gathered[1:]:
-                merged.merge_(rank[3][name])
-            statistics[name] = merged
+            statistics[name] = _folded([found[name] for _, _, _, found in gathered])
     return sum(max(c, 0) for c, _, _, _ in gathered)
 
 
@@ -129,13 +126,19 @@ def _merge(model: nn.Module, ranks: list[dict[str, nn.Module]], report_observers
     for name, observer in _observers(model, report_observers):
         each = [states[name] for states in ranks]
         if report_observers:
-            merged = copy.deepcopy(each[0])
-            for other in each[1:]:
-                merged.merge_(other)
+            merged = _folded(each)
             observer.load_state_dict(merged.state_dict())
             observer._copy_counters(merged)
         else:
             _merge_range(observer, each)
+
+
+def _folded(each: list[Any]) -> Any:
+    """The ranks' states (this process's own unpickled copies) merged in rank order with ``merge_``."""
+    merged = each[0]
+    for other in each[1:]:
+        merged.merge_(other)
+    return merged
 
 
 def _merge_range(observer: nn.Module, each: list[nn.Module]) -> None:
