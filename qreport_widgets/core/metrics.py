@@ -141,8 +141,6 @@ class Metric:
         return f"{self.name} {'>=' if self.higher_is_better else '<='} {target:g}"
 
 
-
-
 def token_ids(batch: Any) -> torch.Tensor | None:
     """A language model's batch's token ids (an integer tensor, batch x tokens): the batch itself,
     the first element of a tuple, or a dict's ``input_ids``; None when it holds none."""
