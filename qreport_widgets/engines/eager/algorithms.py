@@ -104,15 +104,21 @@ class InputStatistics:
             self._hold([units[held].reshape(-1, features).clone()])
 
     def _hold(self, batches: list[torch.Tensor]) -> None:
-        if self.held_gram is None:
-            self.held_rows.extend(batches)
-            if sum(len(r) for r in self.held_rows) < self.fit_sum.shape[0]:
-                return
-            # rows would outweigh their Gram matrix
-            batches, self.held_rows = self.held_rows, []
-            self.held_gram = torch.zeros_like(self.fit_sum)
+        if self.held_gram is not None:
+            self._add_held(batches)
+            return
+        self.held_rows.extend(batches)
+        if sum(len(r) for r in self.held_rows) >= self.fit_sum.shape[0]:  # rows would outweigh their Gram matrix
+            self._held_as_gram()
+
+    def _held_as_gram(self) -> None:
+        self.held_gram = torch.zeros_like(self.fit_sum)
+        rows, self.held_rows = self.held_rows, []
+        self._add_held(rows)
+
+    def _add_held(self, batches: list[torch.Tensor]) -> None:
         for rows in batches:
-            self.held_gram.add_((rows.T @ rows).double())
+            self.held_gram.add_((rows.T @ rows).double())  # type: ignore[union-attr]
 
     def merge_(self, other: InputStatistics) -> InputStatistics:
         """Add ``other``'s statistics (another rank's batches) to these; returns self."""
@@ -125,15 +131,10 @@ class InputStatistics:
         self.units += other.units
         if other.held_gram is not None:
             if self.held_gram is None:
-                self.held_gram = torch.zeros_like(self.fit_sum)
-                self._hold(self._take_rows())
-            self.held_gram.add_(other.held_gram)
+                self._held_as_gram()
+            self.held_gram.add_(other.held_gram)  # type: ignore[union-attr]
         self._hold(list(other.held_rows))
         return self
-
-    def _take_rows(self) -> list[torch.Tensor]:
-        rows, self.held_rows = self.held_rows, []
-        return rows
 
     @property
     def has_held_out(self) -> bool:
