@@ -143,7 +143,9 @@ def analyze(
     observed = chosen.observe(watched.model, example_inputs, record=first_is_example)
     name = type(float_model).__name__
     report = ModelReport(
-        observed.model, detectors, model_name=name,
+        observed.model,
+        detectors,
+        model_name=name,
         graph_of=observed.graph_of,
         engine=chosen,
         tunable_modules=observed.modules,
