@@ -16,7 +16,7 @@ import torch
 from torch.ao.quantization.observer import ObserverBase
 
 from ..core.features import Stat
-from .selection import channel_view, kth_largest_per_channel
+from .selection import channel_view, kth_largest_per_channel, select
 
 ALL_STATS = frozenset({Stat.RANGE, Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
 _NEEDS_CHANNELS = frozenset({Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
@@ -218,31 +218,33 @@ class ModelReportObserver(ObserverBase):
             return
         self.constant_channels.add_(cmax == cmin)
         axis, n = self._axis(t), t.numel() // n_channels
-        source, source_axis, count = t, axis, n
-        if self.percentile_sample is not None and n > self.percentile_sample:
-            source, source_axis = self._spread_sample(t, axis), 1
-            count = source.shape[0]
-            seen = self.estimated_from or (count, n)
-            self.estimated_from = (min(seen[0], count), max(seen[1], n))
+        sample = self._spread_sample(t, axis) if self.percentile_sample is not None and n > self.percentile_sample else None
+        if sample is not None:
+            seen = self.estimated_from or (sample.shape[1], n)
+            self.estimated_from = (min(seen[0], sample.shape[1]), max(seen[1], n))
         for i, q in enumerate(self.percentiles):
-            rank = count - percentile_rank(q, count) + 1
-            hint = self._selection_hints.get(i) if source is t else None
-            reference, found_hint = kth_largest_per_channel(source, source_axis, rank, hint)
-            if source is t:
-                self._selection_hints[i] = found_hint
+            if sample is None:
+                rank = n - percentile_rank(q, n) + 1
+                reference, self._selection_hints[i] = kth_largest_per_channel(t, axis, rank, self._selection_hints.get(i))
+            else:
+                count = sample.shape[1]
+                reference = select(sample, count - percentile_rank(q, count) + 1)
             reference = reference + 0.0  # -0.0 -> +0.0
             counted = (reference != 0) | (cmax != 0)
             ratio = torch.where(counted, cmax / reference, torch.zeros_like(cmax))
             self._buffers[f"_ratio_sum_{i}"].add_(ratio.to(self.min_val.dtype))
             self._buffers[f"_ratio_count_{i}"].add_(counted)
 
-    def _spread_sample(self, t: torch.Tensor, axis: int | None) -> torch.Tensor:
-        """(values, channels): about ``percentile_sample`` values of every channel, evenly spread."""
+    def _spread_sample(self, t: torch.Tensor, axis: int | None) -> torch.Tensor | None:
+        """(channels, values): about ``percentile_sample`` values of every channel, evenly spread; None
+        where the spread positions are all of them (fewer than twice the sample: every value is read)."""
         view = channel_view(t, axis)
         before, _, after = view.shape
         others = tuple(size for d, size in enumerate(t.shape) if d != axis)
         rows, columns = _spread_rows_and_columns(before, after, self.percentile_sample or 1, others)
-        return view[rows.to(t.device), :, columns.to(t.device)]
+        if rows.numel() == before * after:
+            return None
+        return view.permute(1, 0, 2)[:, rows.to(t.device), columns.to(t.device)]
 
     def _init_channel_state(self, n_channels: int, device: torch.device) -> None:
         self.min_val = torch.full((n_channels,), math.inf, device=device)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import threading
 
+import numpy as np
 import torch
 
 # below these sizes a plain selection on a channel-major copy is already cheap
@@ -33,6 +34,8 @@ BRACKET_MIN_VALUES = 1 << 17
 # side by side than this, the bracket's gather costs more than the channel-major copy it saves
 # (a decoder's 256 x 32,000 logits: 236 ms bracketed, 201 ms plain, one thread)
 BRACKET_MIN_RUN = 16
+# smaller CPU selections stay with torch (see ``_on_numpy``)
+NUMPY_MIN_VALUES = 1 << 14
 # a prime stride does not line up with image rows or head sizes, so the sample is not biased
 # towards the same positions of every channel
 _SAMPLE_STRIDE = 11
@@ -91,9 +94,24 @@ def kth_largest_per_channel(
 
 def select(y: torch.Tensor, m: int) -> torch.Tensor:
     """The ``m``-th largest of every row of a 2-D tensor, by top-k or selection."""
+    if _on_numpy(y):
+        n = y.shape[1]
+        return torch.from_numpy(np.partition(y.contiguous().numpy(), n - m, axis=1)[:, n - m])
     if _short_tail(m, y.shape[1]):
         return y.topk(m, dim=1, sorted=False).values.amin(dim=1)
     return y.kthvalue(y.shape[1] - m + 1, dim=1).values
+
+
+def _on_numpy(y: torch.Tensor) -> bool:
+    """Whether NumPy selects on ``y``: a CPU float tensor of at least ``NUMPY_MIN_VALUES`` values.
+    NumPy selects without tracking indices, 2.5x faster than a top-k (3,072 rows of 1,024 values:
+    4.0 ms against 10.2, 2 threads); below that size the hand-over costs more than it saves."""
+    return (
+        y.device.type == "cpu"
+        and y.dtype in (torch.float32, torch.float64)
+        and not y.requires_grad
+        and y.numel() >= NUMPY_MIN_VALUES
+    )
 
 
 def _tournament(y: torch.Tensor, m: int) -> torch.Tensor:
@@ -103,16 +121,24 @@ def _tournament(y: torch.Tensor, m: int) -> torch.Tensor:
     hold the column's ``m`` largest values. (The ``m`` kept maxima are ``m`` values at or above the
     smallest of them, L, so the answer is at least L; every value above L lies in a kept block, and
     one equal to L only matters when the answer is L, which the kept blocks' maxima already reach.)
-    A 256 x 768 activation, m = 7: 0.53 ms against 0.82 for a top-k over all rows (2 threads).
+    A 256 x 768 activation, m = 7: 0.53 ms against 0.82 for a top-k over all rows (2 threads); on
+    the CPU, NumPy's selection makes a 1,024 x 3,072 one with m = 26 cost 4.5 ms instead of 6.0.
     """
     rows, channels = y.shape
     per_block = next((b for b in (8, 4) if rows % b == 0 and rows // b > 2 * m), 0)
     if not per_block:
-        return y.topk(m, dim=0, sorted=False).values.amin(dim=0)
+        return select(y.t(), m) if _on_numpy(y) else y.topk(m, dim=0, sorted=False).values.amin(dim=0)
     blocks = y.view(rows // per_block, per_block, channels)
-    kept = blocks.amax(dim=1).topk(m, dim=0, sorted=False).indices  # (m, channels)
-    rows_kept = blocks.gather(0, kept.unsqueeze(1).expand(m, per_block, channels)).view(m * per_block, channels)
-    return rows_kept.topk(m, dim=0, sorted=False).values.amin(dim=0)
+    maxima = blocks.amax(dim=1)  # (blocks, channels)
+    if not _on_numpy(y):
+        kept = maxima.topk(m, dim=0, sorted=False).indices  # (m, channels)
+        rows_kept = blocks.gather(0, kept.unsqueeze(1).expand(m, per_block, channels))
+        return rows_kept.view(m * per_block, channels).topk(m, dim=0, sorted=False).values.amin(dim=0)
+    count = maxima.shape[0]
+    kept = np.argpartition(maxima.t().contiguous().numpy(), count - m, axis=1)[:, count - m :]  # (channels, m)
+    # gathered channel-major, so the final selection reads contiguous rows
+    index = torch.from_numpy(kept).unsqueeze(2).expand(channels, m, per_block)
+    return select(blocks.permute(2, 0, 1).gather(1, index).view(channels, m * per_block), m)
 
 
 def _short_tail(m: int, n: int) -> bool:
