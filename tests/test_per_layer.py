@@ -43,3 +43,25 @@ def test_in_place_activations_do_not_overwrite_the_logged_outputs():
         assert read[layer] == pytest.approx(value, abs=1e-6), layer
     # Hardswish(inplace=True) used to overwrite conv1's logged float output: about 1 dB instead of ~27
     assert read["conv1"] > 15
+
+
+class WithDropout(nn.Module):
+    """A ViT block's tail: a projection, its dropout (an identity in eval), an activation, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.proj_drop = nn.Dropout(0.1)
+        self.act = nn.GELU()
+        self.head_drop = nn.Dropout(0.1)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.head_drop(self.act(self.proj_drop(self.proj(x)))))
+
+
+def test_dropout_is_no_layer_of_the_per_layer_sqnr():
+    """A dropout passes its input through in eval: a row of its own would repeat the layer before it."""
+    torch.manual_seed(0)
+    layers = per_layer(WithDropout().eval(), [(torch.randn(8, 16),) for _ in range(4)])
+    assert {"proj", "head"} <= set(layers) and not {"proj_drop", "head_drop"} & set(layers)

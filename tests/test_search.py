@@ -19,7 +19,16 @@ from zoo import ARCHITECTURES
 import qreport_widgets as qw
 from qreport_widgets.demo.digits import trained_digits_model
 from qreport_widgets.tune.diagnosis import meets_target
-from qreport_widgets.tune.search import MIN_STEP_DB, Action, FloatSearch
+from qreport_widgets.tune.search import (
+    MIN_STEP_DB,
+    PAIRS_FROM,
+    SEARCH_BUDGET,
+    SEARCH_FLOOR,
+    SHORTLIST,
+    WIDEN_ROUND,
+    Action,
+    FloatSearch,
+)
 from qreport_widgets.tune.truth import KERNEL_AGREEMENT_DB, SIMULATION_ERROR_DB
 
 BROKEN = ["prelu1", "prelu2", "prelu3"]  # broken on the baseline's inputs
@@ -90,12 +99,37 @@ def test_a_second_reach_plans_with_what_the_first_found(report):
     assert abs(plan.simulated_sqnr_db - session.history[-1].output_sqnr_db) <= SIMULATION_ERROR_DB
 
 
-def test_an_unreachable_target_says_so_with_the_best_set_the_search_found(trained):
+def test_a_target_out_of_reach_in_simulation_gets_the_ceilings_real_run(trained):
+    """200 dB is past every simulated point; the real run with every module float computes the float
+    model's output (FX quantizes nothing else here), so it meets the target and is returned."""
     session = analyzed(trained).session
     run = session.reach(target_sqnr_db=200, progress=QUIET)
-    assert run.ok and "out of reach" in run.notes[-1] and "in-context search" in run.notes[-1]
+    said = " ".join(run.notes)
+    assert run.ok and "out of reach in simulation" in said and "in-context search" in said
+    assert "the most this engine reaches on this model is the float model's output exactly" in said
+    assert "met by the real run with every module float" in run.notes[-1] and math.isinf(run.output_sqnr_db)
+    assert {name for name, s in run.settings.items() if s.keep_float} == {m.fqn for m in session.modules}
+    path = session.search_path()
+    assert path["action"].iloc[-1] == Action.CEILING and math.isinf(path["real_output_sqnr_db"].iloc[-1])
+    assert "every module float simulates at" in said  # out of reach in simulation: the search's budget shrinks
+
+
+def test_reach_widens_past_its_shortlist_and_goes_on_from_a_real_run_that_falls_short(trained):
+    """42 dB needs the pooling op kept float, which no ranking holds (its kernel agrees), and then the
+    fourth PReLU, which the real run finds broken: the search widens to the pool once its shortlist
+    gains nothing, the real run falls 42 dB short of its simulation, and the search goes on from it.
+    Before widening this target was "out of reach" with a real run at 0.6 dB."""
+    session = analyzed(trained).session
+    run = session.reach(target_sqnr_db=42, progress=QUIET)
+    assert run.ok and run.output_sqnr_db >= 42 and "met with 9 of 10" in run.notes[-1]
     kept = {name for name, s in run.settings.items() if s.keep_float}
-    assert set(BROKEN) <= kept
+    assert {*BROKEN, HIDDEN, "pool"} <= kept
+    path = session.search_path()
+    actions = list(path["action"])
+    widened = actions.index(Action.WIDENED)
+    assert path["modules"].iloc[widened] == "pool" and "beyond the shortlist" in path["why"].iloc[widened]
+    assert actions.index(Action.REAL) > widened and path["real_output_sqnr_db"].iloc[actions.index(Action.REAL)] < 2
+    assert HIDDEN in set(path["modules"].iloc[actions.index(Action.REAL) + 1 :])
 
 
 def test_accept_all_offers_the_kernel_fixes_together_and_measures_them_in_one_real_run(trained):
@@ -147,6 +181,47 @@ def test_the_search_stops_when_nothing_gains_and_says_so():
     assert path.steps[0].gain_db >= MIN_STEP_DB
 
 
+def test_a_module_past_the_shortlist_is_found_by_widening():
+    """The one module that matters is 10th of 30 in the one-at-a-time order (its noise hid behind the
+    ranking's) and no neighbour of anything: the search widens in rounds and finds it."""
+    names = [f"m{i}" for i in range(30)]
+    measure = _noise_model({}, {"m9": 0.05})
+    path = FloatSearch(measure, names, meets=lambda s, m: s >= 30).run()
+    assert path.met and path.chosen == ("m9",)
+    (step,) = path.steps
+    assert step.action == Action.WIDENED and "the best of 8 more re-measured" in step.why
+    # the start, every module float (the target is in reach), the shortlist's 6, then the first round
+    # of 8 (which holds m9), and no more
+    assert path.simulated == 1 + 1 + 6 + 8
+
+
+def test_an_op_not_ranked_is_a_unit_too():
+    measure = _noise_model({}, {"relu": 0.05})
+    path = FloatSearch(measure, ["a", "b"], meets=lambda s, m: s >= 30, others=["relu"]).run()
+    assert path.met and path.chosen == ("relu",) and "an op not ranked" in path.steps[0].why
+
+
+def test_out_of_reach_is_said_once_every_module_was_re_measured():
+    names = [f"m{i}" for i in range(200)]
+    measure = _noise_model({}, {name: 1e-7 * (i % 3) for i, name in enumerate(names)})  # none gains 0.05 dB, nor a pair
+    search = FloatSearch(measure, names, meets=lambda s, m: s >= 200)
+    path = search.run(floor=False)
+    assert not path.met and "every one re-measured" in path.notes[-1]
+    # the start, the shortlist, every other module once, the pairs of the shortlist's best
+    assert search.simulated == 1 + SHORTLIST + (len(names) - SHORTLIST) + PAIRS_FROM * (PAIRS_FROM - 1) // 2
+
+
+def test_a_search_that_goes_on_gaining_stops_at_its_budget_and_says_so():
+    names = [f"m{i}" for i in range(50)]
+    measure = _noise_model({}, dict.fromkeys(names, 0.01))  # every pick gains about 0.1 dB, never enough
+    assert SEARCH_BUDGET * len(names) >= SEARCH_FLOOR
+    search = FloatSearch(measure, names, meets=lambda s, m: s >= 200)
+    path = search.run(floor=False)
+    budget = SEARCH_BUDGET * len(names)
+    assert not path.met and f"after {search.simulated} simulated sets, its budget ({budget} sets for 50" in path.notes[-1]
+    assert budget <= search.simulated <= budget + SHORTLIST + WIDEN_ROUND  # it stops at the next step
+
+
 def test_each_set_is_simulated_once():
     calls = []
     inner = _noise_model({}, {"a": 0.01, "b": 0.001})
@@ -157,8 +232,9 @@ def test_each_set_is_simulated_once():
 
     search = FloatSearch(measure, ["a", "b", "c"], meets=lambda s, m: s >= 100)
     search.run()
-    search.aiming(lambda s, m: s >= 100).run()
-    assert len(calls) == len(set(calls)) == search.simulated
+    other = search.aiming(lambda s, m: s >= 100)
+    other.run()
+    assert len(calls) == len(set(calls)) == search.simulated + other.simulated
 
 
 @pytest.mark.parametrize("name", ["resnet", "mobilenet_v3"])

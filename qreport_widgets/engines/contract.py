@@ -300,6 +300,7 @@ class Simulation(Protocol):
 
     model: torch.nn.Module  # the simulated model as last configured
     tunable: Sequence[str]  # the modules diagnosis ranks, in forward order (a Variant may keep any tunable module float)
+    others: Sequence[str]  # the other ops a Variant may keep float (not ranked: their kernel agrees), forward order
 
     def configure(self, variant: Variant | Iterable[str] = ()) -> None:
         """Make ``model`` the simulated model of ``variant``."""

@@ -22,6 +22,7 @@ from ..core.progress import Progress, quiet
 from ..engines.contract import Variant
 from ..engines.settings import FORMATS, ModuleSettings
 from .migration import input_producers
+from .runner import identities
 from .search import MIN_STEP_DB, Action, FloatSearch, SearchPath, Step
 from .truth import SIMULATION_ERROR_DB
 
@@ -291,17 +292,23 @@ class Diagnosis:
         chosen = list(path.chosen)
         kernels = self.real.truth(quiet).real_kernels  # a real run may find more (``RealRuns.adopt_kernels``)
         result = self._float_run(modules(chosen), label, progress)
-        if not plan.met:
-            self._searched = (path, result)
-            return self._unverified(
-                result.noted(
-                    f"{target} is out of reach: even in simulation the best the in-context search found is "
-                    f"{plan.simulated_sqnr_db:.2f} dB with {len(chosen)} {unit}(s) float; this run keeps those float",
-                    *path.notes,
-                )
-            )
         said: list[str] = []
+        if not plan.met and self.real.adopted_since(kernels):  # the run found broken kernels: plan again with them
+            run_words = f"the real run with {len(chosen)} {unit}(s) float"
+            said.append(
+                f"{self.real.adopted_words(run_words, self.real.adopted_since(kernels))}; the search planned again with them"
+            )
+            kernels = self.real.truth(quiet).real_kernels
+            again = self.plan_reach(target_sqnr_db, target_metric, by_block=by_block, progress=progress)
+            path, plan = again.path, again
+            assert path is not None
+            if frozenset(path.chosen) != frozenset(chosen):
+                chosen = list(path.chosen)
+                result = self._float_run(modules(chosen), label, progress)
+        if not plan.met:
+            return self._out_of_reach(plan, result, chosen, said, label, by_block, progress)
         tried = {frozenset(chosen)}  # the sets a real run measured
+        runs = [(chosen, result)]
         for _ in range(MAX_EXTRA_RUNS):  # the real run falls short: search on from it, aiming higher
             if not result.ok or meets(result.output_sqnr_db, result.eval_metric):
                 break
@@ -314,6 +321,15 @@ class Diagnosis:
             chosen = list(path.chosen)
             tried.add(frozenset(chosen))
             result = self._float_run(modules(chosen), label, progress)
+            runs.append((chosen, result))
+        last = result  # the run of the path's last point (what search_path() shows)
+        if not (result.ok and meets(result.output_sqnr_db, result.eval_metric)) and len(runs) > 1:
+            chosen, result = self._best_of(runs, target_metric is not None)
+            if result is not last:
+                said.append(
+                    f"none of the {len(runs)} real runs met it; the closest, with {len(chosen)} {unit}(s) float "
+                    f"({result.output_sqnr_db:.2f} dB), is the one returned"
+                )
         if result.ok and meets(result.output_sqnr_db, result.eval_metric) and target_metric is None:
             near = target_sqnr_db - SIMULATION_ERROR_DB  # a smaller set within the simulation's error may meet it for real
             smaller = [s for s in path.smaller(lambda sqnr, _metric: sqnr >= near) if s not in tried]
@@ -324,7 +340,7 @@ class Diagnosis:
                     chosen, result = ordered, run
                     said.append(f"{len(fewer)} {unit}(s) float, within the simulation's error of the target, meet it for real")
                     break
-        self._searched = (path, result)
+        self._searched = (path, last if result is not last and not meets(result.output_sqnr_db, result.eval_metric) else result)
         verdict = "met" if result.ok and meets(result.output_sqnr_db, result.eval_metric) else "not met by the real run"
         floats = ", ".join(chosen) or "none"
         if by_block:
@@ -332,6 +348,79 @@ class Diagnosis:
         else:
             kept = f"{len(chosen)} of {len(self.runner.modules)} modules float ({floats})"
         return self._unverified(result.noted(*said, f"{target}: {verdict} with {kept}"))
+
+    def _best_of(self, runs: list[tuple[list[str], RunResult]], by_metric: bool) -> tuple[list[str], RunResult]:
+        """The real run closest to the target: the best metric (a metric target) or output SQNR."""
+        done = [(chosen, run) for chosen, run in runs if run.ok] or runs[-1:]
+
+        def score(run: RunResult) -> float:
+            if by_metric:
+                value = run.eval_metric if run.eval_metric is not None else math.nan
+                return _finite(value if self._metric.higher_is_better else -value)
+            return _finite(run.output_sqnr_db)
+
+        return max(reversed(done), key=lambda item: score(item[1]))  # the later run of two equal ones
+
+    def _out_of_reach(
+        self,
+        plan: ReachPlan,
+        result: RunResult,
+        chosen: list[str],
+        said: list[str],
+        label: str,
+        by_block: bool,
+        progress: Progress | None,
+    ) -> RunResult:
+        """No set meets the target in simulation: the ceiling said, from one real run with every unit
+        the search may keep float; that run is returned when it meets the target (the simulation was
+        wrong about it), else the best set's."""
+        path, unit = plan.path, "block" if by_block else "module"
+        assert path is not None
+        units = self._units(by_block, progress)
+        every = list(units)
+        (ceiling,) = self._searcher(plan.target_metric is not None, by_block, progress).measure([every])
+        words = [
+            *said,
+            f"{plan.target} is out of reach in simulation: the best the in-context search found is "
+            f"{plan.simulated_sqnr_db:.2f} dB with {len(chosen)} {unit}(s) float",
+            *path.notes,
+        ]
+        top = (
+            self._float_run(_members(every, units), f"{label}: every {unit} float", progress)
+            if set(chosen) != set(every)
+            else result
+        )
+        if not top.ok:
+            words.append(f"every {unit} float simulates at {_finite(ceiling[0]):.2f} dB; its real run failed")
+            self._searched = (path, result)
+            return self._unverified(result.noted(*words))
+        left = still_quantized(top.quantized_model)
+        reached = "the float model's output exactly" if math.isinf(top.output_sqnr_db) else f"{top.output_sqnr_db:.2f} dB"
+        ceiling_words = (
+            f"the most this engine reaches on this model is {reached}: a real run with all {len(every)} "
+            f"{unit}s float (simulated {_finite(ceiling[0]):.2f} dB)"
+            + (f"; still quantized then: {', '.join(left)}" if left else "")
+        )
+        last = Step(
+            Action.CEILING,
+            tuple(every),
+            _finite(ceiling[0]) - _finite(path.simulated_db),
+            ceiling[0],
+            ceiling[1],
+            len(every),
+            f"the ceiling: every {unit} the search may keep float, in a real run",
+            top.output_sqnr_db,
+        )
+        if plan.meets(top.output_sqnr_db, top.eval_metric):
+            topped = replace(
+                path, steps=[*path.steps, last], chosen=tuple(every), simulated_db=ceiling[0], simulated_metric=ceiling[1]
+            )
+            self._searched = (topped, top)
+            met = f"{plan.target}: met by the real run with every {unit} float, which the simulation put short of it"
+            return self._unverified(top.noted(*words, ceiling_words, met))
+        self._searched = (path, result)
+        kept = f"this run keeps the search's best {len(chosen)} {unit}(s) float"
+        return self._unverified(result.noted(*words, ceiling_words, kept))
 
     def _search_on(
         self,
@@ -443,10 +532,13 @@ class Diagnosis:
         return ReachPlan(target_sqnr_db, target_metric, order, floats, path.simulated_db, path.met, curve, path, measures)
 
     def _units(self, by_block: bool, progress: Progress | None) -> dict[str, list[str]]:
-        """What the search picks: each tunable module alone, or the blocks -> their modules."""
+        """What the search picks: each module the simulation can keep float alone (those it ranks,
+        then the other ops), or the blocks -> their modules."""
         if by_block:
             return self.blocks(progress)
-        return {name: [name] for name in self.simulation(progress).tunable}
+        simulation = self.simulation(progress)
+        passing = identities(self.runner.float_model)  # a dropout: nothing to keep float
+        return {name: [name] for name in [*simulation.tunable, *simulation.others] if name not in passing}
 
     def _searcher(self, metric: bool, by_block: bool, progress: Progress | None) -> FloatSearch:
         """The in-context search over the tunable modules, or their blocks (each set measured with
@@ -464,11 +556,21 @@ class Diagnosis:
                 variants = [Variant(float_modules=frozenset(_members(s, units))) for s in sets]
                 return self.simulate_each(variants, progress, "in-context search", metric=metric)
 
-            neighbours = unit_neighbours(self.runner.float_model, units)
+            ranked = set(ranking.index)
+            neighbours = unit_neighbours(self.runner.float_model, {u: m for u, m in units.items() if u in ranked})
             disagreeing = units_of(truth.disagreeing, units)
-            self._searches[key] = FloatSearch(
-                measure, list(ranking.index), disagreeing, neighbours, higher_is_better=self._metric.higher_is_better
+            others = [u for u in units if u not in ranked]
+            search = FloatSearch(
+                measure,
+                list(ranking.index),
+                disagreeing,
+                neighbours,
+                higher_is_better=self._metric.higher_is_better,
+                others=others,
             )
+            if not metric:  # the ranking simulated each unit alone already, in the same simulation
+                search.known({frozenset([u]): (float(sqnr), None) for u, sqnr in ranking["simulated_output_sqnr_db"].items()})
+            self._searches[key] = search
         return self._searches[key]
 
     def _float_run(self, float_modules: Sequence[str], label: str, progress: Progress | None) -> RunResult:
@@ -477,6 +579,30 @@ class Diagnosis:
             return replace(baseline, label=label, settings={}, baseline=False) if baseline.ok else baseline
         keep = {name: ModuleSettings(keep_float=True) for name in float_modules}
         return self.real.apply(keep, label=label, progress=progress)
+
+
+def still_quantized(model: torch.nn.Module | None) -> list[str]:
+    """The ops of a converted FX graph that still compute on quantized tensors (between a
+    ``quantize_per_tensor`` and the ``dequantize`` that ends it: a permute, a view, an add the engine
+    quantizes with no module of its own); empty for a model that is no graph."""
+    if not isinstance(model, torch.fx.GraphModule):
+        return []
+    starts = {torch.quantize_per_tensor, torch.quantize_per_channel, torch.quantize_per_tensor_dynamic}
+    found: list[str] = []
+    frontier = [n for n in model.graph.nodes if n.op == "call_function" and n.target in starts]
+    seen = set(frontier)
+    while frontier:
+        node = frontier.pop(0)
+        for user in node.users:
+            if user in seen or (user.op == "call_method" and user.target == "dequantize"):
+                continue
+            if user.op == "call_function" and user.target is torch.dequantize:
+                continue
+            seen.add(user)
+            if user.op != "output":
+                found.append(str(user.target) if user.op == "call_module" else user.name)
+                frontier.append(user)
+    return found
 
 
 def dataflow_neighbours(model: torch.nn.Module, names: Sequence[str]) -> dict[str, set[str]]:

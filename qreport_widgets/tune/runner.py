@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from torch import nn
 
 from ..core.calibration import CalibrationData, calibrate, call_with
 from ..core.memory import WatchedCopy, WeightPool, ensure_room, give_back, tensors_bytes
@@ -295,6 +296,7 @@ class Runner:
         try:
             if per_layer:
                 layers = engine.per_layer_sqnr(float_model, quantized, batch)
+                layers = layers[~layers.index.isin(identities(float_model))]
         except Exception as error:  # an engine cannot pair every graph; the run itself is fine
             notes.append(f"per-layer SQNR unavailable: {engine.per_layer_failure(error)}")
         kernels = pd.Series(dtype=float, name="kernel SQNR (dB)")
@@ -324,6 +326,15 @@ class Runner:
             "module_notes": _with_kernel_notes(said.module_notes, kernels),
             "kernel_sqnr_db": kernels,
         }
+
+
+_IDENTITIES = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def identities(model: nn.Module) -> set[str]:
+    """The modules of ``model`` that pass their input through in eval (dropout, ``nn.Identity``):
+    no layer of their own, so no row of the per-layer SQNR (they would repeat the layer before)."""
+    return {name for name, module in model.named_modules() if isinstance(module, _IDENTITIES)}
 
 
 def _with_kernel_notes(module_notes: Mapping[str, str], kernels: pd.Series) -> dict[str, str]:

@@ -9,7 +9,10 @@ forward selection measured in the simulation after every pick:
   one-at-a-time ranking, every module whose kernel disagrees with its reference, and the dataflow
   neighbours of the last pick; the one gaining most is picked;
 - when no single module gains, the reverse view: every disagreeing kernel kept float together,
-  pruned of those that cost nothing; then pairs of the shortlist's best;
+  pruned of those that cost nothing; then the shortlist widens to every module not yet picked,
+  re-measured in context in rounds of the one-at-a-time order (a round stops the widening at its
+  first gain); then pairs of the shortlist's best. "Out of reach" is only said once every module
+  not picked was re-measured with the picks and none gains;
 - once the target is met, the picks are pruned (one pass, earliest first: a pick whose removal
   still meets the target goes), and the one-at-a-time walk is checked against it, so the search
   never keeps more modules float than that walk would for the same target.
@@ -31,6 +34,11 @@ import pandas as pd
 
 SHORTLIST = 6  # modules of the one-at-a-time ranking re-measured at every step
 PAIRS_FROM = 4  # when no single module gains, pairs among this many of the shortlist's best
+WIDEN_ROUND = 8  # modules beyond the shortlist re-measured per round when it runs dry
+# a run given no budget simulates at most this many times the modules there are (at least
+# SEARCH_FLOOR sets), then stops at the next step: a sensitivity() pass's sets, plus the floor's walk
+SEARCH_BUDGET = 1
+SEARCH_FLOOR = 40
 MIN_STEP_DB = 0.05  # a pick must gain this much given the picks before it
 MIN_STEP_METRIC = 1e-4  # or, for a metric target, this much of the metric
 NEGLIGIBLE_DB = 0.1  # out of reach, a larger float set must be this much better to be the best
@@ -44,10 +52,12 @@ class Action:
     """What a step of the path did (plain strings: they are the path table's ``action`` column)."""
 
     ADD = "add"
+    WIDENED = "add, widened"  # found beyond the shortlist, once none of it gained
     TOGETHER = "add together"
     DROP = "drop"
     WALK = "one-at-a-time walk"
     REAL = "real run"
+    CEILING = "every module float"  # the most the engine reaches: a real run
 
 
 @dataclass(frozen=True)
@@ -129,7 +139,7 @@ class SearchPath:
         """The float set after each step, in order."""
         found, kept = [], frozenset()
         for step in self.steps:
-            if step.action == Action.WALK:
+            if step.action in (Action.WALK, Action.CEILING):
                 kept = frozenset(step.modules)
             elif step.action == Action.DROP:
                 kept = kept - set(step.modules)
@@ -158,6 +168,8 @@ class FloatSearch:
             goes on while something gains.
         by_metric: choose by the metric's gain (a metric-only target) instead of the SQNR's.
         higher_is_better: the metric's direction (a perplexity gains as it falls).
+        others: further modules the search may keep float, not ranked (ops whose kernel agrees with
+            its reference): re-measured only once the shortlist and the ranking run dry.
     """
 
     def __init__(
@@ -169,15 +181,24 @@ class FloatSearch:
         meets: Meets | None = None,
         by_metric: bool = False,
         higher_is_better: bool = True,
+        others: Iterable[str] = (),
     ) -> None:
         self._measure, self.ranking = measure, list(ranking)
         known = set(self.ranking)
+        self.others = [m for m in others if m not in known]
         self.disagreeing = [m for m in disagreeing if m in known]
         self.neighbours = {m: [n for n in found if n in known] for m, found in (neighbours or {}).items()}
         self.meets, self.by_metric = meets, by_metric
         self._sign = 1.0 if higher_is_better else -1.0
         self.measured: dict[frozenset[str], tuple[float, float | None]] = {}
         self.simulated = 0
+        self._cursor = 0  # where the next widening starts down ``everything`` (each one resumes the last)
+        self._cut = False  # whether the budget stopped this run
+
+    @property
+    def everything(self) -> list[str]:
+        """Every module the search may keep float: the ranking, then the others."""
+        return [*self.ranking, *self.others]
 
     # ---- measuring -------------------------------------------------------------------------------
     def measure(self, sets: Sequence[Iterable[str]]) -> list[tuple[float, float | None]]:
@@ -235,22 +256,35 @@ class FloatSearch:
         ``floor``: end on the one-at-a-time order's point where it is better (the size front has
         that order already, and leaves it out)."""
         began = time.perf_counter()
-        most = len(self.ranking) if most is None else most
+        if budget is None:
+            budget = self.simulated + max(SEARCH_BUDGET * len(self.everything), SEARCH_FLOOR)
+        most = len(self.everything) if most is None else most
         chosen: list[str] = list(start)
         (origin,) = self.measure([chosen])
         current = origin
         steps: list[Step] = []
         notes: list[str] = []
+        if floor and self.meets is not None and not self._met(origin):
+            (ceiling,) = self.measure([self.everything])
+            if not self._met(ceiling):  # out of reach in simulation: the search only looks for a set near the top
+                budget = min(budget, self.simulated + len(self.everything))
+                notes.append(
+                    f"every module float simulates at {ceiling[0]:.2f} dB, short of the target: the search "
+                    f"looked for the fewest modules near that within {len(self.everything)} simulated sets"
+                )
         last: str | None = chosen[-1] if chosen else None
         tried_group = False
-        while not self._met(current) and len(chosen) < most and (budget is None or self.simulated < budget):
-            shortlist = self._shortlist(chosen, last)
-            if not shortlist:
+        self._cursor, self._cut = 0, False
+        while not self._met(current) and len(chosen) < most:
+            if self.simulated >= budget:
+                self._cut = True
+                notes.append(self._stopped_words(current, budget))
                 break
+            shortlist = self._shortlist(chosen, last)
             results = self.measure([[*chosen, m] for m in shortlist])
             ordered = sorted(zip(shortlist, results, strict=True), key=lambda pair: -self._score(pair[1]))
-            name, best = ordered[0]
-            if self._gains_enough(current, best):
+            name, best = ordered[0] if ordered else ("", current)
+            if ordered and self._gains_enough(current, best):
                 chosen, last = [*chosen, name], name
                 steps.append(self._step(Action.ADD, (name,), current, best, len(chosen), self._why(name, chosen)))
                 current = best
@@ -266,9 +300,18 @@ class FloatSearch:
                     current = together
                     chosen, current = self._prune(chosen, current, steps, keep_met=self._met(current), only=group)
                     continue
+            widened = self._widen(chosen, current, shortlist, budget)
+            if widened is not None:
+                name, best, looked = widened
+                chosen, last = [*chosen, name], name
+                beyond = f"beyond the shortlist: the best of {looked} more re-measured once none of it gained"
+                why = f"{self._why(name, chosen)}; {beyond}"
+                steps.append(self._step(Action.WIDENED, (name,), current, best, len(chosen), why))
+                current = best
+                continue
             pair = self._best_pair([m for m, _ in ordered[:PAIRS_FROM]], chosen, current) if len(chosen) + 2 <= most else None
             if pair is None:
-                notes.append(self._stuck_words(current, len(shortlist)))
+                notes.append(self._stuck_words(current, len(self.everything) - len(chosen)))
                 break
             names, result = pair
             why = "a pair: neither gains alone given the picks before"
@@ -310,9 +353,33 @@ class FloatSearch:
         near = self.neighbours.get(last, []) if last is not None else []
         return list(dict.fromkeys([*top, *(m for m in self.disagreeing if m not in taken), *(m for m in near if m not in taken)]))
 
+    def _widen(
+        self, chosen: Sequence[str], current: tuple[float, float | None], looked: Sequence[str], budget: int
+    ) -> tuple[str, tuple[float, float | None], int] | None:
+        """Once none of the shortlist gains: the modules not yet picked nor on it, re-measured with the
+        picks in rounds of ``WIDEN_ROUND`` down the one-at-a-time order (the others last), starting
+        where the last widening stopped; the best of the first round where one gains, and how many
+        were re-measured. None when none gains, or when the search spent its ``budget``."""
+        size = len(self.everything)
+        order = [self.everything[(self._cursor + i) % size] for i in range(size)]
+        rest = [m for m in order if m not in chosen and m not in looked]
+        tried = 0
+        for start in range(0, len(rest), WIDEN_ROUND):
+            if self.simulated >= budget:
+                self._cut = True
+                return None
+            names = rest[start : start + WIDEN_ROUND]
+            results = self.measure([[*chosen, m] for m in names])
+            tried += len(names)
+            name, best = max(zip(names, results, strict=True), key=lambda pair: self._score(pair[1]))
+            if self._gains_enough(current, best):
+                self._cursor = (self.everything.index(names[-1]) + 1) % size
+                return name, best, tried
+        return None
+
     def _why(self, name: str, chosen: Sequence[str]) -> str:
         """Why ``name`` was on the shortlist (the ranking, a disagreeing kernel, a neighbour of the pick before)."""
-        reasons = [f"#{self.ranking.index(name) + 1} alone"]
+        reasons = [f"#{self.ranking.index(name) + 1} alone" if name in self.ranking else "an op not ranked (its kernel agrees)"]
         if name in self.disagreeing:
             reasons.append("its kernel disagrees")
         before = chosen[-2] if len(chosen) > 1 else None
@@ -384,10 +451,18 @@ class FloatSearch:
     ) -> Step:
         return Step(action, modules, self._gain(before, after), after[0], after[1], count, why)
 
-    def _stuck_words(self, current: tuple[float, float | None], tried: int) -> str:
+    def _stopped_words(self, current: tuple[float, float | None], budget: int) -> str:
         return (
-            f"the search stopped at {current[0]:.2f} dB: none of the {tried} modules re-measured with the picks so far "
-            f"kept float gains {MIN_STEP_DB:g} dB, nor do the disagreeing kernels together or any pair of the best"
+            f"the search stopped at {current[0]:.2f} dB after {self.simulated} simulated sets, its budget "
+            f"({budget} sets for {len(self.everything)} modules)"
+        )
+
+    def _stuck_words(self, current: tuple[float, float | None], left: int) -> str:
+        least = f"{MIN_STEP_METRIC:g} of the metric" if self.by_metric else f"{MIN_STEP_DB:g} dB"
+        every = "as many as the budget allowed" if self._cut else "every one"
+        return (
+            f"the search stopped at {current[0]:.2f} dB: of the {left} modules not kept float, {every} re-measured with "
+            f"the picks so far gains less than {least}, nor do the disagreeing kernels together or any pair of the best"
         )
 
 

@@ -96,6 +96,7 @@ class EagerSimulation(WholePasses):
         self._calibrate = calibrate  # runs a model over the calibration batches (what GPTQ / AWQ read)
         self._start = {m.fqn: m.current for m in modules}
         self.tunable = [m.fqn for m in modules if not m.current.keep_float]
+        self.others: list[str] = []  # every quantized module is ranked
         self._modules = {fqn: model.get_submodule(fqn) for fqn in self._start}
         self._float = {fqn: module.weight.detach() for fqn, module in self._modules.items()}  # the shared float weights
         # quantized weights, dequantized when a module takes them (the model holds one float weight

@@ -210,6 +210,13 @@ class Simulator(WholePasses):
         any other op float changes nothing here: its reference is a float op already)."""
         return [name for name in self._names if name in self._weights or name in self._kernels]
 
+    @property
+    def others(self) -> list[str]:
+        """The other ops a Variant may keep float (a PReLU, a pooling, an add whose kernel agrees):
+        keeping one float drops the quantize / dequantize around it."""
+        ranked = set(self.tunable)
+        return [name for name in self._names if name not in ranked]
+
     def run_real_kernels(self, quantized: nn.Module, names: Iterable[str]) -> list[str]:
         """Run ``quantized``'s kernels (copied) for the modules ``names`` instead of their reference;
         the names it could (a module with one quantize point before it), in forward order."""

@@ -57,6 +57,7 @@ class Pt2eSimulation(WholePasses):
     ) -> None:
         self.engine, self.prepared, self.modules = engine, prepared, list(modules)
         self.tunable = [m.fqn for m in self.modules]
+        self.others: list[str] = []  # every module is ranked
         self.float_model, self.example_inputs, self._calibrate = float_model, example_inputs, calibrate
         self.recalibrated = 0  # variants that needed a calibration of their own
         self._observers = {_key(prepared, node): prepared.get_submodule(str(node.target)) for node in observer_nodes(prepared)}
