@@ -73,14 +73,27 @@ def test_perplexity_is_the_metric_and_targets_on_it_are_met_at_or_below(text_dec
     assert baseline.eval_metric == pytest.approx(data.perplexity(baseline.quantized_model), rel=1e-6)
     assert baseline.eval_metric > float_ppl
     runs, _ = session.compare()
-    assert runs["perplexity (lower is better)"].iloc[0] == baseline.eval_metric
+    # the float model is the runs table's reference row, its perplexity next to its name
+    assert list(runs.columns[:2]) == ["run", "perplexity (lower is better)"]
+    assert runs["run"].iloc[0] == "float model" and math.isinf(runs["output SQNR (dB)"].iloc[0])
+    assert runs["perplexity (lower is better)"].iloc[0] == pytest.approx(float_ppl, rel=1e-6) == session.float_metric()
+    assert runs["perplexity (lower is better)"].iloc[1] == baseline.eval_metric
     # halfway between float and the int4 start: some modules must be kept float or finer
     target = float_ppl + (baseline.eval_metric - float_ppl) / 2
     plan = session.plan_reach(target_metric=target)
     assert plan.target == f"perplexity <= {target:g}" and plan.met and plan.float_count >= 1
-    reached = session.reach(target_metric=target)
-    assert reached.ok and reached.eval_metric <= target, reached.notes
-    assert any(f"perplexity <= {target:g}: met" in note for note in reached.notes), reached.notes
+    # the same target, relative to the float model: at most this fraction worse
+    loss = (target - session.float_metric()) / session.float_metric()
+    relative = session.plan_reach(max_metric_loss=loss)
+    assert relative.target_metric == pytest.approx(target, rel=1e-9) and relative.float_modules == plan.float_modules
+    with pytest.raises(ValueError, match="give one metric target"):
+        session.plan_reach(target_metric=target, max_metric_loss=loss)
+    with pytest.raises(ValueError, match="a fraction of the float model's metric"):
+        session.plan_reach(max_metric_loss=2.0)
+    reached = session.reach(max_metric_loss=loss)
+    assert reached.ok and reached.eval_metric <= relative.target_metric, reached.notes
+    assert any(f"perplexity <= {relative.target_metric:g}: met" in note for note in reached.notes), reached.notes
+    assert "the target is the float model's perplexity" in reached.notes[-1] and session.history[-1] is reached
     fitted = session.fit(target_metric=target)
     assert fitted.ok and fitted.eval_metric <= target, fitted.notes
     assert fitted.eval_metric == pytest.approx(data.perplexity(fitted.quantized_model), rel=1e-6)

@@ -217,10 +217,22 @@ def test_runs_table_shows_a_long_change_list_short_with_all_of_it_on_hover():
     from qreport_widgets.widgets.runs import short_changes
 
     cell = short_changes([Change("fc1", ("per_channel",)), Change("fc2", ("keep_float",)), Change("<head>", ("dynamic",))])
-    assert ">fc1: per_channel; fc2: keep_float; +1 more<" in cell
+    assert ">fc1: per_channel; fc2: keep_float; +1 more module<" in cell
     assert "title='fc1: per_channel; fc2: keep_float; &lt;head&gt;: dynamic'" in cell
     assert ">the starting settings<" in short_changes(())
     assert ">a hand-written mapping<" in short_changes(None)
+
+
+def test_runs_table_says_identical_changes_once():
+    from qreport_widgets.tune.run import Change
+    from qreport_widgets.widgets.runs import short_changes
+
+    int4 = ("format=int4-weight-only", "group_size=32", "algorithm=gptq")
+    changed = [Change(f"model.layers.{i}.mlp.{p}", int4) for i in range(4) for p in ("up_proj", "down_proj")]
+    changed += [Change("lm_head", ("keep_float",)), Change("model.layers.0.self_attn.q_proj", ("per_channel",))]
+    cell = short_changes(changed)
+    assert ">8 modules: format=int4-weight-only, group_size=32, algorithm=gptq; lm_head: keep_float; +1 more module<" in cell
+    assert "model.layers.3.mlp.down_proj: format=int4-weight-only" in cell  # every module on hover
 
 
 def test_line_joins_the_points_and_keeps_the_flagged_ones_red(report):

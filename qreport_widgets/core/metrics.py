@@ -137,6 +137,12 @@ class Metric:
         """``target`` made harder to meet by ``by`` (>= 0)."""
         return target + by if self.higher_is_better else target - by
 
+    def allowing(self, reference: float, *, loss: float | None = None, gap: float | None = None) -> float:
+        """The target that lets the metric move from ``reference`` (the float model's) in its worse
+        direction by at most ``loss`` (a fraction of ``|reference|``) or ``gap`` (in its own units)."""
+        by = gap if gap is not None else (loss or 0.0) * abs(reference)
+        return reference - by if self.higher_is_better else reference + by
+
     def words(self, target: float) -> str:
         return f"{self.name} {'>=' if self.higher_is_better else '<='} {target:g}"
 

@@ -14,6 +14,8 @@ from ..engines.settings import ModuleSettings
 from ..errors import ModelReleasedError
 from .run import ReleasedModel, RunResult
 
+FLOAT_REFERENCE = "float model"  # the runs table's first row where the session has a metric
+
 if TYPE_CHECKING:
     from ..engines.executorch import DecodeSpeed
 
@@ -105,6 +107,7 @@ class History:
         rows = [
             {
                 "run": r.label,
+                **({metric_column: r.eval_metric} if metric_column else {}),  # the metric the session is about, first
                 "changes": r.changes(start),
                 "output SQNR (dB)": r.output_sqnr_db,
                 "mean batch SQNR (dB)": r.mean_batch_sqnr_db,
@@ -114,7 +117,6 @@ class History:
                 "latency (ms, 1 thread)": r.latency_ms,
                 "latency spread (ms)": r.latency_spread_ms,
                 **{column: values[i] for column, values in per_token.items()},
-                **({metric_column: r.eval_metric} if metric_column else {}),
                 "duration (s)": r.duration_s,
                 "model": self._model_state(i, r),
             }
@@ -122,6 +124,16 @@ class History:
         ]
         layers = pd.DataFrame({r.label: r.per_layer_sqnr_db for r in self.runs})
         return pd.DataFrame(rows), layers
+
+    @staticmethod
+    def with_float_reference(runs: pd.DataFrame, metric_column: str, value: float) -> pd.DataFrame:
+        """``runs`` (``compare``'s table) with the float model as its first row: its metric, the
+        reference the runs' metrics and a relative target (``max_metric_loss``) are read against."""
+        row = {column: math.nan for column in runs.columns}
+        row.update({"run": FLOAT_REFERENCE, "changes": "every module float", metric_column: value, "model": "the float model"})
+        row["output SQNR (dB)"] = row["mean batch SQNR (dB)"] = math.inf
+        row["quantized layers"] = 0
+        return pd.concat([pd.DataFrame([row], columns=runs.columns), runs], ignore_index=True)
 
     def _model_state(self, index: int, run: RunResult) -> str:
         """What the history holds of a run's quantized model, in the runs table's words."""

@@ -111,6 +111,7 @@ class Runner:
         self._modules = None if modules is None else list(modules)
         self._weights = weights or WeightPool()
         self._reference: list[torch.Tensor] | None = None
+        self._float_metric: float | None = None
 
     @property
     def float_model(self) -> torch.nn.Module:
@@ -180,6 +181,15 @@ class Runner:
             with torch.no_grad():
                 self._reference = [self.output_of(call_with(model, b)) for b in self.eval_data]
         return self._reference
+
+    def float_metric(self) -> float | None:
+        """The session's metric (``eval_fn``) of the float model, computed once; None without one."""
+        if self.eval_fn is None:
+            return None
+        if self._float_metric is None:
+            with torch.no_grad():
+                self._float_metric = float(self.eval_fn(self.float_model))
+        return self._float_metric
 
     def output_of(self, output: Any) -> torch.Tensor:
         """A model output as the tensor output SQNR compares: ``output_fn``'s, else the output or its first tensor."""

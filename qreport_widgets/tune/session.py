@@ -7,6 +7,7 @@ copy shares its weights and refuses them once they were changed in place.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -191,11 +192,52 @@ class QuantizationSession:
         return self.parts.history.kept(run)
 
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]:
-        """One row per run (metrics as columns), and per-layer SQNR with one column per run."""
+        """One row per run (metrics as columns), and per-layer SQNR with one column per run. With a
+        metric (``eval_fn``), the float model's is the first row (``float model``): the reference."""
         ids = self.parts.real.token_ids()
-        return self.parts.history.compare(
-            self.current_settings(), self.metric.column if self.metric is not None else None, None if ids is None else ids.numel()
-        )
+        column = self.metric.column if self.metric is not None else None
+        runs, layers = self.parts.history.compare(self.current_settings(), column, None if ids is None else ids.numel())
+        reference = self.float_metric() if column is not None and len(runs) else None
+        if reference is not None and column is not None:
+            runs = self.parts.history.with_float_reference(runs, column, reference)
+        return runs, layers
+
+    def float_metric(self) -> float | None:
+        """The session's metric (``eval_fn``) on the float model, computed once: what
+        ``max_metric_loss`` / ``max_metric_gap`` targets are relative to. None without a metric."""
+        return self.parts.runner.float_metric()
+
+    def _metric_target(
+        self, target_metric: float | None, max_metric_loss: float | None, max_metric_gap: float | None
+    ) -> tuple[float | None, str | None]:
+        """The metric target, absolute or relative to the float model's metric, and the words that
+        say how a relative one was set (None for an absolute one)."""
+        given = [
+            name
+            for name, v in (
+                ("target_metric", target_metric),
+                ("max_metric_loss", max_metric_loss),
+                ("max_metric_gap", max_metric_gap),
+            )
+            if v is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(f"give one metric target, not {' and '.join(given)}")
+        if max_metric_loss is None and max_metric_gap is None:
+            return target_metric, None
+        name, value = ("max_metric_loss", max_metric_loss) if max_metric_loss is not None else ("max_metric_gap", max_metric_gap)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if max_metric_loss is not None and max_metric_loss >= 1:
+            raise ValueError(f"max_metric_loss is a fraction of the float model's metric (0.01: 1%), got {max_metric_loss!r}")
+        reference = self.float_metric()
+        if reference is None or self.metric is None:
+            raise ValueError(f"{name} needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
+        if not math.isfinite(reference):
+            raise ValueError(f"the float model's metric is {reference}: {name} needs a finite one to be relative to")
+        target = self.metric.allowing(reference, loss=max_metric_loss, gap=max_metric_gap)
+        moved = f"{max_metric_loss:.2%}" if max_metric_loss is not None else f"{max_metric_gap:g}"
+        return target, f"the target is the float model's {self.metric.name} {reference:.6g}, {moved} worse at most: {target:.6g}"
 
     # ---- what the data allows (migration.py, verify.py) -------------------------------------------
     def migrations(self) -> dict[str, Migration]:
@@ -271,10 +313,13 @@ class QuantizationSession:
         target_sqnr_db: float | None = None,
         target_metric: float | None = None,
         *,
+        max_metric_loss: float | None = None,
+        max_metric_gap: float | None = None,
         by_block: bool = False,
         progress: Progress | None = None,
     ) -> ReachPlan:
         """What reach() would try, from the simulation alone; see ``Diagnosis.plan_reach``."""
+        target_metric, _ = self._metric_target(target_metric, max_metric_loss, max_metric_gap)
         return self.parts.diagnosis.plan_reach(target_sqnr_db, target_metric, by_block=by_block, progress=progress)
 
     def reach(
@@ -282,13 +327,21 @@ class QuantizationSession:
         target_sqnr_db: float | None = None,
         target_metric: float | None = None,
         *,
+        max_metric_loss: float | None = None,
+        max_metric_gap: float | None = None,
         by_block: bool = False,
         progress: Progress | None = None,
     ) -> RunResult:
         """The fewest modules kept float that meet the target, each picked by what it gains given the
         picks before (the in-context search), confirmed by a real run; ``by_block=True``: the fewest
-        blocks (``blocks()``), each kept float whole; see ``Diagnosis.reach``."""
-        return self.parts.diagnosis.reach(target_sqnr_db, target_metric, by_block=by_block, progress=progress)
+        blocks (``blocks()``), each kept float whole; see ``Diagnosis.reach``.
+
+        The metric's target is ``target_metric`` (absolute), or relative to the float model's metric
+        (``float_metric()``): ``max_metric_loss=0.01`` lets it be at most 1% worse (lower accuracy,
+        higher perplexity), ``max_metric_gap=0.5`` at most 0.5 worse in its own units."""
+        target_metric, how = self._metric_target(target_metric, max_metric_loss, max_metric_gap)
+        run = self.parts.diagnosis.reach(target_sqnr_db, target_metric, by_block=by_block, progress=progress)
+        return run if how is None else self._renoted(run, how)
 
     def search_path(self) -> pd.DataFrame:
         """The last ``reach()``'s in-context search as a table: each step's modules, its gain given
@@ -316,6 +369,8 @@ class QuantizationSession:
         target_sqnr_db: float | None = None,
         target_metric: float | None = None,
         *,
+        max_metric_loss: float | None = None,
+        max_metric_gap: float | None = None,
         by_block: bool = False,
         progress: Progress | None = None,
     ) -> RunResult:
@@ -324,8 +379,19 @@ class QuantizationSession:
         when both are given). When the real run misses (too large, or short of the target) the next
         point along the front is run, up to three more runs; the notes say met, not met or out of
         reach, and by how far. ``by_block=True``: on the front where every module of a block
-        (``blocks()``) takes the same choice."""
-        return self.parts.mixed.fit(max_size_bytes, target_sqnr_db, target_metric, progress, by_block)
+        (``blocks()``) takes the same choice. ``max_metric_loss`` / ``max_metric_gap``: a metric
+        target relative to the float model's, as in ``reach``."""
+        target_metric, how = self._metric_target(target_metric, max_metric_loss, max_metric_gap)
+        run = self.parts.mixed.fit(max_size_bytes, target_sqnr_db, target_metric, progress, by_block)
+        return run if how is None else self._renoted(run, how)
+
+    def _renoted(self, run: RunResult, how: str) -> RunResult:
+        """``run`` with ``how`` its target was set among its notes, where the history holds it too."""
+        noted = run.noted(how)
+        for i, recorded in enumerate(self.history):
+            if recorded is run:
+                self.history[i] = noted
+        return noted
 
     def computed(self) -> dict[str, pd.DataFrame]:
         """The diagnoses computed so far, without computing any: ``sensitivity``, ``tradeoff`` and

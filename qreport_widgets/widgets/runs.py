@@ -10,6 +10,7 @@ import ipywidgets as w
 import numpy as np
 import pandas as pd
 
+from ..tune.history import FLOAT_REFERENCE
 from ..tune.run import Change, changes_text
 from .plots import bar_range, scrolling_table
 from .protocols import TuningSession
@@ -26,12 +27,15 @@ class RunsTable(w.HTML):
 
     def show(self, runs: pd.DataFrame, changed: Sequence[Sequence[Change] | None]) -> None:
         """``runs``: ``session.compare()``'s table; ``changed``: each run's changes as rows
-        (``RunResult.changed``), in the table's order, drawn in the ``changes`` column."""
+        (``RunResult.changed``), in the history's order, drawn in the ``changes`` column (the float
+        model's reference row, first where there is one, keeps its words)."""
         shown = runs.assign(
             **{c: runs[c].map(lambda v: html.escape(str(v))) for c in runs.select_dtypes(include=["object", "string"])}
         )
+        reference = len(runs) > len(changed) and "run" in runs and runs["run"].iloc[0] == FLOAT_REFERENCE
         if "changes" in runs:
-            shown["changes"] = [short_changes(rows) for rows in changed]
+            drawn = [short_changes(rows) for rows in changed]
+            shown["changes"] = [shown["changes"].iloc[0], *drawn] if reference else drawn
         if "run" in runs:  # a label is a name: one line
             shown["run"] = shown["run"].map(lambda v: f"<span style='white-space:nowrap'>{v}</span>")
         table = shown.to_html(index=False, float_format=number, border=0, escape=False)
@@ -107,12 +111,23 @@ def run_changes(session: TuningSession) -> list[tuple[Change, ...] | None]:
 
 
 def short_changes(changed: Sequence[Change] | None, shown: int = 2) -> str:
-    """A run's changes in the runs table: the first few modules, the rest counted, all of them on hover."""
+    """A run's changes in the runs table: modules changed the same way said once ("28 modules:
+    format=int4-weight-only, group_size=32"), the largest such group first, the first few groups
+    shown and the rest counted; every module on hover."""
     whole = changes_text(changed)
     if not changed:
         short = whole
     else:
-        short = "; ".join(c.text for c in changed[:shown]) + (f"; +{len(changed) - shown} more" if len(changed) > shown else "")
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for change in changed:
+            groups.setdefault(change.what, []).append(change.module)
+        ordered = sorted(groups.items(), key=lambda item: -len(item[1]))  # stable: forward order among equals
+        said = [
+            f"{len(names)} modules: {', '.join(what)}" if len(names) > 1 else f"{names[0]}: {', '.join(what)}"
+            for what, names in ordered
+        ]
+        left = sum(len(names) for _, names in ordered[shown:])
+        short = "; ".join(said[:shown]) + (f"; +{left} more module{'s' * (left > 1)}" if left else "")
     return f"<span title='{html.escape(whole)}' style='display:inline-block;min-width:14em'>{html.escape(short)}</span>"
 
 
