@@ -23,7 +23,12 @@ KERNEL_COLOR = "#d62728"  # the kernel check's series: red, used by no run
 
 
 class RunsTable(w.HTML):
-    """One row per run: its changes shortened (all of them on hover), numbers with three digits."""
+    """One row per run: its changes shortened (all of them on hover), numbers with three digits; as
+    wide as the tab, scrolling sideways when the table is wider (its last columns stay reachable)."""
+
+    def __init__(self) -> None:
+        super().__init__(layout={"width": "100%", "min_width": "0"})
+        self.add_class("qr-runs")
 
     def show(self, runs: pd.DataFrame, changed: Sequence[Sequence[Change] | None]) -> None:
         """``runs``: ``session.compare()``'s table; ``changed``: each run's changes as rows
@@ -38,8 +43,14 @@ class RunsTable(w.HTML):
             shown["changes"] = [shown["changes"].iloc[0], *drawn] if reference else drawn
         if "run" in runs:  # a label is a name: one line
             shown["run"] = shown["run"].map(lambda v: f"<span style='white-space:nowrap'>{v}</span>")
-        table = shown.to_html(index=False, float_format=number, border=0, escape=False)
-        self.value = "<h4 style='margin:6px 0'>Runs</h4>" + scrolling_table(table)
+        table = shown.to_html(index=False, float_format=number, border=0, escape=False, na_rep="")
+        # the content box may shrink to the tab's width, so the table scrolls inside it instead of
+        # overflowing; its headers wrap (two lines at most, "output SQNR / (dB)") so a dozen columns fit
+        fit = (
+            "<style>.qr-runs .widget-html-content{min-width:0;max-width:100%}"
+            ".qr-runs .qr-table th{white-space:normal;min-width:4.5em;vertical-align:bottom}</style>"
+        )
+        self.value = fit + "<h4 style='margin:6px 0'>Runs</h4>" + scrolling_table(table)
 
 
 class LayersChart(w.VBox):
