@@ -304,7 +304,8 @@ def _searched_points(
     neighbours = unit_neighbours(runner.float_model, {unit: units[unit] for unit in ranking})
     search = FloatSearch(measure, ranking, units_of(truth.disagreeing, units), neighbours)
     search.known({frozenset([unit]): alone[unit, c] for unit, c in floats.items() if (unit, c) in alone})
-    path = search.run(budget=max(len(floats), 2 * SHORTLIST), floor=False)  # the chain is the one-at-a-time order
+    # the chain is the one-at-a-time order; the front keeps its search within the shortlist and its budget
+    path = search.run(budget=max(len(floats), 2 * SHORTLIST), floor=False, widen=False)
     points = []
     for kept in path.sets():
         points.append({unit: floats[unit] if unit in kept else first for unit, first in start.items()})

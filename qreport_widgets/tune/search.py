@@ -249,12 +249,18 @@ class FloatSearch:
         return self
 
     def run(
-        self, start: Sequence[str] = (), most: int | None = None, budget: int | None = None, floor: bool = True
+        self,
+        start: Sequence[str] = (),
+        most: int | None = None,
+        budget: int | None = None,
+        floor: bool = True,
+        widen: bool = True,
     ) -> SearchPath:
         """Search from ``start`` kept float (default nothing). ``most`` caps the float set's size
         (default: every module); ``budget`` the sets simulated (the search stops at the next step);
         ``floor``: end on the one-at-a-time order's point where it is better (the size front has
-        that order already, and leaves it out)."""
+        that order already, and leaves it out); ``widen``: re-measure every module once the shortlist
+        runs dry (the size front's chain, which has its budget spent on each format, does not)."""
         began = time.perf_counter()
         if budget is None:
             budget = self.simulated + max(SEARCH_BUDGET * len(self.everything), SEARCH_FLOOR)
@@ -300,7 +306,7 @@ class FloatSearch:
                     current = together
                     chosen, current = self._prune(chosen, current, steps, keep_met=self._met(current), only=group)
                     continue
-            widened = self._widen(chosen, current, shortlist, budget)
+            widened = self._widen(chosen, current, shortlist, budget) if widen else None
             if widened is not None:
                 name, best, looked = widened
                 chosen, last = [*chosen, name], name
