@@ -401,16 +401,8 @@ class Diagnosis:
             f"{unit}s float (simulated {_finite(ceiling[0]):.2f} dB)"
             + (f"; still quantized then: {', '.join(left)}" if left else "")
         )
-        last = Step(
-            Action.CEILING,
-            tuple(every),
-            _finite(ceiling[0]) - _finite(path.simulated_db),
-            ceiling[0],
-            ceiling[1],
-            len(every),
-            f"the ceiling: every {unit} the search may keep float, in a real run",
-            top.output_sqnr_db,
-        )
+        why = f"the ceiling: every {unit} the search may keep float, in a real run"
+        last = _real_step(Action.CEILING, every, path, ceiling, why, top.output_sqnr_db)
         if plan.meets(top.output_sqnr_db, top.eval_metric):
             topped = replace(
                 path, steps=[*path.steps, last], chosen=tuple(every), simulated_db=ceiling[0], simulated_metric=ceiling[1]
@@ -466,16 +458,8 @@ class Diagnosis:
                 f"{shortfall:.2f} dB below its simulation ({beyond} the simulation's stated error of "
                 f"{SIMULATION_ERROR_DB:g} dB): {aim}"
             )
-        again = Step(
-            Action.REAL,
-            tuple(chosen),
-            _finite(simulated[0]) - _finite(path.simulated_db),
-            simulated[0],
-            simulated[1],
-            len(chosen),
-            "re-simulated after the real run" + (f", which found {', '.join(adopted)} broken" if adopted else ""),
-            result.output_sqnr_db,
-        )
+        why = "re-simulated after the real run" + (f", which found {', '.join(adopted)} broken" if adopted else "")
+        again = _real_step(Action.REAL, chosen, path, simulated, why, result.output_sqnr_db)
         steps = [*path.steps, again, *found.steps]
         merged = replace(found, steps=steps, start_db=path.start_db, start_metric=path.start_metric)
         merged.simulated += path.simulated
@@ -630,6 +614,15 @@ def units_of(names: Iterable[str], units: Mapping[str, Sequence[str]]) -> list[s
     """The units holding any of ``names``, first-seen order."""
     unit_of = {name: unit for unit, members in units.items() for name in members}
     return list(dict.fromkeys(unit_of[name] for name in names if name in unit_of))
+
+
+def _real_step(
+    action: str, units: Sequence[str], path: SearchPath, simulated: tuple[float, float | None], why: str, real_db: float
+) -> Step:
+    """A step of ``path`` where a real run measured ``units`` kept float: its simulated point, gained
+    against the path's last, and the run's SQNR."""
+    gain = _finite(simulated[0]) - _finite(path.simulated_db)
+    return Step(action, tuple(units), gain, simulated[0], simulated[1], len(units), why, real_db)
 
 
 def _finite(value: float) -> float:
