@@ -322,7 +322,7 @@ class Diagnosis:
             tried.add(frozenset(chosen))
             result = self._float_run(modules(chosen), label, progress)
             runs.append((chosen, result))
-        last = result  # the run of the path's last point (what search_path() shows)
+        last = result  # the run search_path() shows on its last row
         if not (result.ok and meets(result.output_sqnr_db, result.eval_metric)) and len(runs) > 1:
             chosen, result = self._best_of(runs, target_metric is not None)
             if result is not last:
@@ -337,10 +337,10 @@ class Diagnosis:
                 ordered = [m for m in chosen if m in fewer] + sorted(fewer - set(chosen))
                 run = self._float_run(modules(ordered), label, progress)
                 if run.ok and meets(run.output_sqnr_db, run.eval_metric):
-                    chosen, result = ordered, run
+                    chosen, result, last = ordered, run, run
                     said.append(f"{len(fewer)} {unit}(s) float, within the simulation's error of the target, meet it for real")
                     break
-        self._searched = (path, last if result is not last and not meets(result.output_sqnr_db, result.eval_metric) else result)
+        self._searched = (path, last)
         verdict = "met" if result.ok and meets(result.output_sqnr_db, result.eval_metric) else "not met by the real run"
         floats = ", ".join(chosen) or "none"
         if by_block:
