@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -74,6 +74,38 @@ def meets_target(
     target is met in ``measures``' direction (default: at or above it)."""
     sqnr_ok = target_sqnr_db is None or sqnr >= target_sqnr_db
     return sqnr_ok and (target_metric is None or (measures or Metric()).meets(metric, target_metric))
+
+
+def metric_target(
+    metric: Metric | None,
+    float_metric: Callable[[], float | None],
+    target_metric: float | None,
+    max_metric_loss: float | None,
+    max_metric_gap: float | None,
+) -> tuple[float | None, str | None]:
+    """The metric's target: ``target_metric`` as given, or set from the float model's metric
+    (``float_metric()``, asked only then) at most ``max_metric_loss`` (a fraction) or ``max_metric_gap``
+    worse; and the words that say how a relative one was set (None for an absolute one)."""
+    given = {"target_metric": target_metric, "max_metric_loss": max_metric_loss, "max_metric_gap": max_metric_gap}
+    named = [name for name, value in given.items() if value is not None]
+    if len(named) > 1:
+        raise ValueError(f"give one metric target, not {' and '.join(named)}")
+    if max_metric_loss is None and max_metric_gap is None:
+        return target_metric, None
+    (name,) = named
+    value = given[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if max_metric_loss is not None and max_metric_loss >= 1:
+        raise ValueError(f"max_metric_loss is a fraction of the float model's metric (0.01: 1%), got {max_metric_loss!r}")
+    reference = float_metric() if metric is not None else None
+    if reference is None or metric is None:
+        raise ValueError(f"{name} needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
+    if not math.isfinite(reference):
+        raise ValueError(f"the float model's metric is {reference}: {name} needs a finite one to be relative to")
+    target = metric.allowing(reference, loss=max_metric_loss, gap=max_metric_gap)
+    moved = f"{max_metric_loss:.2%}" if max_metric_loss is not None else f"{max_metric_gap:g}"
+    return target, f"the target is the float model's {metric.name} {reference:.6g}, {moved} worse at most: {target:.6g}"
 
 
 def target_words(target_sqnr_db: float | None, target_metric: float | None, measures: Metric | None = None) -> str:
@@ -293,11 +325,10 @@ class Diagnosis:
         kernels = self.real.truth(quiet).real_kernels  # a real run may find more (``RealRuns.adopt_kernels``)
         result = self._float_run(modules(chosen), label, progress)
         said: list[str] = []
-        if not plan.met and self.real.adopted_since(kernels):  # the run found broken kernels: plan again with them
+        adopted = self.real.adopted_since(kernels) if not plan.met else []
+        if adopted:  # the run found broken kernels: plan again with them
             run_words = f"the real run with {len(chosen)} {unit}(s) float"
-            said.append(
-                f"{self.real.adopted_words(run_words, self.real.adopted_since(kernels))}; the search planned again with them"
-            )
+            said.append(f"{self.real.adopted_words(run_words, adopted)}; the search planned again with them")
             kernels = self.real.truth(quiet).real_kernels
             again = self.plan_reach(target_sqnr_db, target_metric, by_block=by_block, progress=progress)
             path, plan = again.path, again

@@ -186,6 +186,7 @@ class FloatSearch:
         self._measure, self.ranking = measure, list(ranking)
         known = set(self.ranking)
         self.others = [m for m in others if m not in known]
+        self.everything = [*self.ranking, *self.others]  # every module the search may keep float
         self.disagreeing = [m for m in disagreeing if m in known]
         self.neighbours = {m: [n for n in found if n in known] for m, found in (neighbours or {}).items()}
         self.meets, self.by_metric = meets, by_metric
@@ -194,11 +195,6 @@ class FloatSearch:
         self.simulated = 0
         self._cursor = 0  # where the next widening starts down ``everything`` (each one resumes the last)
         self._cut = False  # whether the budget stopped this run
-
-    @property
-    def everything(self) -> list[str]:
-        """Every module the search may keep float: the ranking, then the others."""
-        return [*self.ranking, *self.others]
 
     # ---- measuring -------------------------------------------------------------------------------
     def measure(self, sets: Sequence[Iterable[str]]) -> list[tuple[float, float | None]]:
@@ -366,8 +362,7 @@ class FloatSearch:
         picks in rounds of ``WIDEN_ROUND`` down the one-at-a-time order (the others last), starting
         where the last widening stopped; the best of the first round where one gains, and how many
         were re-measured. None when none gains, or when the search spent its ``budget``."""
-        size = len(self.everything)
-        order = [self.everything[(self._cursor + i) % size] for i in range(size)]
+        order = self.everything[self._cursor :] + self.everything[: self._cursor]
         rest = [m for m in order if m not in chosen and m not in looked]
         tried = 0
         for start in range(0, len(rest), WIDEN_ROUND):
@@ -379,7 +374,7 @@ class FloatSearch:
             tried += len(names)
             name, best = max(zip(names, results, strict=True), key=lambda pair: self._score(pair[1]))
             if self._gains_enough(current, best):
-                self._cursor = (self.everything.index(names[-1]) + 1) % size
+                self._cursor = (self.everything.index(names[-1]) + 1) % len(self.everything)
                 return name, best, tried
         return None
 

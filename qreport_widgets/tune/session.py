@@ -7,7 +7,6 @@ copy shares its weights and refuses them once they were changed in place.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -21,7 +20,7 @@ from ..engines import build_engine
 from ..engines.contract import Engine, Simulation, Variant
 from ..engines.settings import ModuleSettings, TunableModule, with_suggestions
 from ..observe.records import Suggestion
-from .diagnosis import ReachPlan, module_blocks
+from .diagnosis import ReachPlan, metric_target, module_blocks
 from .migration import Migration, input_producers
 from .parts import Analyzed, build_parts
 from .run import RunResult
@@ -207,38 +206,6 @@ class QuantizationSession:
         ``max_metric_loss`` / ``max_metric_gap`` targets are relative to. None without a metric."""
         return self.parts.runner.float_metric()
 
-    def _metric_target(
-        self, target_metric: float | None, max_metric_loss: float | None, max_metric_gap: float | None
-    ) -> tuple[float | None, str | None]:
-        """The metric target, absolute or relative to the float model's metric, and the words that
-        say how a relative one was set (None for an absolute one)."""
-        given = [
-            name
-            for name, v in (
-                ("target_metric", target_metric),
-                ("max_metric_loss", max_metric_loss),
-                ("max_metric_gap", max_metric_gap),
-            )
-            if v is not None
-        ]
-        if len(given) > 1:
-            raise ValueError(f"give one metric target, not {' and '.join(given)}")
-        if max_metric_loss is None and max_metric_gap is None:
-            return target_metric, None
-        name, value = ("max_metric_loss", max_metric_loss) if max_metric_loss is not None else ("max_metric_gap", max_metric_gap)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if max_metric_loss is not None and max_metric_loss >= 1:
-            raise ValueError(f"max_metric_loss is a fraction of the float model's metric (0.01: 1%), got {max_metric_loss!r}")
-        reference = self.float_metric()
-        if reference is None or self.metric is None:
-            raise ValueError(f"{name} needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
-        if not math.isfinite(reference):
-            raise ValueError(f"the float model's metric is {reference}: {name} needs a finite one to be relative to")
-        target = self.metric.allowing(reference, loss=max_metric_loss, gap=max_metric_gap)
-        moved = f"{max_metric_loss:.2%}" if max_metric_loss is not None else f"{max_metric_gap:g}"
-        return target, f"the target is the float model's {self.metric.name} {reference:.6g}, {moved} worse at most: {target:.6g}"
-
     # ---- what the data allows (migration.py, verify.py) -------------------------------------------
     def migrations(self) -> dict[str, Migration]:
         """Module -> the outlier-channel scale migration its input allows (``ModuleSettings.migrate``),
@@ -319,7 +286,7 @@ class QuantizationSession:
         progress: Progress | None = None,
     ) -> ReachPlan:
         """What reach() would try, from the simulation alone; see ``Diagnosis.plan_reach``."""
-        target_metric, _ = self._metric_target(target_metric, max_metric_loss, max_metric_gap)
+        target_metric, _ = metric_target(self.metric, self.float_metric, target_metric, max_metric_loss, max_metric_gap)
         return self.parts.diagnosis.plan_reach(target_sqnr_db, target_metric, by_block=by_block, progress=progress)
 
     def reach(
@@ -339,9 +306,9 @@ class QuantizationSession:
         The metric's target is ``target_metric`` (absolute), or relative to the float model's metric
         (``float_metric()``): ``max_metric_loss=0.01`` lets it be at most 1% worse (lower accuracy,
         higher perplexity), ``max_metric_gap=0.5`` at most 0.5 worse in its own units."""
-        target_metric, how = self._metric_target(target_metric, max_metric_loss, max_metric_gap)
+        target_metric, how = metric_target(self.metric, self.float_metric, target_metric, max_metric_loss, max_metric_gap)
         run = self.parts.diagnosis.reach(target_sqnr_db, target_metric, by_block=by_block, progress=progress)
-        return run if how is None else self._renoted(run, how)
+        return run if how is None else self.parts.real.annotated(run.noted(how))
 
     def search_path(self) -> pd.DataFrame:
         """The last ``reach()``'s in-context search as a table: each step's modules, its gain given
@@ -381,17 +348,9 @@ class QuantizationSession:
         reach, and by how far. ``by_block=True``: on the front where every module of a block
         (``blocks()``) takes the same choice. ``max_metric_loss`` / ``max_metric_gap``: a metric
         target relative to the float model's, as in ``reach``."""
-        target_metric, how = self._metric_target(target_metric, max_metric_loss, max_metric_gap)
+        target_metric, how = metric_target(self.metric, self.float_metric, target_metric, max_metric_loss, max_metric_gap)
         run = self.parts.mixed.fit(max_size_bytes, target_sqnr_db, target_metric, progress, by_block)
-        return run if how is None else self._renoted(run, how)
-
-    def _renoted(self, run: RunResult, how: str) -> RunResult:
-        """``run`` with ``how`` its target was set among its notes, where the history holds it too."""
-        noted = run.noted(how)
-        for i, recorded in enumerate(self.history):
-            if recorded is run:
-                self.history[i] = noted
-        return noted
+        return run if how is None else self.parts.real.annotated(run.noted(how))
 
     def computed(self) -> dict[str, pd.DataFrame]:
         """The diagnoses computed so far, without computing any: ``sensitivity``, ``tradeoff`` and

@@ -37,10 +37,9 @@ class RunsTable(w.HTML):
         shown = runs.assign(
             **{c: runs[c].map(lambda v: html.escape(str(v))) for c in runs.select_dtypes(include=["object", "string"])}
         )
-        reference = len(runs) > len(changed) and "run" in runs and runs["run"].iloc[0] == FLOAT_REFERENCE
-        if "changes" in runs:
-            drawn = [short_changes(rows) for rows in changed]
-            shown["changes"] = [shown["changes"].iloc[0], *drawn] if reference else drawn
+        if "changes" in runs:  # the runs' rows (not the float model's reference row) drawn from their changes
+            recorded = runs["run"] != FLOAT_REFERENCE if "run" in runs else pd.Series(True, index=runs.index)
+            shown.loc[recorded, "changes"] = [short_changes(rows) for rows in changed]
         if "run" in runs:  # a label is a name: one line
             shown["run"] = shown["run"].map(lambda v: f"<span style='white-space:nowrap'>{v}</span>")
         table = shown.to_html(index=False, float_format=number, border=0, escape=False, na_rep="")
