@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,13 +57,25 @@ def x86_mapping():
     return get_default_qconfig_mapping("x86")
 
 
+# trained weights kept with the tests: the text decoder trains for a minute on two cores, the same
+# weights every time (tests/test_text_decoder.py checks the file is the current recipe's, and
+# `make test-slow` trains it again)
+COMMITTED_WEIGHTS = Path(__file__).parent / "weights"
+
+
 def pytest_configure(config):
     """One folder for the trained demo models of the whole run, the notebooks' kernels included
     (they inherit the environment): each model is trained once (seeded, so every test sees the
-    same weights) and loaded from there after. A ``QREPORT_WIDGETS_CACHE`` already set is kept
-    (a developer's repeated runs skip the training); else a fresh folder per run."""
+    same weights) and loaded from there after; the weights in ``tests/weights`` are put there
+    first. A ``QREPORT_WIDGETS_CACHE`` already set is kept (a developer's repeated runs skip the
+    training); else a fresh folder per run."""
     if not os.environ.get(CACHE_VARIABLE):
         os.environ[CACHE_VARIABLE] = tempfile.mkdtemp(prefix="qreport-demo-weights-")
+    folder = Path(os.environ[CACHE_VARIABLE])
+    folder.mkdir(parents=True, exist_ok=True)
+    for weights in COMMITTED_WEIGHTS.glob("*.pt"):
+        if not (folder / weights.name).exists():
+            shutil.copyfile(weights, folder / weights.name)
 
 
 @pytest.fixture(scope="session")
@@ -72,8 +85,8 @@ def digits_cache():
 
 @pytest.fixture(scope="session")
 def text_decoder(digits_cache):
-    """The byte-level decoder trained on the Python reference's help topics (about a minute, once
-    per run) and its held-out text."""
+    """The byte-level decoder trained on the Python reference's help topics (its weights from
+    ``tests/weights``) and its held-out text."""
     from qreport_widgets.demo.text import trained_text_decoder
 
     return trained_text_decoder(cache_dir=digits_cache)

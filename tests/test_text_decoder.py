@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from conftest import text_decoder_report
+from conftest import COMMITTED_WEIGHTS, text_decoder_report
 
 import qreport_widgets as qw
 from qreport_widgets.core.metrics import perplexity
-from qreport_widgets.demo.text import HELD_OUT, TOKENS, text_bytes
+from qreport_widgets.demo.text import HELD_OUT, TOKENS, decoder_weights_name, text_bytes, trained_text_decoder
 from qreport_widgets.engines.settings import ModuleSettings
 
 
@@ -26,6 +26,27 @@ def test_the_held_out_text_is_never_trained_on(text_decoder):
     assert len(starts) == len(windows)  # no window twice
     text = bytes(held.tolist())
     assert all(bytes(w.tolist()) in text for w in windows)
+
+
+def test_the_weights_kept_with_the_tests_are_the_current_recipes():
+    """The tests load the decoder from tests/weights; a changed model, training loop or text names
+    another file, which must be trained and kept there (else every run trains it for a minute)."""
+    name = decoder_weights_name()
+    kept = sorted(p.name for p in COMMITTED_WEIGHTS.glob("text_decoder_*.pt"))
+    assert kept == [name], (
+        f"tests/weights holds {kept}, the current recipe is {name}: remove the old file and run "
+        "python -c \"from qreport_widgets.demo.text import trained_text_decoder; trained_text_decoder(cache_dir='tests/weights')\""
+    )
+
+
+@pytest.mark.slow
+def test_training_again_gives_the_kept_weights(text_decoder, tmp_path):
+    """The recipe trained from scratch (a minute) predicts the held-out text as the kept weights do:
+    the same weights bit for bit on the machine that trained them, the same perplexity elsewhere."""
+    kept, data = text_decoder
+    trained, _ = trained_text_decoder(cache_dir=tmp_path)
+    assert (tmp_path / decoder_weights_name()).exists()
+    assert data.perplexity(trained) == pytest.approx(data.perplexity(kept), rel=0.02)
 
 
 def test_perplexity_is_huggingfaces_own_loss_and_beats_byte_frequencies(text_decoder):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,6 +33,16 @@ def cached_file(cache_dir: str | Path | None, name: str) -> Path | None:
     if cache_dir is None:
         return None
     return (cache_folder() if cache_dir == USER_CACHE else Path(cache_dir)) / name
+
+
+def recipe_tag(*parts: object) -> str:
+    """Eight hex digits that change with any of ``parts`` (a training function's source, its settings,
+    the bytes of its data): a cached file named with them is never the weights of another recipe."""
+    digest = hashlib.sha1()
+    for part in parts:
+        digest.update(part if isinstance(part, bytes) else repr(part).encode("utf-8"))
+        digest.update(b"\0")
+    return digest.hexdigest()[:8]
 
 
 def trained_once(build: Callable[[], nn.Module], train: Callable[[nn.Module], None], cached: Path | None) -> nn.Module:

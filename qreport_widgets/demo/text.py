@@ -14,6 +14,7 @@ Hugging Face ``LlamaForCausalLM`` (``transformers`` is a development dependency)
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from ..core.metrics import perplexity
-from .cache import USER_CACHE, cached_file, trained_once
+from .cache import USER_CACHE, cached_file, recipe_tag, trained_once
 
 TOKENS = 128  # bytes per sequence
 HELD_OUT = 0.1  # the last tenth of the text is never trained on
@@ -73,20 +74,30 @@ def build_text_decoder() -> nn.Module:
 def trained_text_decoder(cache_dir: str | Path | None = USER_CACHE, steps: int = 600) -> tuple[nn.Module, TextData]:
     """The byte-level decoder trained for ``steps`` steps of 16 random windows of the first nine
     tenths of the text (fixed seeds), in eval mode, and the held-out text. Trained once (about a
-    minute on two cores) and kept in ``cache_dir`` (default: ``cache.cache_folder()``; None: not kept)."""
+    minute on two cores) and kept in ``cache_dir`` (default: ``cache.cache_folder()``; None: not kept)
+    as ``decoder_weights_name(steps)``."""
+    cached = cached_file(cache_dir, decoder_weights_name(steps))
+    return trained_once(build_text_decoder, lambda model: _train(model, steps), cached), text_data()
 
-    def train(model: nn.Module) -> None:
-        ids = text_bytes()
-        text = ids[: int(len(ids) * (1 - HELD_OUT))]
-        generator = torch.Generator().manual_seed(0)
-        optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, max_lr=3e-3, total_steps=steps, pct_start=0.1)
-        for _ in range(steps):
-            starts = torch.randint(0, len(text) - TOKENS, (16,), generator=generator)
-            windows = torch.stack([text[s : s + TOKENS] for s in starts.tolist()])
-            optimiser.zero_grad()
-            model(input_ids=windows, labels=windows).loss.backward()
-            optimiser.step()
-            schedule.step()
 
-    return trained_once(build_text_decoder, train, cached_file(cache_dir, f"text_decoder_{steps}.pt")), text_data()
+def decoder_weights_name(steps: int = 600) -> str:
+    """The file the trained decoder's weights are kept as: named by its steps and a tag of its whole
+    recipe (the model, the training loop, the text), so weights of another recipe are never loaded."""
+    text = text_bytes().numpy().tobytes()
+    parts = (inspect.getsource(build_text_decoder), inspect.getsource(_train), DECODER, TOKENS, HELD_OUT, steps, text)
+    return f"text_decoder_{steps}_{recipe_tag(*parts)}.pt"
+
+
+def _train(model: nn.Module, steps: int) -> None:
+    ids = text_bytes()
+    text = ids[: int(len(ids) * (1 - HELD_OUT))]
+    generator = torch.Generator().manual_seed(0)
+    optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    for _ in range(steps):
+        starts = torch.randint(0, len(text) - TOKENS, (16,), generator=generator)
+        windows = torch.stack([text[s : s + TOKENS] for s in starts.tolist()])
+        optimiser.zero_grad()
+        model(input_ids=windows, labels=windows).loss.backward()
+        optimiser.step()
+        schedule.step()
