@@ -34,8 +34,8 @@ def test_the_weights_kept_with_the_tests_are_the_current_recipes():
     name = decoder_weights_name()
     kept = sorted(p.name for p in COMMITTED_WEIGHTS.glob("text_decoder_*.pt"))
     assert kept == [name], (
-        f"tests/weights holds {kept}, the current recipe is {name}: remove the old file and run "
-        "python -c \"from qreport_widgets.demo.text import trained_text_decoder; trained_text_decoder(cache_dir='tests/weights')\""
+        f"tests/weights holds {kept}, the current recipe is {name}: remove the old file and run python -c "
+        "\"from qreport_widgets.demo.text import trained_text_decoder; trained_text_decoder(cache_dir='tests/weights')\""
     )
 
 
