@@ -936,7 +936,7 @@ LANGUAGE_MODEL_INT4 = [
         "## In the widget\n"
         "\n"
         "**Tune** lists each module with its format, group size and algorithm; the runs above are in its runs "
-        "table, with their perplexity. Its switch \"work with: modules | blocks\" ranks, proposes and finds the "
+        'table, with their perplexity. Its switch "work with: modules | blocks" ranks, proposes and finds the '
         "size front block by block (as `reach(target, by_block=True)` and `fit(..., by_block=True)` do: every "
         "Linear of a block kept float, or given one choice, together); the block filter shows one block's rows.",
     ),
