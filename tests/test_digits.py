@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import runpy
+
 import pytest
 import torch
+from conftest import COMMITTED_WEIGHTS
 
-from qreport_widgets.demo.digits import MODELS, build_digits_model, trained_digits_model
+from qreport_widgets.demo.digits import MODELS, build_digits_model, default_epochs, digits_weights_name, trained_digits_model
+from qreport_widgets.demo.text import decoder_weights_name
 
 
 # the MobileNet trains for 50 s (20 epochs of 54 layers): run by `make test-slow`
@@ -19,6 +23,18 @@ def test_trained_models_are_accurate_and_cached(name, tmp_path):
     for (key, value), other in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(value, other), key
     assert list(tmp_path.iterdir())[0].name.startswith(f"digits_{name}")
+
+
+def test_the_weights_kept_with_the_tests_are_the_current_recipes():
+    """The tests load the trained models from tests/weights; a changed model, training loop or data
+    names other files, which must be trained there (else every run trains them, a minute and a half)."""
+    refresh = runpy.run_path(str(COMMITTED_WEIGHTS / "refresh.py"))  # its KEPT: the models trained there
+    expected = {digits_weights_name(name, default_epochs(name)) for name in refresh["KEPT"]} | {decoder_weights_name()}
+    kept = {path.name for path in COMMITTED_WEIGHTS.glob("*.pt")}
+    assert kept == expected, (
+        f"tests/weights: remove {sorted(kept - expected)}, then train {sorted(expected - kept)} "
+        "with `python tests/weights/refresh.py`"
+    )
 
 
 def test_unknown_model_name():

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import COMMITTED_WEIGHTS, text_decoder_report
+from conftest import text_decoder_report
 
 import qreport_widgets as qw
 from qreport_widgets.core.metrics import perplexity
@@ -26,17 +26,6 @@ def test_the_held_out_text_is_never_trained_on(text_decoder):
     assert len(starts) == len(windows)  # no window twice
     text = bytes(held.tolist())
     assert all(bytes(w.tolist()) in text for w in windows)
-
-
-def test_the_weights_kept_with_the_tests_are_the_current_recipes():
-    """The tests load the decoder from tests/weights; a changed model, training loop or text names
-    another file, which must be trained and kept there (else every run trains it for a minute)."""
-    name = decoder_weights_name()
-    kept = sorted(p.name for p in COMMITTED_WEIGHTS.glob("text_decoder_*.pt"))
-    assert kept == [name], (
-        f"tests/weights holds {kept}, the current recipe is {name}: remove the old file and run python -c "
-        "\"from qreport_widgets.demo.text import trained_text_decoder; trained_text_decoder(cache_dir='tests/weights')\""
-    )
 
 
 @pytest.mark.slow

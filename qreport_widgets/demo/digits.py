@@ -11,6 +11,8 @@ weights between calls.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from .architectures import MobileNetV3Small, PReLUNet
-from .cache import USER_CACHE, cached_file, trained_once
+from .cache import USER_CACHE, cached_file, recipe_tag, trained_once
 
 MODELS = ("cnn", "mixer", "mobilenet", "prelu", "prelu_chain", "bert")
 _TRAIN = 1280  # the first images train, the rest calibrate (half) and evaluate (half)
@@ -145,6 +147,9 @@ def digits_data(batch_size: int = 64) -> DigitsData:
     return DigitsData(calibration, evaluation, rest_labels[half:])
 
 
+_CLASSES = {"cnn": DigitsCNN, "mixer": DigitsMixer, "mobilenet": DigitsMobileNet, "bert": DigitsBert}
+
+
 def build_digits_model(name: str) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"unknown digits model {name!r}; pick one of {', '.join(MODELS)}")
@@ -152,7 +157,7 @@ def build_digits_model(name: str) -> nn.Module:
         return PReLUNet(in_channels=1, size=8)
     if name == "prelu_chain":  # the same, its slopes starting negative: broken kernels that only matter together
         return PReLUNet(in_channels=1, size=8, slope=-0.25)
-    return {"cnn": DigitsCNN, "mixer": DigitsMixer, "mobilenet": DigitsMobileNet, "bert": DigitsBert}[name]()
+    return _CLASSES[name]()
 
 
 def trained_digits_model(
@@ -167,19 +172,39 @@ def trained_digits_model(
     ``truth.py``); ``prelu_chain`` the same with slopes starting at -0.25, where that kernel leaves
     the output garbage: three such PReLUs in series each gain nothing kept float alone, together
     about 33 dB (and a fourth, after them, agrees with its reference until they are float)."""
-    epochs = epochs if epochs is not None else {"mobilenet": 20, "bert": 20}.get(name, 30)
+    epochs = epochs if epochs is not None else default_epochs(name)
+    cached = cached_file(cache_dir, digits_weights_name(name, epochs))
+    return trained_once(lambda: build_digits_model(name), lambda model: _train(model, epochs), cached), digits_data()
 
-    def train(model: nn.Module) -> None:
-        images, labels = digits_tensors()
-        generator = torch.Generator().manual_seed(0)
-        optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
-        for _ in range(epochs):
-            order = torch.randperm(_TRAIN, generator=generator)
-            for start in range(0, _TRAIN, 64):
-                index = order[start : start + 64]
-                optimiser.zero_grad()
-                nn.functional.cross_entropy(model(images[index]), labels[index]).backward()
-                optimiser.step()
 
-    cached = cached_file(cache_dir, f"digits_{name}_{epochs}.pt")
-    return trained_once(lambda: build_digits_model(name), train, cached), digits_data()
+def default_epochs(name: str) -> int:
+    return {"mobilenet": 20, "bert": 20}.get(name, 30)
+
+
+def digits_weights_name(name: str, epochs: int) -> str:
+    """The file model ``name``'s trained weights are kept as: named by its epochs and a tag of its
+    recipe (its class, the training loop, the images), so weights of another recipe are never loaded."""
+    if name not in MODELS:
+        raise ValueError(f"unknown digits model {name!r}; pick one of {', '.join(MODELS)}")
+    model_class = {"prelu": PReLUNet, "prelu_chain": PReLUNet}.get(name) or _CLASSES[name]
+    parts = (inspect.getsource(build_digits_model), inspect.getsource(model_class), inspect.getsource(_train), name, epochs)
+    return f"digits_{name}_{epochs}_{recipe_tag(*parts, _digits_digest())}.pt"
+
+
+@functools.cache
+def _digits_digest() -> str:
+    images, labels = digits_tensors()
+    return recipe_tag(images.numpy().tobytes(), labels.numpy().tobytes())
+
+
+def _train(model: nn.Module, epochs: int) -> None:
+    images, labels = digits_tensors()
+    generator = torch.Generator().manual_seed(0)
+    optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(epochs):
+        order = torch.randperm(_TRAIN, generator=generator)
+        for start in range(0, _TRAIN, 64):
+            index = order[start : start + 64]
+            optimiser.zero_grad()
+            nn.functional.cross_entropy(model(images[index]), labels[index]).backward()
+            optimiser.step()
