@@ -233,3 +233,56 @@ def test_after_a_real_run_misses_a_metric_target_fit_runs_the_first_point_the_mi
     assert mixed._corrected_step(front, 0, missed, meets) == 5
     # with no point left that the miss lets meet it, the next point
     assert mixed._corrected_step(front.iloc[:5], 0, missed, meets) == 1
+
+
+def test_the_chain_walked_in_context_takes_the_step_that_helps_given_the_steps_before():
+    """Three units, each smaller or larger. Alone, a helps most, then b, then c; with a larger, c
+    removes almost all that is left and b nearly nothing (their errors compound with a's): the walk
+    takes a, then c, then b, where the chain of gains alone takes a, b, c. About two simulations a step."""
+    small, large = ModuleSettings(format="int4-weight-only"), ModuleSettings(format="int8-weight-only")
+    alone = {"a": 0.5, "b": 0.4, "c": 0.3}  # noise each removes alone (of 1.0), for 10 bytes
+    hulls = {unit: [mixed.Option(small, 0, removed), mixed.Option(large, 10, 0.0)] for unit, removed in alone.items()}
+    noise_of = {(): 1.0, ("a",): 0.5, ("b",): 0.6, ("c",): 0.7, ("a", "b"): 0.45, ("a", "c"): 0.1, ("b", "c"): 0.2}
+    noise_of[("a", "b", "c")] = 0.0
+    asked = []
+
+    def measure(points):
+        asked.extend(points)
+        noises = [noise_of[tuple(u for u, c in p.items() if c == large)] for p in points]
+        return [-10 * math.log10(n) if n else math.inf for n in noises]
+
+    walked = mixed._walked_in_context(hulls, measure)
+    larger = [tuple(u for u, c in point.items() if c == large) for point in walked]
+    assert larger == [("a",), ("a", "c"), ("a", "b", "c")]
+    chained = [tuple(u for u, c in point.items() if c == large) for point in mixed._chain(hulls)[1:]]
+    assert chained == [("a",), ("a", "b"), ("a", "b", "c")]
+    distinct = {tuple(p.items()) for p in asked}
+    assert len(distinct) <= 1 + len(walked) * mixed.IN_CONTEXT_PER_STEP and len(distinct) == 5  # {}, a, ab, ac, abc
+
+
+def test_on_a_decoder_the_front_walked_in_context_is_never_worse_and_somewhere_better_than_gains_alone(monkeypatch):
+    """The tiny Llama's blocks: the front with the in-context walk against the same front from the
+    chain of gains alone; at every size either front reaches, the walk's best is at least as good,
+    somewhere by more than the simulation's error, and its new points are what real runs measure."""
+    model, batches = tiny_llama()
+
+    def front_of(walk: bool):
+        monkeypatch.setattr(mixed, "IN_CONTEXT_UNITS", mixed.IN_CONTEXT_UNITS if walk else 0)
+        session = QuantizationSession(model, batches[0], batches[:4], eval_data=batches[4:], engine="eager")
+        return session, session.pareto(progress=quiet, by_block=True)
+
+    session, walked = front_of(True)
+    _, alone = front_of(False)
+    assert_a_front(walked)
+    sizes = sorted(set(walked["size_bytes"]) | set(alone["size_bytes"]))
+
+    def best(front, size):
+        under = front[front["size_bytes"] <= size]["simulated_output_sqnr_db"]
+        return under.max() if len(under) else -math.inf
+
+    gains = [best(walked, size) - best(alone, size) for size in sizes]
+    assert min(gains) >= 0 and max(gains) > 0.5, gains
+    chained = {tuple(sorted(p.items())) for p in alone["settings"]}
+    new = walked[[tuple(sorted(p.items())) not in chained for p in walked["settings"]]]
+    assert len(new) > 0
+    assert_points_agree_with_real_runs(session, new)
