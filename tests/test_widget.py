@@ -351,3 +351,15 @@ def test_a_selection_change_refreshes_the_view_once_with_a_consistent_pair(repor
     assert shown == [("stem.conv", ACTIVATION_VALUES, View.LINE, "stem")]
     with pytest.raises(traitlets.TraitError, match="no feature"):
         controls.selection = Selection("mlp.act", F.EQUALIZATION_COMP_METRICS)
+
+
+def test_a_module_that_started_float_and_runs_quantized_says_it_was_float():
+    import pandas as pd
+
+    from qreport_widgets import ModuleSettings
+    from qreport_widgets.tune.run import RunResult
+
+    settings = {"fc1": ModuleSettings(format="int8-weight-only"), "fc2": ModuleSettings(keep_float=True)}
+    start = {"fc1": ModuleSettings(keep_float=True), "fc2": ModuleSettings(format="int8-weight-only")}
+    run = RunResult(None, None, 30.0, pd.Series(dtype=float), 0, 1.0, 0.1, settings=settings)
+    assert run.changes(start) == "fc1: format=int8-weight-only, was float; fc2: keep_float"

@@ -93,13 +93,20 @@ class RunResult:
             before = start.get(fqn)
             if before is None or choice == before:
                 continue
+            if choice.keep_float:  # what it was quantized with no longer matters
+                found.append(Change(fqn, ("keep_float",)))
+                continue
             values = {f.name: getattr(choice, f.name) for f in fields(choice)}
             words = [
                 name if value is True else f"{name}={value}"
                 for name, value in values.items()
                 if value != getattr(before, name) and value not in (False, "")
             ]
-            undone = [f"no {name}" for name, value in values.items() if value in (False, "") and getattr(before, name)]
+            undone = [
+                "was float" if name == "keep_float" else f"no {name}"
+                for name, value in values.items()
+                if value in (False, "") and getattr(before, name)
+            ]
             found.append(Change(fqn, (*words, *undone)))
         return tuple(found)
 
