@@ -22,6 +22,7 @@ from qreport_widgets.tune.diagnosis import meets_target
 from qreport_widgets.tune.search import (
     MIN_STEP_DB,
     PAIRS_FROM,
+    PREFIX_SHARE,
     SEARCH_BUDGET,
     SEARCH_FLOOR,
     SHORTLIST,
@@ -220,6 +221,26 @@ def test_a_search_that_goes_on_gaining_stops_at_its_budget_and_says_so():
     budget = SEARCH_BUDGET * len(names)
     assert not path.met and f"after {search.simulated} simulated sets, its budget ({budget} sets for 50" in path.notes[-1]
     assert budget <= search.simulated <= budget + SHORTLIST + WIDEN_ROUND  # it stops at the next step
+
+
+def test_a_far_target_in_reach_is_met_by_the_orders_prefix_found_by_halving_then_pruned():
+    """80 modules, each a little noise: the target needs all but a few float, which one pick at a
+    time (about 0.2 dB a step) would reach after hundreds of sets. The forward search spends its share
+    of the budget, then the fewest of the one-at-a-time order that meet (by halving: 7 sets) are
+    taken and pruned, latest first, with the rest of the budget."""
+    names = [f"m{i}" for i in range(80)]
+    noise = {name: 0.01 * (1 + (i % 5) / 10) for i, name in enumerate(names)}  # the ranking's order: most first
+    ranking = sorted(names, key=lambda m: -noise[m])
+    measure = _noise_model({}, noise)
+    (target,) = [db for db, _ in measure([frozenset(ranking[:72])])]
+    search = FloatSearch(measure, ranking, meets=lambda s, m: s >= target)
+    path = search.run()
+    assert path.met and len(path.chosen) <= 72
+    assert any(step.action == Action.WALK and "found by halving" in step.why for step in path.steps)
+    assert "meet the target (found by halving)" in " ".join(path.notes)
+    whole = 1 + 1 + max(SEARCH_BUDGET * len(names), SEARCH_FLOOR)  # the start, every module float, the budget
+    assert search.simulated <= whole + SHORTLIST + WIDEN_ROUND + math.ceil(math.log2(len(names)))
+    assert len(names) // PREFIX_SHARE < search.simulated  # the forward search had its share first
 
 
 def test_each_set_is_simulated_once():

@@ -38,6 +38,9 @@ WIDEN_ROUND = 8  # modules beyond the shortlist re-measured per round when it ru
 # a run given no budget simulates at most this many times the modules there are (at least
 # SEARCH_FLOOR sets), then stops at the next step: a sensitivity() pass's sets, plus the floor's walk
 SEARCH_BUDGET = 1
+# where the target is in reach but not at the start: the forward search may spend this share of the budget
+# (1 / PREFIX_SHARE), then the prefix of the one-at-a-time order that meets is taken and pruned with the rest
+PREFIX_SHARE = 2
 SEARCH_FLOOR = 40
 MIN_STEP_DB = 0.05  # a pick must gain this much given the picks before it
 MIN_STEP_METRIC = 1e-4  # or, for a metric target, this much of the metric
@@ -266,6 +269,8 @@ class FloatSearch:
         current = origin
         steps: list[Step] = []
         notes: list[str] = []
+        prefix_from: tuple[float, float | None] | None = None  # every module float, when that meets the target
+        whole_budget = budget
         if floor and self.meets is not None and not self._met(origin):
             (ceiling,) = self.measure([self.everything])
             if not self._met(ceiling):  # out of reach in simulation: the search only looks for a set near the top
@@ -274,6 +279,12 @@ class FloatSearch:
                     f"every module float simulates at {ceiling[0]:.2f} dB, short of the target: the search "
                     f"looked for the fewest modules near that within {len(self.everything)} simulated sets"
                 )
+            elif not start:
+                # in reach: the forward search has part of the budget; where it falls short, the prefix of the
+                # order that meets is found by halving and pruned with the rest (far targets need most modules
+                # float, which one pick at a time reaches slowly)
+                prefix_from = ceiling
+                budget = min(budget, self.simulated + max(len(self.everything) // PREFIX_SHARE, SEARCH_FLOOR))
         last: str | None = chosen[-1] if chosen else None
         tried_group = False
         self._cursor, self._cut = 0, False
@@ -320,9 +331,24 @@ class FloatSearch:
             chosen, last = [*chosen, *names], names[-1]
             steps.append(self._step(Action.TOGETHER, names, current, result, len(chosen), why))
             current = result
+        pruned_from_prefix = False
+        prefix = self._fewest_prefix(prefix_from) if prefix_from is not None and not self._met(current) else None
+        if prefix is not None and prefix[0] <= most:
+            count, result = prefix
+            notes.append(
+                f"the first {count} modules of the one-at-a-time order meet the target (found by halving): taken, "
+                "then pruned within the search's budget"
+            )
+            chosen, current = list(self.everything[:count]), result
+            why = f"the first {count} of the one-at-a-time order (then the ops not ranked) meet the target, found by halving"
+            steps.append(self._step(Action.WALK, tuple(chosen), origin, result, count, why))
+            pruned_from_prefix = True
         if self._met(current) and len(chosen) > 1:
-            chosen, current = self._prune(chosen, current, steps, keep_met=True)
-        walk = self._walk(len(chosen)) if floor and self._met(current) and not start else None
+            if pruned_from_prefix:  # the least harmful alone first, within what the forward search left
+                chosen, current = self._prune(chosen, current, steps, keep_met=True, budget=whole_budget, latest_first=True)
+            else:
+                chosen, current = self._prune(chosen, current, steps, keep_met=True)
+        walk = self._walk(len(chosen)) if floor and self._met(current) and not start and not pruned_from_prefix else None
         if walk is not None:
             count, result = walk
             chosen, current = self.ranking[:count], result
@@ -405,11 +431,15 @@ class FloatSearch:
         steps: list[Step],
         keep_met: bool,
         only: Sequence[str] | None = None,
+        budget: int | None = None,
+        latest_first: bool = False,
     ) -> tuple[list[str], tuple[float, float | None]]:
-        """One pass, earliest first: drop each module (of ``only``, or any) whose removal still meets
-        the target (``keep_met``) or costs less than a step's least gain."""
-        for name in [m for m in chosen if only is None or m in only]:
-            if len(chosen) <= 1:
+        """One pass, earliest first (or ``latest_first``): drop each module (of ``only``, or any) whose
+        removal still meets the target (``keep_met``) or costs less than a step's least gain; until
+        ``budget`` sets are simulated."""
+        order = reversed(chosen) if latest_first else chosen
+        for name in [m for m in order if only is None or m in only]:
+            if len(chosen) <= 1 or (budget is not None and self.simulated >= budget):
                 break
             rest = [m for m in chosen if m != name]
             (without,) = self.measure([rest])
@@ -419,6 +449,21 @@ class FloatSearch:
                 steps.append(self._step(Action.DROP, (name,), current, without, len(rest), why))
                 chosen, current = rest, without
         return chosen, current
+
+    def _fewest_prefix(self, ceiling: tuple[float, float | None]) -> tuple[int, tuple[float, float | None]]:
+        """The fewest modules of ``everything``'s order (the ranking, then the ops not ranked) that
+        meet the target, by halving between none (not met) and all (``ceiling``, met): about
+        log2(modules) sets; the order's gains need not add up, so this is a count that meets, not
+        always the fewest."""
+        low, high, found = 0, len(self.everything), ceiling
+        while high - low > 1:
+            middle = (low + high) // 2
+            (result,) = self.measure([self.everything[:middle]])
+            if self._met(result):
+                high, found = middle, result
+            else:
+                low = middle
+        return high, found
 
     def _walk(self, count: int) -> tuple[int, tuple[float, float | None]] | None:
         """The fewest modules of the one-at-a-time order that meet the target, when fewer than ``count``."""
