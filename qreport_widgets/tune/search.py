@@ -15,7 +15,10 @@ forward selection measured in the simulation after every pick:
   not picked was re-measured with the picks and none gains;
 - once the target is met, the picks are pruned (one pass, earliest first: a pick whose removal
   still meets the target goes), and the one-at-a-time walk is checked against it, so the search
-  never keeps more modules float than that walk would for the same target.
+  never keeps more modules float than that walk would for the same target;
+- a far target (every module float meets it) that the forward search has not met within half its
+  budget: the fewest modules of the one-at-a-time order that meet it are found by halving, taken,
+  and pruned (least harmful alone first) with the rest of the budget.
 
 Every simulated set is kept (``measured``), so a set is simulated once, and ``reach()`` can look
 for a smaller set within the simulation's error after its real run.
