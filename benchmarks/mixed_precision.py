@@ -69,10 +69,10 @@ def split(modules: list[str], first: ModuleSettings, second: ModuleSettings) -> 
     return {fqn: first if i < half else second for i, fqn in enumerate(modules)}
 
 
-def in_context_gain(name: str, cache_dir: str | None, front, by_block: bool) -> tuple[float, int, int, float]:
+def in_context_gain(name: str, cache_dir: str | None, front, by_block: bool) -> tuple[float, float, int, int, float]:
     """The front against the same front from gains alone (a fresh session): the largest and the
-    smallest difference of their best simulated SQNR at the sizes either reaches, their count, and
-    the seconds the front from gains alone took."""
+    smallest difference of their best simulated SQNR at the sizes either reaches, at how many of
+    them the front is better, how many there are, and the seconds the front from gains alone took."""
     walk = mixed.IN_CONTEXT_UNITS
     mixed.IN_CONTEXT_UNITS = 0
     try:

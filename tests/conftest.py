@@ -57,9 +57,9 @@ def x86_mapping():
     return get_default_qconfig_mapping("x86")
 
 
-# trained weights kept with the tests: the text decoder trains for a minute on two cores, the same
-# weights every time (tests/test_text_decoder.py checks the file is the current recipe's, and
-# `make test-slow` trains it again)
+# trained weights kept with the tests (the text decoder alone trains for a minute on two cores):
+# tests/test_digits.py checks they are the current recipes' files, the digits models' tests train
+# each again, and `make test-slow` the text decoder
 COMMITTED_WEIGHTS = Path(__file__).parent / "weights"
 
 

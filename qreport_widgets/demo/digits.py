@@ -147,17 +147,29 @@ def digits_data(batch_size: int = 64) -> DigitsData:
     return DigitsData(calibration, evaluation, rest_labels[half:])
 
 
-_CLASSES = {"cnn": DigitsCNN, "mixer": DigitsMixer, "mobilenet": DigitsMobileNet, "bert": DigitsBert}
+_CLASSES = {
+    "cnn": DigitsCNN,
+    "mixer": DigitsMixer,
+    "mobilenet": DigitsMobileNet,
+    "prelu": PReLUNet,
+    "prelu_chain": PReLUNet,
+    "bert": DigitsBert,
+}
+
+
+def _model_class(name: str) -> type[nn.Module]:
+    if name not in _CLASSES:
+        raise ValueError(f"unknown digits model {name!r}; pick one of {', '.join(MODELS)}")
+    return _CLASSES[name]
 
 
 def build_digits_model(name: str) -> nn.Module:
-    if name not in MODELS:
-        raise ValueError(f"unknown digits model {name!r}; pick one of {', '.join(MODELS)}")
+    model_class = _model_class(name)
     if name == "prelu":  # a face-detector stage's layout on the 8 x 8 digits
         return PReLUNet(in_channels=1, size=8)
     if name == "prelu_chain":  # the same, its slopes starting negative: broken kernels that only matter together
         return PReLUNet(in_channels=1, size=8, slope=-0.25)
-    return _CLASSES[name]()
+    return model_class()
 
 
 def trained_digits_model(
@@ -184,9 +196,7 @@ def default_epochs(name: str) -> int:
 def digits_weights_name(name: str, epochs: int) -> str:
     """The file model ``name``'s trained weights are kept as: named by its epochs and a tag of its
     recipe (its class, the training loop, the images), so weights of another recipe are never loaded."""
-    if name not in MODELS:
-        raise ValueError(f"unknown digits model {name!r}; pick one of {', '.join(MODELS)}")
-    model_class = {"prelu": PReLUNet, "prelu_chain": PReLUNet}.get(name) or _CLASSES[name]
+    model_class = _model_class(name)
     parts = (inspect.getsource(build_digits_model), inspect.getsource(model_class), inspect.getsource(_train), name, epochs)
     return f"digits_{name}_{epochs}_{recipe_tag(*parts, _digits_digest())}.pt"
 

@@ -14,6 +14,7 @@ Hugging Face ``LlamaForCausalLM`` (``transformers`` is a development dependency)
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,9 +84,13 @@ def trained_text_decoder(cache_dir: str | Path | None = USER_CACHE, steps: int =
 def decoder_weights_name(steps: int = 600) -> str:
     """The file the trained decoder's weights are kept as: named by its steps and a tag of its whole
     recipe (the model, the training loop, the text), so weights of another recipe are never loaded."""
-    text = text_bytes().numpy().tobytes()
-    parts = (inspect.getsource(build_text_decoder), inspect.getsource(_train), DECODER, TOKENS, HELD_OUT, steps, text)
-    return f"text_decoder_{steps}_{recipe_tag(*parts)}.pt"
+    parts = (inspect.getsource(build_text_decoder), inspect.getsource(_train), DECODER, TOKENS, HELD_OUT, steps)
+    return f"text_decoder_{steps}_{recipe_tag(*parts, _text_digest())}.pt"
+
+
+@functools.cache
+def _text_digest() -> str:
+    return recipe_tag(text_bytes().numpy().tobytes())
 
 
 def _train(model: nn.Module, steps: int) -> None:
