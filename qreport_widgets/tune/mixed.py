@@ -194,7 +194,7 @@ def size_front(
 
     walked = _walked_in_context(hulls, measure) if len(hulls) <= IN_CONTEXT_UNITS else []
     extra = [p for p in searched + walked if p not in chain]
-    picked_points = [spread(chain[i]) for i in picked] + [spread(dict(p)) for p in dict.fromkeys(map(_frozen, extra))]
+    picked_points = [spread(chain[i]) for i in picked] + [spread(dict(p)) for p in dict.fromkeys(tuple(p.items()) for p in extra)]
     uniform = _uniform(choices)
     pool = picked_points + list(uniform.values())
     metric = runner.eval_fn is not None
@@ -505,10 +505,6 @@ def _walked_in_context(
         else:
             del known[unit]
     return walked
-
-
-def _frozen(point: Mapping[str, ModuleSettings]) -> tuple[tuple[str, ModuleSettings], ...]:
-    return tuple(point.items())
 
 
 def _spread(chain: Sequence[Any], most: int) -> list[int]:

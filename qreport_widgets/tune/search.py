@@ -334,9 +334,9 @@ class FloatSearch:
             chosen, last = [*chosen, *names], names[-1]
             steps.append(self._step(Action.TOGETHER, names, current, result, len(chosen), why))
             current = result
-        pruned_from_prefix = False
         prefix = self._fewest_prefix(prefix_from) if prefix_from is not None and not self._met(current) else None
-        if prefix is not None and prefix[0] <= most:
+        from_prefix = prefix is not None and prefix[0] <= most
+        if from_prefix:
             count, result = prefix
             notes.append(
                 f"the first {count} modules of the one-at-a-time order meet the target (found by halving): taken, "
@@ -345,13 +345,12 @@ class FloatSearch:
             chosen, current = list(self.everything[:count]), result
             why = f"the first {count} of the one-at-a-time order (then the ops not ranked) meet the target, found by halving"
             steps.append(self._step(Action.WALK, tuple(chosen), origin, result, count, why))
-            pruned_from_prefix = True
         if self._met(current) and len(chosen) > 1:
-            if pruned_from_prefix:  # the least harmful alone first, within what the forward search left
+            if from_prefix:  # the least harmful alone first, within what the forward search left
                 chosen, current = self._prune(chosen, current, steps, keep_met=True, budget=whole_budget, latest_first=True)
             else:
                 chosen, current = self._prune(chosen, current, steps, keep_met=True)
-        walk = self._walk(len(chosen)) if floor and self._met(current) and not start and not pruned_from_prefix else None
+        walk = self._walk(len(chosen)) if floor and self._met(current) and not start and not from_prefix else None
         if walk is not None:
             count, result = walk
             chosen, current = self.ranking[:count], result
