@@ -247,7 +247,7 @@ def test_a_run_says_where_gptq_kept_rounding_and_the_simulation_agrees():
 
 
 def test_block_sensitivity_keeps_each_decoder_block_float_whole(decoder_session):
-    from qreport_widgets.tune.diagnosis import module_blocks
+    from qreport_widgets.engines.settings import module_blocks
 
     session = decoder_session
     simulation = session.parts.diagnosis.simulation()  # the baseline and its check against the simulation first

@@ -6,6 +6,7 @@ it cannot apply to a module and why; it translates settings into its own configu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
@@ -257,3 +258,17 @@ def with_suggestions(modules: Iterable[TunableModule], suggestions: Iterable[Sug
             algorithm=now.algorithm,
         )
     return settings
+
+
+_NUMBERED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def module_blocks(names: Iterable[str]) -> dict[str, list[str]]:
+    """Module names grouped by the first numbered part of their names (``model.layers.3`` for
+    ``model.layers.3.mlp.down_proj``, ``layer1.0`` for ``layer1.0.conv1``): a transformer's blocks,
+    a ResNet's; a name with no numbered part (``lm_head``) is a block of its own. First-seen order."""
+    blocks: dict[str, list[str]] = {}
+    for name in names:
+        found = _NUMBERED.match(name)
+        blocks.setdefault(found.group(1) if found else name, []).append(name)
+    return blocks

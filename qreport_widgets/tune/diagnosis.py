@@ -9,7 +9,6 @@ with a real run.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -20,7 +19,7 @@ import torch
 from ..core.metrics import Metric
 from ..core.progress import Progress, quiet
 from ..engines.contract import Variant
-from ..engines.settings import FORMATS, ModuleSettings
+from ..engines.settings import FORMATS, ModuleSettings, module_blocks
 from .migration import input_producers
 from .runner import identities
 from .search import MIN_STEP_DB, Action, FloatSearch, SearchPath, Step
@@ -670,17 +669,3 @@ def _ranked(tables: Mapping[bool, pd.DataFrame], metric: bool) -> pd.DataFrame |
 def _members(units: Iterable[str], members: Mapping[str, Sequence[str]]) -> list[str]:
     """The modules of ``units`` (modules or blocks), in their order."""
     return [name for unit in units for name in members[unit]]
-
-
-_NUMBERED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
-
-def module_blocks(names: Iterable[str]) -> dict[str, list[str]]:
-    """Module names grouped by the first numbered part of their names (``model.layers.3`` for
-    ``model.layers.3.mlp.down_proj``, ``layer1.0`` for ``layer1.0.conv1``): a transformer's blocks,
-    a ResNet's; a name with no numbered part (``lm_head``) is a block of its own. First-seen order."""
-    blocks: dict[str, list[str]] = {}
-    for name in names:
-        found = _NUMBERED.match(name)
-        blocks.setdefault(found.group(1) if found else name, []).append(name)
-    return blocks

@@ -31,9 +31,9 @@ import pandas as pd
 from ..core.metrics import Metric
 from ..core.progress import Progress, quiet
 from ..engines.contract import Variant
-from ..engines.settings import DEFAULT_GROUP_SIZE, ModuleSettings, Setting, TunableModule
+from ..engines.settings import DEFAULT_GROUP_SIZE, ModuleSettings, Setting, TunableModule, module_blocks
 from ..errors import QReportError
-from .diagnosis import MAX_EXTRA_RUNS, meets_target, module_blocks, target_words, unit_neighbours, units_of
+from .diagnosis import MAX_EXTRA_RUNS, meets_target, target_words, unit_neighbours, units_of
 from .search import SHORTLIST, FloatSearch
 from .truth import SIMULATION_ERROR_DB
 

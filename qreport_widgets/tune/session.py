@@ -18,9 +18,9 @@ from ..core.metrics import Metric
 from ..core.progress import Progress
 from ..engines import build_engine
 from ..engines.contract import Engine, Simulation, Variant
-from ..engines.settings import ModuleSettings, TunableModule, with_suggestions
+from ..engines.settings import ModuleSettings, TunableModule, module_blocks, with_suggestions
 from ..observe.records import Suggestion
-from .diagnosis import ReachPlan, metric_target, module_blocks
+from .diagnosis import ReachPlan, metric_target
 from .migration import Migration, input_producers
 from .parts import Analyzed, build_parts
 from .run import RunResult

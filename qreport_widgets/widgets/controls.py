@@ -13,8 +13,8 @@ import pandas as pd
 import traitlets
 
 from ..core import features as F
+from ..engines.settings import module_blocks
 from ..observe.frame import ReportFrame
-from ..tune.diagnosis import module_blocks
 from .views import ACTIVATION_VALUES, ALL_MODULES, View, flagged_modules, readable
 
 

@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from ...core.calibration import call_with
-from ...core.memory import give_back
+from ...core.memory import free_bytes, give_back, tensors_bytes
 from ...core.metrics import sqnr_db
-from ..contract import Variant, WholePasses
+from ..contract import Reduce, Variant, WholePasses
 from ..settings import DATA_ALGORITHMS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
 from .algorithms import CompactWeight, InputStatistics, QuantizedWeight, Recipe, choose, gram_runs, recording
 from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, ao_config, torchao_eager
+from .replay import BlockReplay
 
 FormatKey = tuple[str, int, str]  # (format, group size or 0, weight algorithm or "")
 # other formats' quantized weights kept (torchao's own int8 / int4-as-int8 tensors, about a quarter
@@ -33,6 +34,9 @@ FormatKey = tuple[str, int, str]  # (format, group size or 0, weight algorithm o
 # quantized again when next needed. The size front tries every format on every module: kept
 # dequantized, a decoder's weights would be held once per format
 OTHER_FORMATS_SHARE = 0.5
+# the blocks' outputs kept for the next pass: up to the float weights' size, at least this much (a
+# small model's activations outweigh its weights), at most a quarter of the memory free
+REPLAY_ROOM = 64 << 20
 
 
 def format_key(choice: ModuleSettings) -> FormatKey | None:
@@ -114,6 +118,9 @@ class EagerSimulation(WholePasses):
             module.register_forward_pre_hook(self._input_hook(fqn))
         self._configured: dict[str, FormatKey | None] | None = None
         self.configure(())
+        # each pass starts at the block where its formats first differ from the pass before
+        room = min(max(tensors_bytes(list(self._float.values())), REPLAY_ROOM), free_bytes() // 4)
+        self._replay = BlockReplay(model, list(self._modules), room)
 
     def _input_hook(self, fqn: str) -> Callable:
         def hook(_module: nn.Module, args: tuple) -> tuple | None:
@@ -199,6 +206,35 @@ class EagerSimulation(WholePasses):
             raise KeyError("the eager simulation takes formats (Variant.settings) and float modules only")
         self._apply(self.formats_of(variant))
 
+    def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]:
+        return self.outputs_each(batches, [variant])[0]
+
+    def outputs_each(
+        self,
+        batches: Sequence[Any],
+        variants: Sequence[Variant | Iterable[str]],
+        step: Callable[[], None] | None = None,
+        reduce: Reduce | None = None,
+    ) -> list[list[Any]]:
+        """As ``WholePasses.outputs_each``, each variant's passes starting at the first block its
+        formats change since the pass before (``replay.BlockReplay``); the variants are run in the
+        order that keeps those changes late (``BlockReplay.order``), their outputs returned in theirs."""
+        order = self._replay.order([self.formats_of(variant) for variant in variants])
+        found: list[list[Any]] = [[] for _ in variants]
+        for position in order:
+            self.configure(variants[position])
+            outputs = []
+            with torch.no_grad(), self._replay.passes(batches, dict(self._configured or {})) as at:
+                for index, batch in enumerate(batches):
+                    at(index)
+                    output = call_with(self.model, batch)
+                    outputs.append(output if reduce is None else reduce(index, output))
+                    if step is not None:
+                        step()
+            found[position] = outputs
+            give_back()  # the variant's freed weights and activations
+        return found
+
     def local_sqnr(self, batch: Any) -> dict[str, float]:
         """Each quantized module's own error: its starting format on the float model's input to it."""
         seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -227,6 +263,7 @@ class EagerSimulation(WholePasses):
         self._others.clear()
         self._others_held = 0
         self._found.clear()
+        self._replay.forget()
         self._apply(dict.fromkeys(self._modules))
         give_back()
 
