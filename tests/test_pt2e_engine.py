@@ -91,6 +91,14 @@ def test_report_keys_and_channel_axes_match_the_fx_engine(cache):
     assert reports["pt2e"].graph.units["block1.norm1"].type_name == "LayerNorm"
 
 
+# Verified suggestions on PT2E, on the layouts whose exported graphs differ in kind: conv -> add ->
+# relu annotated whole (resnet), hardswish and squeeze-excite (mobilenet_v3), attention's reshapes
+# (vit, text_encoder). Accept all's logic is the engines' own (tests/test_architectures.py accepts
+# every zoo layout's suggestions on FX, tests/test_verify.py checks what Accept all measures), and the
+# PT2E simulation it trusts is checked against real runs below. The other layouts' PT2E runs stay.
+VERIFIED_ON_PT2E = ("resnet", "mobilenet_v3", "vit", "text_encoder")
+
+
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_every_zoo_architecture_end_to_end(name):
     torch.manual_seed(0)
@@ -105,9 +113,10 @@ def test_every_zoo_architecture_end_to_end(name):
     fx, pt2e = reports["fx"].session.baseline(), pt2e_report.session.baseline()
     assert pt2e.ok and pt2e.quantized_layers > 0, pt2e.error
     assert pt2e.output_sqnr_db > fx.output_sqnr_db - 1.0, (pt2e.output_sqnr_db, fx.output_sqnr_db)
-    verified = pt2e_report.verified_suggestions(progress=quiet)
-    if verified.accept_all is not None:  # Accept all is no worse than the baseline
-        assert verified.accept_all.output_sqnr_db >= pt2e.output_sqnr_db + MIN_GAIN_DB - 1e-9
+    if name in VERIFIED_ON_PT2E:
+        verified = pt2e_report.verified_suggestions(progress=quiet)
+        if verified.accept_all is not None:  # Accept all is no worse than the baseline
+            assert verified.accept_all.output_sqnr_db >= pt2e.output_sqnr_db + MIN_GAIN_DB - 1e-9
     assert_unchanged(model, before)
 
 
