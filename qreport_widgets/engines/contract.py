@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -269,9 +269,7 @@ class WholePasses:
         """Nothing to drop (see ``Simulation.rest``)."""
 
     def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]:
-        self.configure(variant)
-        with torch.no_grad():
-            return [call_with(self.model, batch) for batch in batches]
+        return self.outputs_each(batches, [variant])[0]
 
     def outputs_each(
         self,
@@ -280,19 +278,30 @@ class WholePasses:
         step: Callable[[], None] | None = None,
         reduce: Reduce | None = None,
     ) -> list[list[Any]]:
-        found = []
-        for variant in variants:
-            self.configure(variant)
+        found: list[list[Any]] = [[] for _ in variants]
+        for position in self.pass_order(variants):
+            self.configure(variants[position])
             outputs = []
-            with torch.no_grad():
+            with torch.no_grad(), self.passes(batches) as at:
                 for index, batch in enumerate(batches):
+                    at(index)
                     output = call_with(self.model, batch)
                     outputs.append(output if reduce is None else reduce(index, output))
                     if step is not None:
                         step()
-            found.append(outputs)
+            found[position] = outputs
             give_back()  # the variant's freed weights and activations
         return found
+
+    def pass_order(self, variants: Sequence[Variant | Iterable[str]]) -> list[int]:
+        """The order to run ``variants`` in (positions); ``outputs_each`` returns them in theirs."""
+        return list(range(len(variants)))
+
+    @contextmanager
+    def passes(self, batches: Sequence[Any]) -> Iterator[Callable[[int], None]]:
+        """Around one variant's passes over ``batches``, as configured: what is told the index of
+        each batch before its pass (here nothing; the eager engine's replay starts them late)."""
+        yield lambda index: None
 
 
 class Simulation(Protocol):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 from ...core.calibration import call_with
 from ...core.memory import free_bytes, give_back, tensors_bytes
 from ...core.metrics import sqnr_db
-from ..contract import Reduce, Variant, WholePasses
+from ..contract import Variant, WholePasses
 from ..settings import DATA_ALGORITHMS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
 from .algorithms import CompactWeight, InputStatistics, QuantizedWeight, Recipe, choose, gram_runs, recording
 from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, ao_config, torchao_eager
@@ -226,34 +227,13 @@ class EagerSimulation(WholePasses):
             raise KeyError("the eager simulation takes formats (Variant.settings) and float modules only")
         self._apply(self.formats_of(variant))
 
-    def outputs(self, batches: Sequence[Any], variant: Variant | Iterable[str] = ()) -> list[Any]:
-        return self.outputs_each(batches, [variant])[0]
+    def pass_order(self, variants: Sequence[Variant | Iterable[str]]) -> list[int]:
+        """The variants sorted so that neighbours share the longest unchanged prefix (``BlockReplay.order``)."""
+        return self._replay.order([self.formats_of(variant) for variant in variants])
 
-    def outputs_each(
-        self,
-        batches: Sequence[Any],
-        variants: Sequence[Variant | Iterable[str]],
-        step: Callable[[], None] | None = None,
-        reduce: Reduce | None = None,
-    ) -> list[list[Any]]:
-        """As ``WholePasses.outputs_each``, each variant's passes starting at the first block its
-        formats change since the pass before (``replay.BlockReplay``); the variants are run in the
-        order that keeps those changes late (``BlockReplay.order``), their outputs returned in theirs."""
-        order = self._replay.order([self.formats_of(variant) for variant in variants])
-        found: list[list[Any]] = [[] for _ in variants]
-        for position in order:
-            self.configure(variants[position])
-            outputs = []
-            with torch.no_grad(), self._replay.passes(batches, dict(self._configured or {})) as at:
-                for index, batch in enumerate(batches):
-                    at(index)
-                    output = call_with(self.model, batch)
-                    outputs.append(output if reduce is None else reduce(index, output))
-                    if step is not None:
-                        step()
-            found[position] = outputs
-            give_back()  # the variant's freed weights and activations
-        return found
+    def passes(self, batches: Sequence[Any]) -> AbstractContextManager[Callable[[int], None]]:
+        """Each pass starts at the first block whose formats changed since the pass before (``BlockReplay``)."""
+        return self._replay.passes(batches, dict(self._configured or {}))
 
     def local_sqnr(self, batch: Any) -> dict[str, float]:
         """Each quantized module's own error: its starting format on the float model's input to it."""
