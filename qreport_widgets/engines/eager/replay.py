@@ -16,14 +16,15 @@ pass's, or kept outputs beyond ``room`` bytes turn it off: every pass is whole, 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
+from ...core.memory import tensors_bytes
 from ..settings import module_blocks
 
 
@@ -107,30 +108,29 @@ class BlockReplay:
                 handles.append(block.register_forward_hook(record(name)))
         if learning:
             handles += [module.register_forward_pre_hook(first_call(name)) for name, module in self._modules.items()]
-        done = False
+
+        def at(batch_index: int) -> None:
+            index[0] = batch_index
+            position[0] = 0
+
         try:
-
-            def at(batch_index: int) -> None:
-                index[0] = batch_index
-                position[0] = 0
-
             yield at
-            done = True
+        except BaseException:  # a pass that failed keeps nothing, nor what it was learning
+            self.forget()
+            if learning:
+                self._first_call, self._block_end = {}, {}
+            raise
         finally:
             for handle in handles:
                 handle.remove()
             for name in skip:
                 del self._blocks[name].forward
-            if not done:
-                self.forget()
-                if learning:
-                    self._first_call, self._block_end = {}, {}
         if any(count != len(batches) for count in calls.values()):  # a block called twice a batch, or never
             self.on = False
             self.forget()
             return
         kept = {name: self._kept[name] if name in skip else recorded[name] for name in self._blocks}
-        if _bytes(kept) > self.room:
+        if tensors_bytes([leaf for leaf in tree_leaves(kept) if isinstance(leaf, torch.Tensor)]) > self.room:
             self.on = False
             self.forget()
             return
@@ -157,34 +157,5 @@ class BlockReplay:
 
 
 def _copied(value: Any) -> Any:
-    """A fresh copy of a kept output (tensors cloned, containers rebuilt): what follows may write into it."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_copied(v) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_copied(v) for v in value)
-    if isinstance(value, dict):  # a ModelOutput too: copied, then its items replaced
-        fresh = copy.copy(value)
-        for key, item in value.items():
-            fresh[key] = _copied(item)
-        return fresh
-    return value
-
-
-def _bytes(kept: Mapping[str, list[Any]]) -> int:
-    seen: dict[int, int] = {}
-
-    def walk(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            seen.setdefault(id(value), value.numel() * value.element_size())
-        elif isinstance(value, (tuple, list)):
-            for v in value:
-                walk(v)
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-
-    for outputs in kept.values():
-        walk(outputs)
-    return sum(seen.values())
+    """A fresh copy of a kept output (its tensors cloned): what follows may write into it."""
+    return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().clone(), value)
