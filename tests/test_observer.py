@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from qreport_widgets import ModelReportObserver
 from qreport_widgets.core.features import Stat
+from qreport_widgets.observe import observer as observer_module
 from qreport_widgets.observe import selection
 from qreport_widgets.observe.observer import percentile_rank
 
@@ -165,12 +166,14 @@ def test_forward_returns_input_unchanged_and_records_first_tensor_of_several():
 def test_forward_never_syncs_with_host(monkeypatch):
     """The hot path must not call .item(), .tolist() or .cpu() on tensors.
 
-    This is the path accelerators take; large CPU tensors go through the bracketed selection, which
-    reads counts on the host on purpose (there the data already lives on the host).
+    This is the path accelerators take; on the CPU the selections and the histogram's range read
+    values on the host on purpose (there the data already lives on the host).
     """
     observer = ModelReportObserver(1, 0.9, stats=ALL, histogram_bins=8, percentiles=[0.5])
-    # CPU float tensors are selected by NumPy; an accelerator's never are
-    monkeypatch.setattr(selection, "_on_numpy", lambda y: False)
+    # the CPU's paths read values back on purpose (NumPy's selection, the histogram's range); an
+    # accelerator's never do
+    monkeypatch.setattr(selection, "on_host", lambda t: False)
+    monkeypatch.setattr(observer_module, "on_host", lambda t: False)
     called = []
     for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
         original = getattr(torch.Tensor, name)
@@ -181,3 +184,24 @@ def test_forward_never_syncs_with_host(monkeypatch):
         observer(torch.randn(4, 5, 6))
     monkeypatch.undo()
     assert called == []
+
+
+def test_histogram_on_the_host_equals_the_accelerators_path(monkeypatch):
+    """The CPU reads the range and rebins only when it grew; the device path rebins every batch with
+    tensor operations. Both give the same counts and range, through growth, shrinkage, zeros and
+    subnormal values."""
+    generator = torch.Generator().manual_seed(3)
+    batches = [torch.randn(4, 3, 9, generator=generator) * scale for scale in (0.01, 3.0, 0.5, 1e4, 2.0)]
+    batches += [torch.zeros(4, 3, 9), torch.full((4, 3, 9), 2.0**-140)]
+
+    def histogram() -> tuple[torch.Tensor, torch.Tensor]:
+        observer = ModelReportObserver(1, 0.9, stats=[Stat.RANGE, Stat.HISTOGRAM], histogram_bins=16)
+        for batch in batches:
+            observer(batch)
+        return observer.histogram.clone(), observer.histogram_exponent.clone()
+
+    host = histogram()
+    monkeypatch.setattr(observer_module, "on_host", lambda t: False)
+    device = histogram()
+    assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1])
+    assert host[0].sum() == sum(b.numel() for b in batches)

@@ -1,8 +1,10 @@
 """ModelReportObserver: streaming, mergeable statistics of one tensor.
 
-One forward pass per batch, O(channels + bins) state, no host synchronisation: every update is a
-tensor operation whose result stays on the tensor's device, so calibration on a GPU never waits
-for the host. Branches depend only on shapes and on which statistics were requested.
+One forward pass per batch, O(channels + bins) state, no host synchronisation on accelerators:
+every update there is a tensor operation whose result stays on the tensor's device, so calibration
+on a GPU never waits for the host. Branches depend only on shapes, on which statistics were
+requested, and on whether the tensor is on the CPU, where reading a value costs nothing and saves
+work (the histogram rebins only when its range grew; selections run in NumPy).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from torch.ao.quantization.observer import ObserverBase
 
 from ..core.features import Stat
-from .selection import channel_view, kth_largest_per_channel, select
+from .selection import channel_view, kth_largest_per_channel, on_host, select
 
 ALL_STATS = frozenset({Stat.RANGE, Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
 _NEEDS_CHANNELS = frozenset({Stat.CHANNEL_MINMAX, Stat.PERCENTILE})
@@ -255,16 +257,28 @@ class ModelReportObserver(ObserverBase):
             setattr(self, f"_ratio_count_{i}", torch.zeros(n_channels, dtype=torch.int64, device=device))
 
     def _update_histogram(self, t: torch.Tensor, bmin: torch.Tensor, bmax: torch.Tensor) -> None:
-        absmax = torch.maximum(bmin.abs(), bmax.abs()).float()
-        batch_exponent = torch.log2(absmax).ceil().nan_to_num(_MAX_EXPONENT, _MAX_EXPONENT, _MIN_EXPONENT)
-        exponent = torch.maximum(self.histogram_exponent, batch_exponent.clamp(_MIN_EXPONENT, _MAX_EXPONENT))
-        self.histogram.copy_(_rebin(self.histogram, torch.exp2(exponent - self.histogram_exponent)))
-        self.histogram_exponent.copy_(exponent)
+        scale: torch.Tensor | float
+        if on_host(t):
+            # reading the range costs nothing here, so the histogram is rebinned only when it grew
+            # (a dozen small tensor operations a batch fewer)
+            exponent = _covering_exponent(max(abs(bmin.item()), abs(bmax.item())))
+            current = self.histogram_exponent.item()
+            if exponent > current:
+                self.histogram.copy_(_rebin(self.histogram, torch.tensor(2.0 ** (exponent - current))))
+                self.histogram_exponent.fill_(exponent)
+            scale = 2.0 ** max(exponent, current)
+        else:
+            absmax = torch.maximum(bmin.abs(), bmax.abs()).float()
+            batch_exponent = torch.log2(absmax).ceil().nan_to_num(_MAX_EXPONENT, _MAX_EXPONENT, _MIN_EXPONENT)
+            grown = torch.maximum(self.histogram_exponent, batch_exponent.clamp(_MIN_EXPONENT, _MAX_EXPONENT))
+            self.histogram.copy_(_rebin(self.histogram, torch.exp2(grown - self.histogram_exponent)))
+            self.histogram_exponent.copy_(grown)
+            scale = torch.exp2(grown)
         values = t.reshape(-1)
         if values.numel() > HISTOGRAM_SAMPLE:
             # the histogram is a picture of the distribution: an evenly strided sample draws it as well
             values = values[:: (values.numel() // HISTOGRAM_SAMPLE) | 1]
-        scaled = values.float() / torch.exp2(exponent)
+        scaled = values.float() / scale
         self.histogram.add_(torch.histc(scaled, bins=self.histogram_bins, min=-1.0, max=1.0))
 
     # ------------------------------------------------------------------ derived values
@@ -408,6 +422,16 @@ def _first_tensor(values) -> torch.Tensor | None:
             if found is not None:
                 return found
     return None
+
+
+def _covering_exponent(absmax: float) -> float:
+    """The smallest power-of-two exponent whose range [-2**e, 2**e] holds ``absmax``, within float32's
+    normal exponents; NaN and infinity take the largest."""
+    if math.isnan(absmax) or math.isinf(absmax):
+        return _MAX_EXPONENT
+    if absmax == 0.0:
+        return _MIN_EXPONENT
+    return float(min(max(math.ceil(math.log2(absmax)), _MIN_EXPONENT), _MAX_EXPONENT))
 
 
 def _rebin(histogram: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
