@@ -37,6 +37,12 @@ def test_spread_positions_cover_the_range_and_avoid_the_layouts_periods():
     assert len(set((positions % 56).tolist())) == 56  # every pixel column, not one column per row
     tokens = spread_positions(4 * 128, 16, (4, 128))  # a stride of 32 would read 4 token positions
     assert len(set((tokens % 128).tolist())) == len(tokens)
+    # between the sample and twice it (8 x 28 x 28 = 6,272 values): exactly the sample, one or two apart
+    close = spread_positions(8 * 28 * 28, 4096, (8, 28, 28))
+    gaps = set((close[1:] - close[:-1]).tolist())
+    assert len(close) == 4096 and gaps == {1, 2} and close[0] <= 1 and close[-1] >= 8 * 28 * 28 - 2
+    assert len(set((close % 28).tolist())) == 28
+    assert len(spread_positions(4096, 4096, (4096,))) == 4096  # at most the sample: every value
 
 
 def test_the_stated_rank_bound_holds_on_real_activations(digits_cache):

@@ -52,11 +52,15 @@ def estimate_bounds(q: float, sample: int) -> tuple[float, float]:
 
 @functools.lru_cache(maxsize=256)
 def spread_positions(n: int, sample: int, sizes: tuple[int, ...]) -> torch.Tensor:
-    """At least ``sample`` positions in ``range(n)``, evenly spread over all of it: a stride that shares
-    no factor with ``sizes`` (the layout's other dimensions), so the sample does not come back to the
-    same pixel column or token position in every row (a stride equal to a sequence length would
-    read only its first token). Cached: every batch of the same shape samples the same positions
-    (callers only read the tensor)."""
+    """At least ``sample`` positions in ``range(n)``, evenly spread over all of it (all of them when
+    ``n <= sample``). From twice the sample up, a stride that shares no factor with ``sizes`` (the
+    layout's other dimensions), so the sample does not come back to the same pixel column or token
+    position in every row (a stride equal to a sequence length would read only its first token);
+    below, ``sample`` positions one or two apart, whose pattern repeats only over ``n / gcd(n,
+    sample)`` values. Cached: every batch of the same shape samples the same positions (callers
+    only read the tensor)."""
+    if sample < n < 2 * sample:
+        return torch.div((torch.arange(sample, dtype=torch.int64) * 2 + 1) * n, 2 * sample, rounding_mode="floor")
     stride = max(n // sample, 1)
     while stride > 1 and any(math.gcd(stride, size) > 1 for size in sizes if size > 1):
         stride -= 1
@@ -239,7 +243,7 @@ class ModelReportObserver(ObserverBase):
 
     def _spread_sample(self, t: torch.Tensor, axis: int | None) -> torch.Tensor | None:
         """(channels, values): about ``percentile_sample`` values of every channel, evenly spread; None
-        where the spread positions are all of them (fewer than twice the sample: every value is read)."""
+        where the spread positions are all of them (every value is read)."""
         view = channel_view(t, axis)
         before, _, after = view.shape
         others = tuple(size for d, size in enumerate(t.shape) if d != axis)
