@@ -37,12 +37,24 @@ def test_spread_positions_cover_the_range_and_avoid_the_layouts_periods():
     assert len(set((positions % 56).tolist())) == 56  # every pixel column, not one column per row
     tokens = spread_positions(4 * 128, 16, (4, 128))  # a stride of 32 would read 4 token positions
     assert len(set((tokens % 128).tolist())) == len(tokens)
-    # between the sample and twice it (8 x 28 x 28 = 6,272 values): exactly the sample, one or two apart
-    close = spread_positions(8 * 28 * 28, 4096, (8, 28, 28))
-    gaps = set((close[1:] - close[:-1]).tolist())
-    assert len(close) == 4096 and gaps == {1, 2} and close[0] <= 1 and close[-1] >= 8 * 28 * 28 - 2
-    assert len(set((close % 28).tolist())) == 28
-    assert len(spread_positions(4096, 4096, (4096,))) == 4096  # at most the sample: every value
+    # no stride of 2 or more avoids the layout's factors: every value, read exactly
+    assert len(spread_positions(8 * 28 * 28, 4096, (8, 28, 28))) == 8 * 28 * 28
+    assert len(spread_positions(8 * 32 * 32, 4096, (8, 32, 32))) == 8 * 32 * 32
+
+
+@pytest.mark.parametrize("shape", [(8, 5, 56, 56), (2, 3, 112, 112), (3, 4, 49, 75), (2001, 3, 5), (8, 6, 28, 28)])
+def test_the_sample_reads_the_spread_positions(shape):
+    """Each row sliced at the stride, or indexed by rows and columns (5 values a row): the same values
+    in position order; none where every value is read (8 x 28 x 28)."""
+    t = torch.randn(*shape)
+    view = channel_view(t, 1)
+    before, _, after = view.shape
+    positions = spread_positions(before * after, PERCENTILE_SAMPLE, (shape[0], *shape[2:]))
+    sample = ModelReportObserver(1, Q)._spread_sample(t, 1)
+    if len(positions) == before * after:
+        assert sample is None
+    else:
+        assert torch.equal(sample, channel_major(view)[:, positions])
 
 
 def test_the_stated_rank_bound_holds_on_real_activations(digits_cache):

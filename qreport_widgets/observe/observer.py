@@ -52,15 +52,14 @@ def estimate_bounds(q: float, sample: int) -> tuple[float, float]:
 
 @functools.lru_cache(maxsize=256)
 def spread_positions(n: int, sample: int, sizes: tuple[int, ...]) -> torch.Tensor:
-    """At least ``sample`` positions in ``range(n)``, evenly spread over all of it (all of them when
-    ``n <= sample``). From twice the sample up, a stride that shares no factor with ``sizes`` (the
-    layout's other dimensions), so the sample does not come back to the same pixel column or token
-    position in every row (a stride equal to a sequence length would read only its first token);
-    below, ``sample`` positions one or two apart, whose pattern repeats only over ``n / gcd(n,
-    sample)`` values. Cached: every batch of the same shape samples the same positions (callers
-    only read the tensor)."""
-    if sample < n < 2 * sample:
-        return torch.div((torch.arange(sample, dtype=torch.int64) * 2 + 1) * n, 2 * sample, rounding_mode="floor")
+    """At least ``sample`` positions in ``range(n)``, evenly spread over all of it: a stride that shares
+    no factor with ``sizes`` (the layout's other dimensions), so the sample does not come back to the
+    same pixel column or token position in every row (a stride equal to a sequence length would
+    read only its first token). Where no stride of 2 or more does (fewer than twice the sample, or
+    every such stride shares a factor), all ``n`` positions: the channel is read whole, exactly. (A
+    sample with two spacings mixed, tried there, reads one column parity per image at 8 x 32 x 32
+    values and changed an outlier verdict on the zoo's DenseNet.) Cached: every batch of the same
+    shape samples the same positions (callers only read the tensor)."""
     stride = max(n // sample, 1)
     while stride > 1 and any(math.gcd(stride, size) > 1 for size in sizes if size > 1):
         stride -= 1
@@ -75,6 +74,22 @@ def _spread_rows_and_columns(before: int, after: int, sample: int, sizes: tuple[
     (computed once per shape, like the positions)."""
     positions = spread_positions(before * after, sample, sizes)
     return torch.div(positions, after, rounding_mode="floor"), positions.remainder(after)
+
+
+@functools.lru_cache(maxsize=256)
+def _spread_row_slices(before: int, after: int, sample: int, sizes: tuple[int, ...]) -> tuple[int, tuple[int, ...]] | None:
+    """``spread_positions`` over a (before, channels, after) view as the stride and, per row, the first
+    column read, when the positions are one stride apart and every row holds at least 8 of them;
+    None otherwise. Slicing each row and joining the slices reads the same values in the same
+    order as indexing by rows and columns, 2-2.6x faster (8 x 256 x 56 x 56: 0.69 ms against 1.79)."""
+    positions = spread_positions(before * after, sample, sizes)
+    if len(positions) < 2:
+        return None
+    stride, first = int(positions[1] - positions[0]), int(positions[0])
+    if stride < 2 or after < 8 * stride:
+        return None  # every value, or too few positions a row for slices to pay
+    # positions run from ``first`` to the end in steps of ``stride``: row r's first one is the first at or after r * after
+    return stride, tuple(first + max(0, -(-(r * after - first) // stride)) * stride - r * after for r in range(before))
 
 
 class ModelReportObserver(ObserverBase):
@@ -247,7 +262,12 @@ class ModelReportObserver(ObserverBase):
         view = channel_view(t, axis)
         before, _, after = view.shape
         others = tuple(size for d, size in enumerate(t.shape) if d != axis)
-        rows, columns = _spread_rows_and_columns(before, after, self.percentile_sample or 1, others)
+        sample = self.percentile_sample or 1
+        sliced = _spread_row_slices(before, after, sample, others)
+        if sliced is not None:
+            stride, starts = sliced
+            return torch.cat([view[row, :, start::stride] for row, start in enumerate(starts)], dim=1)
+        rows, columns = _spread_rows_and_columns(before, after, sample, others)
         if rows.numel() == before * after:
             return None
         return view.permute(1, 0, 2)[:, rows.to(t.device), columns.to(t.device)]
