@@ -19,13 +19,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from qreport_widgets import analyze
+from qreport_widgets.core.progress import quiet
 
 THREADS = 2
 FORMATS = {"int8-dynamic": {}, "int4-weight-only": {"group_size": 32}}
-
-
-def quiet(done: int, total: int) -> None:
-    return None
 
 
 def decoder(layers: int, hidden: int) -> tuple[torch.nn.Module, list[tuple[torch.Tensor]]]:
