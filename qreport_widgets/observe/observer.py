@@ -68,28 +68,26 @@ def spread_positions(n: int, sample: int, sizes: tuple[int, ...]) -> torch.Tenso
     return torch.arange(count, dtype=torch.int64) * stride + offset
 
 
-@functools.lru_cache(maxsize=256)
-def _spread_rows_and_columns(before: int, after: int, sample: int, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``spread_positions`` over a (before, channels, after) view, as its row and column indices
-    (computed once per shape, like the positions)."""
-    positions = spread_positions(before * after, sample, sizes)
-    return torch.div(positions, after, rounding_mode="floor"), positions.remainder(after)
+# the stride and each row's first column, or the positions' row and column indices
+SpreadReading = tuple[int, tuple[int, ...]] | tuple[torch.Tensor, torch.Tensor] | None
 
 
 @functools.lru_cache(maxsize=256)
-def _spread_row_slices(before: int, after: int, sample: int, sizes: tuple[int, ...]) -> tuple[int, tuple[int, ...]] | None:
-    """``spread_positions`` over a (before, channels, after) view as the stride and, per row, the first
-    column read, when the positions are one stride apart and every row holds at least 8 of them;
-    None otherwise. Slicing each row and joining the slices reads the same values in the same
-    order as indexing by rows and columns, 2-2.6x faster (8 x 256 x 56 x 56: 0.69 ms against 1.79)."""
+def _spread_reading(before: int, after: int, sample: int, sizes: tuple[int, ...]) -> SpreadReading:
+    """How ``spread_positions`` are read from a (before, channels, after) view: None where they are
+    all of its values; else the stride and each row's first column, when every row holds at least 8
+    of them (slicing each row and joining the slices reads the same values in the same order as
+    indexing, 2-2.6x faster: 8 x 256 x 56 x 56 in 0.69 ms against 1.79); else their row and column
+    indices. Computed once per shape, like the positions."""
     positions = spread_positions(before * after, sample, sizes)
-    if len(positions) < 2:
+    if len(positions) == before * after:
         return None
     stride, first = int(positions[1] - positions[0]), int(positions[0])
-    if stride < 2 or after < 8 * stride:
-        return None  # every value, or too few positions a row for slices to pay
-    # positions run from ``first`` to the end in steps of ``stride``: row r's first one is the first at or after r * after
-    return stride, tuple(first + max(0, -(-(r * after - first) // stride)) * stride - r * after for r in range(before))
+    if after >= 8 * stride:
+        # the positions run from ``first`` to the end in steps of ``stride``: row r's first one is
+        # the first at or after r * after
+        return stride, tuple(first + max(0, -(-(r * after - first) // stride)) * stride - r * after for r in range(before))
+    return torch.div(positions, after, rounding_mode="floor"), positions.remainder(after)
 
 
 class ModelReportObserver(ObserverBase):
@@ -262,14 +260,13 @@ class ModelReportObserver(ObserverBase):
         view = channel_view(t, axis)
         before, _, after = view.shape
         others = tuple(size for d, size in enumerate(t.shape) if d != axis)
-        sample = self.percentile_sample or 1
-        sliced = _spread_row_slices(before, after, sample, others)
-        if sliced is not None:
-            stride, starts = sliced
-            return torch.cat([view[row, :, start::stride] for row, start in enumerate(starts)], dim=1)
-        rows, columns = _spread_rows_and_columns(before, after, sample, others)
-        if rows.numel() == before * after:
+        reading = _spread_reading(before, after, self.percentile_sample or 1, others)
+        if reading is None:
             return None
+        if isinstance(reading[0], int):
+            stride, starts = reading
+            return torch.cat([view[row, :, start::stride] for row, start in enumerate(starts)], dim=1)
+        rows, columns = reading
         return view.permute(1, 0, 2)[:, rows.to(t.device), columns.to(t.device)]
 
     def _init_channel_state(self, n_channels: int, device: torch.device) -> None:
