@@ -11,11 +11,11 @@ import pandas as pd
 import torch
 
 from qreport_widgets.core.features import SuggestionKind
-from qreport_widgets.core.metrics import power_terms, sqnr_db
+from qreport_widgets.core.metrics import FLOAT_ROUNDOFF_DB, power_terms, sqnr_db
 from qreport_widgets.engines.contract import Variant
 from qreport_widgets.engines.settings import ModuleSettings, Setting, TunableModule
 from qreport_widgets.observe.records import Suggestion
-from qreport_widgets.tune.diagnosis import Diagnosis
+from qreport_widgets.tune.diagnosis import Diagnosis, ceiling_reached, meets_target
 from qreport_widgets.tune.run import RunResult
 from qreport_widgets.tune.simulation import Simulated
 from qreport_widgets.tune.truth import TruthCheck
@@ -312,3 +312,19 @@ def test_candidates_verdicts_and_runs_are_data():
     history.record(changed)
     assert history.baseline.label == "baseline" and isinstance(history.baseline.quantized_model, ReleasedModel)
     assert history.runs[-1] is changed and history.next_label() == "run 3"
+
+
+def test_float_round_off_is_the_float_models_output_not_a_finding():
+    """136 dB is what the float model gives against itself on a CPU without AVX-512 at another
+    thread count: the ceiling says it is the float model's output, any SQNR target is met by it,
+    and a simulation at inf does not disagree with a real run there."""
+    assert ceiling_reached(math.inf) == "the float model's output exactly"
+    said = ceiling_reached(136.06)
+    assert said.startswith("the float model's output, within float round-off (136.06 dB") and f"{FLOAT_ROUNDOFF_DB:g} dB" in said
+    assert ceiling_reached(48.5) == "48.50 dB"
+    assert meets_target(136.06, None, 200.0, None) and not meets_target(FLOAT_ROUNDOFF_DB - 1, None, 200.0, None)
+    assert not meets_target(136.06, 0.5, 200.0, 0.9)  # the metric's target still counts
+    assert TruthCheck(real_db=136.06, simulated_db=math.inf).agrees
+    assert not TruthCheck(real_db=60.0, simulated_db=math.inf).agrees
+    checked = TruthCheck(real_db=136.06, simulated_db=40.0, corrected_db=math.inf, real_kernels=("prelu",))
+    assert not checked.agrees and checked.reliable

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import torch
 
-from ..core.metrics import Metric
+from ..core.metrics import FLOAT_ROUNDOFF_DB, Metric, is_float_output
 from ..core.progress import Progress, quiet
 from ..engines.contract import Variant
 from ..engines.settings import FORMATS, ModuleSettings, module_blocks
@@ -70,9 +70,23 @@ def meets_target(
     measures: Metric | None = None,
 ) -> bool:
     """Whether an output SQNR and a metric meet the targets given (None: no target); the metric's
-    target is met in ``measures``' direction (default: at or above it)."""
-    sqnr_ok = target_sqnr_db is None or sqnr >= target_sqnr_db
+    target is met in ``measures``' direction (default: at or above it). An output within float
+    round-off of the float model's is the float model's output, and meets any SQNR target."""
+    sqnr_ok = target_sqnr_db is None or sqnr >= target_sqnr_db or is_float_output(sqnr)
     return sqnr_ok and (target_metric is None or (measures or Metric()).meets(metric, target_metric))
+
+
+def ceiling_reached(sqnr: float) -> str:
+    """A real run's output SQNR in words, for the most an engine reaches: the float model's output
+    exactly, within float round-off (kernels that sum in another order), or so many dB."""
+    if math.isinf(sqnr):
+        return "the float model's output exactly"
+    if is_float_output(sqnr):
+        return (
+            f"the float model's output, within float round-off ({sqnr:.2f} dB; at or above {FLOAT_ROUNDOFF_DB:g} dB "
+            "an output differs from the float model's only by the order its kernels sum in)"
+        )
+    return f"{sqnr:.2f} dB"
 
 
 def metric_target(
@@ -425,7 +439,7 @@ class Diagnosis:
             self._searched = (path, result)
             return self._unverified(result.noted(*words))
         left = still_quantized(top.quantized_model)
-        reached = "the float model's output exactly" if math.isinf(top.output_sqnr_db) else f"{top.output_sqnr_db:.2f} dB"
+        reached = ceiling_reached(top.output_sqnr_db)
         ceiling_words = (
             f"the most this engine reaches on this model is {reached}: a real run with all {len(every)} "
             f"{unit}s float (simulated {_finite(ceiling[0]):.2f} dB)"

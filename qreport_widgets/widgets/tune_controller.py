@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from traitlets import Bool, Float, HasTraits, Int, Tuple, Unicode
 
+from ..core.metrics import is_float_output
 from ..core.progress import Progress
 from ..engines.settings import ModuleSettings, validate_all
 from ..errors import InvalidSettingsError, ModelReleasedError
@@ -183,9 +184,13 @@ class TuneController(HasTraits):
             if by_block:
                 count += f" ({len(plan.float_modules)} modules)"
             if plan.met:
+                reached = (
+                    f"the float model's output in simulation ({plan.simulated_sqnr_db:.2f} dB: float round-off)"
+                    if is_float_output(plan.simulated_sqnr_db)
+                    else f"{plan.simulated_sqnr_db:.2f} dB in simulation"
+                )
                 self.ranking_status = (
-                    f"{count} float reach {plan.simulated_sqnr_db:.2f} dB in simulation ({names}); "
-                    "the Tune rows are set: Apply to confirm with a real run."
+                    f"{count} float reach {reached} ({names}); the Tune rows are set: Apply to confirm with a real run."
                 )
             else:
                 self.ranking_status = (
