@@ -174,9 +174,16 @@ def decoder_rank_main(rank: int, port: int, cache: str, out: str) -> None:
 def test_gptq_and_awq_from_two_ranks_inputs_are_one_processs(text_decoder, digits_cache, tmp_path):
     """Each rank gathers GPTQ's Gram matrices and AWQ's input magnitudes on half the calibration
     batches; summed across the ranks they give the int4 weights (values, scales, AWQ's input scales)
-    one process fits on all of them, bit for bit, and the same output SQNR and perplexity."""
+    one process fits on all of them, bit for bit, and the same output SQNR and perplexity. The one
+    process runs on one thread, as each rank does: at another thread count a float32 matrix product
+    sums in another order (on a CPU without AVX-512 it does), and a rounding step flips."""
     _, data = text_decoder
-    alone = int4_weights_by_algorithm(str(digits_cache), data.calibration, data.evaluation)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = int4_weights_by_algorithm(str(digits_cache), data.calibration, data.evaluation)
+    finally:
+        torch.set_num_threads(threads)
     run_ranks(decoder_rank_main, (free_port(), str(digits_cache), str(tmp_path)), "GPTQ and AWQ")
     awq_scaled = 0
     for rank in range(RANKS):
