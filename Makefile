@@ -18,8 +18,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
+# The tests whose outcome rests on the real kernels' arithmetic (marked `kernels`) run twice more: as
+# a CPU with AVX2 and no AVX-512 runs them (tools/without-avx512.env), and on one thread with torch's
+# no-SIMD kernels, so that an assumption true of one CPU or one thread count fails here first.
+WITHOUT_AVX512 := $(shell grep -v '^\#' tools/without-avx512.env)
+KERNEL_TESTS := $(BIN)/python -m pytest -m 'kernels and not slow' -p no:cacheprovider
+
 test: setup
 	$(BIN)/python -m pytest
+	env $(WITHOUT_AVX512) $(KERNEL_TESTS)
+	env ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(KERNEL_TESTS)
 
 # the tests marked slow (pyproject.toml), left out of `make test` to keep it near 15 minutes on 2 cores
 test-slow: setup

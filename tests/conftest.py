@@ -63,6 +63,13 @@ def x86_mapping():
 COMMITTED_WEIGHTS = Path(__file__).parent / "weights"
 
 
+def pytest_report_header(config):
+    """Which SIMD level each library runs at: a failure seen on one CPU and not another starts here."""
+    from qreport_widgets.core.cpu import cpu_simd
+
+    return f"cpu: {cpu_simd()}"
+
+
 def pytest_configure(config):
     """One folder for the trained demo models of the whole run, the notebooks' kernels included
     (they inherit the environment): each model is trained once (seeded, so every test sees the
