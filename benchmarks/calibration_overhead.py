@@ -14,6 +14,8 @@ import argparse
 import torch
 from common import CASES, batches_for, median, our_model, plain_model, seconds_per_batch, setup, upstream_model
 
+from qreport_widgets.core.cpu import cpu_simd
+
 
 def measure(case_name: str, repeats: int, batch_count: int, upstream: bool, device: str = "cpu") -> dict[str, float]:
     case = CASES[case_name]
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     setup()
+    print(f"CPU: {cpu_simd()}")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
         f"{args.batches} batches x {args.repeats} repeats (medians)"

@@ -30,6 +30,7 @@ import torch
 from memory import RssProbe, model_bytes, plain_pass_seconds, settle
 
 from qreport_widgets import ModuleSettings, analyze
+from qreport_widgets.core.cpu import cpu_simd
 from qreport_widgets.core.progress import quiet
 
 TOKENS = 256
@@ -182,6 +183,7 @@ def main() -> None:
     if args.child:
         child(*args.child, args.until)
         return
+    print(f"CPU: {cpu_simd()}")
     if args.calibration:
         calibration_table()
         return

@@ -19,6 +19,8 @@ import torch
 import widget_interaction
 from common import CASES, THREADS, setup
 
+from qreport_widgets.core.cpu import cpu_simd
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -27,6 +29,7 @@ def main() -> None:
     setup()
     repeats = 3 if args.quick else 5
     machine = platform.processor() or platform.machine()
+    print(f"CPU: {cpu_simd()}")
     print(f"{machine}, torch {torch.__version__}, {THREADS} threads; medians of {repeats} repeats")
     print()
     print("Calibration, seconds per batch of 8 (plain prepare_fx | ours, all four detectors | PyTorch ModelReport)")
