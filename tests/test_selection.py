@@ -94,6 +94,26 @@ def test_channels_last_tournament_matches_kthvalue(rows, channels, fraction, val
     assert torch.equal(got, reference.kthvalue(rows - m + 1, dim=1).values)
 
 
+@pytest.mark.kernels  # the threshold follows NumPy's SIMD level: run again without AVX-512
+@pytest.mark.parametrize("n", [1, 256, 257, 768, 769, 4096])
+@pytest.mark.parametrize("values", ["normal", "ties", "nan"])
+def test_numpys_sort_and_partition_select_what_kthvalue_does(n, values):
+    """Rows up to ``_SORT_MAX_ROW`` values are sorted, longer ones partitioned (the threshold is 768
+    with NumPy's AVX-512 kernels, 256 without): both sides give kthvalue's order statistic, NaN last."""
+    rng = np.random.default_rng(n)
+    y = torch.from_numpy(rng.standard_normal((5, n)).astype(np.float32))
+    if values == "ties":
+        y = y.round()
+    elif values == "nan":
+        y[0, rng.integers(0, n)] = np.nan
+    for m in sorted({1, max(1, n // 100), n}):
+        found = selection.select(y, m)
+        expected = np.sort(y.numpy(), axis=1)[:, n - m]
+        assert np.array_equal(found.numpy(), expected, equal_nan=True), (n, m)
+        rows = slice(1, None) if values == "nan" else slice(None)  # kthvalue has no order for NaN
+        assert torch.equal(found[rows], y[rows].kthvalue(n - m + 1, dim=1).values)
+
+
 def test_rank_out_of_range():
     with pytest.raises(ValueError, match="m must lie"):
         selection.kth_largest_per_channel(torch.zeros(2, 5), 0, 6)

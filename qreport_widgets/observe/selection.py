@@ -27,6 +27,8 @@ import threading
 import numpy as np
 import torch
 
+from ..core.cpu import numpy_has_avx512
+
 # below these sizes a plain selection on a channel-major copy is already cheap: NumPy sorts a
 # channel of 8,192 values faster than the bracket's compare and gather (128 x 6,272: 1.5 ms against
 # 2.6, 2 threads); at 25,088 values a channel the two cost the same
@@ -36,6 +38,10 @@ BRACKET_MIN_VALUES = 1 << 17
 # side by side than this, the bracket's gather costs more than the channel-major copy it saves
 # (a decoder's 256 x 32,000 logits: 236 ms bracketed, 201 ms plain, one thread)
 BRACKET_MIN_RUN = 16
+# the longest row NumPy's sort selects on; longer rows take its partition (a selection), which is
+# 1.2-3.6x faster there. AVX-512 makes the sort fast enough to win up to 768 values (256 x 512: 0.19
+# ms against 0.33); with AVX2 alone it wins only up to 256 (256 x 512: 0.31 ms against 0.22)
+_SORT_MAX_ROW = 768 if numpy_has_avx512() else 256
 # a prime stride does not line up with image rows or head sizes, so the sample is not biased
 # towards the same positions of every channel
 _SAMPLE_STRIDE = 11
@@ -93,11 +99,13 @@ def kth_largest_per_channel(
 
 
 def select(y: torch.Tensor, m: int) -> torch.Tensor:
-    """The ``m``-th largest of every row of a 2-D tensor: by NumPy's sort on the CPU, else by top-k
-    or selection."""
+    """The ``m``-th largest of every row of a 2-D tensor: by NumPy's sort or partition on the CPU
+    (the same order statistic, NaN sorting last in both), else by top-k or selection."""
     if _on_numpy(y):
         n = y.shape[1]
-        return torch.from_numpy(np.sort(y.contiguous().numpy(), axis=1)[:, n - m].copy())
+        rows = y.contiguous().numpy()
+        ordered = np.sort(rows, axis=1) if n <= _SORT_MAX_ROW else np.partition(rows, n - m, axis=1)
+        return torch.from_numpy(ordered[:, n - m].copy())
     if _short_tail(m, y.shape[1]):
         return y.topk(m, dim=1, sorted=False).values.amin(dim=1)
     return y.kthvalue(y.shape[1] - m + 1, dim=1).values
@@ -111,10 +119,11 @@ def on_host(t: torch.Tensor) -> bool:
 
 
 def _on_numpy(y: torch.Tensor) -> bool:
-    """Whether NumPy selects on ``y``: a CPU float tensor. NumPy's vectorised sort beats torch's
-    top-k and kthvalue at every size measured (2 threads): 32 x 256 values 10 us against 29-34,
-    64 x 4,096 0.37 ms against 0.97, 768 x 1,024 1.2 ms against 2.6; and beats NumPy's own
-    selection (``np.partition``: 0.96 ms on 64 x 4,096)."""
+    """Whether NumPy selects on ``y``: a CPU float tensor. NumPy's vectorised sort (short rows) and
+    partition (long rows) beat torch's top-k and kthvalue with or without AVX-512 (2 threads): 32 x
+    256 values 13 us against 22-29 (AVX2: 18 against 22-28), 64 x 4,096 0.38 ms against 0.66-1.5
+    (AVX2: 0.36 against 0.67-1.5); at 768 x 1,024 with m = 11 top-k keeps up (1.5 ms against 1.9;
+    AVX2: 1.5 against 1.5)."""
     return on_host(y) and y.dtype in (torch.float32, torch.float64) and not y.requires_grad
 
 
