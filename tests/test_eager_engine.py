@@ -13,6 +13,7 @@ import torch
 from conftest import assert_unchanged, fingerprint
 from hf_models import MODELS, mean_pooled_bert, tiny_bert, tiny_llama
 from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import qreport_widgets as qw
 from qreport_widgets.core import features as F
@@ -384,3 +385,28 @@ def test_format_sensitivity_ranks_what_each_format_costs_and_a_cell_matches_its_
     assert abs(run.output_sqnr_db - table.loc[top, "int4-weight-only"]) < 0.5
     fx_like = eager(nn.Sequential(nn.Conv2d(3, 4, 3)).eval(), [(torch.randn(1, 3, 8, 8),)] * 2).session
     assert fx_like.format_sensitivity().empty  # nothing the start quantizes
+
+
+@pytest.mark.kernels
+def test_a_decoder_left_at_its_config_defaults_as_from_pretrained_gives_it():
+    """``LlamaConfig`` left at its defaults, as ``from_pretrained`` gives a decoder: ``use_cache=True``,
+    so the forward also returns a cache. The logits are measured, int4 runs and meets a target on
+    the model as it is, and the user's config is left alone."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    assert config.use_cache
+    model = LlamaForCausalLM(config).eval()
+    before = fingerprint(model)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 256, (2, 16), generator=generator),) for _ in range(4)]
+    report = qw.analyze(model, batches[0], batches, eval_data=batches[2:], engine="eager", metric="perplexity", progress=False)
+    session = report.session
+    baseline = session.baseline()
+    assert baseline.ok and 20 < baseline.output_sqnr_db < 80, baseline.error
+    assert session.truth_check().agrees
+    run = session.apply(linears(session, "int4-weight-only", group_size=32))
+    assert run.ok and run.output_sqnr_db < baseline.output_sqnr_db and run.eval_metric > baseline.eval_metric * 0.99
+    reached = session.reach(baseline.output_sqnr_db + 3.0)
+    assert reached.ok and reached.output_sqnr_db >= baseline.output_sqnr_db + 3.0, reached.notes
+    assert model.config.use_cache
+    assert_unchanged(model, before)

@@ -15,6 +15,9 @@ from torch.ao.quantization.fx._model_report.model_report import ModelReport as U
 import qreport_widgets as qw
 from qreport_widgets.core import features as F
 
+# statistics against torch's on the same kernels: `make test` runs them again without AVX-512 and on one thread
+pytestmark = pytest.mark.kernels
+
 CASES = [
     pytest.param(ConvNet, conv_batches, id="conv-net"),
     pytest.param(Mlp, mlp_batches, id="mlp-2d"),

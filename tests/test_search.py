@@ -33,8 +33,10 @@ from qreport_widgets.tune.search import (
 )
 from qreport_widgets.tune.truth import KERNEL_AGREEMENT_DB, SIMULATION_ERROR_DB
 
-# the tests marked `kernels` rest on real runs of x86's int8 kernels: `make test` runs them again as a
-# CPU without AVX-512 and on one thread
+# real runs of x86's int8 kernels decide these outcomes: `make test` runs them again as a CPU without
+# AVX-512 and on one thread
+pytestmark = pytest.mark.kernels
+
 BROKEN = ["prelu1", "prelu2", "prelu3"]  # broken on the baseline's inputs
 HIDDEN = "prelu4"  # broken too, once the three before it are float
 QUIET = lambda done, total: None  # noqa: E731
@@ -55,7 +57,6 @@ def report(trained):
     return analyzed(trained)
 
 
-@pytest.mark.kernels
 def test_one_at_a_time_each_broken_prelu_gains_nothing_and_the_old_walk_is_blind(report):
     session = report.session
     baseline = session.baseline(progress=QUIET)
@@ -72,7 +73,6 @@ def test_one_at_a_time_each_broken_prelu_gains_nothing_and_the_old_walk_is_blind
     assert max(sqnr for sqnr, _ in walk) < 2
 
 
-@pytest.mark.kernels
 def test_reach_keeps_the_broken_kernels_float_and_nothing_else_confirmed_by_a_real_run(trained):
     session = analyzed(trained).session  # a fresh session: nothing ranked or measured before
     run = session.reach(target_sqnr_db=25, progress=QUIET)
@@ -97,7 +97,6 @@ def test_reach_keeps_the_broken_kernels_float_and_nothing_else_confirmed_by_a_re
     assert truth.kernels[HIDDEN] < KERNEL_AGREEMENT_DB
 
 
-@pytest.mark.kernels
 def test_a_second_reach_plans_with_what_the_first_found(report):
     session = report.session
     session.reach(target_sqnr_db=25, progress=QUIET)
@@ -106,7 +105,6 @@ def test_a_second_reach_plans_with_what_the_first_found(report):
     assert abs(plan.simulated_sqnr_db - session.history[-1].output_sqnr_db) <= SIMULATION_ERROR_DB
 
 
-@pytest.mark.kernels
 def test_a_target_out_of_reach_in_simulation_gets_the_ceilings_real_run(trained):
     """200 dB is past every simulated point; the real run with every module float computes the float
     model's output (FX quantizes nothing else here): bit for bit, or within float round-off where its
@@ -124,7 +122,6 @@ def test_a_target_out_of_reach_in_simulation_gets_the_ceilings_real_run(trained)
     assert "every module float simulates at" in said  # out of reach in simulation: the search's budget shrinks
 
 
-@pytest.mark.kernels
 def test_reach_widens_past_its_shortlist_and_goes_on_from_a_real_run_that_falls_short(trained):
     """42 dB needs the pooling op kept float, which no ranking holds (its kernel agrees), and then the
     fourth PReLU, which the real run finds broken: the search widens to the pool once its shortlist
@@ -143,7 +140,6 @@ def test_reach_widens_past_its_shortlist_and_goes_on_from_a_real_run_that_falls_
     assert HIDDEN in set(path["modules"].iloc[actions.index(Action.REAL) + 1 :])
 
 
-@pytest.mark.kernels
 def test_accept_all_offers_the_kernel_fixes_together_and_measures_them_in_one_real_run(trained):
     report = analyzed(trained)
     verified = report.session.verified_suggestions(report.suggestions(), progress=QUIET)
@@ -155,7 +151,6 @@ def test_accept_all_offers_the_kernel_fixes_together_and_measures_them_in_one_re
     assert any("the baseline hid" in note for note in verified.notes)
 
 
-@pytest.mark.kernels
 def test_fit_finds_the_kernel_fixes_on_the_size_front(trained):
     session = analyzed(trained).session
     run = session.fit(target_sqnr_db=25, progress=QUIET)

@@ -7,6 +7,7 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,13 +49,14 @@ SETTINGS = (
 
 def cpu_simd() -> CpuSimd:
     """This process's CPU and what each library picked on it."""
-    flags = _cpu_flags()
+    info = _cpuinfo()
+    flags = set(info.get("flags", "").split()) or _numpy_flags()
     extensions = tuple(
         name for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AVX512-VNNI", "avx512_vnni")) if flag in flags
     )
     forced = tuple(f"{name}={os.environ[name]}" for name in SETTINGS if os.environ.get(name))
     return CpuSimd(
-        model=_cpu_model(),
+        model=info.get("model name") or platform.processor() or platform.machine(),
         extensions=extensions,
         aten=torch.backends.cpu.get_cpu_capability(),
         fbgemm=_fbgemm_level(flags),
@@ -64,25 +66,31 @@ def cpu_simd() -> CpuSimd:
     )
 
 
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux names them (empty elsewhere: NumPy's view stands in)."""
+def numpy_has_avx512() -> bool:
+    """Whether NumPy's AVX-512 kernels run here (its sort is then several times faster)."""
+    features = _numpy_umath_attribute("__cpu_features__", {})
+    return bool(features.get("X86_V4") or features.get("AVX512_SKX"))
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of Linux's /proc/cpuinfo (empty elsewhere)."""
     info = Path("/proc/cpuinfo")
-    if info.exists():
-        for line in info.read_text(errors="replace").splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    features = _numpy_features()
+    if not info.exists():
+        return {}
+    found: dict[str, str] = {}
+    for line in info.read_text(errors="replace").splitlines():
+        if not line.strip():
+            break
+        key, _, value = line.partition(":")
+        found[key.strip()] = value.strip()
+    return found
+
+
+def _numpy_flags() -> set[str]:
+    """The flags Linux would name, as NumPy sees the CPU (where /proc/cpuinfo is not there)."""
+    features = _numpy_umath_attribute("__cpu_features__", {})
     names = {"AVX2": "avx2", "AVX512F": "avx512f", "AVX512_CLX": "avx512_vnni"}
     return {flag for name, flag in names.items() if features.get(name)}
-
-
-def _cpu_model() -> str:
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        for line in info.read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def _fbgemm_level(flags: set[str]) -> str:
@@ -95,21 +103,14 @@ def _fbgemm_level(flags: set[str]) -> str:
     return "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "none (reference kernels)"
 
 
-def numpy_has_avx512() -> bool:
-    """Whether NumPy's AVX-512 kernels run here (its sort is then several times faster)."""
-    features = _numpy_features()
-    return bool(features.get("X86_V4") or features.get("AVX512_SKX"))
-
-
-def _numpy_features() -> dict[str, bool]:
-    core = getattr(np, "_core", None) or getattr(np, "core", None)
-    return dict(getattr(getattr(core, "_multiarray_umath", None), "__cpu_features__", {}))
-
-
 def _numpy_level() -> str:
     """The highest of NumPy's dispatch targets this CPU runs (NPY_DISABLE_CPU_FEATURES takes some away)."""
-    core = getattr(np, "_core", None) or getattr(np, "core", None)
-    umath = getattr(core, "_multiarray_umath", None)
-    features = _numpy_features()
-    found = [name for name in getattr(umath, "__cpu_dispatch__", []) if features.get(name)]
+    features = _numpy_umath_attribute("__cpu_features__", {})
+    found = [name for name in _numpy_umath_attribute("__cpu_dispatch__", []) if features.get(name)]
     return found[-1] if found else "baseline"
+
+
+def _numpy_umath_attribute(name: str, default: Any) -> Any:
+    """One of NumPy's CPU tables (``numpy._core`` from NumPy 2, ``numpy.core`` before)."""
+    core = getattr(np, "_core", None) or getattr(np, "core", None)
+    return getattr(getattr(core, "_multiarray_umath", None), name, default)
