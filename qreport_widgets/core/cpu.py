@@ -26,17 +26,13 @@ class CpuSimd:
     threads: int
     forced: tuple[str, ...] = ()
 
-    @property
-    def has_avx512(self) -> bool:
-        return "AVX-512" in self.extensions
-
     def __str__(self) -> str:
         has = ", ".join(self.extensions) or "no AVX2"
         said = f"{self.model} ({has}): torch {self.aten}, fbgemm {self.fbgemm}, NumPy {self.numpy}; {self.threads} threads"
         return f"{said}; set: {', '.join(self.forced)}" if self.forced else said
 
 
-# what lowers each library's level below what the CPU has (tools/without-avx512.env sets them)
+# what lowers each library's level below what the CPU has (tools/without-avx512.env sets them), and the thread count
 SETTINGS = (
     "ATEN_CPU_CAPABILITY",
     "FBGEMM_ENABLE_INSTRUCTIONS",

@@ -31,6 +31,12 @@ def is_float_output(sqnr: float) -> bool:
     return sqnr >= FLOAT_ROUNDOFF_DB
 
 
+def sqnr_apart(a: float, b: float) -> float:
+    """How many dB output SQNR ``a`` lies above ``b``, each taken no higher than float round-off:
+    inf and 136 dB are both the float model's output, 0 dB apart."""
+    return min(a, FLOAT_ROUNDOFF_DB) - min(b, FLOAT_ROUNDOFF_DB)
+
+
 def sqnr_of(signal: float, noise: float) -> float:
     """SQNR (dB) from summed signal and noise power (``power_terms``, added over parts)."""
     if noise == 0:

@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 
 from ..core.calibration import call_with
-from ..core.metrics import is_float_output, sqnr_db
+from ..core.metrics import sqnr_apart, sqnr_db
 
 if TYPE_CHECKING:
     from ..engines.contract import Simulation
@@ -67,18 +67,16 @@ class TruthCheck:
 
     @property
     def agrees(self) -> bool:
-        """Whether the simulation as built matched the real run within its stated error (both the
-        float model's output within float round-off: agreeing, however many dB apart)."""
-        return not self.error and (abs(self.gap_db) <= SIMULATION_ERROR_DB or _both_float(self.simulated_db, self.real_db))
+        """Whether the simulation as built matched the real run within its stated error (float
+        round-off counting as the float model's output, ``sqnr_apart``)."""
+        return not self.error and abs(sqnr_apart(self.simulated_db, self.real_db)) <= SIMULATION_ERROR_DB
 
     @property
     def reliable(self) -> bool:
         """Whether the simulation in use (with any real kernels) matches the real run."""
         if self.agrees:
             return True
-        return not self.error and (
-            abs(self.corrected_db - self.real_db) <= SIMULATION_ERROR_DB or _both_float(self.corrected_db, self.real_db)
-        )
+        return not self.error and abs(sqnr_apart(self.corrected_db, self.real_db)) <= SIMULATION_ERROR_DB
 
     @property
     def headline(self) -> str:
@@ -219,8 +217,3 @@ def _side_by_side(real: pd.Series, simulated: pd.Series) -> pd.DataFrame:
     return pd.DataFrame(
         {"real_sqnr_db": real[both].astype(float), "simulated_sqnr_db": simulated[both].astype(float)}, index=pd.Index(both)
     )
-
-
-def _both_float(simulated_db: float, real_db: float) -> bool:
-    """Both outputs are the float model's (``FLOAT_ROUNDOFF_DB``): inf and 136 dB do not disagree."""
-    return is_float_output(simulated_db) and is_float_output(real_db)
