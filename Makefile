@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 # The tests whose outcome rests on the real kernels' arithmetic (marked `kernels`) run twice more: as
 # a CPU with AVX2 and no AVX-512 runs them (tools/without-avx512.env), and on one thread with torch's
 # no-SIMD kernels, so that an assumption true of one CPU or one thread count fails here first. The
-# one-thread run goes beside the other (its report printed after it): 76 s instead of 113.
+# one-thread run goes beside the other (its report printed after it): about two thirds of the two in a row.
 WITHOUT_AVX512 := $(shell grep -v '^\#' tools/without-avx512.env)
 KERNEL_TESTS := $(BIN)/python -m pytest -m 'kernels and not slow' -p no:cacheprovider
 NO_SIMD_LOG := $(VENV)/kernel-tests-no-simd.log
