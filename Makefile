@@ -7,7 +7,7 @@ STAMP := $(VENV)/.qreport-installed
 # whose tests then skip)
 EXTRAS ?= dev,executorch,explorer
 
-.PHONY: setup test test-slow demo bench lint clean
+.PHONY: setup test test-slow test-gpu demo bench lint clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ test: setup
 # the tests marked slow (pyproject.toml), left out of `make test` to keep it near 15 minutes on 2 cores
 test-slow: setup
 	$(BIN)/python -m pytest -m slow
+
+# the tests marked gpu: the model on a CUDA GPU (a machine without one fails them, it does not skip them).
+# Install a CUDA build of torch==2.13.0 in .venv first; the CPU wheel `make setup` pins has no CUDA.
+test-gpu: setup
+	$(BIN)/python -m pytest -m gpu
 
 # the report in the terminal, then JupyterLab on the quickstart (127.0.0.1, no browser launched:
 # the printed URL opens the quickstart notebook; works on a machine without a display). Ctrl-C stops the server.

@@ -9,9 +9,11 @@ import torch
 from torch.ao.quantization import QConfigMapping
 
 from .core.calibration import CalibrationData, calibrate, is_one_shot
+from .core.devices import MovedBatches, device_mismatch, model_device, moved
 from .core.memory import WatchedCopy
 from .core.metrics import Metric
 from .engines import build_engine
+from .errors import DeviceMismatchError
 from .observe.detectors import (
     DetectorBase,
     DynamicStaticDetector,
@@ -57,6 +59,7 @@ def analyze(
     metric: Metric | str | None = None,
     target: str | None = None,
     exact_percentiles: bool = False,
+    move_batches: bool = False,
 ) -> ModelReport:
     """Prepare a copy of ``float_model`` (``prepare_fx``, or ``torch.export`` for PT2E), observe it
     during calibration and report.
@@ -112,6 +115,15 @@ def analyze(
             spread (its rank within the p96.8-p97.5-p98.2, three standard errors; the report's
             text says so). ``True`` computes every percentile exactly, at up to twice the cost of
             a plain calibration pass on large activations.
+        move_batches: move every batch (calibration, evaluation and the example inputs) to the float
+            model's device as it is read. Default False: a batch on another device than the model is
+            an error that names both, since moving each batch costs a copy.
+
+    Where things run: everything the analysis and the session make (observers, statistics, the
+    simulation, GPTQ / AWQ statistics) is made on the model's device; a real run whose kernels exist
+    only on the CPU (FX and PT2E int8, the eager engine's x86 and XNNPACK targets) converts a copy of
+    the model there, its batches moved one at a time, and its notes say so. The float model is never
+    moved.
 
     The report's model (``report.model``) is for analysis: ``prepare_fx``'s own observers rest
     while it calibrates, since no detector reads them. To quantize, use ``report.session`` (or
@@ -123,6 +135,12 @@ def analyze(
         isinstance(calibration_data, Sequence) and len(calibration_data) > 0 and calibration_data[0] is example_inputs
     )
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if move_batches:
+        example_inputs, calibration_data, eval_data = _moved_to(
+            model_device(float_model), example_inputs, calibration_data, eval_data
+        )
+    elif mismatch := device_mismatch(float_model, example_inputs, "The example input"):
+        raise DeviceMismatchError(mismatch.strip())
     resolved_metric(eval_fn, metric)  # a metric that cannot be is said before the calibration, not after
     detectors = default_detectors(backend) if detectors is None else detectors
     options = {"qconfig_mapping": qconfig_mapping, "prepare_custom_config": prepare_custom_config}
@@ -154,13 +172,13 @@ def analyze(
     instrumented = report.prepare_detailed_calibration()
 
     def calibrated_here() -> int:
-        def on(data: CalibrationData) -> int:
-            return calibrate(instrumented, data, desc="calibrating with observers", progress=progress, keep=kept)
+        def on(data: CalibrationData, first: int = 0) -> int:
+            return calibrate(instrumented, data, desc="calibrating with observers", progress=progress, keep=kept, first=first)
 
         if observed.replay is None or not observed.replay(instrumented):
             return on(calibration_data)
         rest = calibration_data[1:]  # type: ignore[index]  # a Sequence: first_is_example
-        return 1 + (on(rest) if len(rest) else 0)
+        return 1 + (on(rest, first=1) if len(rest) else 0)
 
     with chosen.observers_paused(instrumented):  # the detectors read only the report's observers
         calibrated_across(group_of(process_group), instrumented, calibrated_here, "analyze()", report_observers=True)
@@ -184,3 +202,21 @@ def analyze(
     else:
         report.attach_session(session)
     return report
+
+
+def _moved_to(
+    device: torch.device, example_inputs: tuple[Any, ...], calibration_data: CalibrationData, eval_data: Iterable[Any] | None
+) -> tuple[tuple[Any, ...], CalibrationData, Iterable[Any] | None]:
+    """The example inputs on ``device``, and the batches moved there as they are read (``move_batches``).
+    A one-shot iterator stays one (it is kept as it is read); a calibration callable runs the model
+    itself, so its batches are its own to place."""
+    if callable(calibration_data):
+        moved_calibration = calibration_data
+    elif is_one_shot(calibration_data):
+        moved_calibration = (moved(batch, device) for batch in calibration_data)
+    elif isinstance(calibration_data, Sequence):
+        moved_calibration = [moved(batch, device) for batch in calibration_data]  # read by every run: moved once
+    else:
+        moved_calibration = MovedBatches(calibration_data, device)
+    moved_eval = None if eval_data is None else [moved(batch, device) for batch in eval_data]
+    return moved(example_inputs, device), moved_calibration, moved_eval

@@ -88,6 +88,10 @@ class DecodeSpeedError(QReportError, ValueError):
     """A run's decode speed cannot be measured: not a decoder program, or no way to export it with a cache."""
 
 
+class DeviceMismatchError(QReportError, ValueError):
+    """The inputs are on another device than the model (``analyze(..., move_batches=True)`` moves them)."""
+
+
 def warn_user(message: str) -> None:
     """A QReportWarning attributed to the first caller outside this package and torch (the notebook
     cell or script line that called analyze / generate_model_report), however deep it was raised."""

@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import CalibrationError, NotCalibratedError
+from .devices import device_mismatch
 
 CalibrationData = Union[Iterable[Any], Callable[[torch.nn.Module], Any]]
 
@@ -41,11 +42,13 @@ def calibrate(
     progress: bool = True,
     on_batch: Callable[[int, int | None], None] | None = None,
     keep: list[Any] | None = None,
+    first: int = 0,
 ) -> int:
     """Run every batch through ``model`` without gradients; return how many batches ran.
 
     ``on_batch(done, total)`` is called after each batch (a widget's progress bar, say); each
-    batch that ran is appended to ``keep`` when one is given (for data that can be read once).
+    batch that ran is appended to ``keep`` when one is given (for data that can be read once);
+    ``first``: the number errors give the first batch (the batches before it ran elsewhere).
     """
     model.eval()
     with torch.no_grad(), warnings.catch_warnings():
@@ -77,10 +80,11 @@ def calibrate(
                 try:
                     call_with(model, batch)
                 except Exception as error:
-                    hints = _labels_hint(batch, count) + _non_finite_hint(batch, count) + _device_hint(model, batch, count)
+                    index = first + count
+                    hints = _labels_hint(batch, index) + _non_finite_hint(batch, index) + _device_hint(model, batch, index)
                     raise CalibrationError(
-                        f"{desc}: batch {count} failed in the model's forward ({type(error).__name__}: {error}). "
-                        f"{hints}Check that batch {count} has the shape and dtype the model expects; a tuple is "
+                        f"{desc}: batch {index} failed in the model's forward ({type(error).__name__}: {error}). "
+                        f"{hints}Check that batch {index} has the shape and dtype the model expects; a tuple is "
                         "passed as positional inputs, a dict as keyword inputs."
                     ) from error
                 count += 1
@@ -122,13 +126,7 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
 
 
 def _device_hint(model: torch.nn.Module, batch: Any, index: int) -> str:
-    weights = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
-    inputs = {t.device for t in _tensors(batch)}
-    if len(weights) == 1 and inputs and inputs != weights:
-        (device,) = weights
-        on = ", ".join(sorted(str(d) for d in inputs))
-        return f"Batch {index} is on {on} but the model is on {device}; move the batch there with .to('{device}'). "
-    return ""
+    return device_mismatch(model, batch, f"Batch {index}")
 
 
 def _non_finite_hint(batch: Any, index: int) -> str:

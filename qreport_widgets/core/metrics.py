@@ -123,11 +123,14 @@ class Metric:
         return float(self.combine([tuple(self.batch_terms(b, o)) for b, o in zip(batches, outputs, strict=True)]))
 
     def of_model(self, model: torch.nn.Module, batches: Sequence[Any]) -> float:
-        """The metric of ``model`` on ``batches``: one pass (``from_outputs`` metrics only)."""
+        """The metric of ``model`` on ``batches``: one pass (``from_outputs`` metrics only), each batch
+        moved to the model's device (a real run's CPU copy of a model that lives on a GPU)."""
         from .calibration import call_with
+        from .devices import model_device, moved
 
+        device = model_device(model)
         with torch.no_grad():
-            return self.of_outputs(batches, [call_with(model, batch) for batch in batches])
+            return self.of_outputs(batches, [call_with(model, moved(batch, device)) for batch in batches])
 
     @property
     def label(self) -> str:
@@ -213,7 +216,8 @@ def perplexity_terms(batch: Any, output: Any) -> tuple[float, int]:
             "logits needs its own eval_fn= (and metric=Metric(name, higher_is_better=...))."
         )
     predicted = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    total = float(torch.nn.functional.cross_entropy(predicted, ids[:, 1:].reshape(-1), reduction="sum"))
+    targets = ids[:, 1:].reshape(-1).to(predicted.device)
+    total = float(torch.nn.functional.cross_entropy(predicted, targets, reduction="sum"))
     return total, ids[:, 1:].numel()
 
 

@@ -108,6 +108,18 @@ class Engine(ABC, Generic[ConfigT]):
         return None
 
     # ---- the workflow ---------------------------------------------------------------------------
+    @property
+    def kernel_device(self) -> torch.device | None:
+        """Where this engine's quantized models run: a real run of a model that lives elsewhere
+        prepares, calibrates and converts a copy there, its batches moved one at a time. None: on the
+        model's own device (default)."""
+        return None
+
+    def kernel_words(self) -> str:
+        """What a real run measures with, for its notes when the model lives on another device than
+        ``kernel_device`` ("the CPU's x86 kernels")."""
+        return f"{self.name}'s kernels"
+
     @abstractmethod
     def prepare(self, float_model: torch.nn.Module, config: ConfigT, example_inputs: tuple[Any, ...]) -> torch.nn.Module:
         """A copy of ``float_model`` with observers, ready for calibration (``float_model`` is unchanged)."""

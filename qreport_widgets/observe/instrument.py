@@ -16,6 +16,7 @@ import torch.fx
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..core.devices import model_device
 from ..core.features import Stat
 from .detectors.base import ObservationRequest
 from .graph import OBSERVER_CONTAINER, ModelGraph
@@ -36,9 +37,9 @@ class Placement:
     histogram_bins: int = 0
     factory: Callable[[int], nn.Module] | None = None
 
-    def build(self, percentile_sample: int | None = PERCENTILE_SAMPLE) -> nn.Module:
+    def build(self, percentile_sample: int | None = PERCENTILE_SAMPLE, device: torch.device | None = None) -> nn.Module:
         if self.factory is not None:
-            return self.factory(self.ch_axis)
+            return self.factory(self.ch_axis).to(device)
         percentiles = self.percentiles or [0.9]
         return ModelReportObserver(
             self.ch_axis,
@@ -47,6 +48,7 @@ class Placement:
             percentiles=percentiles[1:],
             histogram_bins=self.histogram_bins,
             percentile_sample=percentile_sample,
+            device=device,
         )
 
 
@@ -129,11 +131,12 @@ def insert(
     :class:`ModelReportObserver` (None: exact percentiles)."""
     container = ObserverContainer()
     container.index = index
+    device = model_device(model)  # made where the model computes: no batch moves a statistic
     model.add_module(OBSERVER_CONTAINER, container)
     if not isinstance(model, torch.fx.GraphModule):
         watch: dict[Site, list[nn.Module]] = {}
         for placement in placements:
-            container.add_module(placement.name, placement.build(percentile_sample))
+            container.add_module(placement.name, placement.build(percentile_sample, device))
             watch.setdefault(placement.node.meta["site"], []).append(container.get_submodule(placement.name))
         container.handles, container.feeds = attach(model, watch)
         return container
@@ -142,7 +145,7 @@ def insert(
         if node.op == "placeholder":
             last_placeholder = node
     for placement in placements:
-        container.add_module(placement.name, placement.build(percentile_sample))
+        container.add_module(placement.name, placement.build(percentile_sample, device))
         anchor = last_placeholder if placement.node.op == "placeholder" else placement.node
         with model.graph.inserting_after(anchor):
             model.graph.call_module(f"{OBSERVER_CONTAINER}.{placement.name}", (placement.node,))

@@ -65,7 +65,7 @@ def spread_positions(n: int, sample: int, sizes: tuple[int, ...]) -> torch.Tenso
         stride -= 1
     count = -(-n // stride) if stride > 1 else n
     offset = (n - 1 - (count - 1) * stride) // 2  # centred: the margins at both ends differ by at most one
-    return torch.arange(count, dtype=torch.int64) * stride + offset
+    return torch.arange(count, dtype=torch.int64, device="cpu") * stride + offset
 
 
 # the stride and each row's first column, or the positions' row and column indices
@@ -73,12 +73,13 @@ SpreadReading = tuple[int, tuple[int, ...]] | tuple[torch.Tensor, torch.Tensor] 
 
 
 @functools.lru_cache(maxsize=256)
-def _spread_reading(before: int, after: int, sample: int, sizes: tuple[int, ...]) -> SpreadReading:
+def _spread_reading(before: int, after: int, sample: int, sizes: tuple[int, ...], device: torch.device) -> SpreadReading:
     """How ``spread_positions`` are read from a (before, channels, after) view: None where they are
     all of its values; else the stride and each row's first column, when every row holds at least 8
     of them (slicing each row and joining the slices reads the same values in the same order as
     indexing, 2-2.6x faster: 8 x 256 x 56 x 56 in 0.69 ms against 1.79); else their row and column
-    indices. Computed once per shape, like the positions."""
+    indices, on ``device``. Computed once per shape and device, like the positions: no batch copies
+    indices to an accelerator."""
     positions = spread_positions(before * after, sample, sizes)
     if len(positions) == before * after:
         return None
@@ -87,6 +88,7 @@ def _spread_reading(before: int, after: int, sample: int, sizes: tuple[int, ...]
         # the positions run from ``first`` to the end in steps of ``stride``: row r's first one is
         # the first at or after r * after
         return stride, tuple(first + max(0, -(-(r * after - first) // stride)) * stride - r * after for r in range(before))
+    positions = positions.to(device)
     return torch.div(positions, after, rounding_mode="floor"), positions.remainder(after)
 
 
@@ -105,6 +107,8 @@ class ModelReportObserver(ObserverBase):
         percentile_sample: a channel holding more values than this in a batch has its percentiles
             estimated from about this many of them, evenly spread (:func:`estimate_bounds` states
             how far off the estimate's rank can be); None: exact percentiles, however large the batch.
+        device: where the state is made (default: the CPU); it moves to the device of the first
+            tensor observed elsewhere.
 
     The attributes read by PyTorch's detectors keep their names: ``epoch_activation_min``,
     ``epoch_activation_max``, ``average_batch_activation_range``, ``min_val``, ``max_val``,
@@ -131,8 +135,10 @@ class ModelReportObserver(ObserverBase):
         percentiles: Iterable[float] = (),
         histogram_bins: int = 128,
         percentile_sample: int | None = PERCENTILE_SAMPLE,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__(torch.qint8)
+        device = torch.device("cpu") if device is None else torch.device(device)
         if percentile_sample is not None and (
             isinstance(percentile_sample, bool) or not isinstance(percentile_sample, int) or percentile_sample < 16
         ):
@@ -158,18 +164,19 @@ class ModelReportObserver(ObserverBase):
         self.observed_ndim: int | None = None
         self._selection_hints: dict[int, torch.Tensor | None] = {}  # speeds up the next batch only
 
-        self.register_buffer("epoch_activation_min", torch.tensor(math.inf))
-        self.register_buffer("epoch_activation_max", torch.tensor(-math.inf))
-        self.register_buffer("batch_range_mean", torch.tensor(0.0))
-        self.register_buffer("batch_range_m2", torch.tensor(0.0))
-        self.register_buffer("min_val", torch.empty(0))
-        self.register_buffer("max_val", torch.empty(0))
-        self.register_buffer("constant_channels", torch.empty(0, dtype=torch.int64))
+        self.register_buffer("epoch_activation_min", torch.tensor(math.inf, device=device))
+        self.register_buffer("epoch_activation_max", torch.tensor(-math.inf, device=device))
+        self.register_buffer("batch_range_mean", torch.tensor(0.0, device=device))
+        self.register_buffer("batch_range_m2", torch.tensor(0.0, device=device))
+        self.register_buffer("min_val", torch.empty(0, device=device))
+        self.register_buffer("max_val", torch.empty(0, device=device))
+        self.register_buffer("constant_channels", torch.empty(0, dtype=torch.int64, device=device))
         for i in range(len(self.percentiles)):
-            self.register_buffer(f"_ratio_sum_{i}", torch.empty(0))
-            self.register_buffer(f"_ratio_count_{i}", torch.empty(0, dtype=torch.int64))
-        self.register_buffer("histogram", torch.zeros(histogram_bins if Stat.HISTOGRAM in self.stats else 0))
-        self.register_buffer("histogram_exponent", torch.tensor(_MIN_EXPONENT))
+            self.register_buffer(f"_ratio_sum_{i}", torch.empty(0, device=device))
+            self.register_buffer(f"_ratio_count_{i}", torch.empty(0, dtype=torch.int64, device=device))
+        bins = histogram_bins if Stat.HISTOGRAM in self.stats else 0
+        self.register_buffer("histogram", torch.zeros(bins, device=device))
+        self.register_buffer("histogram_exponent", torch.tensor(_MIN_EXPONENT, device=device))
 
     # ------------------------------------------------------------------ forward (the hot path)
     def forward(self, x, *more):  # type: ignore[override]
@@ -182,6 +189,11 @@ class ModelReportObserver(ObserverBase):
         if t.numel() == 0:
             self.empty_batches += 1
             return x
+        if t.device != self.epoch_activation_min.device:
+            # made where the model was said to be, or the tensor moved (a model split across devices):
+            # the state follows what it observes, so no update mixes devices
+            self.to(t.device)
+            self._selection_hints.clear()
         self.observed_ndim = t.dim()
         self.num_batches_tracked += 1
 
@@ -260,14 +272,14 @@ class ModelReportObserver(ObserverBase):
         view = channel_view(t, axis)
         before, _, after = view.shape
         others = tuple(size for d, size in enumerate(t.shape) if d != axis)
-        reading = _spread_reading(before, after, self.percentile_sample or 1, others)
+        reading = _spread_reading(before, after, self.percentile_sample or 1, others, t.device)
         if reading is None:
             return None
         if isinstance(reading[0], int):
             stride, starts = reading
             return torch.cat([view[row, :, start::stride] for row, start in enumerate(starts)], dim=1)
         rows, columns = reading
-        return view.permute(1, 0, 2)[:, rows.to(t.device), columns.to(t.device)]
+        return view.permute(1, 0, 2)[:, rows, columns]
 
     def _init_channel_state(self, n_channels: int, device: torch.device) -> None:
         self.min_val = torch.full((n_channels,), math.inf, device=device)
@@ -285,7 +297,7 @@ class ModelReportObserver(ObserverBase):
             exponent = _covering_exponent(max(abs(bmin.item()), abs(bmax.item())))
             current = self.histogram_exponent.item()
             if exponent > current:
-                self.histogram.copy_(_rebin(self.histogram, torch.tensor(2.0 ** (exponent - current))))
+                self.histogram.copy_(_rebin(self.histogram, torch.tensor(2.0 ** (exponent - current), device=t.device)))
                 self.histogram_exponent.fill_(exponent)
             scale = 2.0 ** max(exponent, current)
         else:
@@ -322,7 +334,7 @@ class ModelReportObserver(ObserverBase):
     @property
     def batch_range_variance(self) -> torch.Tensor:
         if self.num_batches_tracked < 2:
-            return torch.tensor(math.nan)
+            return torch.tensor(math.nan, device=self.batch_range_m2.device)
         return self.batch_range_m2 / (self.num_batches_tracked - 1)
 
     @property
@@ -335,7 +347,7 @@ class ModelReportObserver(ObserverBase):
 
     @property
     def comp_percentile(self) -> torch.Tensor:
-        return torch.tensor([self.comp_percentile_value])
+        return torch.tensor([self.comp_percentile_value], device=self.min_val.device)
 
     def histogram_edges(self) -> np.ndarray:
         """Bin edges of :attr:`histogram` in the units of the observed values."""
@@ -419,7 +431,8 @@ class ModelReportObserver(ObserverBase):
             percentiles=self.percentiles[1:],
             histogram_bins=self.histogram_bins,
             percentile_sample=self.percentile_sample,
-        ).to(device)
+            device=device,
+        )
         for name, value in fresh._buffers.items():
             self._buffers[name] = value
         self._copy_counters(fresh)

@@ -175,11 +175,11 @@ def _bracketed(view: torch.Tensor, m: int, bound: torch.Tensor) -> tuple[torch.T
     flat = keep.view(-1).nonzero().squeeze(1)
     channel_of, slot, counts = _slots(flat, before, channels, after)
     good = counts >= m
-    result = torch.empty(channels, dtype=view.dtype)
-    hint = torch.full((channels,), math.nan, dtype=view.dtype)
+    result = torch.empty(channels, dtype=view.dtype, device=view.device)
+    hint = torch.full((channels,), math.nan, dtype=view.dtype, device=view.device)
     if bool(good.any()):
         depth = min(2 * m, int(counts.max()))
-        packed = torch.full((channels, int(counts.max())), -math.inf, dtype=view.dtype)
+        packed = torch.full((channels, int(counts.max())), -math.inf, dtype=view.dtype, device=view.device)
         packed[channel_of, slot] = view.reshape(-1)[flat]
         top = packed.topk(depth, dim=1, sorted=False).values  # padding sorts below every survivor
         result = top.kthvalue(depth - m + 1, dim=1).values
@@ -201,7 +201,7 @@ def _slots(flat: torch.Tensor, before: int, channels: int, after: int) -> tuple[
     """
     block = torch.div(flat, after, rounding_mode="floor")
     per_block = torch.bincount(block, minlength=before * channels)
-    rank = torch.arange(flat.numel()) - (torch.cumsum(per_block, 0) - per_block)[block]
+    rank = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(per_block, 0) - per_block)[block]
     per_block = per_block.view(before, channels)
     earlier = (torch.cumsum(per_block, 0) - per_block).view(-1)
     slot = earlier[block] + rank

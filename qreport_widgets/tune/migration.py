@@ -59,8 +59,9 @@ class Migration:
     def apply(self, model: nn.Module) -> None:
         """Change ``model`` in place (pass a copy)."""
         producer, consumer = model.get_submodule(self.producer), model.get_submodule(self.consumer)
-        index = torch.tensor(self.channels, dtype=torch.long)
-        scale = torch.tensor(self.scales, dtype=torch.float32)
+        device = consumer.weight.device
+        index = torch.tensor(self.channels, dtype=torch.long, device=device)
+        scale = torch.tensor(self.scales, dtype=torch.float32, device=device)
         with torch.no_grad():
             for name in ("weight", "bias"):
                 tensor = getattr(producer, name, None)
@@ -78,8 +79,9 @@ class Migration:
         lines = [
             f"# {self.summary}",
             "with torch.no_grad():",
-            f"    channels, scale = torch.tensor({channels}), torch.tensor([{scales}])",
             f"    producer, consumer = {producer}, {consumer}",
+            f"    channels = torch.tensor({channels}, device=consumer.weight.device)",
+            f"    scale = torch.tensor([{scales}], device=consumer.weight.device)",
             "    for tensor in (producer.weight, producer.bias):",
             "        if tensor is not None:",
             "            tensor[channels] /= scale.reshape((-1,) + (1,) * (tensor.dim() - 1))",

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..core.calibration import CalibrationData, calibrate, call_with
+from ..core.devices import MovedBatches, copy_on, model_device, moved
 from ..core.memory import WatchedCopy, WeightPool, ensure_room, give_back, tensors_bytes
 from ..core.metrics import Metric, output_tensor, power_terms, sqnr_db
 from ..core.progress import Progress
@@ -140,8 +141,10 @@ class Runner:
         return self.engine.config_for(settings, modules)
 
     def prepare(self, source: torch.nn.Module, config: Any) -> torch.nn.Module:
-        """The engine's prepare, holding the weights it folds (a batch norm into a conv) once across runs."""
-        return self._weights.share(self.engine.prepare(source, config, self.example_inputs))
+        """The engine's prepare, holding the weights it folds (a batch norm into a conv) once across runs;
+        the example inputs go where ``source`` is (a run's copy on the CPU)."""
+        example_inputs = moved(self.example_inputs, model_device(source))
+        return self._weights.share(self.engine.prepare(source, config, example_inputs))
 
     def calibrate(
         self,
@@ -150,11 +153,15 @@ class Runner:
         bar: bool = False,
         on_batch: Progress | None = None,
         statistics: MutableMapping[str, Any] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """Calibrate ``model`` on this process's batches, then merge its observers, and the
         ``statistics`` the pass gathered (an engine's calibration pass item), across the
-        torch.distributed group (if any) so every rank converts the same model."""
+        torch.distributed group (if any) so every rank converts the same model. ``device``: where
+        ``model`` is, when not where the batches are (each batch is moved there as it is read)."""
         data = self.batches.calibration
+        if device is not None and not callable(data):
+            data = MovedBatches(data, device)
 
         def here() -> int:
             return calibrate(model, data, desc=desc, progress=bar, on_batch=on_batch)
@@ -252,17 +259,24 @@ class Runner:
             source = self.float_model if float_model is None else float_model
             _require_float32(source)
             self.ensure_room("run", f"the run {label!r}", settings)
+            lives, place = model_device(source), engine.kernel_device
+            moved_to = place if place is not None and lives != place else None
+            if moved_to is not None:  # the run's own copy where its kernels are, released with the run
+                source = copy_on(source, moved_to)
             prepared = self.prepare(source, config)
             if engine.calibrates(config):
                 with contextlib.closing(engine.calibration_passes(prepared)) as passes:
                     for statistics in passes:
-                        self.calibrate(prepared, f"{label}: calibrating", progress is None, progress, statistics)
+                        self.calibrate(prepared, f"{label}: calibrating", progress is None, progress, statistics, moved_to)
             # before convert changes prepared
             checks = check_kernels(prepared) if callable(check_kernels) else bool(check_kernels)
             reference = engine.reference_model(prepared) if checks else None
             quantized = engine.convert(prepared)
-            measured = self._measure(quantized, prepared, config, label, per_layer, source, reference)
-            del prepared, reference
+            measured = self._measure(quantized, prepared, config, label, per_layer, source, reference, moved_to)
+            if moved_to is not None:
+                said = f"measured on {engine.kernel_words()}: the model is on {lives}, so the run converted a copy of it there"
+                measured["notes"] = (said, *measured["notes"])
+            del prepared, reference, source
             give_back()  # what converting and measuring freed
             return RunResult(**given, **measured, duration_s=time.perf_counter() - start)
         except NotEnoughMemoryError:  # refused before it started: not a failed run
@@ -289,17 +303,21 @@ class Runner:
         per_layer: bool,
         float_model: torch.nn.Module,
         reference_model: torch.nn.Module | None,
+        device: torch.device | None = None,
     ) -> dict[str, Any]:
         """What a run measured, as RunResult fields: output SQNR against the float model's outputs;
         per-layer SQNR against ``float_model``, the float model the run was prepared from (a
-        migration rescales some layers' outputs, exactly)."""
-        engine, batch = self.engine, self.eval_data[0]
+        migration rescales some layers' outputs, exactly). ``device``: where the run's models are,
+        when not where the batches are."""
+        engine = self.engine
+        batches = self.eval_data if device is None else MovedBatches(self.eval_data, device)
+        batch = next(iter(batches))
         reference = self.reference_outputs()
         outputs: list[torch.Tensor] = []
         with torch.no_grad():
             try:
                 call_with(quantized, batch)  # warm-up: first calls pay for allocations and packing
-                seconds = _timed_calls(quantized, self.eval_data, outputs, self.output_of)
+                seconds = _timed_calls(quantized, batches, outputs, self.output_of)
             except Exception as error:
                 raise CalibrationError(f"{label}: the quantized model failed on the evaluation data: {error}") from error
         notes, layers = [], pd.Series(dtype=float, name="SQNR (dB)")
@@ -368,7 +386,7 @@ def _require_float32(model: torch.nn.Module) -> None:
 
 
 def _timed_calls(
-    model: torch.nn.Module, batches: Sequence[Any], outputs: list[torch.Tensor], output_of: Callable[[Any], torch.Tensor]
+    model: torch.nn.Module, batches: Iterable[Any], outputs: list[torch.Tensor], output_of: Callable[[Any], torch.Tensor]
 ) -> list[float]:
     """Seconds per call of ``model`` on one thread: each evaluation batch once (its output appended
     to ``outputs``), then more calls cycling through them while LATENCY_CALLS asks for them.

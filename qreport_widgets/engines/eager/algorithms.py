@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ...core.calibration import call_with
+from ...core.devices import float64_on
 from ...core.memory import give_back
 from ...errors import InvalidSettingsError, QReportError
 from ..settings import ALGORITHMS, AWQ, DATA_ALGORITHMS, GPTQ, GROUPED_FORMATS, HQQ, RTN
@@ -86,8 +87,12 @@ class InputStatistics:
     held_gram: torch.Tensor | None = None  # float64
 
     @classmethod
-    def empty(cls, features: int) -> InputStatistics:
-        return cls(torch.zeros(features, features, dtype=torch.float64), torch.zeros(features, dtype=torch.float64))
+    def empty(cls, features: int, device: torch.device | str = "cpu") -> InputStatistics:
+        """No tokens yet, summed on ``device`` (the Linear's): in float64 where it computes in float64,
+        else (Apple's MPS) in float32, a Gram matrix's sums then rounded to float32's 24 bits."""
+        device = torch.device(device)
+        dtype = torch.float64 if float64_on(device) else torch.float32
+        return cls(torch.zeros(features, features, dtype=dtype, device=device), torch.zeros(features, dtype=dtype, device=device))
 
     def add(self, x: torch.Tensor) -> None:
         features = x.shape[-1]
@@ -95,11 +100,11 @@ class InputStatistics:
         held = held_out(units)
         self.units += len(units)
         self.tokens += units.shape[0] * units.shape[1]
-        self.abs_sum.add_(units.abs().sum((0, 1)).double())
+        self.abs_sum.add_(units.abs().sum((0, 1)).to(self.abs_sum.dtype))
         fitted = units[~held].reshape(-1, features)
         self.fitted_tokens += len(fitted)
         if len(fitted):
-            self.fit_sum.add_((fitted.T @ fitted).double())
+            self.fit_sum.add_((fitted.T @ fitted).to(self.fit_sum.dtype))
         if bool(held.any()):
             self._hold([units[held].reshape(-1, features).clone()])
 
@@ -118,14 +123,14 @@ class InputStatistics:
 
     def _add_held(self, batches: list[torch.Tensor]) -> None:
         for rows in batches:
-            self.held_gram.add_((rows.T @ rows).double())  # type: ignore[union-attr]
+            self.held_gram.add_((rows.T @ rows).to(self.fit_sum.dtype))  # type: ignore[union-attr]
 
     def merge_(self, other: InputStatistics) -> InputStatistics:
         """Add ``other``'s statistics (another rank's batches) to these; returns self."""
         if other.fit_sum.shape != self.fit_sum.shape:
             raise ValueError(f"input statistics of {other.fit_sum.shape[0]} features cannot merge into {self.fit_sum.shape[0]}")
-        self.fit_sum.add_(other.fit_sum)
-        self.abs_sum.add_(other.abs_sum)
+        self.fit_sum.add_(other.fit_sum.to(self.fit_sum))
+        self.abs_sum.add_(other.abs_sum.to(self.abs_sum))
         self.tokens += other.tokens
         self.fitted_tokens += other.fitted_tokens
         self.units += other.units
@@ -154,7 +159,7 @@ class InputStatistics:
         if self.held_gram is not None:
             total.add_(self.held_gram)
         for rows in self.held_rows:
-            total.add_((rows.T @ rows).double())
+            total.add_((rows.T @ rows).to(total.dtype))
         return total.float()
 
     def held_out_error(self, weight: torch.Tensor, approximation: torch.Tensor | QuantizedWeight) -> float:
@@ -189,7 +194,7 @@ class InputRecorder:
         self._handles = []
         for fqn in names:
             module = model.get_submodule(fqn)
-            self.statistics[fqn] = InputStatistics.empty(int(module.weight.shape[1]))
+            self.statistics[fqn] = InputStatistics.empty(int(module.weight.shape[1]), module.weight.device)
             self._handles.append(module.register_forward_pre_hook(self._hook(fqn)))
 
     def _hook(self, fqn: str) -> Callable:
@@ -325,7 +330,7 @@ def int4_tensor(values: torch.Tensor, scale: torch.Tensor, group_size: int, dtyp
     return _intx()(
         values.to(torch.int8).contiguous(),
         scale,
-        torch.zeros(scale.shape, dtype=torch.int8),
+        torch.zeros(scale.shape, dtype=torch.int8, device=scale.device),
         torch.int4,
         (1, group_size),
         dtype,
@@ -431,7 +436,8 @@ def gptq_values(original: torch.Tensor, gram: torch.Tensor, group_size: int, dam
     order = torch.argsort(hessian.diagonal(), descending=True)  # activation order
     hessian = hessian[order][:, order]
     hessian.diagonal().add_(damping * float(hessian.diagonal().mean()))
-    inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian.double())), upper=True).float()
+    precise = hessian.double() if float64_on(hessian.device) else hessian
+    inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(precise)), upper=True).float()
     group_of = order // group_size  # each column's group, in the order the columns go
     restore = torch.argsort(order)
     values, scales = [], []
@@ -450,7 +456,7 @@ def _gptq_rows(work: torch.Tensor, scales: torch.Tensor, group_of: torch.Tensor,
     column, each column's rounding error spread over the columns after it through ``inverse`` (the
     upper Cholesky factor of the damped inverse Gram matrix), in blocks of ``GPTQ_BLOCK``."""
     rows, inputs = work.shape
-    values = torch.empty(rows, inputs, dtype=torch.int8)
+    values = torch.empty(rows, inputs, dtype=torch.int8, device=work.device)
     for start in range(0, inputs, GPTQ_BLOCK):
         stop = min(start + GPTQ_BLOCK, inputs)
         block = work[:, start:stop].clone()

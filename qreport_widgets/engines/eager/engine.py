@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ...core.calibration import call_with
+from ...core.devices import CPU, model_device, moved
 from ...core.memory import give_back, shared_copy
 from ...core.metrics import sqnr_db
 from ...errors import DecodeSpeedError, QReportError
@@ -187,6 +188,13 @@ class EagerEngine(Engine[EagerConfig]):
         return bool(config.needs_data)
 
     # ---- the workflow ---------------------------------------------------------------------------
+    @property
+    def kernel_device(self) -> torch.device:
+        return CPU  # both targets are CPUs: torchao's x86 kernels, or XNNPACK in ExecuTorch's runtime
+
+    def kernel_words(self) -> str:
+        return "XNNPACK in ExecuTorch's runtime on the CPU" if self.target == XNNPACK else "torchao's x86 kernels on the CPU"
+
     def prepare(self, float_model: nn.Module, config: EagerConfig, example_inputs: tuple[Any, ...]) -> nn.Module:
         """A copy of ``float_model`` (sharing its weights: ``quantize_`` assigns new ones); ``convert``
         applies ``config``'s formats to it."""
@@ -229,7 +237,8 @@ class EagerEngine(Engine[EagerConfig]):
         except Exception as error:  # name the module and format torchao failed on
             raise FormatError(_failure(prepared, config, error)) from error
         if self.target == XNNPACK:
-            return lower(prepared, self._example_inputs, partitioner=DYNAMIC, fuse_quantized_ops=True)
+            inputs = moved(self._example_inputs, model_device(prepared))  # where the run's copy is
+            return lower(prepared, inputs, partitioner=DYNAMIC, fuse_quantized_ops=True)
         return prepared
 
     # ---- what a run measures --------------------------------------------------------------------
@@ -358,7 +367,7 @@ class EagerEngine(Engine[EagerConfig]):
         except ImportError as error:
             raise DecodeSpeedError(f"decode speed exports with transformers' ExecuTorch integration ({error})") from error
         length = len(prompt) + new_tokens
-        example = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        example = (torch.zeros(1, 1, dtype=torch.long, device="cpu"), torch.zeros(1, dtype=torch.long, device="cpu"))
         try:
             with torch.no_grad():
                 module = TorchExportableModuleForDecoderOnlyLM(cached, batch_size=1, max_cache_len=length)

@@ -12,6 +12,7 @@ import torch
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
 from ...core.calibration import call_with, torch_warnings_hidden
+from ...core.devices import CPU
 from ...core.memory import models_forgotten
 from ...core.metrics import output_tensor
 from ...observe.graph import ModelGraph
@@ -86,6 +87,13 @@ class FxEngine(Engine[FxConfig]):
         return config.equalization_mapping
 
     # ---- the workflow ---------------------------------------------------------------------------
+    @property
+    def kernel_device(self) -> torch.device:
+        return CPU  # torch's quantized int8 kernels (fbgemm, oneDNN, qnnpack) exist on the CPU only
+
+    def kernel_words(self) -> str:
+        return f"torch's {self.backend} int8 kernels on the CPU"
+
     def prepare(self, float_model: torch.nn.Module, config: FxConfig, example_inputs: tuple[Any, ...]) -> torch.fx.GraphModule:
         extra: dict[str, Any] = {}
         if config.equalization_mapping is not None:

@@ -34,6 +34,7 @@ from torch.ao.quantization.observer import (
 from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
 from ...core.calibration import call_with, torch_warnings_hidden
+from ...core.devices import CPU, model_device
 from ...core.memory import models_forgotten, shared_copy
 from ...core.metrics import sqnr_db
 from ..contract import Reduce, Variant, WholePasses
@@ -108,8 +109,9 @@ class RealKernel(nn.Module):
         if not self.active:
             return self.reference(x)
         scale, _, zero_point = self.before.active_qparams()
-        with torch_warnings_hidden():
-            return self.kernel(torch.quantize_per_tensor(x, float(scale), zero_point, self.before.dtype)).dequantize()
+        with torch_warnings_hidden():  # torch's quantized kernels are the CPU's: a simulation elsewhere visits it
+            q = torch.quantize_per_tensor(x.to(CPU), float(scale), zero_point, self.before.dtype)
+            return self.kernel(q).dequantize().to(x.device)
 
 
 def dynamic_fake_quantized(x: torch.Tensor, reduce_range: bool) -> torch.Tensor:
@@ -387,7 +389,7 @@ class Simulator(WholePasses):
         """The module's float weight quantized and dequantized as a real run with its scheme switched would."""
         if name not in self._other_weights:
             module = self._weights[name][0]
-            observer = self._other_observers[name]()
+            observer = self._other_observers[name]().to(module.weight.device)  # torch makes its observers on the CPU
             with torch.no_grad():
                 observer(module.weight.detach())
                 self._other_weights[name] = _dequantized(module.weight.detach(), observer)
@@ -660,7 +662,7 @@ def qparams_after_float(
             continue
         qconfig = next((qconfigs.get(user.name) for user in node.users if qconfigs.get(user.name) is not None), None)
         if qconfig is not None and qconfig.activation is not None:
-            theirs = qconfig.activation()
+            theirs = qconfig.activation().to(model_device(prepared_all_float))  # made on the CPU by torch
             if _computes_qparams(theirs) and _recipe(theirs) != _recipe(observer):
                 other[node.args[0].name] = theirs
     if other:

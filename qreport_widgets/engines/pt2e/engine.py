@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 import torch.fx
 
+from ...core.devices import CPU
 from ...core.memory import models_forgotten
 from ...core.metrics import sqnr_db
 from ..contract import Engine, Observation, RunNotes, conversion_tables
@@ -117,6 +118,13 @@ class Pt2eEngine(Engine[Pt2eConfig]):
         self._exports = {key: value for key, value in self._exports.items() if value[0]() is not None}
         self._exports[id(float_model)] = (weakref.ref(float_model), shapes, exported)
         return exported
+
+    @property
+    def kernel_device(self) -> torch.device:
+        return CPU  # torch's x86 int8 kernels and ExecuTorch's XNNPACK programs run on the CPU
+
+    def kernel_words(self) -> str:
+        return "XNNPACK in ExecuTorch's runtime on the CPU" if self.target == "xnnpack" else "torch's x86 int8 kernels on the CPU"
 
     def prepare(self, float_model: torch.nn.Module, config: Pt2eConfig, example_inputs: tuple[Any, ...]) -> torch.fx.GraphModule:
         ao = torchao_pt2e()
