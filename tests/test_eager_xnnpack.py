@@ -32,15 +32,25 @@ from qreport_widgets.engines.settings import ModuleSettings  # noqa: E402
 from qreport_widgets.errors import DecodeSpeedError, InvalidSettingsError  # noqa: E402
 
 
+def as_from_pretrained(model):
+    """The same decoder with its configuration as ``from_pretrained`` leaves it: ``use_cache=True``, so
+    its forward returns a cache object beside the logits (the trained one was built without)."""
+    config = copy.deepcopy(model.config)
+    config.use_cache = True
+    loaded = type(model)(config).eval()
+    loaded.load_state_dict(model.state_dict())
+    return loaded
+
+
 @pytest.fixture(scope="module")
 def phone_decoder(text_decoder):
-    """The trained decoder for XNNPACK, every Linear 8da4w in groups of 32, its perplexity the metric;
-    evaluation batches of 8 sequences against calibration batches of 4 (what the program's memory
-    is planned for)."""
+    """The trained decoder for XNNPACK, as ``from_pretrained`` would give it (``use_cache=True``), every
+    Linear 8da4w in groups of 32, its perplexity the metric; evaluation batches of 8 sequences against
+    calibration batches of 4 (what the program's memory is planned for)."""
     model, data = text_decoder
     evaluation = [(torch.cat([a[0], b[0]]),) for a, b in zip(data.evaluation[::2], data.evaluation[1::2], strict=True)]
     report = analyze(
-        model,
+        as_from_pretrained(model),
         data.calibration[0],
         data.calibration,
         eval_data=evaluation,
@@ -85,6 +95,8 @@ def test_the_baseline_is_the_program_executorch_ships_its_perplexity_and_size_an
     assert any("measured in ExecuTorch's runtime" in note for note in baseline.notes)
     assert any(note.startswith("XNNPACK runs ") for note in baseline.notes)
 
+    # the program returns the logits the session measures, whatever the config says, and leaves it as it was
+    assert session.float_model.config.use_cache and program.reference.config.use_cache
     expected_perplexity, expected_bytes = independent_program(model, data.calibration[0], evaluation)
     assert baseline.eval_metric == pytest.approx(expected_perplexity, rel=1e-3)
     assert baseline.size_bytes == pytest.approx(expected_bytes, rel=0.02)

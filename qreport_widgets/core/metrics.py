@@ -123,14 +123,17 @@ class Metric:
         return float(self.combine([tuple(self.batch_terms(b, o)) for b, o in zip(batches, outputs, strict=True)]))
 
     def of_model(self, model: torch.nn.Module, batches: Sequence[Any]) -> float:
-        """The metric of ``model`` on ``batches``: one pass (``from_outputs`` metrics only), each batch
-        moved to the model's device (a real run's CPU copy of a model that lives on a GPU)."""
+        """The metric of ``model`` (a module, or any callable) on ``batches``: one pass (``from_outputs``
+        metrics only), a module's batches moved to its device (a real run's CPU copy of a model that
+        lives on a GPU)."""
         from .calibration import call_with
         from .devices import model_device, moved
 
-        device = model_device(model)
+        if isinstance(model, torch.nn.Module):
+            device = model_device(model)
+            batches = [moved(batch, device) for batch in batches]
         with torch.no_grad():
-            return self.of_outputs(batches, [call_with(model, moved(batch, device)) for batch in batches])
+            return self.of_outputs(batches, [call_with(model, batch) for batch in batches])
 
     @property
     def label(self) -> str:

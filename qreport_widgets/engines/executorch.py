@@ -299,13 +299,53 @@ def _dynamic_partitioner(api: types.SimpleNamespace) -> Any:
     return chosen
 
 
+class _ProgramOutputs(torch.nn.Module):
+    """``model`` returning what a program can: its output without the values no program returns (a
+    transformers cache object, which a decoder left at ``use_cache=True``, as ``from_pretrained`` gives
+    it, puts beside its logits). The session measures the rest; the model's configuration is not
+    touched."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs: Any) -> Any:
+        return _program_output(self.model(*inputs))
+
+
+def _program_output(output: Any) -> Any:
+    """``output`` without the fields torch.export cannot return: a dict-like output (a Hugging Face
+    ``ModelOutput``) keeps its tensors and containers of them, of the same type."""
+    if not isinstance(output, Mapping):
+        return output
+    kept = {name: value for name, value in output.items() if _returnable(value)}
+    if len(kept) == len(output):
+        return output
+    try:
+        return type(output)(**kept)
+    except TypeError:  # a mapping type not built from its fields
+        return kept
+
+
+def _returnable(value: Any) -> bool:
+    if isinstance(value, torch.Tensor) or value is None:
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_returnable(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(_returnable(v) for v in value.values())
+    return isinstance(value, (int, float, bool))
+
+
 def _exported(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
+    model = _ProgramOutputs(model)
     rows = _batch_rows(list(example_inputs))
     if rows is not None and rows > 1:
         # ExecuTorch plans the program's memory for the bound: the example's batch, stated (larger ones run in chunks)
         batch = torch.export.Dim("batch", min=1, max=rows)
         try:
-            return torch.export.export(model, example_inputs, dynamic_shapes=tuple({0: batch} for _ in example_inputs))
+            shapes = {"inputs": tuple({0: batch} for _ in example_inputs)}  # the wrapper takes them as *inputs
+            return torch.export.export(model, example_inputs, dynamic_shapes=shapes)
         except Exception:  # the model fixes its batch size: exported as given
             pass
     return torch.export.export(model, example_inputs)
@@ -636,7 +676,10 @@ def _generated(method: Any, prompt: list[int], new_tokens: int) -> tuple[list[fl
     """The worker's greedy generation: each call one token id (1 x 1) and its cache position (1,)."""
 
     def step(token: int, position: int) -> tuple[int, float]:
-        inputs = [torch.tensor([[token]], dtype=torch.long), torch.tensor([position], dtype=torch.long)]
+        inputs = [
+            torch.tensor([[token]], dtype=torch.long, device="cpu"),
+            torch.tensor([position], dtype=torch.long, device="cpu"),
+        ]
         start = time.perf_counter()
         logits = method.execute(inputs)[0]
         seconds = time.perf_counter() - start
