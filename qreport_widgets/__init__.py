@@ -6,6 +6,7 @@ from ._version import __version__ as __version__
 from .analyze import analyze, default_detectors
 from .core.metrics import Metric, perplexity
 from .engines import quantize_weights
+from .engines.rotation import Rotation, rotate, rotation_problems
 from .engines.settings import ModuleSettings
 from .errors import (
     AlreadyPreparedError,
@@ -67,6 +68,7 @@ __all__ = [
     "QuantizationSession",
     "ReportFileError",
     "ReportNotGeneratedError",
+    "Rotation",
     "RunResult",
     "SavedReport",
     "UntraceableModelError",
@@ -75,4 +77,6 @@ __all__ = [
     "load_report",
     "perplexity",
     "quantize_weights",
+    "rotate",
+    "rotation_problems",
 ]

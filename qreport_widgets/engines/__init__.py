@@ -1,7 +1,8 @@
 """Engines: the contract every quantization workflow implements, and the registry that names them.
 
 ``contract`` (``Engine``, ``Observation``, ``Simulation``, ``Variant``), ``settings`` (what a module
-can be set to, engine-neutral), ``sizes`` (deployed bytes), and one package per engine: ``fx/``
+can be set to, engine-neutral), ``sizes`` (deployed bytes), ``rotation`` (rotations folded into a
+decoder's float weights), and one package per engine: ``fx/``
 (FX graph mode), ``pt2e/`` (torchao's PT2E), ``eager/`` (torchao's ``quantize_``), each owning its
 options (``FxOptions``, ``Pt2eOptions``, ``EagerOptions``) and configuration. This module is the
 registry: the one place that names every engine package. ``build_engine(name, ...)`` builds an

@@ -13,6 +13,7 @@ import torch
 
 from ..core.metrics import token_ids
 from ..core.progress import Progress, quiet
+from ..engines.rotation import Rotation, rotate
 from ..engines.settings import ModuleSettings
 from ..errors import DecodeSpeedError, ModelReleasedError, QReportWarning
 from .history import History
@@ -123,14 +124,21 @@ class RealRuns:
         progress: Progress | None = None,
         record: bool = True,
         check_kernels: bool = False,
+        rotation: Rotation | None = None,
     ) -> RunResult:
         """A run of ``settings`` (modules left out keep their starting settings); InvalidSettingsError
         before anything runs for what the engine cannot apply. ``record=False``: a trial, measured at
-        the output only and kept out of the history (its kernels checked too with ``check_kernels``)."""
+        the output only and kept out of the history (its kernels checked too with ``check_kernels``).
+        ``rotation``: folded into a copy of the float model first (the run's own, released with it)."""
         config = self.runner.config_for(settings)
         source = self.migrations.model_for(settings)
+        if rotation is not None:
+            source = rotate(source if source is not None else self.runner.float_model, rotation)
         checks = self._checks_kernels if record or check_kernels else None
-        return self._run(config, label, progress, record, float_model=source, settings=settings, checks=checks)
+        result = self._run(
+            config, label, progress, record, float_model=source, settings=settings, checks=checks, rotation=rotation
+        )
+        return result
 
     def run_mapping(
         self, qconfig_mapping: Any, equalization_mapping: Any, label: str | None, progress: Progress | None
@@ -184,6 +192,7 @@ class RealRuns:
         float_model: torch.nn.Module | None = None,
         settings: Mapping[str, ModuleSettings] | None = None,
         checks: Callable[[torch.nn.Module], bool] | None = None,
+        rotation: Rotation | None = None,
     ) -> RunResult:
         label = label or self.history.next_label()
         checks = checks if checks is not None else self._checks_kernels if record else None
@@ -191,6 +200,9 @@ class RealRuns:
         result = self.runner.run(
             config, label, progress, per_layer=record, check_kernels=checks, float_model=float_model, settings=settings
         )
+        if rotation is not None:
+            said = f"rotated: {rotation.words} folded into the float weights first (seed {rotation.seed})"
+            result = replace(result.noted(said), rotation=rotation)
         if not record:
             return result
         adopted = self.adopt_kernels(result)  # a kernel the baseline's inputs hid: the simulation runs it now

@@ -64,6 +64,7 @@ class RunResult:
     # them unpacked in int8 (eager engine), one byte per int8 value and four per scale (sizes.py). 0 for a failed run
     deployed_bytes: int = 0
     baseline: bool = False  # the starting configuration's run (session.baseline())
+    rotation: Any = None  # the engines.rotation.Rotation folded into the float weights first, or None
 
     def __post_init__(self) -> None:
         # a run's own copies: nothing a caller keeps changes it later

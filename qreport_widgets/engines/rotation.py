@@ -1,0 +1,266 @@
+"""Rotations folded into a decoder's weights: the float model computes the same function, while its
+weights and the activations its Linears read lose their outlier channels (QuaRot, SpinQuant).
+
+- **R1**, the residual stream: every norm's scale folded into the Linears that read it, then the
+  stream rotated by an orthogonal ``Q`` (a Hadamard matrix with random signs): the embedding's rows
+  and every Linear that writes the stream (``o_proj``, ``down_proj``) produce ``h Q``, every Linear
+  that reads it (``q/k/v_proj``, ``gate/up_proj``, the head) takes ``Q`` back in its weight. An RMS
+  norm with unit scale commutes with ``Q``, so nothing between them changes. A head tied to the
+  embedding unties: the final norm's scale folds into the head alone.
+- **R2**, each head's values: ``v_proj`` produces every head's values times ``R`` (head size),
+  ``o_proj`` takes ``R`` back in that head's columns; attention mixes values linearly, so its
+  output carries the same ``R``.
+
+Written for the Llama layout transformers uses for Llama, Mistral, Qwen2, SmolLM and their kin (pre-norm
+blocks, RMS norms); ``rotation_problems`` says why a model is not one (a norm after a block's
+output, a norm that subtracts the mean, a layout it does not know).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import InvalidSettingsError
+
+_PALEY_12 = 11  # a prime q = 3 mod 4 gives a Hadamard matrix of order q + 1 (Paley's first construction)
+_PALEY_20 = 19
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """Which rotations to fold in: ``residual`` (R1), ``values`` (R2), drawn from ``seed``."""
+
+    residual: bool = True
+    values: bool = True
+    seed: int = 0
+
+    @property
+    def words(self) -> str:
+        parts = [name for name, on in (("R1 (residual stream)", self.residual), ("R2 (values per head)", self.values)) if on]
+        return " + ".join(parts) or "none"
+
+
+def hadamard(n: int) -> torch.Tensor | None:
+    """A Hadamard matrix of order ``n`` (entries +-1, rows orthogonal) in float64, built as a
+    Kronecker product of Sylvester's order 2 and Paley's orders 12 and 20; None for an order that is
+    not 2^a 12^b 20^c (576 = 4 x 12 x 12 is; 1,000 is not)."""
+    factors: list[torch.Tensor] = []
+    rest = n
+    for prime in (_PALEY_20, _PALEY_12):  # 5 and 3 divide n only through these orders
+        while rest > 0 and rest % (prime + 1) == 0:
+            factors.append(_paley(prime))
+            rest //= prime + 1
+    if not _power_of_two(rest):
+        return None
+    result = torch.ones(1, 1, dtype=torch.float64)
+    for factor in factors:
+        result = torch.kron(result, factor)
+    two = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    while result.shape[0] < n:
+        result = torch.kron(result, two)
+    return result
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _paley(q: int) -> torch.Tensor:
+    """Paley's Hadamard matrix of order q + 1 for a prime q = 3 mod 4."""
+    residues = {(i * i) % q for i in range(1, q)}
+    jacobsthal = torch.tensor(
+        [[0.0 if i == j else (1.0 if (j - i) % q in residues else -1.0) for j in range(q)] for i in range(q)], dtype=torch.float64
+    )
+    skew = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+    skew[0, 1:], skew[1:, 0], skew[1:, 1:] = 1.0, -1.0, jacobsthal
+    return skew + torch.eye(q + 1, dtype=torch.float64)
+
+
+def random_rotation(n: int, generator: torch.Generator) -> torch.Tensor:
+    """An orthogonal n x n matrix in float64: a Hadamard matrix with random column signs, scaled by
+    1 / sqrt(n) (QuaRot's), or where no Hadamard matrix of that order is built here, the Q of a
+    Gaussian matrix's QR decomposition (SpinQuant's starting point)."""
+    found = hadamard(n)
+    if found is None:
+        q, r = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=generator))
+        return q * torch.sign(torch.diagonal(r))
+    signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.float64) * 2 - 1
+    return found * signs / math.sqrt(n)
+
+
+@dataclass
+class _Decoder:
+    embedding: nn.Embedding
+    layers: list[nn.Module]
+    final_norm: nn.Module
+    head: nn.Linear
+
+
+def rotation_problems(model: nn.Module) -> dict[str, str]:
+    """Which rotations cannot be folded into ``model``, each with why (empty: R1 and R2 both apply)."""
+    try:
+        decoder = _decoder(model)
+    except InvalidSettingsError as error:
+        return {"R1": str(error), "R2": str(error)}
+    problems: dict[str, str] = {}
+    for index, layer in enumerate(decoder.layers):
+        extra = [name for name, child in layer.named_children() if _is_norm(child)]
+        extra = [name for name in extra if name not in ("input_layernorm", "post_attention_layernorm")]
+        if extra:
+            problems["R1"] = (
+                f"block {index} has a norm on a block's output before the residual add ({', '.join(extra)}): the stream "
+                "it writes is normalised, which a rotation of the stream does not commute with"
+            )
+            break
+    for norm_name, norm in _norms(decoder):
+        if not _is_rms_norm(norm):
+            problems["R1"] = (
+                f"{norm_name} ({type(norm).__name__}) is not an RMS norm with a scale alone: a norm that subtracts the mean or "
+                "adds a bias does not commute with a rotation of the stream (QuaRot folds LayerNorm's mean separately; not here)"
+            )
+            break
+    attention = decoder.layers[0].self_attn
+    if not all(hasattr(attention, name) for name in ("v_proj", "o_proj", "head_dim")):
+        problems["R2"] = f"the attention ({type(attention).__name__}) has no v_proj / o_proj with a head_dim"
+    return problems
+
+
+def rotate(model: nn.Module, rotation: Rotation = Rotation()) -> nn.Module:
+    """A copy of ``model`` with ``rotation`` folded into its weights (``model`` is not changed): the
+    same logits to float32 round-off. InvalidSettingsError naming why for a model it does not apply to."""
+    problems = rotation_problems(model)
+    wanted = {"R1": rotation.residual, "R2": rotation.values}
+    refused = {name: why for name, why in problems.items() if wanted[name]}
+    if refused:
+        raise InvalidSettingsError("; ".join(f"{name} does not apply: {why}" for name, why in refused.items()))
+    rotated = copy.deepcopy(model)
+    decoder = _decoder(rotated)
+    generator = torch.Generator().manual_seed(rotation.seed)
+    with torch.no_grad():
+        if rotation.residual:
+            _untie_head(rotated, decoder)
+            _fold_norms(decoder)
+            _rotate_residual(decoder, random_rotation(decoder.embedding.weight.shape[1], generator))
+        if rotation.values:
+            head_dim = int(decoder.layers[0].self_attn.head_dim)
+            _rotate_values(decoder, random_rotation(head_dim, generator))
+    return rotated
+
+
+# ---- the layout ----------------------------------------------------------------------------------
+def _decoder(model: nn.Module) -> _Decoder:
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inner = getattr(model, "model", None)
+    layers = list(getattr(inner, "layers", []) or [])
+    final_norm = getattr(inner, "norm", None)
+    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear) or not layers or final_norm is None:
+        raise InvalidSettingsError(
+            f"{type(model).__name__} is not a decoder in the Llama layout the rotations are written for (model.embed_tokens, "
+            "model.layers with self_attn / mlp / input_layernorm / post_attention_layernorm, model.norm, lm_head)"
+        )
+    for index, layer in enumerate(layers):
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        needed = [
+            (attention, ("q_proj", "k_proj", "v_proj", "o_proj")),
+            (mlp, ("gate_proj", "up_proj", "down_proj")),
+            (layer, ("input_layernorm", "post_attention_layernorm")),
+        ]
+        missing = [name for owner, names in needed for name in names if owner is None or not hasattr(owner, name)]
+        if missing:
+            named = f"block {index} ({type(layer).__name__})"
+            raise InvalidSettingsError(f"{named} has no {', '.join(missing)}: not the Llama layout")
+    return _Decoder(embedding, layers, final_norm, head)
+
+
+def _norms(decoder: _Decoder) -> list[tuple[str, nn.Module]]:
+    found = [("model.norm", decoder.final_norm)]
+    for index, layer in enumerate(decoder.layers):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            found.append((f"model.layers.{index}.{name}", getattr(layer, name)))
+    return found
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower() or isinstance(module, nn.LayerNorm)
+
+
+def _is_rms_norm(norm: nn.Module) -> bool:
+    """Whether ``norm(x)`` is its scale times ``x / rms(x)``, checked on a probe with the scale as it is."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(norm, "bias", None) is not None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(3, weight.shape[0], generator=generator, dtype=torch.float32).to(weight.device) * 3 + 1
+    with torch.no_grad():
+        found = norm(probe)
+    expected = weight * probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + _eps(norm))
+    return bool(torch.allclose(found.float(), expected.float(), rtol=1e-4, atol=1e-5))
+
+
+def _eps(norm: nn.Module) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)) or 1e-6)
+
+
+# ---- the folds -----------------------------------------------------------------------------------
+def _untie_head(model: nn.Module, decoder: _Decoder) -> None:
+    if decoder.head.weight is decoder.embedding.weight:
+        decoder.head.weight = nn.Parameter(decoder.head.weight.detach().clone())
+        if hasattr(model, "config") and getattr(model.config, "tie_word_embeddings", False):
+            model.config = copy.deepcopy(model.config)
+            model.config.tie_word_embeddings = False  # a later tie_weights() must not undo the rotation
+
+
+def _fold_norms(decoder: _Decoder) -> None:
+    """Each norm's scale into the Linears that read its output; the norm's scale becomes 1."""
+    readers = [(decoder.final_norm, [decoder.head])]
+    for layer in decoder.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        readers.append((layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]))
+        readers.append((layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj]))
+    for norm, linears in readers:
+        scale = norm.weight.detach().double()
+        for linear in linears:
+            linear.weight.copy_((linear.weight.double() * scale[None, :]).to(linear.weight.dtype))
+        norm.weight.fill_(1.0)
+
+
+def _rotate_residual(decoder: _Decoder, q: torch.Tensor) -> None:
+    def reads(linear: nn.Linear) -> None:  # y = x W^T with x -> x Q: W -> W Q
+        linear.weight.copy_((linear.weight.double() @ q.to(linear.weight.device)).to(linear.weight.dtype))
+
+    def writes(linear: nn.Linear) -> None:  # y -> y Q: W -> Q^T W, b -> b Q
+        q_here = q.to(linear.weight.device)
+        linear.weight.copy_((q_here.T @ linear.weight.double()).to(linear.weight.dtype))
+        if linear.bias is not None:
+            linear.bias.copy_((linear.bias.double() @ q_here).to(linear.bias.dtype))
+
+    embedding = decoder.embedding.weight
+    embedding.copy_((embedding.double() @ q.to(embedding.device)).to(embedding.dtype))
+    for layer in decoder.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        for linear in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj):
+            reads(linear)
+        writes(attention.o_proj)
+        writes(mlp.down_proj)
+    reads(decoder.head)
+
+
+def _rotate_values(decoder: _Decoder, r: torch.Tensor) -> None:
+    """Each head's values times R: v_proj's rows of every head R^T W, o_proj's columns of every head W R."""
+    d = r.shape[0]
+    for layer in decoder.layers:
+        attention = layer.self_attn
+        v, o = attention.v_proj, attention.o_proj
+        r_here = r.to(v.weight.device)
+        rows = v.weight.double().view(-1, d, v.weight.shape[1])  # (kv heads, head_dim, in)
+        v.weight.copy_(torch.einsum("ji,hjk->hik", r_here, rows).reshape(v.weight.shape).to(v.weight.dtype))
+        if v.bias is not None:
+            v.bias.copy_((v.bias.double().view(-1, d) @ r_here).reshape(-1).to(v.bias.dtype))
+        columns = o.weight.double().view(o.weight.shape[0], -1, d)  # (out, heads, head_dim)
+        o.weight.copy_((columns @ r_here).reshape(o.weight.shape).to(o.weight.dtype))

@@ -1,0 +1,110 @@
+"""Rotations folded into a decoder's weights (``engines/rotation.py``): the rotated float model gives
+the same logits to float32 round-off, the user's model is not changed, architectures the rotations do
+not commute with are refused naming why, and a session's run takes a rotation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_unchanged, fingerprint
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import qreport_widgets as qw
+from qreport_widgets.core.metrics import is_float_output, perplexity, sqnr_db
+from qreport_widgets.engines.rotation import hadamard, random_rotation
+
+
+def decoder(hidden: int = 48, tied: bool = True) -> LlamaForCausalLM:
+    """A Llama layout at its config's defaults (use_cache=True) with norms away from 1, so folding them matters."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("order", [1, 2, 12, 20, 48, 64, 240, 576, 1536])
+def test_hadamard_matrices_of_the_orders_decoders_use(order):
+    h = hadamard(order)
+    assert torch.equal(h @ h.T, order * torch.eye(order, dtype=torch.float64))
+    q = random_rotation(order, torch.Generator().manual_seed(0))
+    assert torch.allclose(q @ q.T, torch.eye(order, dtype=torch.float64), atol=1e-12)
+
+
+def test_an_order_without_a_hadamard_matrix_here_gets_a_random_orthogonal_one():
+    assert hadamard(60) is None
+    q = random_rotation(60, torch.Generator().manual_seed(0))
+    assert torch.allclose(q @ q.T, torch.eye(60, dtype=torch.float64), atol=1e-12)
+
+
+@pytest.mark.parametrize(("hidden", "tied"), [(48, True), (64, False)], ids=["paley-tied-head", "sylvester-own-head"])
+def test_the_rotated_float_model_gives_the_same_logits_and_the_users_model_is_untouched(hidden, tied):
+    model = decoder(hidden, tied)
+    before = fingerprint(model)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    rotated = qw.rotate(model)
+    with torch.no_grad():
+        expected, found = model(ids).logits, rotated(ids).logits
+    assert is_float_output(sqnr_db(expected, found))  # float32 round-off: 130 dB here
+    assert_unchanged(model, before)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied and model.config.tie_word_embeddings == tied
+    # the rotated head unties: the final norm's scale is folded into it alone
+    assert rotated.lm_head.weight is not rotated.model.embed_tokens.weight and not rotated.config.tie_word_embeddings
+    # what the rotation is for: the residual stream's outlier channels are spread over all of them
+    peak = model.model.embed_tokens.weight.abs().amax(0)
+    peak_rotated = rotated.model.embed_tokens.weight.abs().amax(0)
+    assert peak_rotated.max() / peak_rotated.median() < peak.max() / peak.median()
+
+
+class PostNormBlock(nn.Module):
+    """A decoder block with a norm on its MLP's output before the residual add (Gemma 2's layout)."""
+
+    def __init__(self, block: nn.Module, hidden: int) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = block.self_attn, block.mlp
+        self.input_layernorm, self.post_attention_layernorm = block.input_layernorm, block.post_attention_layernorm
+        self.post_feedforward_layernorm = type(block.input_layernorm)(hidden)
+
+
+def test_architectures_the_rotations_do_not_commute_with_are_refused_naming_why():
+    model = decoder()
+    model.model.layers[0] = PostNormBlock(model.model.layers[0], 48)
+    problems = qw.rotation_problems(model)
+    assert set(problems) == {"R1"} and "norm on a block's output before the residual add" in problems["R1"]
+    with pytest.raises(qw.InvalidSettingsError, match="R1 does not apply: block 0 has a norm"):
+        qw.rotate(model)
+    qw.rotate(model, qw.Rotation(residual=False))  # R2 still applies: the values' rotation is inside attention
+
+    layer_norm = decoder()
+    layer_norm.model.norm = nn.LayerNorm(48)
+    assert "subtracts the mean" in qw.rotation_problems(layer_norm)["R1"]
+    assert "not a decoder in the Llama layout" in qw.rotation_problems(nn.Linear(4, 4))["R1"]
+
+
+def test_a_session_run_takes_a_rotation_and_measures_against_the_original_float_model():
+    model = decoder(64, tied=True)
+    generator = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 256, (2, 32), generator=generator),) for _ in range(6)]
+    report = qw.analyze(
+        model, batches[0], batches[:4], eval_data=batches[4:], engine="eager", format="int4-weight-only", metric="perplexity"
+    )
+    session = report.session
+    plain = session.apply({})
+    rotated = session.apply({}, rotation=qw.Rotation())
+    assert rotated.ok and rotated.rotation == qw.Rotation() and plain.rotation is None
+    assert any(note.startswith("rotated: R1 (residual stream) + R2 (values per head)") for note in rotated.notes)
+    # measured against the original float model's logits and perplexity, which the rotation keeps
+    assert session.float_metric() == pytest.approx(perplexity(qw.rotate(model), batches[4:]), rel=1e-5)
+    assert rotated.output_sqnr_db != plain.output_sqnr_db
