@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import qreport_widgets as qw
 from qreport_widgets.core.metrics import is_float_output, perplexity, sqnr_db
-from qreport_widgets.engines.rotation import hadamard, random_rotation
+from qreport_widgets.engines.rotation import ONLINE_HADAMARD, hadamard, random_rotation
 
 
 def decoder(hidden: int = 48, tied: bool = True) -> LlamaForCausalLM:
@@ -49,12 +49,16 @@ def test_an_order_without_a_hadamard_matrix_here_gets_a_random_orthogonal_one():
     assert torch.allclose(q @ q.T, torch.eye(60, dtype=torch.float64), atol=1e-12)
 
 
-@pytest.mark.parametrize(("hidden", "tied"), [(48, True), (64, False)], ids=["paley-tied-head", "sylvester-own-head"])
-def test_the_rotated_float_model_gives_the_same_logits_and_the_users_model_is_untouched(hidden, tied):
+@pytest.mark.parametrize(
+    ("hidden", "tied", "down"),
+    [(48, True, False), (64, False, False), (48, True, True)],
+    ids=["paley-tied-head", "sylvester-own-head", "with-r4-online"],
+)
+def test_the_rotated_float_model_gives_the_same_logits_and_the_users_model_is_untouched(hidden, tied, down):
     model = decoder(hidden, tied)
     before = fingerprint(model)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    rotated = qw.rotate(model)
+    rotated = qw.rotate(model, qw.Rotation(down=down))
     with torch.no_grad():
         expected, found = model(ids).logits, rotated(ids).logits
     assert is_float_output(sqnr_db(expected, found))  # float32 round-off: 130 dB here
@@ -66,6 +70,9 @@ def test_the_rotated_float_model_gives_the_same_logits_and_the_users_model_is_un
     peak = model.model.embed_tokens.weight.abs().amax(0)
     peak_rotated = rotated.model.embed_tokens.weight.abs().amax(0)
     assert peak_rotated.max() / peak_rotated.median() < peak.max() / peak.median()
+    online = [layer.mlp.down_proj for layer in rotated.model.layers if hasattr(layer.mlp.down_proj, ONLINE_HADAMARD)]
+    assert len(online) == (len(rotated.model.layers) if down else 0)
+    assert len({id(getattr(m, ONLINE_HADAMARD)) for m in online}) <= 1  # one matrix, shared by every block
 
 
 class PostNormBlock(nn.Module):
@@ -108,3 +115,14 @@ def test_a_session_run_takes_a_rotation_and_measures_against_the_original_float_
     # measured against the original float model's logits and perplexity, which the rotation keeps
     assert session.float_metric() == pytest.approx(perplexity(qw.rotate(model), batches[4:]), rel=1e-5)
     assert rotated.output_sqnr_db != plain.output_sqnr_db
+
+
+def test_r4_is_refused_on_the_xnnpack_target_before_anything_runs():
+    pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
+    model = decoder(64, tied=False)
+    batches = [(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3)),)] * 2
+    options = {"engine": "eager", "target": "xnnpack", "format": "int8-dynamic-int4-weight", "progress": False}
+    session = qw.analyze(model, batches[0], batches, **options).session
+    with pytest.raises(qw.InvalidSettingsError, match=r"on the XNNPACK target use Rotation\(\)"):
+        session.apply({}, rotation=qw.Rotation(down=True))
+    assert not session.compare()[0].shape[0]  # no run was made

@@ -10,6 +10,10 @@ weights and the activations its Linears read lose their outlier channels (QuaRot
 - **R2**, each head's values: ``v_proj`` produces every head's values times ``R`` (head size),
   ``o_proj`` takes ``R`` back in that head's columns; attention mixes values linearly, so its
   output carries the same ``R``.
+- **R4**, ``down_proj``'s input (off by default): a normalised Hadamard matrix ``H`` applied to the
+  input as the model runs (a forward pre-hook multiplying by a buffer, ``ONLINE_HADAMARD``) and
+  taken back in the weight (``W H``). It is computed, not folded: a matrix product per token, which an
+  exported program carries too.
 
 Written for the Llama layout transformers uses for Llama, Mistral, Qwen2, SmolLM and their kin (pre-norm
 blocks, RMS norms); ``rotation_problems`` says why a model is not one (a norm after a block's
@@ -27,22 +31,29 @@ from torch import nn
 
 from ..errors import InvalidSettingsError
 
+ONLINE_HADAMARD = "online_hadamard"  # the buffer R4's pre-hook multiplies down_proj's input by
 _PALEY_12 = 11  # a prime q = 3 mod 4 gives a Hadamard matrix of order q + 1 (Paley's first construction)
 _PALEY_20 = 19
 
 
 @dataclass(frozen=True)
 class Rotation:
-    """Which rotations to fold in: ``residual`` (R1), ``values`` (R2), drawn from ``seed``."""
+    """Which rotations to fold in: ``residual`` (R1), ``values`` (R2), ``down`` (R4, computed as the
+    model runs), the random ones drawn from ``seed``."""
 
     residual: bool = True
     values: bool = True
     seed: int = 0
+    down: bool = False
 
     @property
     def words(self) -> str:
-        parts = [name for name, on in (("R1 (residual stream)", self.residual), ("R2 (values per head)", self.values)) if on]
-        return " + ".join(parts) or "none"
+        named = (
+            ("R1 (residual stream)", self.residual),
+            ("R2 (values per head)", self.values),
+            ("R4 (down_proj's input, online)", self.down),
+        )
+        return " + ".join(name for name, on in named if on) or "none"
 
 
 def hadamard(n: int) -> torch.Tensor | None:
@@ -149,6 +160,8 @@ def rotate(model: nn.Module, rotation: Rotation = Rotation()) -> nn.Module:
         if rotation.values:
             head_dim = int(decoder.layers[0].self_attn.head_dim)
             _rotate_values(decoder, random_rotation(head_dim, generator))
+        if rotation.down:
+            _rotate_down(decoder, generator)
     return rotated
 
 
@@ -264,3 +277,23 @@ def _rotate_values(decoder: _Decoder, r: torch.Tensor) -> None:
             v.bias.copy_((v.bias.double().view(-1, d) @ r_here).reshape(-1).to(v.bias.dtype))
         columns = o.weight.double().view(o.weight.shape[0], -1, d)  # (out, heads, head_dim)
         o.weight.copy_((columns @ r_here).reshape(o.weight.shape).to(o.weight.dtype))
+
+
+def _rotate_down(decoder: _Decoder, generator: torch.Generator) -> None:
+    """down_proj's input times a normalised Hadamard matrix H as the model runs, its weight W H."""
+    size = decoder.layers[0].mlp.down_proj.weight.shape[1]
+    found = hadamard(size)
+    h = found / math.sqrt(size) if found is not None else random_rotation(size, generator)
+    shared: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # one matrix per device, read by every block
+    for layer in decoder.layers:
+        down = layer.mlp.down_proj
+        weight = down.weight
+        down.weight.copy_((weight.double() @ h.to(weight.device)).to(weight.dtype))
+        online = shared.setdefault((weight.device, weight.dtype), h.to(weight.device, weight.dtype))
+        down.register_buffer(ONLINE_HADAMARD, online)
+        down.register_forward_pre_hook(_online_hadamard)
+
+
+def _online_hadamard(module: nn.Module, args: tuple) -> tuple:
+    x = args[0]
+    return (x @ getattr(module, ONLINE_HADAMARD).to(x.dtype), *args[1:])

@@ -15,7 +15,7 @@ from ..core.metrics import token_ids
 from ..core.progress import Progress, quiet
 from ..engines.rotation import Rotation, rotate
 from ..engines.settings import ModuleSettings
-from ..errors import DecodeSpeedError, ModelReleasedError, QReportWarning
+from ..errors import DecodeSpeedError, InvalidSettingsError, ModelReleasedError, QReportWarning
 from .history import History
 from .migration import Migrations
 from .run import ReleasedModel, RunResult
@@ -133,6 +133,12 @@ class RealRuns:
         config = self.runner.config_for(settings)
         source = self.migrations.model_for(settings)
         if rotation is not None:
+            if rotation.down and getattr(self.runner.engine, "target", None) == "xnnpack":
+                raise InvalidSettingsError(
+                    "R4 (Rotation(down=True)) is a product computed as the model runs, and ExecuTorch's runtime fails to "
+                    "execute the program it gives (error 0x10): on the XNNPACK target use Rotation() (R1 + R2, folded "
+                    "into the weights at no cost to the program)"
+                )
             source = rotate(source if source is not None else self.runner.float_model, rotation)
         checks = self._checks_kernels if record or check_kernels else None
         result = self._run(
