@@ -126,3 +126,22 @@ def test_r4_is_refused_on_the_xnnpack_target_before_anything_runs():
     with pytest.raises(qw.InvalidSettingsError, match=r"on the XNNPACK target use Rotation\(\)"):
         session.apply({}, rotation=qw.Rotation(down=True))
     assert not session.compare()[0].shape[0]  # no run was made
+
+
+def test_the_tune_tab_applies_a_rotated_run_when_its_box_is_ticked_and_offers_none_where_it_cannot():
+    from qreport_widgets.demo.architectures import TinyConvNet
+
+    model = decoder(64, tied=True)
+    batches = [(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4)),) for _ in range(4)]
+    report = qw.analyze(model, batches[0], batches, engine="eager", format="int4-weight-only", progress=False)
+    tune = report.widget().tuning
+    assert tune.rotate.layout.display != "none"
+    tune.rotate.value = True
+    assert "model = qreport_widgets.rotate(model)" in tune.code.value  # the code pane does what Apply does
+    tune.apply.click()
+    baseline, applied = report.session.history
+    assert baseline.rotation is None and applied.rotation == qw.Rotation() and applied.ok
+
+    cnn = TinyConvNet().eval()
+    images = [(torch.randn(2, 3, 32, 32),)]
+    assert qw.analyze(cnn, images[0], images, progress=False).widget().tuning.rotate.layout.display == "none"

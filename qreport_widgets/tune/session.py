@@ -18,7 +18,7 @@ from ..core.metrics import Metric
 from ..core.progress import Progress
 from ..engines import build_engine
 from ..engines.contract import Engine, Simulation, Variant
-from ..engines.rotation import Rotation
+from ..engines.rotation import Rotation, rotation_problems
 from ..engines.settings import ModuleSettings, TunableModule, module_blocks, with_suggestions
 from ..observe.records import Suggestion
 from .diagnosis import ReachPlan, metric_target
@@ -138,7 +138,7 @@ class QuantizationSession:
         label: str | None = None,
         progress: Progress | None = None,
         record: bool = True,
-        rotation: Rotation | None = None,
+        rotation: Rotation | bool | None = None,
     ) -> RunResult:
         """Quantize with ``settings`` (module name -> ModuleSettings; modules left out keep their
         current settings) and measure.
@@ -150,8 +150,14 @@ class QuantizationSession:
         quantizes the float model with ``Rotation()``'s orthogonal rotations folded into its weights
         (the same logits, fewer outlier channels; ``engines/rotation.py``), its per-layer SQNR read
         against that rotated float model; InvalidSettingsError names why a model does not take it.
+        ``rotation=True`` is ``Rotation()``.
         """
-        return self.parts.real.apply(settings, label=label, progress=progress, record=record, rotation=rotation)
+        chosen = Rotation() if rotation is True else rotation or None
+        return self.parts.real.apply(settings, label=label, progress=progress, record=record, rotation=chosen)
+
+    def rotation_problems(self) -> dict[str, str]:
+        """Which rotations (``R1``, ``R2``) the float model does not take, each with why; empty: both apply."""
+        return rotation_problems(self.float_model)
 
     def run(
         self,

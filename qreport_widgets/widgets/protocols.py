@@ -102,7 +102,10 @@ class TuningSession(Protocol):
         *,
         label: str | None = None,
         progress: Callable[[int, int | None], None] | None = None,
+        rotation: bool | None = None,
     ) -> RunResult: ...
+
+    def rotation_problems(self) -> dict[str, str]: ...
 
     def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]: ...
 

@@ -69,6 +69,7 @@ class TuneController(HasTraits):
     target = Float(0.0, help="the output SQNR (dB) Propose aims for; set to the simulated baseline + 3 dB by the first ranking")
     ignored = Int(0, help="clicks dropped because an action was running, since the last Apply began")
     by_block = Bool(False, help="rank, propose and fit whole blocks (model.layers.3) instead of modules")
+    rotate = Bool(False, help="Apply quantizes the float model with rotations R1 + R2 folded into its weights")
 
     def __init__(self, session: TuningSession, source: ReportSource, *, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
@@ -249,9 +250,13 @@ class TuneController(HasTraits):
     def code(self, settings: Mapping[str, ModuleSettings]) -> str:
         """``settings`` as Python to paste into a pipeline, or a comment saying why they cannot be applied."""
         try:
-            return self.session.settings_as_code(settings)
+            code = self.session.settings_as_code(settings)
         except InvalidSettingsError as error:
             return f"# these settings cannot be applied: {error}\n"
+        if not self.rotate:
+            return code
+        rotated = "# rotations R1 + R2 folded into the float model first, as Apply does\nmodel = qreport_widgets.rotate(model)\n"
+        return rotated + code
 
     def pin(self, label: str) -> None:
         """Pin the run ``label`` (its quantized model is kept past later runs), or unpin it."""
@@ -328,7 +333,8 @@ class TuneController(HasTraits):
                 self._show_truth()
                 self._applied += 1
                 label = f"apply {self._applied}"
-                result = self.session.apply(settings, label=label, progress=self._reporter(label, "calibrating"))
+                reporter = self._reporter(label, "calibrating")
+                result = self.session.apply(settings, label=label, progress=reporter, rotation=self.rotate or None)
             if result.ok:
                 notes = "".join(f"<br><i>{html.escape(note)}</i>" for note in result.notes)
                 kernels = result.kernel_sqnr_db

@@ -43,6 +43,7 @@ class TuningPanel(w.VBox):
         )
         self.reset = w.Button(description="Reset to default", icon="undo", layout={"width": "150px", **FIXED})
         self.apply = w.Button(description="Apply", icon="play", button_style="primary", layout={"width": "110px", **FIXED})
+        self.rotate = w.Checkbox(description="rotated (R1 + R2)", indent=False, layout={"width": "150px", **FIXED})
         if session is None:
             self.controller, self.rows = None, {}
             for button in (self.accept, self.reset, self.apply):
@@ -52,6 +53,13 @@ class TuningPanel(w.VBox):
             super().__init__([self.status, self.error])
             return
         self.controller = controller = TuneController(session, source)
+        problems = session.rotation_problems()
+        self.rotate.tooltip = (
+            "Apply quantizes the float model with orthogonal rotations folded into its weights: the same logits, fewer "
+            "outlier channels (residual stream R1, each head's values R2)"
+        )
+        if problems:  # not a decoder the rotations are written for: no box to tick
+            self.rotate.layout.display = "none"
         reasons: dict[str, list[str]] = {}
         for suggestion in source.suggestions():
             reasons.setdefault(suggestion.module_fqn, []).append(f"{suggestion.kind.value}: {suggestion.reason}")
@@ -131,7 +139,7 @@ class TuningPanel(w.VBox):
         )
         # the status line gets the full width under the buttons: measured results take a few lines
         buttons = w.HBox(
-            [self.accept, self.reset, self.apply, self.progress, self.restore_from, self.restore, self.pin],
+            [self.accept, self.reset, self.apply, self.rotate, self.progress, self.restore_from, self.restore, self.pin],
             layout={"align_items": "center", "flex_flow": "row wrap"},
         )
         self.results = w.Accordion(
@@ -166,7 +174,9 @@ class TuningPanel(w.VBox):
         w.dlink((controller, "error"), (self.error, "value"))
         w.dlink((controller, "truth"), (self.truth, "value"))
         w.link((controller, "by_block"), (self.unit, "value"))
-        for button in (self.accept, self.reset, self.apply, *self.bulk.values()):
+        w.link((controller, "rotate"), (self.rotate, "value"))
+        self.rotate.observe(lambda _change: self._show_code(), "value")
+        for button in (self.accept, self.reset, self.apply, self.rotate, *self.bulk.values()):
             w.dlink((controller, "busy"), (button, "disabled"))
         w.dlink((controller, "busy"), (self.progress.layout, "visibility"), lambda busy: "visible" if busy else "hidden")
         controller.observe(self._on_progress_change, "progress")
