@@ -27,7 +27,7 @@ KERNEL_TESTS := $(BIN)/python -m pytest -m 'kernels and not slow' -p no:cachepro
 NO_SIMD_LOG := $(VENV)/kernel-tests-no-simd.log
 
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=20
 	env ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(KERNEL_TESTS) > $(NO_SIMD_LOG) 2>&1 & no_simd=$$!; \
 	env $(WITHOUT_AVX512) $(KERNEL_TESTS); without_avx512=$$?; \
 	wait $$no_simd; one_thread=$$?; \
