@@ -112,6 +112,9 @@ def test_a_session_run_takes_a_rotation_and_measures_against_the_original_float_
     rotated = session.apply({}, rotation=qw.Rotation())
     assert rotated.ok and rotated.rotation == qw.Rotation() and plain.rotation is None
     assert any(note.startswith("rotated: R1 (residual stream) + R2 (values per head)") for note in rotated.notes)
+    runs = session.compare()[0].set_index("run")["changes"]  # the runs table says which run was rotated
+    assert runs[rotated.label] == "the float model: rotated: R1 (residual stream) + R2 (values per head)"
+    assert runs[plain.label] == "the starting settings"
     # measured against the original float model's logits and perplexity, which the rotation keeps
     assert session.float_metric() == pytest.approx(perplexity(qw.rotate(model), batches[4:]), rel=1e-5)
     assert rotated.output_sqnr_db != plain.output_sqnr_db

@@ -115,6 +115,11 @@ class Engine(ABC, Generic[ConfigT]):
         model's own device (default)."""
         return None
 
+    def online_transform_problem(self) -> str:
+        """Why a product computed as the model runs besides its modules (R4's Hadamard on a Linear's
+        input) cannot be measured by this engine's runs; "" where it can (default)."""
+        return ""
+
     def kernel_words(self) -> str:
         """What a real run measures with, for its notes when the model lives on another device than
         ``kernel_device`` ("the CPU's x86 kernels")."""

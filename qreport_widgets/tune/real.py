@@ -133,12 +133,9 @@ class RealRuns:
         config = self.runner.config_for(settings)
         source = self.migrations.model_for(settings)
         if rotation is not None:
-            if rotation.down and getattr(self.runner.engine, "target", None) == "xnnpack":
-                raise InvalidSettingsError(
-                    "R4 (Rotation(down=True)) is a product computed as the model runs, and ExecuTorch's runtime fails to "
-                    "execute the program it gives (error 0x10): on the XNNPACK target use Rotation() (R1 + R2, folded "
-                    "into the weights at no cost to the program)"
-                )
+            problem = self.runner.engine.online_transform_problem() if rotation.down else ""
+            if problem:
+                raise InvalidSettingsError(f"R4 (Rotation(down=True)) cannot be measured here: {problem}")
             source = rotate(source if source is not None else self.runner.float_model, rotation)
         checks = self._checks_kernels if record or check_kernels else None
         result = self._run(

@@ -86,10 +86,11 @@ class RunResult:
 
     def changed(self, start: Mapping[str, ModuleSettings]) -> tuple[Change, ...] | None:
         """What this run's settings change from ``start`` (each module's starting settings), one
-        Change per module changed; None for a run of a hand-written configuration (``run()``)."""
+        Change per module changed, after a rotation of the float model's weights if it had one; None
+        for a run of a hand-written configuration (``run()``)."""
         if self.settings is None:
             return None
-        found = []
+        found = [] if self.rotation is None else [Change("the float model", (f"rotated: {self.rotation.words}",))]
         for fqn, choice in self.settings.items():
             before = start.get(fqn)
             if before is None or choice == before:

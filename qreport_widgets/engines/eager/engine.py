@@ -192,6 +192,15 @@ class EagerEngine(Engine[EagerConfig]):
     def kernel_device(self) -> torch.device:
         return CPU  # both targets are CPUs: torchao's x86 kernels, or XNNPACK in ExecuTorch's runtime
 
+    def online_transform_problem(self) -> str:
+        if self.target != XNNPACK:
+            return ""
+        return (
+            "ExecuTorch's runtime fails to execute a program with a product computed as the model runs (error "
+            "0x10, R4's Hadamard on down_proj's input): on the XNNPACK target use Rotation() (R1 + R2, folded "
+            "into the weights at no cost to the program)"
+        )
+
     def kernel_words(self) -> str:
         return "XNNPACK in ExecuTorch's runtime on the CPU" if self.target == XNNPACK else "torchao's x86 kernels on the CPU"
 

@@ -123,6 +123,15 @@ class Pt2eEngine(Engine[Pt2eConfig]):
     def kernel_device(self) -> torch.device:
         return CPU  # torch's x86 int8 kernels and ExecuTorch's XNNPACK programs run on the CPU
 
+    def online_transform_problem(self) -> str:
+        if self.target != "xnnpack":
+            return ""
+        return (
+            "ExecuTorch's runtime fails to execute a program with a product computed as the model runs (error "
+            "0x10, R4's Hadamard on down_proj's input): on the XNNPACK target use Rotation() (R1 + R2, folded "
+            "into the weights at no cost to the program)"
+        )
+
     def kernel_words(self) -> str:
         return "XNNPACK in ExecuTorch's runtime on the CPU" if self.target == "xnnpack" else "torch's x86 int8 kernels on the CPU"
 
