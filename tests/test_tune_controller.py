@@ -97,14 +97,18 @@ class FakeSession:
             self.history.append(self._run(self.current_settings(), "baseline", progress))
         return self.history[0]
 
-    def apply(self, settings, *, label=None, progress=None, record=True) -> RunResult:
+    def apply(self, settings, *, label=None, progress=None, record=True, rotation=None) -> RunResult:
         validate_all(MODULES, settings)
+        assert rotation is None  # the panel offers no rotation to a model it does not apply to
         if self.fail_with is not None:
             raise self.fail_with
         result = self._run(settings, label or f"run {len(self.history) + 1}", progress)
         if result.ok and record:
             self.history.append(result)
         return result
+
+    def rotation_problems(self) -> dict[str, str]:
+        return {"R1": "not a decoder", "R2": "not a decoder"}
 
     def truth_check(self, progress=None) -> TruthCheck:
         self.baseline(progress)
