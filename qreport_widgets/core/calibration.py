@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import CalibrationError, NotCalibratedError
-from .devices import device_mismatch
+from .devices import device_mismatch, tensors_in
 
 CalibrationData = Union[Iterable[Any], Callable[[torch.nn.Module], Any]]
 
@@ -120,17 +120,12 @@ def is_one_shot(data: Any) -> bool:
     return not callable(data) and iter(data) is data
 
 
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else [batch]
-    return [v for v in values if isinstance(v, torch.Tensor)]
-
-
 def _device_hint(model: torch.nn.Module, batch: Any, index: int) -> str:
     return device_mismatch(model, batch, f"Batch {index}")
 
 
 def _non_finite_hint(batch: Any, index: int) -> str:
-    for value in _tensors(batch):
+    for value in tensors_in(batch):
         if value.is_floating_point() and not value.is_meta and not bool(torch.isfinite(value).all()):
             return (
                 f"Batch {index} contains NaN or inf values, which torch's quantization observers cannot take; "

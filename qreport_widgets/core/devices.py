@@ -110,5 +110,5 @@ def copy_on(model: nn.Module, device: torch.device) -> nn.Module:
 
 def float64_on(device: torch.device) -> bool:
     """Whether ``device`` computes in float64 (Apple's MPS does not); where not, statistics that want
-    its precision are kept in float32, and the step says so."""
+    its precision are kept in float32."""
     return device.type != "mps"

@@ -56,6 +56,13 @@ INSTALL = "pip install 'qreport-widgets[executorch]'  (executorch==1.5.1, beside
 BOOKKEEPING = {"getitem", "sym_size", "sym_size.int", "executorch_call_delegate"}
 FULL, DYNAMIC = "full", "dynamic"  # XNNPACK's partitioners: every op it takes, or dynamically quantized GEMMs only
 X86_HINT = "or quantize for x86 (analyze(...) without target=)"
+RUNTIME_WORDS = "XNNPACK in ExecuTorch's runtime on the CPU"  # where a target's real runs are measured
+# why a program cannot carry a product computed as the model runs (R4's online Hadamard), measured
+ONLINE_PRODUCT_FAILS = (
+    "ExecuTorch's runtime fails to execute a program with a product computed as the model runs (error 0x10, "
+    "R4's Hadamard on down_proj's input): on the XNNPACK target use Rotation() (R1 + R2, folded into the "
+    "weights at no cost to the program)"
+)
 WORKER_SOCKET, WORKER_KEY = "QREPORT_WIDGETS_RUNTIME_SOCKET", "QREPORT_WIDGETS_RUNTIME_KEY"  # what the worker is started with
 
 

@@ -138,10 +138,7 @@ class RealRuns:
                 raise InvalidSettingsError(f"R4 (Rotation(down=True)) cannot be measured here: {problem}")
             source = rotate(source if source is not None else self.runner.float_model, rotation)
         checks = self._checks_kernels if record or check_kernels else None
-        result = self._run(
-            config, label, progress, record, float_model=source, settings=settings, checks=checks, rotation=rotation
-        )
-        return result
+        return self._run(config, label, progress, record, float_model=source, settings=settings, checks=checks, rotation=rotation)
 
     def run_mapping(
         self, qconfig_mapping: Any, equalization_mapping: Any, label: str | None, progress: Progress | None

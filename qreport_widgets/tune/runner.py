@@ -310,8 +310,8 @@ class Runner:
         migration rescales some layers' outputs, exactly). ``device``: where the run's models are,
         when not where the batches are."""
         engine = self.engine
-        batches = self.eval_data if device is None else MovedBatches(self.eval_data, device)
-        batch = next(iter(batches))
+        batches = self.eval_data if device is None else [moved(b, device) for b in self.eval_data]  # read several times
+        batch = batches[0]
         reference = self.reference_outputs()
         outputs: list[torch.Tensor] = []
         with torch.no_grad():

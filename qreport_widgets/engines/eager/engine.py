@@ -25,7 +25,7 @@ from ...core.metrics import sqnr_db
 from ...errors import DecodeSpeedError, QReportError
 from ...observe.graph import OBSERVER_CONTAINER
 from ..contract import Engine, Observation, RunNotes, conversion_tables
-from ..executorch import DYNAMIC, DecodeSpeed, DeployedProgram, executorch_api, lower
+from ..executorch import DYNAMIC, ONLINE_PRODUCT_FAILS, RUNTIME_WORDS, DecodeSpeed, DeployedProgram, executorch_api, lower
 from ..settings import (
     ALGORITHM_FORMATS,
     ALGORITHMS,
@@ -193,16 +193,10 @@ class EagerEngine(Engine[EagerConfig]):
         return CPU  # both targets are CPUs: torchao's x86 kernels, or XNNPACK in ExecuTorch's runtime
 
     def online_transform_problem(self) -> str:
-        if self.target != XNNPACK:
-            return ""
-        return (
-            "ExecuTorch's runtime fails to execute a program with a product computed as the model runs (error "
-            "0x10, R4's Hadamard on down_proj's input): on the XNNPACK target use Rotation() (R1 + R2, folded "
-            "into the weights at no cost to the program)"
-        )
+        return ONLINE_PRODUCT_FAILS if self.target == XNNPACK else ""
 
     def kernel_words(self) -> str:
-        return "XNNPACK in ExecuTorch's runtime on the CPU" if self.target == XNNPACK else "torchao's x86 kernels on the CPU"
+        return RUNTIME_WORDS if self.target == XNNPACK else "torchao's x86 kernels on the CPU"
 
     def prepare(self, float_model: nn.Module, config: EagerConfig, example_inputs: tuple[Any, ...]) -> nn.Module:
         """A copy of ``float_model`` (sharing its weights: ``quantize_`` assigns new ones); ``convert``

@@ -22,6 +22,7 @@ from ...core.devices import CPU
 from ...core.memory import models_forgotten
 from ...core.metrics import sqnr_db
 from ..contract import Engine, Observation, RunNotes, conversion_tables
+from ..executorch import ONLINE_PRODUCT_FAILS, RUNTIME_WORDS
 from ..settings import ModuleSettings, Setting, TunableModule
 from .export import NothingQuantizedError, export_model, quantizer_failed
 from .graph import exported_graph
@@ -124,16 +125,10 @@ class Pt2eEngine(Engine[Pt2eConfig]):
         return CPU  # torch's x86 int8 kernels and ExecuTorch's XNNPACK programs run on the CPU
 
     def online_transform_problem(self) -> str:
-        if self.target != "xnnpack":
-            return ""
-        return (
-            "ExecuTorch's runtime fails to execute a program with a product computed as the model runs (error "
-            "0x10, R4's Hadamard on down_proj's input): on the XNNPACK target use Rotation() (R1 + R2, folded "
-            "into the weights at no cost to the program)"
-        )
+        return ONLINE_PRODUCT_FAILS if self.target == "xnnpack" else ""
 
     def kernel_words(self) -> str:
-        return "XNNPACK in ExecuTorch's runtime on the CPU" if self.target == "xnnpack" else "torch's x86 int8 kernels on the CPU"
+        return RUNTIME_WORDS if self.target == "xnnpack" else "torch's x86 int8 kernels on the CPU"
 
     def prepare(self, float_model: torch.nn.Module, config: Pt2eConfig, example_inputs: tuple[Any, ...]) -> torch.fx.GraphModule:
         ao = torchao_pt2e()
