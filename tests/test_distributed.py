@@ -133,7 +133,7 @@ def test_two_ranks_with_half_the_batches_each_make_one_process_report(cache, tmp
 
 def int4_weights_by_algorithm(cache: str, calibration: list, evaluation: list) -> dict:
     """The trained byte decoder's Linears in int4 (group 32), GPTQ on the MLPs and AWQ on the
-    attention: each module's int4 values, scales and AWQ input scale, the output SQNR and perplexity."""
+    attention: each module's int4 values and scales, the norms AWQ's scales folded into, the output SQNR and perplexity."""
     from qreport_widgets.demo.text import trained_text_decoder
     from qreport_widgets.engines.eager.algorithms import INPUT_SCALE
 
@@ -151,7 +151,13 @@ def int4_weights_by_algorithm(cache: str, calibration: list, evaluation: list) -
     for fqn in settings:
         module = run.quantized_model.get_submodule(fqn)
         weights[fqn] = [module.weight.qdata, module.weight.scale, getattr(module, INPUT_SCALE, torch.zeros(0))]
-    return {"weights": weights, "sqnr": run.output_sqnr_db, "perplexity": run.eval_metric, "kept": run.notes}
+    # AWQ's scales, folded into the norms before q/k/v (v_proj's rows carry o_proj's)
+    norms = {
+        fqn: module.weight.detach()
+        for fqn, module in run.quantized_model.named_modules()
+        if fqn.endswith("input_layernorm") and not torch.equal(module.weight, model.get_submodule(fqn).weight)
+    }
+    return {"weights": weights, "norms": norms, "sqnr": run.output_sqnr_db, "perplexity": run.eval_metric, "kept": run.notes}
 
 
 def decoder_rank_main(rank: int, port: int, cache: str, out: str) -> None:
@@ -193,9 +199,12 @@ def test_gptq_and_awq_from_two_ranks_inputs_are_one_processs(text_decoder, digit
         for fqn, expected in alone["weights"].items():
             for ours, theirs in zip(found["weights"][fqn], expected, strict=True):
                 assert torch.equal(ours, theirs), f"rank {rank}: {fqn}"
+        assert found["norms"].keys() == alone["norms"].keys()
+        for fqn, expected in alone["norms"].items():
+            assert torch.equal(found["norms"][fqn], expected), f"rank {rank}: {fqn}"
         assert found["sqnr"] == alone["sqnr"] and found["perplexity"] == alone["perplexity"]
-        awq_scaled = sum(len(tensors[2]) > 0 for tensors in found["weights"].values())
-    assert awq_scaled > 0  # AWQ chose input scales somewhere, and they match too
+        awq_scaled = len(found["norms"])
+    assert awq_scaled > 0  # AWQ chose input scales somewhere, folded into norms, and they match too
 
 
 @pytest.mark.parametrize(

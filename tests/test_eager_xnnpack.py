@@ -27,6 +27,7 @@ from torchao.quantization.granularity import PerGroup  # noqa: E402
 
 from qreport_widgets import analyze  # noqa: E402
 from qreport_widgets.core.metrics import perplexity  # noqa: E402
+from qreport_widgets.engines.contract import Variant  # noqa: E402
 from qreport_widgets.engines.executorch import DeployedProgram  # noqa: E402
 from qreport_widgets.engines.settings import ModuleSettings  # noqa: E402
 from qreport_widgets.errors import DecodeSpeedError, InvalidSettingsError  # noqa: E402
@@ -128,13 +129,30 @@ def test_gptq_in_the_8da4w_layout_beats_round_to_nearest_in_the_runtime(phone_de
     assert "IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))" in code
 
 
+@pytest.mark.slow  # a program more (about a minute); the folds' arithmetic: tests/test_weight_algorithms.py
+def test_awq_folds_its_scales_into_the_ops_before_and_runs_in_the_program_as_simulated(phone_decoder):
+    _, _, _, report = phone_decoder
+    session = report.session
+    baseline = session.baseline()
+    linears = [m.fqn for m in session.modules if m.type_name == "Linear"]
+    chosen = {fqn: ModuleSettings(format="int8-dynamic-int4-weight", group_size=32, algorithm="awq") for fqn in linears}
+    simulated, _ = session.simulate(Variant(settings=tuple(chosen.items())))
+    run = session.apply(chosen, label="awq")
+    assert run.ok, run.error
+    # the scales are in the norms' and Linears' weights: the program is the baseline's size, and as simulated
+    assert run.size_bytes == pytest.approx(baseline.size_bytes, rel=0.001)
+    assert run.output_sqnr_db == pytest.approx(simulated, abs=0.1)
+    assert run.output_sqnr_db > baseline.output_sqnr_db + 0.5  # its perplexity: within the decoder's 0.1% int4 gap
+
+
 def test_formats_the_program_cannot_run_are_refused_naming_what_it_can(phone_decoder, text_decoder):
     _, _, _, report = phone_decoder
     session = report.session
     with pytest.raises(InvalidSettingsError, match="XNNPACK delegates a Linear with dynamically quantized int8"):
         session.apply({"lm_head": ModuleSettings(format="int4-weight-only")})
-    with pytest.raises(InvalidSettingsError, match="AWQ divides the Linear's input"):
-        session.apply({"lm_head": ModuleSettings(format="int8-dynamic-int4-weight", algorithm="awq")})
+    # AWQ's scale of q_proj's input folds into the norm before it, which k_proj and v_proj also read
+    with pytest.raises(InvalidSettingsError, match="ask AWQ with group size 32 of all of .*q_proj, .*k_proj, .*v_proj"):
+        session.apply({"model.layers.0.self_attn.q_proj": ModuleSettings(format="int8-dynamic-int4-weight", algorithm="awq")})
     model, data = text_decoder
     with pytest.raises(ValueError, match="format must be 'int8-dynamic' or 'int8-dynamic-int4-weight'"):
         analyze(model, data.calibration[0], data.calibration, engine="eager", target="xnnpack", format="int4-weight-only")

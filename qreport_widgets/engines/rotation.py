@@ -209,7 +209,7 @@ def _is_rms_norm(norm: nn.Module) -> bool:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(norm, "bias", None) is not None:
         return False
     generator = torch.Generator().manual_seed(0)
-    probe = torch.randn(3, weight.shape[0], generator=generator, dtype=torch.float32).to(weight.device) * 3 + 1
+    probe = torch.randn(3, weight.shape[0], generator=generator, dtype=torch.float32, device="cpu").to(weight.device) * 3 + 1
     with torch.no_grad():
         found = norm(probe)
     expected = weight * probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + _eps(norm))

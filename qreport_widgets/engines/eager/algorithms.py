@@ -14,10 +14,14 @@ run's size, kernel and saved model are those of round-to-nearest; only the value
   updated once per block; columns in order of decreasing ``diag(H)`` (activation order) with each
   group's scale fixed from the float weights first, so groups stay contiguous as torchao stores them;
   ``damping`` times the mean of ``diag(H)`` added to its diagonal.
-- ``awq``: activation-aware scaling (Lin et al., 2023): input channel ``j`` multiplied by
-  ``s_j = mean|x_j| ** alpha`` in the weight and divided in the input, ``alpha`` searched on a grid
-  for the smallest output error; the deployed model divides its input by ``s`` (a buffer and a
-  forward pre-hook on the module), which costs one float per input channel.
+- ``awq``: activation-aware scaling (Lin et al., 2023), as published: input channel ``j`` multiplied
+  by ``s_j = mean|x_j| ** alpha`` in the weights of every Linear that reads that input (q/k/v after a
+  norm, gate/up after the next, down after up, o after v, the head after the final norm), ``alpha``
+  searched on a grid for the smallest output error summed over them; then each group's range
+  clipped by the ratio with the least error on its part of the output. ``1 / s`` is folded into the
+  op that writes the input (``folds``: a norm's scale, a Linear's rows), so the program divides by
+  nothing; where the Linears reading one input are not all asked AWQ at one group size, the
+  module divides its own input by ``s`` (a buffer and a forward pre-hook: one float per input channel).
 
 GPTQ and AWQ are written here: torchao 0.18's own run on CUDA only (GPTQ) or need a layout with an
 activation pre-scale that its CPU int4 layout lacks (AWQ). Both measure their result against
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -40,6 +44,7 @@ from ...core.calibration import call_with
 from ...core.devices import float64_on
 from ...core.memory import give_back
 from ...errors import InvalidSettingsError, QReportError
+from ..folds import ROWS, Fold, fold_scale, input_folds, rows_divided
 from ..settings import ALGORITHMS, AWQ, DATA_ALGORITHMS, GPTQ, GROUPED_FORMATS, HQQ, RTN
 from .formats import torchao_eager
 
@@ -47,7 +52,8 @@ INPUT_SCALE = "input_scale"  # the buffer an AWQ module divides its input by
 QMIN, QMAX = -8, 7  # torchao's int4 values
 GPTQ_BLOCK = 128
 GPTQ_DAMPINGS = (0.01, 0.1, 1.0)  # times the mean of diag(H), the first that beats rounding on held-out tokens
-AWQ_GRID = 10  # alpha in 0, 0.1, ..., 1
+AWQ_GRID = 20  # alpha in 0, 0.05, ..., 1, as published
+CLIP_RATIOS = tuple(1 - step / 20 for step in range(10))  # a group's largest weight times 1, 0.95, ..., 0.55: its range
 ROWS_AT_ONCE = 4096  # rows of a weight worked on at once: a decoder head's working copies stay small
 HELD_EVERY = 4  # about one sequence in 4 of the calibration inputs: what a result is checked on, not fitted to
 
@@ -247,19 +253,25 @@ class QuantizedWeight:
 
     def compact(self) -> CompactWeight | Recipe:
         """What a simulation keeps of a result it would take seconds to compute again: round to
-        nearest kept, or AWQ's scales, as a ``Recipe`` (rebuilt from the float weight in
-        milliseconds); GPTQ's values packed two per byte (an eighth of the float size)."""
-        if self.input_scale is not None or self.note:
-            return Recipe(self.tensor.block_size[1], self.input_scale, self.note)
+        nearest kept as a ``Recipe`` (rebuilt from the float weight in milliseconds); GPTQ's and
+        AWQ's values packed two per byte (an eighth of the float size), AWQ's input scale with them."""
+        if self.note:
+            return Recipe(self.tensor.block_size[1], self.note)
         tensor = self.tensor
         values = (tensor.qdata.to(torch.int16) - QMIN).to(torch.uint8)
         packed = values[:, 0::2] | (values[:, 1::2] << 4)
-        return CompactWeight(packed, tensor.scale, tensor.block_size[1], tensor.dtype, self.note)
+        return CompactWeight(packed, tensor.scale, tensor.block_size[1], tensor.dtype, self.note, self.input_scale)
 
-    def assign(self, module: nn.Module, dynamic_activations: bool = False) -> None:
+    def rows_divided(self, scale: torch.Tensor) -> QuantizedWeight:
+        """This weight with every row divided by ``scale`` (its group scales divided, its int4 values kept):
+        the weight of a Linear whose output a reader's AWQ scale is folded into."""
+        return replace(self, tensor=rows_divided(self.tensor, scale))
+
+    def assign(self, module: nn.Module, dynamic_activations: bool = False, divide_input: bool = True) -> None:
         """Give ``module`` this weight (a new Parameter) and, for AWQ, its input scale and the hook
-        that divides by it. ``dynamic_activations``: the module quantizes its input to int8 per token
-        as it runs (int8-dynamic-int4-weight, "8da4w"), the same int4 values."""
+        that divides by it (not with ``divide_input=False``: the scale is folded into the op before,
+        ``folds``). ``dynamic_activations``: the module quantizes its input to int8 per token as it
+        runs (int8-dynamic-int4-weight, "8da4w"), the same int4 values."""
         tensor = self.tensor
         if dynamic_activations:
             tensor = _intx()(
@@ -272,7 +284,7 @@ class QuantizedWeight:
                 torchao_eager().PerTokenActivations,
             )
         module.weight = nn.Parameter(tensor, requires_grad=False)
-        if self.input_scale is not None:
+        if self.input_scale is not None and divide_input:
             module.register_buffer(INPUT_SCALE, self.input_scale.clone())
             module.register_forward_pre_hook(_divide_input)
 
@@ -286,35 +298,33 @@ class CompactWeight:
     group_size: int
     dtype: torch.dtype
     note: str
+    input_scale: torch.Tensor | None = None
 
     def expand(self, _weight: torch.Tensor) -> QuantizedWeight:
         low, high = self.packed & 0x0F, self.packed >> 4
         values = torch.stack((low, high), dim=-1).reshape(self.packed.shape[0], -1).to(torch.int16) + QMIN
-        return QuantizedWeight(int4_tensor(values, self.scale, self.group_size, self.dtype), None, self.note)
+        return QuantizedWeight(int4_tensor(values, self.scale, self.group_size, self.dtype), self.input_scale, self.note)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scale.numel() * self.scale.element_size()
+        extra = 0 if self.input_scale is None else self.input_scale.numel() * 4
+        return self.packed.numel() + self.scale.numel() * self.scale.element_size() + extra
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """A ``QuantizedWeight`` that is round to nearest of the float weight, scaled per input channel
-    by ``input_scale`` first when given (AWQ), rebuilt from the float weight."""
+    """A ``QuantizedWeight`` that is round to nearest of the float weight (where GPTQ or AWQ kept
+    it, ``note`` saying why), rebuilt from the float weight."""
 
     group_size: int
-    input_scale: torch.Tensor | None
     note: str
 
     def expand(self, weight: torch.Tensor) -> QuantizedWeight:
-        original = weight.detach().float()
-        if self.input_scale is None:
-            return QuantizedWeight(round_to_nearest(original, self.group_size), None, self.note)
-        return QuantizedWeight(round_to_nearest(original, self.group_size, self.input_scale), self.input_scale, self.note)
+        return QuantizedWeight(round_to_nearest(weight.detach().float(), self.group_size), None, self.note)
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.input_scale is None else self.input_scale.numel() * 4
+        return 0
 
 
 def _divide_input(module: nn.Module, args: tuple) -> tuple | None:
@@ -475,32 +485,82 @@ def _gptq_rows(work: torch.Tensor, scales: torch.Tensor, group_of: torch.Tensor,
 
 
 def awq(weight: torch.Tensor, statistics: InputStatistics, group_size: int, *, grid: int = AWQ_GRID) -> QuantizedWeight:
-    """``weight`` quantized to int4 after scaling input channel ``j`` by ``mean|x_j| ** alpha``, the
-    ``alpha`` on a grid of ``grid`` + 1 values in [0, 1] whose output error on the tokens not held
-    out is smallest; round-to-nearest (``alpha = 0``), with a note, where that scale has no lower
-    error than rounding on the held-out tokens."""
-    original = weight.detach().float()
+    """``weight`` alone quantized by AWQ (``awq_group`` of a Linear that shares its input with none)."""
+    return awq_group({"": weight}, statistics, group_size, grid=grid)[""]
+
+
+def awq_group(
+    weights: Mapping[str, torch.Tensor], statistics: InputStatistics, group_size: int, *, grid: int = AWQ_GRID
+) -> dict[str, QuantizedWeight]:
+    """The Linears that read one input (``weights``: name -> float weight; ``statistics``: that
+    input's) quantized to int4 by AWQ as published: input channel ``j`` scaled by
+    ``s_j = mean|x_j| ** alpha`` in every weight (divided in the input, or folded into the op
+    before: ``folds``), ``alpha`` on a grid of ``grid`` + 1 values in [0, 1] whose round-to-nearest
+    output error, summed over the Linears on the tokens not held out, is smallest; then each group of
+    each row clipped to the share of its largest weight (``CLIP_RATIOS``) with the least error on
+    that group's own part of the output. Round to nearest for all of them, with a note, where that
+    has no lower summed error on the held-out tokens."""
+    originals = {name: weight.detach().float() for name, weight in weights.items()}
     if statistics.tokens == 0:
         raise AlgorithmError("AWQ reads the module's inputs on the calibration batches, and none reached it")
-    magnitude = statistics.mean_abs.clamp_min(1e-8)
     fit = statistics.fit
-    rounded = QuantizedWeight(round_to_nearest(original, group_size))
-    best, least = rounded, output_error(original, rounded, fit)
+    magnitude = statistics.mean_abs.clamp_min(1e-8)
+
+    def rounding_error(scale: torch.Tensor | None) -> float:
+        return sum(
+            output_error(w, QuantizedWeight(round_to_nearest(w, group_size, scale), scale), fit) for w in originals.values()
+        )
+
+    chosen, least = None, rounding_error(None)
     for step in range(1, grid + 1):
         scale = magnitude ** (step / grid)
         scale = scale / (scale.max() * scale.min()).sqrt()  # centred on 1: the weights' range kept
-        candidate = QuantizedWeight(round_to_nearest(original, group_size, scale), scale)
-        error = output_error(original, candidate, fit)
+        error = rounding_error(scale)
         if error < least:
-            best, least = candidate, error
-    if best is rounded:
-        return QuantizedWeight(rounded.tensor, note="AWQ kept round to nearest: no scale lowered the output error")
-    if statistics.held_out_error(original, best) >= statistics.held_out_error(original, rounded):
-        return QuantizedWeight(
-            rounded.tensor,
-            note="AWQ kept round to nearest: its scales had no lower output error on held-out calibration sequences",
-        )
-    return best
+            chosen, least = scale, error
+    found = {name: clipped(w, fit, group_size, chosen) for name, w in originals.items()}
+    rounded = {name: QuantizedWeight(round_to_nearest(w, group_size)) for name, w in originals.items()}
+
+    def held_out(results: Mapping[str, QuantizedWeight]) -> float:
+        return sum(statistics.held_out_error(originals[name], q) for name, q in results.items())
+
+    if held_out(found) >= held_out(rounded):
+        note = "AWQ kept round to nearest: its scales and clipping had no lower output error on held-out calibration sequences"
+        return {name: QuantizedWeight(q.tensor, note=note) for name, q in rounded.items()}
+    return found
+
+
+def clipped(
+    weight: torch.Tensor, gram: torch.Tensor, group_size: int, input_scale: torch.Tensor | None = None
+) -> QuantizedWeight:
+    """``weight`` (float, rows x inputs; its input channels multiplied by ``input_scale`` first
+    when given) as int4 whose every row-group's scale is its largest weight, times the ratio in
+    ``CLIP_RATIOS`` with the least error on the group's part of the output, over 7.5. That error is
+    ``d^T H_g d`` for ``d`` the group's weight error and ``H_g`` the group's diagonal block of the
+    Gram matrix of the (scaled) input: the groups' errors added, not their cross terms."""
+    rows, inputs = weight.shape
+    groups = inputs // group_size
+    if input_scale is not None:
+        gram = gram / (input_scale[:, None] * input_scale[None, :])
+    blocks = gram.view(groups, group_size, groups, group_size).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    values, scales = [], []
+    for first in range(0, rows, ROWS_AT_ONCE):
+        chunk = weight[first : first + ROWS_AT_ONCE]
+        work = (chunk * input_scale if input_scale is not None else chunk).reshape(-1, groups, group_size)
+        largest = work.abs().amax(-1)
+        best_scale = least = None
+        for ratio in CLIP_RATIOS:
+            scale = (ratio * largest / ((QMAX - QMIN) / 2)).clamp_min(torch.finfo(torch.float32).eps)
+            difference = torch.clamp(torch.round(work / scale[..., None]), QMIN, QMAX).mul_(scale[..., None]).sub_(work)
+            error = torch.einsum("rgi,gij,rgj->rg", difference, blocks, difference)
+            if least is None:
+                best_scale, least = scale, error
+            else:
+                better = error < least
+                best_scale, least = torch.where(better, scale, best_scale), torch.where(better, error, least)
+        values.append(torch.clamp(torch.round(work / best_scale[..., None]), QMIN, QMAX).reshape(len(chunk), inputs))
+        scales.append(best_scale)
+    return QuantizedWeight(int4_tensor(torch.cat(values), torch.cat(scales), group_size, weight.dtype), input_scale)
 
 
 def choose(algorithm: str, weight: torch.Tensor, group_size: int, statistics: InputStatistics | None = None) -> QuantizedWeight:
@@ -541,6 +601,68 @@ def gram_runs(features: Mapping[str, int], weight_bytes: float) -> list[list[str
     return runs
 
 
+def awq_shares(choices: Mapping[str, tuple[str, int]], folds: Mapping[str, Fold]) -> dict[str, tuple[str, ...]]:
+    """The modules asked AWQ whose input's scale is searched with them: for each input (``folds``)
+    and group size, the first module asked AWQ that reads it -> every Linear that reads it (the
+    module alone where it shares its input with none). The other readers asked AWQ at that group
+    size take the weights found with it (``awq_group``)."""
+    found: dict[str, tuple[str, ...]] = {}
+    seen: set[tuple[str, int]] = set()
+    for fqn, (algorithm, group_size) in choices.items():
+        fold = folds.get(fqn)
+        key = (fold.into if fold else fqn, group_size)
+        if algorithm != AWQ or key in seen:
+            continue
+        seen.add(key)
+        found[fqn] = fold.readers if fold else (fqn,)
+    return found
+
+
+def assign_weights(model: nn.Module, chosen: Mapping[str, QuantizedWeight], dynamic: Iterable[str] = ()) -> list[str]:
+    """Give each module named in ``chosen`` its weight (``QuantizedWeight.assign``; those in
+    ``dynamic`` quantize their input to int8 per token). An AWQ input scale that every Linear reading
+    one input takes is folded into the op that writes it (``folds``: no op in the program); another
+    is divided by the module's forward pre-hook. Returns the modules left with a pre-hook."""
+    dynamic = set(dynamic)
+    chosen = dict(chosen)
+    folds = input_folds(model)
+    folded: set[str] = set()
+    shared = {folds[fqn] for fqn, q in chosen.items() if q.input_scale is not None and fqn in folds}
+    for fold in sorted(shared, key=lambda f: f.into):
+        scales = [chosen[r].input_scale if r in chosen else None for r in fold.readers]
+        first = scales[0]
+        if first is None or any(s is None or not torch.equal(s, first) for s in scales[1:]):
+            continue
+        if fold.kind == ROWS and fold.into in chosen:  # the writer's own int4 weight: its rows' scales divided
+            chosen[fold.into] = chosen[fold.into].rows_divided(first)
+        else:
+            fold_scale(model, fold, first)
+        folded.update(fold.readers)
+    for fqn, quantized in chosen.items():
+        quantized.assign(model.get_submodule(fqn), fqn in dynamic, divide_input=fqn not in folded)
+    return [fqn for fqn, q in chosen.items() if q.input_scale is not None and fqn not in folded]
+
+
+def unfolded_awq(choices: Mapping[str, tuple[str, int]], folds: Mapping[str, Fold]) -> dict[str, str]:
+    """The modules asked AWQ whose input scale cannot be folded into the op before them, each with why:
+    no such op, or another Linear reading the same input not asked AWQ at the same group size."""
+    problems = {}
+    for fqn, (algorithm, group_size) in choices.items():
+        if algorithm != AWQ:
+            continue
+        fold = folds.get(fqn)
+        if fold is None:
+            problems[fqn] = "no norm or Linear before it writes its input alone (AWQ folds its scales there)"
+            continue
+        others = [r for r in fold.readers if r != fqn and choices.get(r) != (AWQ, group_size)]
+        if others:
+            problems[fqn] = (
+                f"AWQ folds its input scale into {fold.into}, which {', '.join(others)} also read: "
+                f"ask AWQ with group size {group_size} of all of {', '.join(fold.readers)}"
+            )
+    return problems
+
+
 def weights_in_runs(
     model: nn.Module, choices: Mapping[str, tuple[str, int]], found: dict[str, CompactWeight | Recipe]
 ) -> Iterator[dict[str, InputStatistics]]:
@@ -548,8 +670,11 @@ def weights_in_runs(
     at a time (``gram_runs``): yields the run's statistics, filling, for the caller to pass the
     calibration batches through ``model`` (float; the caller may replace entries, with statistics
     merged across ranks), then computes that run's weights into ``found`` (packed or as a recipe,
-    ``QuantizedWeight.compact``) and frees its statistics."""
-    features = {fqn: int(model.get_submodule(fqn).weight.shape[1]) for fqn in choices}
+    ``QuantizedWeight.compact``) and frees its statistics. The Linears asked AWQ that read one
+    input are found together from one of them's statistics (``awq_shares``)."""
+    shares = awq_shares(choices, input_folds(model))
+    recorded = [fqn for fqn, (algorithm, _) in choices.items() if algorithm != AWQ or fqn in shares]
+    features = {fqn: int(model.get_submodule(fqn).weight.shape[1]) for fqn in recorded}
     for run in gram_runs(features, sum(p.numel() * p.element_size() for p in model.parameters())):
         with torch.no_grad(), recording(model, run) as statistics:
             yield statistics
@@ -557,12 +682,17 @@ def weights_in_runs(
             algorithm, group_size = choices[fqn]
             try:
                 with torch.no_grad():
-                    chosen = choose(algorithm, model.get_submodule(fqn).weight, group_size, statistics.pop(fqn))
+                    if algorithm == AWQ:
+                        readers = {r: model.get_submodule(r).weight for r in shares[fqn]}
+                        for reader, chosen in awq_group(readers, statistics.pop(fqn), group_size).items():
+                            if choices.get(reader) == (AWQ, group_size):
+                                found[reader] = chosen.compact()
+                    else:
+                        found[fqn] = choose(algorithm, model.get_submodule(fqn).weight, group_size, statistics.pop(fqn)).compact()
             except AlgorithmError:
                 raise
             except Exception as error:
                 raise AlgorithmError(f"{algorithm} could not quantize {fqn}: {type(error).__name__}: {error}") from error
-            found[fqn] = chosen.compact()
         del statistics
         give_back()
 
@@ -601,8 +731,9 @@ def quantize_weights(model: nn.Module, choices: Mapping[str, tuple], batches: It
                 for batch in batches:
                     call_with(model, batch)
     with torch.no_grad():
-        for fqn, (algorithm, group_size) in choices.items():
-            weight = modules[fqn].weight
-            chosen = found.pop(fqn).expand(weight) if fqn in found else choose(algorithm, weight, group_size)
-            chosen.assign(modules[fqn], dynamic_activations=formats[fqn] == GROUPED_FORMATS[1])
+        chosen = {
+            fqn: found.pop(fqn).expand(modules[fqn].weight) if fqn in found else choose(algorithm, modules[fqn].weight, group)
+            for fqn, (algorithm, group) in choices.items()
+        }
+        assign_weights(model, chosen, [fqn for fqn in chosen if formats[fqn] == GROUPED_FORMATS[1]])
     return model

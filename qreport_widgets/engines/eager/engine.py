@@ -22,10 +22,11 @@ from ...core.calibration import call_with
 from ...core.devices import CPU, model_device, moved
 from ...core.memory import give_back, shared_copy
 from ...core.metrics import sqnr_db
-from ...errors import DecodeSpeedError, QReportError
+from ...errors import DecodeSpeedError, InvalidSettingsError, QReportError
 from ...observe.graph import OBSERVER_CONTAINER
 from ..contract import Engine, Observation, RunNotes, conversion_tables
 from ..executorch import DYNAMIC, ONLINE_PRODUCT_FAILS, RUNTIME_WORDS, DecodeSpeed, DeployedProgram, executorch_api, lower
+from ..folds import Fold, input_folds
 from ..settings import (
     ALGORITHM_FORMATS,
     ALGORITHMS,
@@ -38,7 +39,7 @@ from ..settings import (
     Setting,
     TunableModule,
 )
-from .algorithms import CompactWeight, InputStatistics, Recipe, weights_in_runs
+from .algorithms import CompactWeight, InputStatistics, Recipe, assign_weights, unfolded_awq, weights_in_runs
 from .formats import (
     INT4_WEIGHT_ONLY,
     INT8_DYNAMIC,
@@ -83,8 +84,10 @@ ALGORITHM_NOTES = {
         "kept for a module where that gave no lower output error on held-out calibration sequences"
     ),
     AWQ: (
-        "awq: each input channel scaled by its mean activation to a searched power before rounding, the "
-        "module's input divided by the same scales at run time (a buffer, counted in the size)"
+        "awq: each input channel scaled by its mean activation to a searched power, one scale for the Linears "
+        "that read one input, and each group's range clipped by a searched ratio (as published); the scales "
+        "folded into the norm or Linear before, or where the Linears reading one input are not all asked AWQ "
+        "at one group size, the module's input divided by them at run time (on x86: a buffer, counted in the size)"
     ),
 }
 RUNTIME_NOTE = (
@@ -151,6 +154,7 @@ class EagerEngine(Engine[EagerConfig]):
         # per converted model, the modules where GPTQ / AWQ kept round to nearest, and why
         self._kept_rounding: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
         self._sizes: dict[tuple, int] = {}  # module_bytes, per module shape and choice
+        self._folds: dict[str, Fold] | None = None  # where each Linear's AWQ scale folds, once a model is observed
 
     @classmethod
     def from_options(cls, options: EagerOptions) -> EagerEngine:
@@ -163,6 +167,7 @@ class EagerEngine(Engine[EagerConfig]):
         inputs; with ``record`` it keeps what each module read and wrote for the observers (a decoder's
         analysis over 4 batches: one forward pass less, a fifth of its time)."""
         self._example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        self._folds = input_folds(float_model)
         observed = observed_modules(shared_copy(float_model), _inputs_of(example_inputs), record)  # hooks read, never write
         modules = self._tunable(float_model, self.base_config().resolved(float_model))
         weights = {m.fqn: True for m in modules if not m.current.keep_float}  # int8 per row, int4 per group
@@ -177,7 +182,15 @@ class EagerEngine(Engine[EagerConfig]):
         return EagerConfig(linears=self.start_format, group_size=self.start_group_size, target=self.target)
 
     def config_for(self, settings: Mapping[str, ModuleSettings], modules: Sequence[TunableModule]) -> EagerConfig:
-        return EagerConfig.of({m.fqn: settings.get(m.fqn, m.current) for m in modules}, self.target)
+        config = EagerConfig.of({m.fqn: settings.get(m.fqn, m.current) for m in modules}, self.target)
+        if self.target == XNNPACK and self._folds is not None:
+            problems = unfolded_awq(config.needs_data, self._folds)
+            if problems:
+                raise InvalidSettingsError(
+                    "on XNNPACK, AWQ's input scales are folded into the op before each Linear (the program has no op "
+                    "to divide by them): " + "; ".join(f"{fqn}: {why}" for fqn, why in problems.items())
+                )
+        return config
 
     def config_as_code(self, config: EagerConfig) -> str:
         return config.as_code()
@@ -224,17 +237,17 @@ class EagerEngine(Engine[EagerConfig]):
         if not config.formats:
             raise FormatError("every module is float: the result would be the float model. Choose a format for a Linear layer.")
         found = self._found.pop(prepared, {})
-        kept_rounding = {}
+        chosen = {}
         for fqn, (algorithm, _) in config.needs_data.items():  # first: the calibration saw them float
-            module = prepared.get_submodule(fqn)
             if fqn not in found:
                 raise FormatError(f"{algorithm} reads {fqn}'s inputs on the calibration batches: calibrate before convert")
             with torch.no_grad():
-                chosen = found.pop(fqn).expand(module.weight)
-            chosen.assign(module, dynamic_activations=config.formats[fqn][0] == INT8_DYNAMIC_INT4)
-            if chosen.note:
-                kept_rounding[fqn] = chosen.note
-        self._kept_rounding[prepared] = kept_rounding
+                chosen[fqn] = found.pop(fqn).expand(prepared.get_submodule(fqn).weight)
+        with torch.no_grad():
+            hooked = assign_weights(prepared, chosen, [f for f in chosen if config.formats[f][0] == INT8_DYNAMIC_INT4])
+        if hooked and self.target == XNNPACK:  # refused with the settings (config_for); a last guard
+            raise FormatError(f"AWQ's input scales of {', '.join(hooked)} could not be folded into the ops before them")
+        self._kept_rounding[prepared] = {fqn: q.note for fqn, q in chosen.items() if q.note}
         try:
             torchao_eager().quantize_(prepared, config.fqn_to_config(), filter_fn=None)
         except Exception as error:  # name the module and format torchao failed on
@@ -288,16 +301,19 @@ class EagerEngine(Engine[EagerConfig]):
     def size_choices(self, module: TunableModule) -> list[ModuleSettings]:
         """Float and every format the module takes, with each group size its rows divide into and,
         for the int4 format the target ships, each weight algorithm it takes (on x86 int4
-        weight-only: its 8da4w layout has the same int4 values, and weighing both doubles the cost)."""
+        weight-only: its 8da4w layout has the same int4 values, and weighing both doubles the cost).
+        Not AWQ on XNNPACK: a module's choice there binds the other Linears that read its input
+        (``unfolded_awq``), and the front weighs each module's choices alone."""
         found = [module.current]
         weighed = ALGORITHM_FORMATS if self.target == XNNPACK else (INT4_WEIGHT_ONLY,)
+        searched = [a for a in self.searched_algorithms if not (a == AWQ and self.target == XNNPACK)]
         for name in ("float", *QUANTIZED_FORMATS):
             if not module.format_allowed(name):
                 continue
             groups = module.group_sizes if name in GROUPED_FORMATS else (0,)
             algorithms = [""]
             if name in weighed:
-                algorithms = [a for a, why in module.algorithms.items() if not why and a in self.searched_algorithms]
+                algorithms = [a for a, why in module.algorithms.items() if not why and a in searched]
             found += [
                 c
                 for g in groups
@@ -315,9 +331,10 @@ class EagerEngine(Engine[EagerConfig]):
         weight, bias = float_module.weight, getattr(float_module, "bias", None)
         key = (type(float_module), tuple(weight.shape), weight.dtype, bias is not None, choice)  # all the size depends on
         if key not in self._sizes:
-            # GPTQ and AWQ store round-to-nearest's layout (AWQ one scale per input channel more)
+            # GPTQ and AWQ store round-to-nearest's layout (AWQ on x86 one scale per input channel more, counted
+            # where it may be left to a pre-hook; on XNNPACK it is always folded into the op before)
             counted = replace(choice, algorithm="") if choice.algorithm in DATA_ALGORITHMS else choice
-            extra = weight.shape[1] * weight.element_size() if choice.algorithm == AWQ else 0
+            extra = weight.shape[1] * weight.element_size() if choice.algorithm == AWQ and self.target != XNNPACK else 0
             rows = weight.shape[0]
             if type(float_module) in (nn.Linear, nn.Embedding) and rows > 2 * SIZE_ROWS:
                 few, more = (
@@ -407,6 +424,7 @@ class EagerEngine(Engine[EagerConfig]):
 
     def _tunable(self, model: nn.Module, config: EagerConfig) -> list[TunableModule]:
         modules = []
+        folds = input_folds(model)
         for fqn, module in model.named_modules():
             if not fqn or not isinstance(module, WEIGHTED) or next(module.children(), None) is not None:
                 continue
@@ -431,7 +449,7 @@ class EagerEngine(Engine[EagerConfig]):
                     native=chosen,
                     formats=formats,
                     group_sizes=groups,
-                    algorithms=algorithms_offered(module, self.target),
+                    algorithms=algorithms_offered(module, self.target, folded=fqn in folds),
                 )
             )
         return modules

@@ -222,15 +222,20 @@ def _xnnpack_refuses(module: nn.Module, name: str) -> str:
     return ""
 
 
-def algorithms_offered(module: nn.Module, target: str = X86) -> dict[str, str]:
+def algorithms_offered(module: nn.Module, target: str = X86, folded: bool = False) -> dict[str, str]:
     """The weight algorithms ``module``'s int4 weights can take on ``target``: algorithm -> why not
-    ("" where it applies; round-to-nearest wherever int4 does)."""
+    ("" where it applies; round-to-nearest wherever int4 does). ``folded``: an AWQ scale of the
+    module's input folds into the op before it (``folds``), which XNNPACK needs: its program has no
+    op to divide by it."""
     formats = offered(module, target)[0]
     if all(formats.get(name) != "" for name in ALGORITHM_FORMATS):
         return {}
     if isinstance(module, nn.Linear):
-        if target == XNNPACK:
-            awq = "AWQ divides the Linear's input by its scales, an extra op in the program: not offered on XNNPACK"
+        if target == XNNPACK and not folded:
+            awq = (
+                "AWQ's input scales fold into the norm or Linear before a Linear, and none writes this one's input "
+                "alone: the program would divide by them, an op XNNPACK is not given"
+            )
             return {**dict.fromkeys(ALGORITHMS, ""), AWQ: awq}
         return dict.fromkeys(ALGORITHMS, "")
     data = "GPTQ and AWQ weigh a Linear's weights by its input activations"

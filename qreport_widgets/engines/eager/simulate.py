@@ -24,8 +24,19 @@ from ...core.calibration import call_with
 from ...core.memory import free_bytes, give_back, tensors_bytes
 from ...core.metrics import sqnr_db
 from ..contract import Variant, WholePasses
-from ..settings import DATA_ALGORITHMS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
-from .algorithms import CompactWeight, InputStatistics, QuantizedWeight, Recipe, choose, gram_runs, recording
+from ..folds import input_folds
+from ..settings import AWQ, DATA_ALGORITHMS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
+from .algorithms import (
+    CompactWeight,
+    InputStatistics,
+    QuantizedWeight,
+    Recipe,
+    awq_group,
+    awq_shares,
+    choose,
+    gram_runs,
+    recording,
+)
 from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, ao_config, torchao_eager
 from .replay import BlockReplay
 
@@ -135,6 +146,9 @@ class EagerSimulation(WholePasses):
         self._keeping = True  # whether other formats' weights are kept for the next pass
         self._float_numel = sum(w.numel() for w in self._float.values())
         self._inputs: dict[str, bool | None] = dict.fromkeys(self._modules)  # fqn -> symmetric, or None: float input
+        # fqn -> the AWQ scale its weight's input channels were multiplied by: a dynamic format quantizes x / s
+        self._input_scales: dict[str, torch.Tensor | None] = dict.fromkeys(self._modules)
+        self._folds = input_folds(model)
         for fqn, module in self._modules.items():
             module.register_forward_pre_hook(self._input_hook(fqn))
         self._configured: dict[str, FormatKey | None] | None = None
@@ -145,12 +159,25 @@ class EagerSimulation(WholePasses):
 
     def _input_hook(self, fqn: str) -> Callable:
         def hook(_module: nn.Module, args: tuple) -> tuple | None:
-            symmetric = self._inputs[fqn]
-            if symmetric is None or not args or not isinstance(args[0], torch.Tensor):
+            if self._inputs[fqn] is None or not args or not isinstance(args[0], torch.Tensor):
                 return None
-            return (fake_quantized_tokens(args[0], symmetric), *args[1:])
+            return (self._quantized_input(fqn, args[0]), *args[1:])
 
         return hook
+
+    def _quantized_input(self, fqn: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as module ``fqn``'s dynamic format quantizes it, dequantized (``x`` for a float input).
+        With an AWQ weight the kernel quantizes ``x / s`` (``s`` folded into the op before, or divided
+        by a pre-hook) and its weight carries ``s``: here ``quantized(x / s) * s`` meets the weight
+        ``W_q / s`` the simulation holds."""
+        symmetric = self._inputs[fqn]
+        if symmetric is None:
+            return x
+        scale = self._input_scales[fqn]
+        if scale is None:
+            return fake_quantized_tokens(x, symmetric)
+        scale = scale.to(x)
+        return fake_quantized_tokens(x / scale, symmetric) * scale
 
     def weight(self, fqn: str, key: FormatKey | None) -> torch.Tensor:
         """Module ``fqn``'s weight in format ``key`` (float for None), dequantized from its quantized form."""
@@ -158,7 +185,9 @@ class EagerSimulation(WholePasses):
             return self._float[fqn]
         dtype = self._float[fqn].dtype
         if key[2] in DATA_ALGORITHMS:  # found by _apply before it switches (a pass's hooks never gather)
-            return self._found[fqn, key].expand(self._float[fqn]).dequantize(dtype)
+            found = self._found[fqn, key].expand(self._float[fqn])
+            self._input_scales[fqn] = found.input_scale
+            return found.dequantize(dtype)
         if key == format_key(self._start[fqn]):
             if fqn not in self._starting:
                 self._starting[fqn] = self._quantized(fqn, key)
@@ -192,14 +221,24 @@ class EagerSimulation(WholePasses):
         before = dict(self._configured or {})
         self.configure(Variant(frozenset(self._modules)))
         try:
-            features = {fqn: int(self._float[fqn].shape[1]) for fqn, _ in missing}
+            choices = {fqn: (key[2], key[1]) for fqn, key in missing}
+            shares = awq_shares(choices, self._folds)
+            recorded = [(fqn, key) for fqn, key in missing if key[2] != AWQ or fqn in shares]
+            features = {fqn: int(self._float[fqn].shape[1]) for fqn, _ in recorded}
             for modules in gram_runs(features, sum(tensor_bytes(w) for w in self._float.values())):
                 with torch.no_grad(), recording(self.model, modules) as gathered:
                     self._calibrate(self.model, gathered)  # merged across ranks, if any
                 for fqn in modules:
                     statistics = gathered.pop(fqn)  # freed once the module's results are found
-                    for key in (key for other, key in missing if other == fqn):
-                        self._found[fqn, key] = quantized_weight(self._float_module(fqn), key, statistics, self._target).compact()
+                    for key in (key for other, key in recorded if other == fqn):
+                        if key[2] != AWQ:
+                            found = quantized_weight(self._float_module(fqn), key, statistics, self._target)
+                            self._found[fqn, key] = found.compact()
+                            continue
+                        readers = {reader: self._float[reader] for reader in shares[fqn]}
+                        with torch.no_grad():  # every reader of the input: one scale, whichever of them asks next
+                            for reader, found in awq_group(readers, statistics, key[1]).items():
+                                self._found[reader, key] = found.compact()
                 del gathered
                 give_back()
         finally:
@@ -283,8 +322,7 @@ class EagerSimulation(WholePasses):
                         found[fqn, choice] = 0.0
                         continue
                     self._apply({fqn: key})
-                    symmetric = self._inputs[fqn]
-                    given = args[0] if symmetric is None else fake_quantized_tokens(args[0], symmetric)
+                    given = self._quantized_input(fqn, args[0])
                     # squared in place, summed in float64: a decoder head's 256 x 32,000 error is not copied twice
                     error = torch.sub(module.forward(given, *args[1:]), output).pow_(2)
                     found[fqn, choice] = float(error.sum(dtype=torch.float64))
@@ -327,6 +365,7 @@ class EagerSimulation(WholePasses):
                     give_back()  # temporaries) handed back as it goes, not kept resident to the end
                     replaced = 0
                 # a new Parameter, never written into: the model's float weights may be the session's own
+                self._input_scales[fqn] = None  # until an AWQ weight sets it
                 self._modules[fqn].weight = nn.Parameter(self.weight(fqn, key), requires_grad=False)
                 dynamic = key is not None and key[0] in (INT8_DYNAMIC, INT8_DYNAMIC_INT4)
                 self._inputs[fqn] = (key[0] == INT8_DYNAMIC and self._target == X86) if dynamic else None
