@@ -193,3 +193,42 @@ def test_decode_speed_elsewhere_says_where_it_is_measured(text_decoder):
     batches = [(torch.randn(4, 8),) for _ in range(3)]
     with pytest.raises(DecodeSpeedError, match="evaluation batches of token ids"):
         analyze(model, batches[0], batches, progress=False).session.decode_speed()
+
+
+@pytest.mark.slow  # a session and two programs (about two minutes)
+def test_the_truth_check_names_the_first_block_where_the_program_parts_from_its_simulation(text_decoder, monkeypatch):
+    """Provoked: every program is lowered from a model whose third block's down_proj outputs half
+    what the eager model's does (as a lowering that computed something else there would), while the
+    simulation follows the eager model. The baseline then parts from its simulation; the truth check
+    lowers the program again with each block's output tapped and names block 2."""
+    import qreport_widgets.engines.executorch as executorch
+    from qreport_widgets.engines.folds import rows_divided
+
+    exported = executorch._exported
+
+    def lowered_otherwise(model, example_inputs):
+        model = copy.deepcopy(model)
+        inner = model.model if isinstance(model, executorch._ProgramOutputs) else model
+        down = inner.get_submodule("model.layers.2.mlp.down_proj")
+        down.weight = torch.nn.Parameter(rows_divided(down.weight.detach(), torch.full((down.out_features,), 2.0)), False)
+        return exported(model, example_inputs)
+
+    monkeypatch.setattr(executorch, "_exported", lowered_otherwise)
+    model, data = text_decoder
+    report = analyze(
+        model,
+        data.calibration[0],
+        data.calibration,
+        eval_data=data.evaluation[:2],
+        engine="eager",
+        target="xnnpack",
+        format="int8-dynamic-int4-weight",
+        group_size=32,
+        progress=False,
+    )
+    truth = report.session.truth_check()
+    assert not truth.agrees and truth.gap_db > 3
+    assert truth.gap_opens_at().startswith("the gap opens at model.layers.2:")
+    blocks = truth.layers.loc[[f"model.layers.{i}" for i in range(4)]]
+    assert (blocks["simulated_sqnr_db"] - blocks["real_sqnr_db"]).iloc[:2].abs().max() < 0.5  # before it, they agree
+    assert any("the gap opens at model.layers.2" in note for note in truth.notes)

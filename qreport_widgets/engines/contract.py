@@ -214,6 +214,13 @@ class Engine(ABC, Generic[ConfigT]):
         reference. Default: empty (``reference_model`` gave None)."""
         return pd.Series(dtype=float, name="kernel SQNR (dB)")
 
+    def inner_sqnr(self, float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
+        """SQNR (dB) at the outputs of the model's blocks as the real run computes them inside, where
+        its per-layer SQNR reads another model (an ExecuTorch program: read off the eager model it was
+        lowered from). Costs a lowering: the truth check asks it only where the real run and the
+        simulation part. Default: empty (the per-layer SQNR is the real run's own)."""
+        return pd.Series(dtype=float, name="SQNR (dB)")
+
     def per_layer_failure(self, error: Exception) -> str:
         """Why per-layer SQNR is missing when ``per_layer_sqnr`` raised ``error``, in words."""
         return f"the layers could not be read ({type(error).__name__})"

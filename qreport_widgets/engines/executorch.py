@@ -165,6 +165,9 @@ class DeployedProgram(torch.nn.Module):
         # the program's latency without the hand-over between processes
         self.last_call_s = 0.0
         self._out_spec = out_spec
+        # the example inputs, partitioner and fusion it was lowered with (None: lowered from a given export)
+        self.lowered_as: tuple[tuple[Any, ...], str, bool] | None = None
+        self.taps: dict[tuple[str, ...], ProgramTaps] = {}  # programs_taps' twins, per tapped modules
         object.__setattr__(self, "reference", reference)  # not a submodule: its tensors are not the program's
         self._key = runtime_worker().load(pte)  # loaded once now: a program the runtime refuses fails its run here
         weakref.finalize(self, runtime_worker().forget, self._key)
@@ -287,11 +290,89 @@ def lower(
             f"{str(error)[:400]}). Keep the modules around the failing op float, {X86_HINT}."
         ) from error
     program = DeployedProgram(pte, model if reference is None else reference, exported.call_spec.out_spec, delegation)
+    if reference is None:  # what ``program_taps`` lowers again, with taps
+        program.lowered_as = (example_inputs, partitioner, fuse_quantized_ops)
     program.lowering_s = time.perf_counter() - start
     program.batch_limit = _batch_rows(list(example_inputs))
     if not _batch_free(exported):
         program.input_shapes = tuple(tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor))
     return program
+
+
+# ops a module's last node can be that carry no value of its own (a shape check torch.export inserts)
+_NOT_TAPPED = ("aten._assert_tensor_metadata.default",)
+
+
+class ProgramTaps:
+    """A program's twin, lowered as it was, that also returns the outputs of some of its modules
+    (ExecuTorch's intermediate-output taps, which pass through XNNPACK's delegates): what the
+    runtime computes inside the program, module by module (``outputs``)."""
+
+    def __init__(self, pte: bytes, taps: dict[int, str], batch_limit: int | None) -> None:
+        self.pte = pte
+        self.tapped = taps  # output index -> module
+        self.batch_limit = batch_limit
+        self._key = runtime_worker().load(pte)
+        weakref.finalize(self, runtime_worker().forget, self._key)
+
+    def outputs(self, *inputs: Any) -> dict[str, list[torch.Tensor]]:
+        """Each tapped module's outputs in the runtime on ``inputs`` (a module can have several:
+        every value that leaves it), run ``batch_limit`` rows at a time and joined along the batch."""
+        flat = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in pytree.tree_leaves(inputs)]
+        rows, limit = _batch_rows(flat), self.batch_limit
+        starts = range(0, rows, limit) if rows and limit and rows > limit else [None]
+        pieces: dict[int, list[torch.Tensor]] = {index: [] for index in self.tapped}
+        for start in starts:
+            chunk = flat if start is None else [x[start : start + limit] if isinstance(x, torch.Tensor) else x for x in flat]
+            found, _ = runtime_worker().execute(self._key, self.pte, chunk)
+            for index in self.tapped:
+                pieces[index].append(found[index])
+        joined: dict[str, list[torch.Tensor]] = {}
+        for index, name in self.tapped.items():
+            parts = pieces[index]
+            joined.setdefault(name, []).append(parts[0] if len(parts) == 1 else torch.cat(parts))
+        return joined
+
+
+def program_taps(program: DeployedProgram, names: Sequence[str]) -> ProgramTaps:
+    """``program`` lowered again, as it was, from the model it was lowered from, with the outputs of
+    the modules ``names`` returned too; kept on the program for the next call."""
+    names = tuple(names)
+    if names in program.taps:
+        return program.taps[names]
+    if program.lowered_as is None:
+        raise LoweringError("this program was lowered from a given export: it cannot be lowered again with taps")
+    example_inputs, partitioner, fuse = program.lowered_as
+    api = executorch_api()
+    from executorch.devtools.intermediate_output_tap import (
+        FULL_TENSOR,
+        select_all,
+        select_by_module_path,
+        select_by_op_type,
+        select_not,
+        strip_taps_,
+        tap_intermediate_outputs_,
+    )
+
+    wanted = {f"model.{name}": name for name in names}  # inside the wrapper that exports the model (``_ProgramOutputs``)
+    rule = (select_all(select_by_module_path(*wanted), select_not(select_by_op_type(*_NOT_TAPPED))), FULL_TENSOR)
+    try:
+        with torch_warnings_hidden(), quiet_runtime(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exported, specs = tap_intermediate_outputs_(_exported(program.reference, example_inputs), rules=[rule])
+            chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
+            edge = api.to_edge_transform_and_lower(exported, partitioner=[chosen], compile_config=api.edge_compile_config())
+            strip_taps_(edge)
+            config = api.ExecutorchBackendConfig(do_quant_fusion_and_const_prop=fuse)
+            pte = bytes(edge.to_executorch(config).buffer)
+    except Exception as error:
+        raise LoweringError(
+            "the program could not be lowered again with its modules' outputs tapped "
+            f"({type(error).__name__}: {str(error)[:300]})"
+        ) from error
+    taps = {spec.output_index: wanted[spec.module_path] for spec in specs if spec.module_path in wanted}
+    program.taps[names] = found = ProgramTaps(pte, taps, program.batch_limit)
+    return found
 
 
 def _dynamic_partitioner(api: types.SimpleNamespace) -> Any:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import pandas as pd
 import torch
 
 from ..core.metrics import token_ids
@@ -233,6 +234,9 @@ class RealRuns:
             return self.simulated.simulate_each([()], quiet, "checking the simulation", metric=False)[0][0]
 
         runner = self.runner
-        return check_truth(
-            baseline, simulation, simulated, self.simulated.run_real_kernels, runner.float_model, runner.eval_data[0]
-        )
+        batch = runner.eval_data[0]
+
+        def inner() -> pd.Series:
+            return runner.engine.inner_sqnr(runner.float_model, baseline.quantized_model, batch)
+
+        return check_truth(baseline, simulation, simulated, self.simulated.run_real_kernels, runner.float_model, batch, inner)

@@ -54,6 +54,7 @@ class TruthCheck:
     corrected_db: float = math.nan
     layers: pd.DataFrame = field(default_factory=pd.DataFrame)
     error: str = ""  # why the simulation could not be compared
+    blocks_error: str = ""  # why the blocks' outputs inside the real run could not be read, where asked
 
     @property
     def gap_db(self) -> float:
@@ -116,6 +117,8 @@ class TruthCheck:
         opens = self.gap_opens_at()
         if opens:
             said.append(opens)
+        if self.blocks_error:
+            said.append(self.blocks_error)
         if self.real_kernels and self.reliable:
             said.append(
                 f"the simulation now runs the real kernels of {_names(self.real_kernels)} ({self.corrected_db:.2f} dB, "
@@ -163,14 +166,30 @@ def check_truth(
     adopt_kernels: Callable[[torch.nn.Module, list[str]], list[str]],
     float_model: torch.nn.Module,
     batch: Any,
+    inner_sqnr: Callable[[], pd.Series] | None = None,
 ) -> TruthCheck:
     """The baseline run against ``simulation`` (``simulated_sqnr()``: its output SQNR as configured
-    now); where they disagree and the baseline names kernels that differ, the simulation runs those
-    real kernels from then on (``adopt_kernels(quantized, names)``, the names it now runs), and the
-    check says what that gave."""
+    now); where they disagree, the blocks' outputs inside the real run (``inner_sqnr()``, an
+    ExecuTorch program's taps) join the per-layer table, so ``gap_opens_at`` can name the first block
+    where they part; where the baseline names kernels that differ, the simulation runs those real
+    kernels from then on (``adopt_kernels(quantized, names)``, the names it now runs), and the check
+    says what that gave."""
     simulated = simulated_sqnr()
-    layers = _side_by_side(baseline.per_layer_sqnr_db, simulated_layers(simulation, float_model, batch))
-    truth = TruthCheck(baseline.output_sqnr_db, simulated, baseline.kernel_sqnr_db, layers=layers, corrected_db=simulated)
+    real_layers, blocks_error = baseline.per_layer_sqnr_db, ""
+    if inner_sqnr is not None and abs(sqnr_apart(simulated, baseline.output_sqnr_db)) > SIMULATION_ERROR_DB:
+        try:
+            real_layers = pd.concat([real_layers, inner_sqnr()])
+        except Exception as error:  # the blocks could not be read inside: the rest of the check stands
+            blocks_error = f"the blocks' outputs inside the real run could not be read ({type(error).__name__}: {error})"
+    layers = _side_by_side(real_layers, simulated_layers(simulation, float_model, batch, list(real_layers.index)))
+    truth = TruthCheck(
+        baseline.output_sqnr_db,
+        simulated,
+        baseline.kernel_sqnr_db,
+        layers=layers,
+        corrected_db=simulated,
+        blocks_error=blocks_error,
+    )
     if truth.agrees or not truth.disagreeing or baseline.quantized_model is None:
         return truth
     adopted = adopt_kernels(baseline.quantized_model, truth.disagreeing)
@@ -179,19 +198,25 @@ def check_truth(
     return replace(truth, real_kernels=tuple(adopted), corrected_db=simulated_sqnr())
 
 
-def simulated_layers(simulation: Simulation, float_model: torch.nn.Module, batch: Any) -> pd.Series:
+def simulated_layers(
+    simulation: Simulation, float_model: torch.nn.Module, batch: Any, blocks: list[str] | None = None
+) -> pd.Series:
     """Each module's output SQNR in the simulation (starting configuration) against the float
-    model, on ``batch``, where both models have a plain (not fused) module of that name."""
+    model, on ``batch``, where both models have a plain (not fused) module of that name, and of the
+    modules named in ``blocks`` that hold others (a decoder's blocks: their first output)."""
     floats = dict(float_model.named_modules())
+    wanted = set(blocks or ())
     names = [
         name
         for name, module in simulation.model.named_modules()
-        if name in floats and type(module) is type(floats[name]) and next(module.children(), None) is None
+        if name in floats and type(module) is type(floats[name]) and (next(module.children(), None) is None or name in wanted)
     ]
     found: dict[str, dict[str, torch.Tensor]] = {"float": {}, "simulated": {}}
 
     def keep(side: str, name: str):
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, tuple) and output and name in wanted:
+                output = output[0]
             if isinstance(output, torch.Tensor):
                 found[side].setdefault(name, output.detach().clone())
 

@@ -25,7 +25,16 @@ from ...core.metrics import sqnr_db
 from ...errors import DecodeSpeedError, InvalidSettingsError, QReportError
 from ...observe.graph import OBSERVER_CONTAINER
 from ..contract import Engine, Observation, RunNotes, conversion_tables
-from ..executorch import DYNAMIC, ONLINE_PRODUCT_FAILS, RUNTIME_WORDS, DecodeSpeed, DeployedProgram, executorch_api, lower
+from ..executorch import (
+    DYNAMIC,
+    ONLINE_PRODUCT_FAILS,
+    RUNTIME_WORDS,
+    DecodeSpeed,
+    DeployedProgram,
+    executorch_api,
+    lower,
+    program_taps,
+)
 from ..folds import Fold, input_folds
 from ..settings import (
     ALGORITHM_FORMATS,
@@ -38,6 +47,7 @@ from ..settings import (
     ModuleSettings,
     Setting,
     TunableModule,
+    module_blocks,
 )
 from .algorithms import CompactWeight, InputStatistics, Recipe, assign_weights, unfolded_awq, weights_in_runs
 from .formats import (
@@ -266,6 +276,26 @@ class EagerEngine(Engine[EagerConfig]):
         values = module_outputs(quantized, list(expected), batch, lambda fqn, found: sqnr_db(expected.pop(fqn), found))
         return pd.Series({fqn: values[fqn] for fqn in names if fqn in values}, name="SQNR (dB)", dtype=float)
 
+    def inner_sqnr(self, float_model: nn.Module, quantized: nn.Module, batch: Any) -> pd.Series:
+        """For an ExecuTorch program: SQNR (dB) at each block's output (a decoder's layers,
+        ``module_blocks``) as the runtime computes it, read off the program lowered again with those
+        outputs tapped (``program_taps``); empty for an eager model (its per-layer SQNR is its own)."""
+        if not isinstance(quantized, DeployedProgram):
+            return pd.Series(dtype=float, name="SQNR (dB)")
+        modules = dict(float_model.named_modules())
+        names = [fqn for fqn, module in modules.items() if isinstance(module, WEIGHTED)]
+        blocks = [b for b in module_blocks(names) if b in modules and next(modules[b].children(), None) is not None]
+        if not blocks:
+            return pd.Series(dtype=float, name="SQNR (dB)")
+        expected = module_outputs(float_model, blocks, batch, first=True)
+        found = program_taps(quantized, blocks).outputs(*(batch if isinstance(batch, tuple) else (batch,)))
+        values = {}
+        for block in blocks:
+            same = [t for t in found.get(block, []) if block in expected and t.shape == expected[block].shape]
+            if same:  # the value that leaves the block as its output (a block can hand on others, e.g. a mask)
+                values[block] = sqnr_db(expected[block], same[-1].to(expected[block]))
+        return pd.Series(values, name="SQNR (dB)", dtype=float)
+
     def conversions(self, prepared: nn.Module, quantized: nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
         quantized = _eager_model(quantized)
         config = self._configs.get(prepared) or self._configs.get(quantized) or EagerConfig()
@@ -456,15 +486,22 @@ class EagerEngine(Engine[EagerConfig]):
 
 
 def module_outputs(
-    model: nn.Module, names: Sequence[str], batch: Any, reduce: Callable[[str, torch.Tensor], Any] | None = None
+    model: nn.Module,
+    names: Sequence[str],
+    batch: Any,
+    reduce: Callable[[str, torch.Tensor], Any] | None = None,
+    first: bool = False,
 ) -> dict[str, Any]:
     """The first output of each named module on ``batch``, or what ``reduce(name, output)`` keeps of
-    it (computed as the output appears: the outputs are not held)."""
+    it (computed as the output appears: the outputs are not held). ``first``: a module returning a
+    tuple gives its first element (a decoder block's hidden states)."""
     found: dict[str, Any] = {}
     modules = dict(model.named_modules())
 
     def keep(name: str) -> Callable:
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
+            if first and isinstance(output, tuple) and output:
+                output = output[0]
             if isinstance(output, torch.Tensor) and name not in found:
                 found[name] = output.detach() if reduce is None else reduce(name, output.detach())
 
