@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import qreport_widgets as qw
 from qreport_widgets.core.metrics import is_float_output, perplexity, sqnr_db
+from qreport_widgets.core.progress import quiet
 from qreport_widgets.engines.rotation import ONLINE_HADAMARD, hadamard, random_rotation
 
 
@@ -148,3 +149,39 @@ def test_the_tune_tab_applies_a_rotated_run_when_its_box_is_ticked_and_offers_no
     cnn = TinyConvNet().eval()
     images = [(torch.randn(2, 3, 32, 32),)]
     assert qw.analyze(cnn, images[0], images, progress=False).widget().tuning.rotate.layout.display == "none"
+
+
+def test_fit_weighs_the_rotated_model_as_one_more_choice_and_returns_the_better_real_run():
+    model = decoder(64, tied=True)
+    before = fingerprint(model)
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 256, (2, 32), generator=generator),) for _ in range(6)]
+    report = qw.analyze(
+        model,
+        batches[0],
+        batches[:4],
+        eval_data=batches[4:],
+        engine="eager",
+        format="int4-weight-only",
+        metric="perplexity",
+        algorithms=("rtn",),
+        progress=False,
+    )
+    session = report.session
+    budget = 0.9 * session.baseline().deployed_bytes
+    found = session.fit(max_size_bytes=budget, rotation=True, progress=quiet)
+    assert found.ok and any(note.startswith("weighed with and without rotation") for note in found.notes)
+    fits = [run for run in session.history if run.label.startswith("fit")]
+    rotated = [run for run in fits if run.rotation == qw.Rotation()]
+    plain = [run for run in fits if run.rotation is None]
+    assert rotated and plain  # each fit's real runs recorded here, the rotated ones as rotated runs
+    # the better of the two fits' last runs: within the budget, the lower perplexity
+    within = [run for run in (plain[-1], rotated[-1]) if run.deployed_bytes <= budget] or [plain[-1], rotated[-1]]
+    assert found.eval_metric == min(run.eval_metric for run in within)
+    assert list(session._rotated) == [qw.Rotation()]  # the rotated model's session, kept for the next fit
+    assert_unchanged(model, before)
+    cnn = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    images = [torch.randn(4, 8) for _ in range(2)]
+    other = qw.analyze(cnn, images[0], images, engine="eager", format="int4-weight-only", progress=False).session
+    with pytest.raises(qw.InvalidSettingsError, match="rotations do not apply"):
+        other.fit(max_size_bytes=10_000, rotation=True)

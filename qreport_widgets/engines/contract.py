@@ -214,6 +214,11 @@ class Engine(ABC, Generic[ConfigT]):
         reference. Default: empty (``reference_model`` gave None)."""
         return pd.Series(dtype=float, name="kernel SQNR (dB)")
 
+    def renewed(self) -> Engine[ConfigT]:
+        """A new engine of the same options, for a session of its own on another float model (``fit``
+        weighing a rotated one). Default: refused, naming the engine."""
+        raise NotImplementedError(f"{type(self).__name__} does not start a second session on another float model")
+
     def inner_sqnr(self, float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
         """SQNR (dB) at the outputs of the model's blocks as the real run computes them inside, where
         its per-layer SQNR reads another model (an ExecuTorch program: read off the eager model it was

@@ -38,6 +38,7 @@ from .search import SHORTLIST, FloatSearch
 from .truth import SIMULATION_ERROR_DB
 
 if TYPE_CHECKING:
+    from ..engines.rotation import Rotation
     from .real import RealRuns
     from .run import RunResult
     from .runner import Runner
@@ -407,6 +408,43 @@ def fit(
         f"{said}, {_run_words(result, target_sqnr_db, measures)} (simulated {point['simulated_output_sqnr_db']:.2f} dB); "
         f"point {at + 1} of {len(points)} on the front: {point['formats']}"
     )
+
+
+def better_fit(
+    plain: RunResult,
+    rotated: RunResult,
+    rotation: Rotation,
+    max_size_bytes: float | None,
+    target_sqnr_db: float | None,
+    target_metric: float | None,
+    measures: Metric | None = None,
+) -> RunResult:
+    """Of a fit on the float model and one on it rotated (``QuantizationSession.fit(rotation=...)``),
+    the better: a run that fits the budget before one that does not; with a target, one that meets
+    it, then the fewer bytes; without, the better metric (the output SQNR without one). Its notes
+    name the other."""
+    measures = measures or Metric()
+    targeted = target_sqnr_db is not None or target_metric is not None
+
+    def rank(run: RunResult) -> tuple:
+        fits = max_size_bytes is None or run.deployed_bytes <= max_size_bytes
+        met = meets_target(run.output_sqnr_db, run.eval_metric, target_sqnr_db, target_metric, measures)
+        if run.eval_metric is not None and not math.isnan(run.eval_metric):
+            quality = run.eval_metric if measures.higher_is_better else -run.eval_metric
+        else:
+            quality = run.output_sqnr_db
+        if targeted:
+            return (run.ok, fits, met, -run.deployed_bytes if met else quality)
+        return (run.ok, fits, quality)
+
+    chosen, other = (rotated, plain) if rank(rotated) > rank(plain) else (plain, rotated)
+    which = f"rotated ({rotation.words})" if chosen is rotated else "not rotated"
+    other_words = "rotated" if other is rotated else "not rotated"
+    if other.ok:
+        described = _run_words(other, target_sqnr_db, measures)
+    else:
+        described = f"failed: {other.error}"
+    return chosen.noted(f"weighed with and without rotation: {which} chosen; the {other_words} fit: {described}")
 
 
 def _corrected_step(fitting: pd.DataFrame, at: int, result: RunResult, meets: Callable[[float, float | None], bool]) -> int:

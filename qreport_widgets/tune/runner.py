@@ -108,6 +108,7 @@ class Runner:
         self.eval_fn = eval_fn
         self._watched = float_copy
         self._output_fn = output_fn
+        self.output_fn = output_fn  # as given (None: the output or its first tensor)
         self._group = group
         self._modules = None if modules is None else list(modules)
         self._weights = weights or WeightPool()

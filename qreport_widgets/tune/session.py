@@ -18,11 +18,13 @@ from ..core.metrics import Metric
 from ..core.progress import Progress
 from ..engines import build_engine
 from ..engines.contract import Engine, Simulation, Variant
-from ..engines.rotation import Rotation, rotation_problems
+from ..engines.rotation import Rotation, rotate, rotation_problems
 from ..engines.settings import ModuleSettings, TunableModule, module_blocks, with_suggestions
+from ..errors import InvalidSettingsError
 from ..observe.records import Suggestion
 from .diagnosis import ReachPlan, metric_target
 from .migration import Migration, input_producers
+from .mixed import better_fit, fit
 from .parts import Analyzed, build_parts
 from .run import RunResult
 from .truth import TruthCheck
@@ -96,6 +98,7 @@ class QuantizationSession:
         batches = runner.batches
         self.calibration_data, self.eval_data, self.eval_description = batches.calibration, batches.eval, batches.eval_description
         self.history: list[RunResult] = self.parts.history.runs  # the recorded runs in order (the same list)
+        self._rotated: dict[Rotation, QuantizationSession] = {}  # a session on each rotated float model fit weighed
 
     # ---- what it holds ----------------------------------------------------------------------------
     @property
@@ -350,6 +353,7 @@ class QuantizationSession:
         max_metric_loss: float | None = None,
         max_metric_gap: float | None = None,
         by_block: bool = False,
+        rotation: Rotation | bool | None = None,
         progress: Progress | None = None,
     ) -> RunResult:
         """A real run of the size front's best point within ``max_size_bytes`` (deployed bytes), or
@@ -358,10 +362,46 @@ class QuantizationSession:
         point along the front is run, up to three more runs; the notes say met, not met or out of
         reach, and by how far. ``by_block=True``: on the front where every module of a block
         (``blocks()``) takes the same choice. ``max_metric_loss`` / ``max_metric_gap``: a metric
-        target relative to the float model's, as in ``reach``."""
+        target relative to the float model's, as in ``reach``.
+
+        ``rotation``: weigh the float model rotated (``Rotation()``, or True for R1 + R2) against
+        not, as one more choice: the rotated model's own front (simulated on a session of its own,
+        kept for the next fit) fitted too, its real runs recorded here as rotated runs; the better of
+        the two fits is returned (the target met at fewer bytes, else the better metric within the
+        budget), its notes naming the other."""
         target_metric, how = metric_target(self.metric, self.float_metric, target_metric, max_metric_loss, max_metric_gap)
+        if rotation is True:
+            rotation = Rotation()
+        if rotation and self.rotation_problems():
+            raise InvalidSettingsError(f"fit(rotation=...) on a model the rotations do not apply to: {self.rotation_problems()}")
         run = self.parts.mixed.fit(max_size_bytes, target_sqnr_db, target_metric, progress, by_block)
+        if rotation:
+            twin = self._rotated_session(rotation)
+
+            def rotated_apply(settings: Mapping[str, ModuleSettings], **given: Any) -> RunResult:
+                return self.parts.real.apply(settings, rotation=rotation, **given)
+
+            goal = (max_size_bytes, target_sqnr_db, target_metric, progress, self.metric)
+            rotated = self.parts.real.annotated(fit(rotated_apply, twin.parts.mixed.front(progress, by_block), *goal))
+            run = self.parts.real.annotated(better_fit(run, rotated, rotation, *goal[:3], self.metric))
         return run if how is None else self.parts.real.annotated(run.noted(how))
+
+    def _rotated_session(self, rotation: Rotation) -> QuantizationSession:
+        """A session on the float model with ``rotation`` folded in, the same data, metric and engine
+        options (its simulation is the rotated model's); made once per rotation."""
+        if rotation not in self._rotated:
+            runner = self.parts.runner
+            self._rotated[rotation] = QuantizationSession(
+                rotate(self.float_model, rotation),
+                self.example_inputs,
+                self.calibration_data,
+                self.eval_data,
+                eval_fn=runner.eval_fn,
+                metric=runner.metric,
+                engine=self.engine.renewed(),
+                output_fn=runner.output_fn,
+            )
+        return self._rotated[rotation]
 
     def computed(self) -> dict[str, pd.DataFrame]:
         """The diagnoses computed so far, without computing any: ``sensitivity``, ``tradeoff`` and

@@ -170,6 +170,9 @@ class EagerEngine(Engine[EagerConfig]):
     def from_options(cls, options: EagerOptions) -> EagerEngine:
         return cls(options.format or INT8_DYNAMIC, options.group_size, options.algorithms, options.target)
 
+    def renewed(self) -> EagerEngine:
+        return EagerEngine(self.start_format, self.start_group_size or None, self.searched_algorithms, self.target)
+
     # ---- observation ----------------------------------------------------------------------------
     def observe(self, float_model: nn.Module, example_inputs: tuple[Any, ...], *, record: bool = False) -> Observation:
         """Observers hooked on a copy's leaf modules (``float_model`` keeps no hook); the tunable
