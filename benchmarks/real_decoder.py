@@ -14,7 +14,13 @@ runtime) and each algorithm on every Linear, one real run of the session without
 rotations folded in (``Rotation()``: R1 + R2), side by side: perplexity, its gap to float, the share
 of the round-to-nearest gap the run recovers, output SQNR, bytes, wall seconds.
 
+With ``--fit``: on the XNNPACK target (8da4w g32 baseline), ``session.fit`` under the baseline's
+``.pte`` bytes for a perplexity that recovers ``--recover`` (0.8) of the baseline's gap to float,
+weighing the rotated model as one more choice (``rotation=True``) and the ``--algorithms`` given
+(default there: rtn gptq); every real run it made, then its choice.
+
     python benchmarks/real_decoder.py [--algorithms rtn hqq gptq awq] [--formats int4 8da4w]
+    python benchmarks/real_decoder.py --fit [--recover 0.8] [--algorithms rtn gptq]
 """
 
 from __future__ import annotations
@@ -80,10 +86,11 @@ def smollm2() -> tuple[torch.nn.Module, list[tuple[torch.Tensor]], list[tuple[to
     return model, batches[:CALIBRATION], batches[-HELD_OUT:]
 
 
-def rows_for(model, calibration, held_out, name: str, algorithms: list[str], float_ppl: float) -> list[dict]:
+def session_for(model, calibration, held_out, name: str, algorithms: list[str] | None = None):
+    """The session of ``analyze`` in format ``name`` (``FORMATS``), perplexity its metric."""
     fmt, group, target = FORMATS[name]
-    start = time.perf_counter()
-    report = analyze(
+    given = {} if algorithms is None else {"algorithms": tuple(algorithms)}
+    return analyze(
         model,
         calibration[0],
         calibration,
@@ -94,8 +101,14 @@ def rows_for(model, calibration, held_out, name: str, algorithms: list[str], flo
         target=target,
         metric="perplexity",
         progress=False,
-    )
-    session = report.session
+        **given,
+    ).session
+
+
+def rows_for(model, calibration, held_out, name: str, algorithms: list[str], float_ppl: float) -> list[dict]:
+    fmt, group, target = FORMATS[name]
+    start = time.perf_counter()
+    session = session_for(model, calibration, held_out, name)
     print(f"{name}: analyze {time.perf_counter() - start:.0f} s", flush=True)
     linears = [m.fqn for m in session.modules if m.current.format == fmt]
     rows, rtn_gap = [], {}
@@ -126,10 +139,37 @@ def rows_for(model, calibration, held_out, name: str, algorithms: list[str], flo
     return rows
 
 
+def fit_for_the_phone(model, calibration, held_out, float_ppl: float, algorithms: list[str], recover: float) -> None:
+    start = time.perf_counter()
+    session = session_for(model, calibration, held_out, "8da4w", algorithms)
+    baseline = session.baseline(progress=quiet)
+    goal = float_ppl + (1 - recover) * (baseline.eval_metric - float_ppl)
+    print(
+        f"8da4w g32 program: perplexity {baseline.eval_metric:.3f}, {baseline.deployed_bytes / 1e6:.2f} MB "
+        f"({time.perf_counter() - start:.0f} s); fit under those bytes for perplexity <= {goal:.3f} "
+        f"({recover:.0%} of the gap recovered), algorithms {', '.join(algorithms)}, rotated or not",
+        flush=True,
+    )
+    start = time.perf_counter()
+    found = session.fit(max_size_bytes=baseline.deployed_bytes, target_metric=goal, rotation=True, progress=quiet)
+    print(f"fit: {time.perf_counter() - start:.0f} s")
+    print("| run | rotated | perplexity | recovered | .pte (MB) |\n|---|---|---|---|---|")
+    for run in session.history:
+        recovered = (baseline.eval_metric - run.eval_metric) / (baseline.eval_metric - float_ppl) if run.ok else float("nan")
+        rotated = "R1 + R2" if run.rotation is not None else "-"
+        ppl = f"{run.eval_metric:.3f}" if run.ok else f"failed: {run.error}"
+        print(f"| {run.label} | {rotated} | {ppl} | {recovered:.0%} | {run.deployed_bytes / 1e6:.2f} |")
+    print("chosen:", found.label, "rotated" if found.rotation is not None else "not rotated")
+    for note in found.notes:
+        print("  -", note)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algorithms", nargs="*", default=["rtn", "hqq", "gptq"], choices=["rtn", "hqq", "gptq", "awq"])
     parser.add_argument("--formats", nargs="*", default=["int4"], choices=list(FORMATS))
+    parser.add_argument("--fit", action="store_true", help="fit under the 8da4w program's bytes, rotated or not")
+    parser.add_argument("--recover", type=float, default=0.8, help="the share of the program's gap to float --fit asks")
     args = parser.parse_args()
     setup()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; CPU: {cpu_simd()}")
@@ -137,6 +177,10 @@ def main() -> None:
     float_ppl = perplexity(model, held_out)
     held = f"{HELD_OUT} x {ROWS} x {TOKENS} tokens"
     print(f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantized): float perplexity {float_ppl:.3f} on {held}")
+    if args.fit:
+        algorithms = args.algorithms if "--algorithms" in sys.argv else ["rtn", "gptq"]
+        fit_for_the_phone(model, calibration, held_out, float_ppl, algorithms, args.recover)
+        return
     rows = [row for name in args.formats for row in rows_for(model, calibration, held_out, name, args.algorithms, float_ppl)]
     if rows:
         print("\n| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
