@@ -226,9 +226,13 @@ class EagerEngine(Engine[EagerConfig]):
 
     def prepare(self, float_model: nn.Module, config: EagerConfig, example_inputs: tuple[Any, ...]) -> nn.Module:
         """A copy of ``float_model`` (sharing its weights: ``quantize_`` assigns new ones); ``convert``
-        applies ``config``'s formats to it."""
+        applies ``config``'s formats to it, and exports a program with ``example_inputs`` (a session
+        made without ``analyze`` never observed any)."""
         model = shared_copy(float_model).eval()
         self._configs[model] = config.resolved(model)
+        self._example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        if self._folds is None:
+            self._folds = input_folds(float_model)
         return model
 
     def calibration_passes(self, prepared: nn.Module) -> Iterator[dict[str, InputStatistics] | None]:
