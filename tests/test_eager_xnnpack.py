@@ -110,12 +110,17 @@ def test_the_baseline_is_the_program_executorch_ships_its_perplexity_and_size_an
     assert set(baseline.per_layer_sqnr_db.index) >= {m.fqn for m in session.modules if m.type_name == "Linear"}
 
 
+def every_linear(session, algorithm: str):
+    """The session's baseline, and every Linear 8da4w g32 with its int4 values chosen by ``algorithm``."""
+    linears = [m.fqn for m in session.modules if m.type_name == "Linear"]
+    chosen = {fqn: ModuleSettings(format="int8-dynamic-int4-weight", group_size=32, algorithm=algorithm) for fqn in linears}
+    return session.baseline(), chosen
+
+
 def test_gptq_in_the_8da4w_layout_beats_round_to_nearest_in_the_runtime(phone_decoder):
     _, _, _, report = phone_decoder
     session = report.session
-    baseline = session.baseline()
-    linears = [m.fqn for m in session.modules if m.type_name == "Linear"]
-    chosen = {fqn: ModuleSettings(format="int8-dynamic-int4-weight", group_size=32, algorithm="gptq") for fqn in linears}
+    baseline, chosen = every_linear(session, "gptq")
     run = session.apply(chosen, label="gptq")
     assert run.ok, run.error
     assert run.eval_metric < baseline.eval_metric and run.output_sqnr_db > baseline.output_sqnr_db + 3
@@ -133,9 +138,7 @@ def test_gptq_in_the_8da4w_layout_beats_round_to_nearest_in_the_runtime(phone_de
 def test_awq_folds_its_scales_into_the_ops_before_and_runs_in_the_program_as_simulated(phone_decoder):
     _, _, _, report = phone_decoder
     session = report.session
-    baseline = session.baseline()
-    linears = [m.fqn for m in session.modules if m.type_name == "Linear"]
-    chosen = {fqn: ModuleSettings(format="int8-dynamic-int4-weight", group_size=32, algorithm="awq") for fqn in linears}
+    baseline, chosen = every_linear(session, "awq")
     simulated, _ = session.simulate(Variant(settings=tuple(chosen.items())))
     run = session.apply(chosen, label="awq")
     assert run.ok, run.error

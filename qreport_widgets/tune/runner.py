@@ -107,7 +107,6 @@ class Runner:
         self.batches = batches
         self.eval_fn = eval_fn
         self._watched = float_copy
-        self._output_fn = output_fn
         self.output_fn = output_fn  # as given (None: the output or its first tensor)
         self._group = group
         self._modules = None if modules is None else list(modules)
@@ -201,9 +200,9 @@ class Runner:
 
     def output_of(self, output: Any) -> torch.Tensor:
         """A model output as the tensor output SQNR compares: ``output_fn``'s, else the output or its first tensor."""
-        if self._output_fn is None:
+        if self.output_fn is None:
             return output_tensor(output)
-        found = self._output_fn(output)
+        found = self.output_fn(output)
         if not isinstance(found, torch.Tensor):
             raise TypeError(f"output_fn must return a tensor, got {type(found).__name__}")
         return found.detach().float()
