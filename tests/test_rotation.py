@@ -119,6 +119,30 @@ def test_a_session_run_takes_a_rotation_and_measures_against_the_original_float_
     # measured against the original float model's logits and perplexity, which the rotation keeps
     assert session.float_metric() == pytest.approx(perplexity(qw.rotate(model), batches[4:]), rel=1e-5)
     assert rotated.output_sqnr_db != plain.output_sqnr_db
+    # each block's output SQNR, the rotated run's against the rotated float model (the residual stream
+    # turned, its SQNR not): the last block's follows the run's logits, unrotated it would be noise
+    blocks = {run.label: session.block_sqnr(run) for run in (plain, rotated)}
+    for run in (plain, rotated):
+        found = blocks[run.label]
+        assert list(found.index) == ["model.layers.0", "model.layers.1"]
+        assert (found > 10).all(), found
+        assert found.iloc[-1] == pytest.approx(_block_output_sqnr(session, run), abs=1e-4)
+    with pytest.raises(IndexError, match="batch 5 of 2"):
+        session.block_sqnr(plain, batch=5)
+
+
+def _block_output_sqnr(session, run):
+    """The last block's output SQNR of ``run``, read directly: its float model rotated as the run was."""
+    reference = qw.rotate(session.float_model, run.rotation) if run.rotation is not None else session.float_model
+    outputs = []
+    for model in (reference, run.quantized_model):
+        hook = model.model.layers[-1].register_forward_hook(
+            lambda _m, _a, output: outputs.append(output[0] if isinstance(output, tuple) else output)
+        )
+        with torch.no_grad():
+            model(*session.eval_data[0])
+        hook.remove()
+    return sqnr_db(outputs[0], outputs[1])
 
 
 def test_r4_is_refused_on_the_xnnpack_target_before_anything_runs():

@@ -219,6 +219,12 @@ class Engine(ABC, Generic[ConfigT]):
         weighing a rotated one). Default: refused, naming the engine."""
         raise NotImplementedError(f"{type(self).__name__} does not start a second session on another float model")
 
+    def block_sqnr(self, float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
+        """SQNR (dB) at each block's output (a decoder's layers, ``module_blocks``) in ``quantized``
+        against ``float_model``'s, on ``batch``: where along the model the error grows. Default:
+        empty (a quantized model that keeps no block of the float model's)."""
+        return pd.Series(dtype=float, name="SQNR (dB)")
+
     def inner_sqnr(self, float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:
         """SQNR (dB) at the outputs of the model's blocks as the real run computes them inside, where
         its per-layer SQNR reads another model (an ExecuTorch program: read off the eager model it was

@@ -280,6 +280,28 @@ class QuantizationSession:
         take the modules there is something to choose for). Nothing is computed."""
         return module_blocks(m.fqn for m in self.modules)
 
+    def block_sqnr(self, run: RunResult, batch: int = 0) -> pd.Series:
+        """Each block's output SQNR (dB) in ``run``'s model against the float model's (rotated as the
+        run was: a rotation turns the residual stream, an SQNR does not change under it), on
+        evaluation batch ``batch``: where along the model a real run's error grows, and what a
+        rotation bought block by block. An ExecuTorch program is read inside the runtime (lowered
+        again with the blocks' outputs tapped). Empty where the engine keeps no block (FX, PT2E)."""
+        if not run.ok:
+            raise InvalidSettingsError(f"block_sqnr() reads a run's model, and the run {run.label!r} failed: {run.error}")
+        if not run.quantized_model:
+            raise InvalidSettingsError(
+                f"block_sqnr() reads a run's model, and the run {run.label!r} no longer holds it ({run.quantized_model!r})"
+            )
+        reference = self.float_model
+        if run.rotation is not None:
+            twin = self._rotated.get(run.rotation)
+            reference = twin.float_model if twin is not None else rotate(self.float_model, run.rotation)
+        data = self.eval_data
+        if not 0 <= batch < len(data):
+            raise IndexError(f"batch {batch} of {len(data)} evaluation batches")
+        with torch.no_grad():
+            return self.engine.block_sqnr(reference, run.quantized_model, data[batch])
+
     def format_sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
         """What each format costs where (eager engine); see ``Diagnosis.format_sensitivity``."""
         return self._warned(self.parts.diagnosis.format_sensitivity(progress))

@@ -284,18 +284,26 @@ class EagerEngine(Engine[EagerConfig]):
         return pd.Series({fqn: values[fqn] for fqn in names if fqn in values}, name="SQNR (dB)", dtype=float)
 
     def inner_sqnr(self, float_model: nn.Module, quantized: nn.Module, batch: Any) -> pd.Series:
-        """For an ExecuTorch program: SQNR (dB) at each block's output (a decoder's layers,
-        ``module_blocks``) as the runtime computes it, read off the program lowered again with those
-        outputs tapped (``program_taps``); empty for an eager model (its per-layer SQNR is its own)."""
+        """For an ExecuTorch program: each block's output SQNR as the runtime computes it
+        (``block_sqnr``); empty for an eager model (its per-layer SQNR is its own)."""
         if not isinstance(quantized, DeployedProgram):
             return pd.Series(dtype=float, name="SQNR (dB)")
+        return self.block_sqnr(float_model, quantized, batch)
+
+    def block_sqnr(self, float_model: nn.Module, quantized: nn.Module, batch: Any) -> pd.Series:
+        """SQNR (dB) at each block's output (a decoder's layers, ``module_blocks``) against the float
+        model's: an eager model's read by hooks, an ExecuTorch program's as the runtime computes it,
+        off the program lowered again with those outputs tapped (``program_taps``)."""
         modules = dict(float_model.named_modules())
         names = [fqn for fqn, module in modules.items() if isinstance(module, WEIGHTED)]
         blocks = [b for b in module_blocks(names) if b in modules and next(modules[b].children(), None) is not None]
         if not blocks:
             return pd.Series(dtype=float, name="SQNR (dB)")
         expected = module_outputs(float_model, blocks, batch, first=True)
-        found = program_taps(quantized, blocks).outputs(*(batch if isinstance(batch, tuple) else (batch,)))
+        if isinstance(quantized, DeployedProgram):
+            found = program_taps(quantized, blocks).outputs(*(batch if isinstance(batch, tuple) else (batch,)))
+        else:
+            found = {name: [output] for name, output in module_outputs(quantized, blocks, batch, first=True).items()}
         values = {}
         for block in blocks:
             same = [t for t in found.get(block, []) if block in expected and t.shape == expected[block].shape]
