@@ -161,6 +161,8 @@ def test_estimated_single_choices_read_each_modules_own_error_and_land_near_whol
     monkeypatch.setattr(mixed, "ESTIMATED_BEYOND", 0)
     monkeypatch.setattr(mixed, "_estimated_alone", kept)
     session.pareto(progress=quiet)
+    # what only ranks read the first evaluation batch, the front's points every batch
+    assert {batches for batches, _ in session.parts.simulated._known} == {mixed.RANKED_ON, None}
     start = {m.fqn: m.current for m in session.modules}
     singles = list(found)
     assert len(singles) > 4 * len(session.modules)  # every format and group size of every module

@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 # more single choices than this (a decoder: every module, every format and group size) and only
 # keeping each module float is simulated whole; the other choices are estimated (``_estimated_alone``)
 ESTIMATED_BEYOND = 240
+# on such a front the single choices and the in-context search, which only rank steps, are simulated on
+# this many evaluation batches (the points of the front on all of them): a 135M decoder's front
+# simulates about 700 variants to rank, each a whole model's pass per batch
+RANKED_ON = 1
 MAX_SIMULATED = 40  # points of the chain simulated whole (evenly spread over its sizes)
 # fronts of at most this many units (a decoder's blocks, a small model's modules) walk their chain
 # again with each step measured in context (``_walked_in_context``), in at most this many simulations a step
@@ -169,12 +173,14 @@ def size_front(
     start = spread(start_units)
     singles = [(unit, c) for unit, found in offered.items() for c in found[1:]]
     estimate = not by_block and len(singles) > ESTIMATED_BEYOND and hasattr(simulated.simulation(), "local_noise")
+    ranked_on = RANKED_ON if estimate else None  # evaluation batches the ranking reads (None: all)
     whole = [(unit, c) for unit, c in singles if c.keep_float or not estimate]
     variants = [Variant(), *(variant_of(spread({unit: c}), start) for unit, c in whole)]
-    (start_db, _), *measured = simulated.simulate_each(variants, progress, "size front: each choice alone", metric=False)
+    each_alone = simulated.simulate_each(variants, progress, "size front: each choice alone", metric=False, batches=ranked_on)
+    (start_db, _), *measured = each_alone
     each = dict(zip(whole, measured, strict=True))
     if estimate:  # the units are the modules
-        each |= _estimated_alone(runner, simulated, choices, start, each, start_db, progress)
+        each |= _estimated_alone(runner, simulated, choices, start, each, start_db, progress, ranked_on)
     alone = [each[single] for single in singles]
     start_noise = _noise(start_db)
     float_model = runner.float_model
@@ -187,7 +193,7 @@ def size_front(
     hulls = {unit: _hull(found) for unit, found in options.items()}
     chain = _chain(hulls)
     picked = _spread(chain, MAX_SIMULATED)
-    searched = _searched_points(runner, simulated, real, start_units, offered, units, alone=each)
+    searched = _searched_points(runner, simulated, real, start_units, offered, units, alone=each, ranked_on=ranked_on)
 
     def measure(points: Sequence[Mapping[str, ModuleSettings]]) -> list[float]:
         variants = [variant_of(spread(p), start) for p in points]
@@ -245,8 +251,10 @@ def _estimated_alone(
     alone: Mapping[tuple[str, ModuleSettings], tuple[float, float | None]],
     start_db: float,
     progress: Progress | None,
+    ranked_on: int | None = None,
 ) -> dict[tuple[str, ModuleSettings], tuple[float, float | None]]:
-    """Each quantized choice alone, most of them estimated. Per module, the noise each choice puts
+    """Each quantized choice alone, most of them estimated (simulated on the first ``ranked_on``
+    evaluation batches, as ``start_db`` was; None: all). Per module, the noise each choice puts
     on the module's own output is measured in one pass over the first evaluation batch; the choice
     with the most is simulated whole, and the output noise of the others is read off the line
     through what is known whole (kept float, the start format, that coarsest choice) against that
@@ -262,7 +270,11 @@ def _estimated_alone(
             exact += [(fqn, c) for c in options]
     whole = anchors + exact
     measured = simulated.simulate_each(
-        [variant_of({fqn: c}, start) for fqn, c in whole], progress, "size front: each module's coarsest choice", metric=False
+        [variant_of({fqn: c}, start) for fqn, c in whole],
+        progress,
+        "size front: each module's coarsest choice",
+        metric=False,
+        batches=ranked_on,
     )
     found = dict(zip(whole, measured, strict=True))
     for fqn, anchor in anchors:
@@ -279,7 +291,8 @@ def _estimated_alone(
                 found[fqn, choice] = (-10.0 * math.log10(estimate) if estimate > 0 else math.inf, None)
     missing = [(fqn, c) for fqn, options in quantized.items() for c in options if (fqn, c) not in found]
     if missing:
-        measured = simulated.simulate_each([variant_of({fqn: c}, start) for fqn, c in missing], progress, metric=False)
+        variants = [variant_of({fqn: c}, start) for fqn, c in missing]
+        measured = simulated.simulate_each(variants, progress, metric=False, batches=ranked_on)
         found |= dict(zip(missing, measured, strict=True))
     return found
 
@@ -300,13 +313,14 @@ def _searched_points(
     choices: Mapping[str, list[ModuleSettings]],
     units: Mapping[str, Sequence[str]],
     alone: Mapping[tuple[str, ModuleSettings], tuple[float, float | None]],
+    ranked_on: int | None = None,
 ) -> list[dict[str, ModuleSettings]]:
     """The points of the in-context search's path (``search.py``): units (modules, or blocks of
     them: ``units``) kept float one pick after the other, each by what it gains given the picks
     before, so that modules that only help together (broken kernels in series) reach the front. It
     starts from the single choices measured already, and simulates about as many sets as there are
-    units that can be kept float (at least ``2 * SHORTLIST``). ``start``, ``choices`` and the
-    points are per unit."""
+    units that can be kept float (at least ``2 * SHORTLIST``), on the first ``ranked_on`` evaluation
+    batches (as ``alone`` was; None: all). ``start``, ``choices`` and the points are per unit."""
     floats = {unit: c for unit, found in choices.items() for c in found if c.keep_float}
     if len(floats) < 2:
         return []
@@ -315,7 +329,7 @@ def _searched_points(
 
     def measure(sets: Sequence[frozenset[str]]) -> list[tuple[float, float | None]]:
         variants = [Variant(float_modules=frozenset(fqn for unit in s for fqn in units[unit])) for s in sets]
-        return simulated.simulate_each(variants, quiet, "size front: in-context search", metric=False)
+        return simulated.simulate_each(variants, quiet, "size front: in-context search", metric=False, batches=ranked_on)
 
     truth = real.truth(quiet)
     neighbours = unit_neighbours(runner.float_model, {unit: units[unit] for unit in ranking})

@@ -25,8 +25,9 @@ class Simulated:
         self.runner = runner
         self._simulation: Simulation | None = None
         self.version = 0  # counts the changes made to the simulation after it was built (real kernels adopted)
-        # output SQNR and (None when not asked) metric of each variant simulated at this version
-        self._known: dict[Variant, tuple[float, float | None]] = {}
+        # output SQNR and (None when not asked) metric of each variant simulated at this version, per
+        # number of evaluation batches it was simulated on (None: all)
+        self._known: dict[tuple[int | None, Variant], tuple[float, float | None]] = {}
         self._known_version = 0
 
     def simulation(self, progress: Progress | None = None) -> Simulation:
@@ -78,8 +79,11 @@ class Simulated:
         progress: Progress | None = None,
         desc: str = "simulating",
         metric: bool = True,
+        batches: int | None = None,
     ) -> list[tuple[float, float | None]]:
         """``simulate(v)`` for each ``v`` in ``variants``, without the metric unless ``metric``.
+        ``batches``: on the first ``batches`` evaluation batches only (a ranking among many variants,
+        at a fraction of the cost; the output SQNR and a metric read from the outputs).
 
         Each variant recomputes only what it changes (one step per variant and batch), for its
         output SQNR and for a metric computed from the outputs (perplexity; ``Metric.from_outputs``),
@@ -88,6 +92,9 @@ class Simulated:
         that needs the whole model costs a whole pass more per variant (one step per variant)."""
         simulation, runner = self.simulation(), self.runner
         with_metric = metric and runner.eval_fn is not None
+        if batches is not None and with_metric and not self._reads_outputs():
+            raise ValueError("an eval_fn that reads the whole model cannot be simulated on some evaluation batches")
+        data = runner.eval_data if batches is None else runner.eval_data[:batches]
         if with_metric and not self._reads_outputs():
             try:
                 with steps(len(variants), desc, "step", progress) as step:
@@ -100,18 +107,18 @@ class Simulated:
                 simulation.configure(())
         if self._known_version != self.version:
             self._known, self._known_version = {}, self.version
-        keys = [Variant.of(variant) for variant in variants]
+        keys = [(batches, Variant.of(variant)) for variant in variants]
         # each once, those not known yet (or known without the metric now asked for)
         new = list(dict.fromkeys(k for k in keys if k not in self._known or (with_metric and self._known[k][1] is None)))
         reads = runner.metric if with_metric else None
 
         def reduce(index: int, output: object) -> tuple[tuple[float, float], tuple[float, ...] | None]:
-            terms = None if reads is None else tuple(reads.batch_terms(runner.eval_data[index], output))  # type: ignore[misc]
+            terms = None if reads is None else tuple(reads.batch_terms(data[index], output))  # type: ignore[misc]
             return runner.output_terms(index, output), terms
 
         try:
-            with steps(len(new) * len(runner.eval_data), desc, "step", progress) as step:
-                found = simulation.outputs_each(runner.eval_data, new, step, reduce)
+            with steps(len(new) * len(data), desc, "step", progress) as step:
+                found = simulation.outputs_each(data, [variant for _, variant in new], step, reduce)
         finally:
             simulation.configure(())
         for key, each in zip(new, found, strict=True):
