@@ -21,6 +21,11 @@ weighing the rotated model as one more choice (``rotation=True``) and the ``--al
 
     python benchmarks/real_decoder.py [--algorithms rtn hqq gptq awq] [--formats int4 8da4w]
     python benchmarks/real_decoder.py --fit [--recover 0.8] [--algorithms rtn gptq]
+    python benchmarks/real_decoder.py --decode [--fit]
+
+With ``--decode``: the 8da4w g32 program's decode speed (``session.decode_speed``: exported again with
+a static KV cache, a 32-token prompt, 32 tokens generated greedily in the runtime), and with ``--fit``
+the fit's too.
 """
 
 from __future__ import annotations
@@ -139,29 +144,53 @@ def rows_for(model, calibration, held_out, name: str, algorithms: list[str], flo
     return rows
 
 
-def fit_for_the_phone(model, calibration, held_out, float_ppl: float, algorithms: list[str], recover: float) -> None:
+def decode_words(session, run) -> str:
+    start = time.perf_counter()
+    speed = session.decode_speed(run)
+    return (
+        f"{speed.prompt_tokens}-token prompt {speed.prefill_ms:.1f} ms a token, {speed.new_tokens} generated "
+        f"{speed.decode_ms:.1f} ms a token, .pte {speed.pte_bytes / 1e6:.2f} MB ({time.perf_counter() - start:.0f} s)"
+    )
+
+
+def on_the_phone(
+    model, calibration, held_out, float_ppl: float, algorithms: list[str], recover: float, fitting: bool, decoding: bool
+) -> None:
     start = time.perf_counter()
     session = session_for(model, calibration, held_out, "8da4w", algorithms)
     baseline = session.baseline(progress=quiet)
+    baseline_s = time.perf_counter() - start
+    if decoding:
+        session.keep(baseline)
+        print(f"decode speed, 8da4w g32 program: {decode_words(session, baseline)}", flush=True)
+    if fitting:
+        fit_for_the_phone(session, baseline, float_ppl, algorithms, recover, baseline_s, decoding)
+
+
+def fit_for_the_phone(
+    session, baseline, float_ppl: float, algorithms: list[str], recover: float, baseline_s: float, decoding: bool
+) -> None:
     goal = float_ppl + (1 - recover) * (baseline.eval_metric - float_ppl)
     print(
         f"8da4w g32 program: perplexity {baseline.eval_metric:.3f}, {baseline.deployed_bytes / 1e6:.2f} MB "
-        f"({time.perf_counter() - start:.0f} s); fit under those bytes for perplexity <= {goal:.3f} "
+        f"({baseline_s:.0f} s); fit under those bytes for perplexity <= {goal:.3f} "
         f"({recover:.0%} of the gap recovered), algorithms {', '.join(algorithms)}, rotated or not",
         flush=True,
     )
     start = time.perf_counter()
     found = session.fit(max_size_bytes=baseline.deployed_bytes, target_metric=goal, rotation=True, progress=quiet)
     print(f"fit: {time.perf_counter() - start:.0f} s")
-    print("| run | rotated | perplexity | recovered | .pte (MB) |\n|---|---|---|---|---|")
+    print("| run | rotated | perplexity | recovered | .pte (MB) | run (s) |\n|---|---|---|---|---|---|")
     for run in session.history:
         recovered = (baseline.eval_metric - run.eval_metric) / (baseline.eval_metric - float_ppl) if run.ok else float("nan")
         rotated = "R1 + R2" if run.rotation is not None else "-"
         ppl = f"{run.eval_metric:.3f}" if run.ok else f"failed: {run.error}"
-        print(f"| {run.label} | {rotated} | {ppl} | {recovered:.0%} | {run.deployed_bytes / 1e6:.2f} |")
+        print(f"| {run.label} | {rotated} | {ppl} | {recovered:.0%} | {run.deployed_bytes / 1e6:.2f} | {run.duration_s:.0f} |")
     print("chosen:", found.label, "rotated" if found.rotation is not None else "not rotated")
     for note in found.notes:
         print("  -", note)
+    if decoding:
+        print(f"decode speed, the fit's program: {decode_words(session, found)}", flush=True)
 
 
 def main() -> None:
@@ -170,6 +199,7 @@ def main() -> None:
     parser.add_argument("--formats", nargs="*", default=["int4"], choices=list(FORMATS))
     parser.add_argument("--fit", action="store_true", help="fit under the 8da4w program's bytes, rotated or not")
     parser.add_argument("--recover", type=float, default=0.8, help="the share of the program's gap to float --fit asks")
+    parser.add_argument("--decode", action="store_true", help="the 8da4w program's decode speed (and the fit's, with --fit)")
     args = parser.parse_args()
     setup()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; CPU: {cpu_simd()}")
@@ -177,9 +207,9 @@ def main() -> None:
     float_ppl = perplexity(model, held_out)
     held = f"{HELD_OUT} x {ROWS} x {TOKENS} tokens"
     print(f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantized): float perplexity {float_ppl:.3f} on {held}")
-    if args.fit:
+    if args.fit or args.decode:
         algorithms = args.algorithms if "--algorithms" in sys.argv else ["rtn", "gptq"]
-        fit_for_the_phone(model, calibration, held_out, float_ppl, algorithms, args.recover)
+        on_the_phone(model, calibration, held_out, float_ppl, algorithms, args.recover, args.fit, args.decode)
         return
     rows = [row for name in args.formats for row in rows_for(model, calibration, held_out, name, args.algorithms, float_ppl)]
     if rows:

@@ -343,6 +343,44 @@ def _searched_points(
     return points
 
 
+@dataclass(frozen=True)
+class FirstPoint:
+    """The front point a fit runs first, by the simulation: the smallest point when none fits the
+    budget (``reach``: "budget"), the best within it when none meets the target there ("target"),
+    else the smallest meeting the target, or the best within the budget without one (""); ``at``
+    its position in ``fitting``, the points within the budget (all of them where none fits)."""
+
+    fitting: pd.DataFrame
+    at: int
+    reach: str
+
+    @property
+    def point(self) -> pd.Series:
+        return self.fitting.iloc[self.at]
+
+
+def first_point(
+    front: SizeFront,
+    max_size_bytes: float | None,
+    target_sqnr_db: float | None,
+    target_metric: float | None,
+    measures: Metric | None = None,
+) -> FirstPoint:
+    """Where ``fit`` starts on ``front`` for the goal given; see ``FirstPoint``."""
+    points = front.points
+    fitting = points if max_size_bytes is None else points[points["size_bytes"] <= max_size_bytes]
+    if fitting.empty:
+        return FirstPoint(points, 0, "budget")
+    if target_sqnr_db is None and target_metric is None:
+        return FirstPoint(fitting, len(fitting) - 1, "")
+    metrics = fitting["simulated_metric"] if "simulated_metric" in fitting else pd.Series(None, index=fitting.index)
+    ok = [
+        meets_target(s, m, target_sqnr_db, target_metric, measures)
+        for s, m in zip(fitting["simulated_output_sqnr_db"], metrics, strict=True)
+    ]
+    return FirstPoint(fitting, ok.index(True), "") if any(ok) else FirstPoint(fitting, len(fitting) - 1, "target")
+
+
 def fit(
     apply: Callable[..., RunResult],
     front: SizeFront,
@@ -359,9 +397,10 @@ def fit(
     measures = measures or Metric()
     points = front.points
     label = "fit " + _goal_words(max_size_bytes, target_sqnr_db, target_metric, measures)
-    fitting = points if max_size_bytes is None else points[points["size_bytes"] <= max_size_bytes]
-    if fitting.empty:
-        smallest = points.iloc[0]
+    first = first_point(front, max_size_bytes, target_sqnr_db, target_metric, measures)
+    fitting = first.fitting
+    if first.reach == "budget":
+        smallest = first.point
         result = apply(smallest["settings"], label=label, progress=progress)
         return result.noted(
             f"out of reach: the smallest point of the front takes {_kb(smallest['size_bytes'])}, "
@@ -375,10 +414,8 @@ def fit(
     def fits(run: RunResult) -> bool:
         return max_size_bytes is None or run.deployed_bytes <= max_size_bytes
 
-    metrics = fitting["simulated_metric"] if "simulated_metric" in fitting else pd.Series(None, index=fitting.index)
-    simulated_ok = [meets(s, m) for s, m in zip(fitting["simulated_output_sqnr_db"], metrics, strict=True)]
-    if targeted and not any(simulated_ok):
-        best = fitting.iloc[-1]
+    if first.reach == "target":
+        best = first.point
         result = apply(best["settings"], label=label, progress=progress)
         where = f" within {_kb(max_size_bytes)}" if max_size_bytes is not None else ""
         target = target_words(target_sqnr_db, target_metric, measures)
@@ -386,7 +423,7 @@ def fit(
             f"{target} is out of reach{where}: even in simulation the best is {_point_words(best, measures)}; "
             f"this run is that point, {_run_words(result, target_sqnr_db, measures)}"
         )
-    at = simulated_ok.index(True) if targeted else len(fitting) - 1  # smallest meeting, or the largest that fits
+    at = first.at  # smallest meeting, or the largest that fits
     runs = 0
     result = apply(fitting.iloc[at]["settings"], label=label, progress=progress)
     while runs < MAX_EXTRA_RUNS and result.ok:  # the real run misses: step along the front
@@ -424,6 +461,41 @@ def fit(
     )
 
 
+def weighed_fit(
+    plain_fit: Callable[[], RunResult],
+    rotated_fit: Callable[[], RunResult],
+    fronts: tuple[SizeFront, SizeFront],
+    rotation: Rotation,
+    max_size_bytes: float | None,
+    target_sqnr_db: float | None,
+    target_metric: float | None,
+    measures: Metric | None = None,
+) -> RunResult:
+    """A fit that weighs the float model rotated against not (``QuantizationSession.fit(rotation=...)``):
+    the fit (``plain_fit`` / ``rotated_fit``, real runs) on whichever front (``fronts``: plain,
+    rotated) the simulation ranks first (``_rank`` of the point each fit starts at); when that run
+    fits the budget and meets the target (without one: fits), it is the answer and the other front
+    is weighed in simulation only, its notes saying so; else the other fit runs too and the better
+    real run is returned (``better_fit``)."""
+    goal = (max_size_bytes, target_sqnr_db, target_metric)
+    plain_front, rotated_front = fronts
+    rotated_first = _simulated_rank(rotated_front, *goal, measures) > _simulated_rank(plain_front, *goal, measures)
+    run = rotated_fit() if rotated_first else plain_fit()
+    targeted = target_sqnr_db is not None or target_metric is not None
+    fits = max_size_bytes is None or run.deployed_bytes <= max_size_bytes
+    if run.ok and fits and (not targeted or meets_target(run.output_sqnr_db, run.eval_metric, *goal[1:], measures)):
+        other = first_point(plain_front if rotated_first else rotated_front, *goal, measures).point
+        which = f"rotated ({rotation.words})" if rotated_first else "not rotated"
+        other_words = "not rotated" if rotated_first else "rotated"
+        return run.noted(
+            f"weighed with and without rotation: {which} chosen; the {other_words} front's fit, in simulation only "
+            f"(ranked behind, and this run met the goal): {_point_words(other, measures or Metric())}"
+        )
+    other_run = plain_fit() if rotated_first else rotated_fit()
+    plain, rotated = (other_run, run) if rotated_first else (run, other_run)
+    return better_fit(plain, rotated, rotation, *goal, measures)
+
+
 def better_fit(
     plain: RunResult,
     rotated: RunResult,
@@ -434,22 +506,12 @@ def better_fit(
     measures: Metric | None = None,
 ) -> RunResult:
     """Of a fit on the float model and one on it rotated (``QuantizationSession.fit(rotation=...)``),
-    the better: a run that fits the budget before one that does not; with a target, one that meets
-    it, then the fewer bytes; without, the better metric (the output SQNR without one). Its notes
-    name the other."""
+    the better by ``_rank``; its notes name the other."""
     measures = measures or Metric()
-    targeted = target_sqnr_db is not None or target_metric is not None
+    goal = (max_size_bytes, target_sqnr_db, target_metric)
 
     def rank(run: RunResult) -> tuple:
-        fits = max_size_bytes is None or run.deployed_bytes <= max_size_bytes
-        met = meets_target(run.output_sqnr_db, run.eval_metric, target_sqnr_db, target_metric, measures)
-        if run.eval_metric is not None and not math.isnan(run.eval_metric):
-            quality = run.eval_metric if measures.higher_is_better else -run.eval_metric
-        else:
-            quality = run.output_sqnr_db
-        if targeted:
-            return (run.ok, fits, met, -run.deployed_bytes if met else quality)
-        return (run.ok, fits, quality)
+        return _rank(run.ok, run.deployed_bytes, run.output_sqnr_db, run.eval_metric, *goal, measures)
 
     chosen, other = (rotated, plain) if rank(rotated) > rank(plain) else (plain, rotated)
     which = f"rotated ({rotation.words})" if chosen is rotated else "not rotated"
@@ -459,6 +521,45 @@ def better_fit(
     else:
         described = f"failed: {other.error}"
     return chosen.noted(f"weighed with and without rotation: {which} chosen; the {other_words} fit: {described}")
+
+
+def _rank(
+    ok: bool,
+    size: float,
+    sqnr: float,
+    metric: float | None,
+    max_size_bytes: float | None,
+    target_sqnr_db: float | None,
+    target_metric: float | None,
+    measures: Metric,
+) -> tuple:
+    """How good a fit is (larger is better): one that fits the budget before one that does not;
+    with a target, one that meets it, then the fewer bytes; without, the better metric (the output
+    SQNR without one)."""
+    fits = max_size_bytes is None or size <= max_size_bytes
+    met = meets_target(sqnr, metric, target_sqnr_db, target_metric, measures)
+    if metric is not None and not math.isnan(metric):
+        quality = metric if measures.higher_is_better else -metric
+    else:
+        quality = sqnr
+    if target_sqnr_db is not None or target_metric is not None:
+        return (ok, fits, met, -size if met else quality)
+    return (ok, fits, quality)
+
+
+def _simulated_rank(
+    front: SizeFront,
+    max_size_bytes: float | None,
+    target_sqnr_db: float | None,
+    target_metric: float | None,
+    measures: Metric | None,
+) -> tuple:
+    """``_rank`` of the point a fit on ``front`` starts at, by its simulated numbers."""
+    point = first_point(front, max_size_bytes, target_sqnr_db, target_metric, measures).point
+    metric = point.get("simulated_metric")
+    metric = None if metric is None or pd.isna(metric) else float(metric)
+    goal = (max_size_bytes, target_sqnr_db, target_metric)
+    return _rank(True, point["size_bytes"], point["simulated_output_sqnr_db"], metric, *goal, measures or Metric())
 
 
 def _corrected_step(fitting: pd.DataFrame, at: int, result: RunResult, meets: Callable[[float, float | None], bool]) -> int:

@@ -24,7 +24,7 @@ from ..errors import InvalidSettingsError
 from ..observe.records import Suggestion
 from .diagnosis import ReachPlan, metric_target
 from .migration import Migration, input_producers
-from .mixed import better_fit, fit
+from .mixed import fit, weighed_fit
 from .parts import Analyzed, build_parts
 from .run import RunResult
 from .truth import TruthCheck
@@ -387,25 +387,34 @@ class QuantizationSession:
         target relative to the float model's, as in ``reach``.
 
         ``rotation``: weigh the float model rotated (``Rotation()``, or True for R1 + R2) against
-        not, as one more choice: the rotated model's own front (simulated on a session of its own,
-        kept for the next fit) fitted too, its real runs recorded here as rotated runs; the better of
-        the two fits is returned (the target met at fewer bytes, else the better metric within the
-        budget), its notes naming the other."""
+        not, as one more choice: the rotated model's own front is simulated on a session of its own
+        (kept for the next fit), and the fit runs first on the front whose starting point the
+        simulation ranks better (the target met at fewer bytes, else the better metric within the
+        budget). When that fit's real run fits the budget and meets the target, it is returned and
+        the other front was weighed in simulation only; else the other fit runs too and the better
+        real run is returned. Rotated runs are recorded here as rotated; the notes name the other."""
         target_metric, how = metric_target(self.metric, self.float_metric, target_metric, max_metric_loss, max_metric_gap)
         if rotation is True:
             rotation = Rotation()
         if rotation and self.rotation_problems():
             raise InvalidSettingsError(f"fit(rotation=...) on a model the rotations do not apply to: {self.rotation_problems()}")
-        run = self.parts.mixed.fit(max_size_bytes, target_sqnr_db, target_metric, progress, by_block)
-        if rotation:
+        goal = (max_size_bytes, target_sqnr_db, target_metric)
+        if not rotation:
+            run = self.parts.mixed.fit(*goal, progress, by_block)
+        else:
             twin = self._rotated_session(rotation)
+            fronts = (self.parts.mixed.front(progress, by_block), twin.parts.mixed.front(progress, by_block))
 
             def rotated_apply(settings: Mapping[str, ModuleSettings], **given: Any) -> RunResult:
                 return self.parts.real.apply(settings, rotation=rotation, **given)
 
-            goal = (max_size_bytes, target_sqnr_db, target_metric, progress, self.metric)
-            rotated = self.parts.real.annotated(fit(rotated_apply, twin.parts.mixed.front(progress, by_block), *goal))
-            run = self.parts.real.annotated(better_fit(run, rotated, rotation, *goal[:3], self.metric))
+            def rotated_fit() -> RunResult:
+                return self.parts.real.annotated(fit(rotated_apply, fronts[1], *goal, progress, self.metric))
+
+            def plain_fit() -> RunResult:
+                return self.parts.mixed.fit(*goal, progress, by_block)
+
+            run = self.parts.real.annotated(weighed_fit(plain_fit, rotated_fit, fronts, rotation, *goal, self.metric))
         return run if how is None else self.parts.real.annotated(run.noted(how))
 
     def _rotated_session(self, rotation: Rotation) -> QuantizationSession:
