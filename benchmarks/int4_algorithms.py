@@ -5,9 +5,13 @@ once, about a minute, cached in ``--cache``): every Linear in int4 weight-only a
 128, each algorithm a real run of the session (``session.apply``), its perplexity on the held-out
 text, its output SQNR (logits against float) and its wall time, in one table. With ``--decoder
 100m``: the same algorithms over every Linear of the 134M-parameter Llama decoder of
-``llm_scale.py`` (random weights: timings only), one real run each at group size 128.
+``llm_scale.py`` (random weights: timings only), one real run each at group size 128. With
+``--program``: every Linear 8da4w in groups of 32 as an ExecuTorch program (XNNPACK, in its
+runtime), each algorithm with and without rotation (R1 + R2): perplexity, logits' SQNR, ``.pte``
+bytes, and the program's prefill and decode speed (``session.decode_speed``: a 32-token prompt, 32
+tokens generated, one thread).
 
-    python benchmarks/int4_algorithms.py [--cache DIR] [--decoder 100m]
+    python benchmarks/int4_algorithms.py [--cache DIR] [--decoder 100m] [--program]
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 import torch
 from common import setup
 
-from qreport_widgets import ModuleSettings, analyze
+from qreport_widgets import ModuleSettings, Rotation, analyze
 from qreport_widgets.core.progress import quiet
 from qreport_widgets.demo.text import trained_text_decoder
 
@@ -83,6 +87,43 @@ def trained(cache: str) -> None:
         )
 
 
+def programs(cache: str) -> None:
+    model, data = trained_text_decoder(cache_dir=cache)
+    float_ppl = data.perplexity(model)
+    session = analyze(
+        model,
+        data.calibration[0],
+        data.calibration,
+        eval_data=data.evaluation,
+        engine="eager",
+        format="int8-dynamic-int4-weight",
+        group_size=32,
+        target="xnnpack",
+        metric="perplexity",
+        progress=False,
+    ).session
+    print(f"\nthe same decoder, every Linear 8da4w g32 as an ExecuTorch program (XNNPACK, in its runtime); float {float_ppl:.4f}")
+    print("| algorithm | rotation | perplexity | vs float | SQNR (dB) | .pte KB | prefill ms | decode ms | run (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for algorithm in ALGORITHMS:
+        for rotation in (None, Rotation()):
+            chosen = ModuleSettings(format="int8-dynamic-int4-weight", group_size=32, algorithm=algorithm)
+            start = time.perf_counter()
+            run = session.apply(dict.fromkeys(linears(session), chosen), rotation=rotation, progress=quiet)
+            seconds = time.perf_counter() - start
+            rotated = "R1 + R2" if rotation is not None else "-"
+            if not run.ok:
+                print(f"| {algorithm} | {rotated} | failed: {run.error} |")
+                continue
+            speed = session.decode_speed(run)
+            print(
+                f"| {algorithm} | {rotated} | {run.eval_metric:.4f} | {100 * (run.eval_metric / float_ppl - 1):+.2f}% | "
+                f"{run.output_sqnr_db:.2f} | {run.deployed_bytes / 1024:.1f} | {speed.prefill_ms:.2f} | {speed.decode_ms:.2f} | "
+                f"{seconds:.0f} |",
+                flush=True,
+            )
+
+
 def decoder_timings(size: str) -> None:
     from llm_scale import CALIBRATION, decoder
 
@@ -112,10 +153,15 @@ def main() -> None:
         "--cache", default=str(Path(tempfile.gettempdir()) / "qreport_benchmarks"), help="where the trained decoder is kept"
     )
     parser.add_argument("--decoder", choices=["100m", "500m", "1b"], help="also time each algorithm on a large decoder")
+    parser.add_argument(
+        "--program", action="store_true", help="also each algorithm, rotated or not, as an 8da4w ExecuTorch program"
+    )
     arguments = parser.parse_args()
     setup()
     torch.manual_seed(0)
     trained(arguments.cache)
+    if arguments.program:
+        programs(arguments.cache)
     if arguments.decoder:
         decoder_timings(arguments.decoder)
 
