@@ -59,20 +59,25 @@ def runs(session, groups: tuple[int, ...]) -> list[dict]:
     return rows
 
 
-def trained(cache: str) -> None:
+def trained_session(cache: str, **formats: object) -> tuple[torch.nn.Module, object, float, object]:
+    """The trained byte decoder, its data, its float perplexity and its eager session in ``formats``."""
     model, data = trained_text_decoder(cache_dir=cache)
-    float_ppl = data.perplexity(model)
-    report = analyze(
+    session = analyze(
         model,
         data.calibration[0],
         data.calibration,
         eval_data=data.evaluation,
         engine="eager",
-        format="int4-weight-only",
         metric="perplexity",
         progress=False,
-    )
-    rows = runs(report.session, (32, 128))
+        **formats,
+    ).session
+    return model, data, data.perplexity(model), session
+
+
+def trained(cache: str) -> None:
+    model, data, float_ppl, session = trained_session(cache, format="int4-weight-only")
+    rows = runs(session, (32, 128))
     parameters = sum(p.numel() for p in model.parameters())
     print(f"byte-level decoder trained on real text, {parameters / 1e6:.2f}M parameters, every Linear int4 weight-only")
     print(f"float perplexity {float_ppl:.4f} on {len(data.evaluation)} held-out batches of 4 x 128 bytes")
@@ -88,20 +93,7 @@ def trained(cache: str) -> None:
 
 
 def programs(cache: str) -> None:
-    model, data = trained_text_decoder(cache_dir=cache)
-    float_ppl = data.perplexity(model)
-    session = analyze(
-        model,
-        data.calibration[0],
-        data.calibration,
-        eval_data=data.evaluation,
-        engine="eager",
-        format="int8-dynamic-int4-weight",
-        group_size=32,
-        target="xnnpack",
-        metric="perplexity",
-        progress=False,
-    ).session
+    _, _, float_ppl, session = trained_session(cache, format="int8-dynamic-int4-weight", group_size=32, target="xnnpack")
     print(f"\nthe same decoder, every Linear 8da4w g32 as an ExecuTorch program (XNNPACK, in its runtime); float {float_ppl:.4f}")
     print("| algorithm | rotation | perplexity | vs float | SQNR (dB) | .pte KB | prefill ms | decode ms | run (s) |")
     print("|---|---|---|---|---|---|---|---|---|")
