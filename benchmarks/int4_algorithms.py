@@ -1,8 +1,9 @@
-"""int4 weight algorithms side by side: round to nearest, torchao's HQQ, GPTQ and AWQ.
+"""int4 weight algorithms side by side: round to nearest, torchao's HQQ, GPTQ, AWQ and the learned rounding.
 
 On the byte-level decoder trained on the Python reference's help topics (``demo/text.py``; trained
 once, about a minute, cached in ``--cache``): every Linear in int4 weight-only at group sizes 32 and
-128, each algorithm a real run of the session (``session.apply``), its perplexity on the held-out
+128, each algorithm a real run of the session (``session.apply``; the learned rounding on the
+blocks' Linears, GPTQ on the head, which sits in no block), its perplexity on the held-out
 text, its output SQNR (logits against float) and its wall time, in one table. With ``--decoder
 100m``: the same algorithms over every Linear of the 134M-parameter Llama decoder of
 ``llm_scale.py`` (random weights: timings only), one real run each at group size 128. With
@@ -28,19 +29,30 @@ from qreport_widgets import ModuleSettings, Rotation, analyze
 from qreport_widgets.core.progress import quiet
 from qreport_widgets.demo.text import trained_text_decoder
 
-ALGORITHMS = ("rtn", "hqq", "gptq", "awq")
+ALGORITHMS = ("rtn", "hqq", "gptq", "awq", "learned")
 
 
 def linears(session) -> list[str]:
     return [m.fqn for m in session.modules if m.type_name == "Linear"]
 
 
+def every_linear(session, fmt: str, group: int, algorithm: str) -> dict[str, ModuleSettings]:
+    """Every Linear in ``fmt`` by ``algorithm``; GPTQ where the module does not take it (the learned
+    rounding works on blocks: the head takes GPTQ)."""
+    modules = {m.fqn: m for m in session.modules}
+    return {
+        fqn: ModuleSettings(
+            format=fmt, group_size=group, algorithm=algorithm if modules[fqn].algorithm_allowed(algorithm) else "gptq"
+        )
+        for fqn in linears(session)
+    }
+
+
 def runs(session, groups: tuple[int, ...]) -> list[dict]:
     rows = []
-    names = linears(session)
     for group in groups:
         for algorithm in ALGORITHMS:
-            settings = {fqn: ModuleSettings(format="int4-weight-only", group_size=group, algorithm=algorithm) for fqn in names}
+            settings = every_linear(session, "int4-weight-only", group, algorithm)
             start = time.perf_counter()
             run = session.apply(settings, progress=quiet)
             seconds = time.perf_counter() - start
@@ -99,9 +111,10 @@ def programs(cache: str) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for algorithm in ALGORITHMS:
         for rotation in (None, Rotation()):
-            chosen = ModuleSettings(format="int8-dynamic-int4-weight", group_size=32, algorithm=algorithm)
             start = time.perf_counter()
-            run = session.apply(dict.fromkeys(linears(session), chosen), rotation=rotation, progress=quiet)
+            run = session.apply(
+                every_linear(session, "int8-dynamic-int4-weight", 32, algorithm), rotation=rotation, progress=quiet
+            )
             seconds = time.perf_counter() - start
             rotated = "R1 + R2" if rotation is not None else "-"
             if not run.ok:

@@ -291,7 +291,7 @@ def test_the_algorithms_the_search_weighs_are_an_engine_option():
     assert module.algorithm_allowed("gptq")  # still a choice by hand
     with pytest.raises(ValueError, match="algorithms= is not for engine='fx'"):
         qw.analyze(model, batches[0], batches, algorithms=("gptq",), progress=False)
-    with pytest.raises(ValueError, match="algorithms must name some of rtn, hqq, gptq, awq"):
+    with pytest.raises(ValueError, match="algorithms must name some of rtn, hqq, gptq, awq, learned"):
         qw.analyze(model, batches[0], batches, engine="eager", algorithms=("smoothquant",), progress=False)
 
 

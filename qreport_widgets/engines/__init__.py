@@ -109,11 +109,12 @@ def _engine_class(name: str) -> type[Engine]:
     return ENGINES[name]()
 
 
-def quantize_weights(model: Any, choices: Any, batches: Any) -> Any:
+def quantize_weights(model: Any, choices: Any, batches: Any, target: str = "x86") -> Any:
     """Quantize Linears of ``model`` to int4 in place, ``{fqn: (algorithm, group_size)}`` with
-    ``algorithm`` one of ``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``, GPTQ and AWQ reading one pass
-    of ``model`` over ``batches`` (your calibration data). What the eager engine's settings as code
-    call for GPTQ and AWQ; returns ``model``. Needs torchao (the ``[eager]`` extra)."""
+    ``algorithm`` one of ``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``, ``"learned"``: GPTQ and AWQ
+    reading one pass of ``model`` over ``batches`` (your calibration data), the learned rounding
+    one more, then learning block by block. What the eager engine's settings as code call for them;
+    returns ``model``. Needs torchao (the ``[eager]`` extra)."""
     from .eager.algorithms import quantize_weights as on_torchao
 
-    return on_torchao(model, choices, batches)
+    return on_torchao(model, choices, batches, target)

@@ -23,6 +23,7 @@ import torch.fx
 
 from ..core.calibration import call_with
 from ..core.memory import give_back
+from ..core.progress import Progress
 from ..errors import DecodeSpeedError
 from .settings import ModuleSettings, Setting, TunableModule
 from .sizes import packed_bytes, saved_bytes, weight_bytes
@@ -142,11 +143,14 @@ class Engine(ABC, Generic[ConfigT]):
         True (static activations observe it); an engine whose formats need none says False."""
         return True
 
-    def calibration_passes(self, prepared: torch.nn.Module) -> Iterator[MutableMapping[str, Any] | None]:
+    def calibration_passes(
+        self, prepared: torch.nn.Module, progress: Progress | None = None
+    ) -> Iterator[MutableMapping[str, Any] | None]:
         """The passes over the calibration data a run needs before ``convert``, when it
         ``calibrates``: the runner calibrates ``prepared`` once per item. An item is None, or what
         the pass gathers besides observers (name -> an object with ``merge_``), which the runner
-        merges across torch.distributed ranks as it does observers. Default: one pass, None."""
+        merges across torch.distributed ranks as it does observers. ``progress``: told of work the
+        engine does between passes (it may raise to stop). Default: one pass, None."""
         yield None
 
     def observers_paused(self, prepared: torch.nn.Module) -> AbstractContextManager[None]:

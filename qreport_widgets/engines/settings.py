@@ -99,10 +99,15 @@ GROUPED_FORMATS = ("int4-weight-only", "int8-dynamic-int4-weight")  # weights in
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 # how an int4 weight's values are chosen (engines/eager/algorithms.py): round to nearest, torchao's
-# HQQ, GPTQ and AWQ (these two from the calibration batches' inputs to the module)
-ALGORITHMS = RTN, HQQ, GPTQ, AWQ = ("rtn", "hqq", "gptq", "awq")
+# HQQ, GPTQ and AWQ (these two from the calibration batches' inputs to the module), and the rounding
+# learned on each decoder block's output (engines/eager/learned.py)
+ALGORITHMS = RTN, HQQ, GPTQ, AWQ, LEARNED = ("rtn", "hqq", "gptq", "awq", "learned")
 DEFAULT_ALGORITHM = RTN
-DATA_ALGORITHMS = (GPTQ, AWQ)  # chosen from the calibration batches' inputs to the module
+DATA_ALGORITHMS = (GPTQ, AWQ, LEARNED)  # chosen from what the calibration batches give the module or its block
+GRAM_ALGORITHMS = (GPTQ, AWQ)  # chosen from the module's own inputs (their Gram matrix)
+# what the size front and fit weigh unless told: the learned rounding costs minutes a decoder, so it
+# is asked by name (``algorithms=``) or applied to a chosen point
+SEARCHED_ALGORITHMS = (RTN, HQQ, GPTQ, AWQ)
 ALGORITHM_FORMATS = GROUPED_FORMATS  # a weight algorithm chooses the int4 values of either
 NO_FORMATS = "formats (int8 / int4 weight-only, dynamic int8) are chosen per module on engine='eager'"
 

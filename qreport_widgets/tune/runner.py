@@ -176,7 +176,7 @@ class Runner:
         config = self.engine.base_config()
         prepared = self.prepare(self.float_model, config)
         if self.engine.calibrates(config):
-            with contextlib.closing(self.engine.calibration_passes(prepared)) as passes:
+            with contextlib.closing(self.engine.calibration_passes(prepared, progress)) as passes:
                 for statistics in passes:
                     self.calibrate(prepared, desc, progress is None, progress, statistics)
         return prepared
@@ -265,7 +265,7 @@ class Runner:
                 source = copy_on(source, moved_to)
             prepared = self.prepare(source, config)
             if engine.calibrates(config):
-                with contextlib.closing(engine.calibration_passes(prepared)) as passes:
+                with contextlib.closing(engine.calibration_passes(prepared, progress)) as passes:
                     for statistics in passes:
                         self.calibrate(prepared, f"{label}: calibrating", progress is None, progress, statistics, moved_to)
             # before convert changes prepared

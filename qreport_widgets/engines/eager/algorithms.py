@@ -33,6 +33,7 @@ so neither is ever worse than rounding on the data it saw.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,7 +46,7 @@ from ...core.devices import float64_on
 from ...core.memory import give_back
 from ...errors import InvalidSettingsError, QReportError
 from ..folds import ROWS, Fold, fold_scale, input_folds, rows_divided
-from ..settings import ALGORITHMS, AWQ, DATA_ALGORITHMS, GPTQ, GROUPED_FORMATS, HQQ, RTN
+from ..settings import ALGORITHMS, AWQ, DATA_ALGORITHMS, GPTQ, GROUPED_FORMATS, HQQ, LEARNED, RTN
 from .formats import torchao_eager
 
 INPUT_SCALE = "input_scale"  # the buffer an AWQ module divides its input by
@@ -576,6 +577,8 @@ def choose(algorithm: str, weight: torch.Tensor, group_size: int, statistics: In
         return gptq(weight, statistics, group_size)
     if algorithm == AWQ:
         return awq(weight, statistics, group_size)
+    if algorithm == LEARNED:
+        raise AlgorithmError("learned rounding is learned on a decoder block's output, not on one module's inputs (learned.py)")
     raise ValueError(f"unknown weight algorithm {algorithm!r}")
 
 
@@ -666,15 +669,18 @@ def unfolded_awq(choices: Mapping[str, tuple[str, int]], folds: Mapping[str, Fol
 def weights_in_runs(
     model: nn.Module, choices: Mapping[str, tuple[str, int]], found: dict[str, CompactWeight | Recipe]
 ) -> Iterator[dict[str, InputStatistics]]:
-    """GPTQ / AWQ weights of the named Linears (``fqn: (algorithm, group_size)``), a run of modules
+    """GPTQ / AWQ weights of the named Linears (``fqn: (algorithm, group_size)``; other algorithms
+    are left to their own passes: ``learned.learned_weights``), a run of modules
     at a time (``gram_runs``): yields the run's statistics, filling, for the caller to pass the
     calibration batches through ``model`` (float; the caller may replace entries, with statistics
     merged across ranks), then computes that run's weights into ``found`` (packed or as a recipe,
     ``QuantizedWeight.compact``) and frees its statistics. The Linears asked AWQ that read one
     input are found together from one of them's statistics (``awq_shares``)."""
     shares = awq_shares(choices, input_folds(model))
-    recorded = [fqn for fqn, (algorithm, _) in choices.items() if algorithm != AWQ or fqn in shares]
+    recorded = [fqn for fqn, (algorithm, _) in choices.items() if algorithm == GPTQ or fqn in shares]
     features = {fqn: int(model.get_submodule(fqn).weight.shape[1]) for fqn in recorded}
+    if not features:
+        return
     for run in gram_runs(features, sum(p.numel() * p.element_size() for p in model.parameters())):
         with torch.no_grad(), recording(model, run) as statistics:
             yield statistics
@@ -697,9 +703,9 @@ def weights_in_runs(
         give_back()
 
 
-def quantize_weights(model: nn.Module, choices: Mapping[str, tuple], batches: Iterable[Any]) -> nn.Module:
+def quantize_weights(model: nn.Module, choices: Mapping[str, tuple], batches: Iterable[Any], target: str = "x86") -> nn.Module:
     """Quantize the named Linears of ``model`` to int4 in place, each ``fqn: (algorithm, group_size)``
-    with ``algorithm`` one of ``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"`` (and a third element
+    with ``algorithm`` one of ``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``, ``"learned"`` (and a third element
     ``"int8-dynamic-int4-weight"`` for a Linear that quantizes its input to int8 per token as it
     runs, "8da4w"; default ``"int4-weight-only"``): one pass over ``batches``
     (the calibration data: a tensor, a tuple of inputs or a dict per batch; one pass per run of
@@ -725,8 +731,12 @@ def quantize_weights(model: nn.Module, choices: Mapping[str, tuple], batches: It
     data = {fqn: chosen for fqn, chosen in choices.items() if chosen[0] in DATA_ALGORITHMS}
     found: dict[str, CompactWeight | Recipe] = {}
     if data:
+        from .learned import learned_weights  # learned.py builds on this module
+
         batches = list(batches)
-        for _ in weights_in_runs(model, data, found):  # assigned after every run: the inputs stay float
+        everything = {fqn: (formats[fqn], group, algorithm) for fqn, (algorithm, group) in choices.items()}
+        passes = itertools.chain(weights_in_runs(model, data, found), learned_weights(model, everything, found, target=target))
+        for _ in passes:  # assigned after every run: the inputs stay float
             with torch.no_grad():
                 for batch in batches:
                     call_with(model, batch)

@@ -22,6 +22,7 @@ from ...core.calibration import call_with
 from ...core.devices import CPU, model_device, moved
 from ...core.memory import give_back, shared_copy
 from ...core.metrics import sqnr_db
+from ...core.progress import Progress
 from ...errors import DecodeSpeedError, InvalidSettingsError, QReportError
 from ...observe.graph import OBSERVER_CONTAINER
 from ..contract import Engine, Observation, RunNotes, conversion_tables
@@ -38,18 +39,18 @@ from ..executorch import (
 from ..folds import Fold, input_folds
 from ..settings import (
     ALGORITHM_FORMATS,
-    ALGORITHMS,
     AWQ,
     DATA_ALGORITHMS,
     GPTQ,
     GROUPED_FORMATS,
     HQQ,
+    SEARCHED_ALGORITHMS,
     ModuleSettings,
     Setting,
     TunableModule,
     module_blocks,
 )
-from .algorithms import CompactWeight, InputStatistics, Recipe, assign_weights, unfolded_awq, weights_in_runs
+from .algorithms import CompactWeight, InputStatistics, QuantizedWeight, Recipe, assign_weights, unfolded_awq, weights_in_runs
 from .formats import (
     INT4_WEIGHT_ONLY,
     INT8_DYNAMIC,
@@ -66,8 +67,9 @@ from .formats import (
     offered,
     torchao_eager,
 )
+from .learned import BlockInputs, block_of, learned_weights
 from .options import EagerOptions
-from .simulate import EagerSimulation
+from .simulate import EagerSimulation, quantized_weight
 from .trace import eager_graph, observed_modules, replay
 
 __all__ = ["EagerConfig", "EagerEngine", "FormatError"]
@@ -156,7 +158,7 @@ class EagerEngine(Engine[EagerConfig]):
         self._example_inputs: tuple[Any, ...] = ()  # what a program is exported with
         self.start_format = format
         self.start_group_size = group_size or 0  # 0: DEFAULT_GROUP_SIZE, as in ModuleSettings
-        self.searched_algorithms = options.algorithms or ALGORITHMS  # what size_choices offers
+        self.searched_algorithms = options.algorithms or SEARCHED_ALGORITHMS  # what size_choices offers
         self._configs: weakref.WeakKeyDictionary[nn.Module, EagerConfig] = weakref.WeakKeyDictionary()
         # the inputs GPTQ / AWQ read, gathered while a prepared model calibrates
         # GPTQ / AWQ weights a run's calibration passes found, until its convert
@@ -235,16 +237,26 @@ class EagerEngine(Engine[EagerConfig]):
             self._folds = input_folds(float_model)
         return model
 
-    def calibration_passes(self, prepared: nn.Module) -> Iterator[dict[str, InputStatistics] | None]:
+    def calibration_passes(
+        self, prepared: nn.Module, progress: Progress | None = None
+    ) -> Iterator[dict[str, InputStatistics] | dict[str, BlockInputs] | None]:
         """One pass per run of GPTQ / AWQ modules (``gram_runs``: their input Gram matrices never all
         held at once): the run's inputs gathered on the float model (the item: merged across ranks),
         its weights computed and kept packed (``QuantizedWeight.compact``), its statistics freed;
-        ``convert`` assigns them."""
-        needs = self._config_of(prepared).needs_data
-        if not needs:
+        then, for the learned rounding, one pass recording the first block's inputs and the blocks
+        learned one by one (``learned_weights``; ``progress`` after each block). ``convert`` assigns them."""
+        config = self._config_of(prepared)
+        if not config.needs_data:
             yield None
             return
-        yield from weights_in_runs(prepared, needs, self._found.setdefault(prepared, {}))
+        found = self._found.setdefault(prepared, {})
+        yield from weights_in_runs(prepared, config.needs_data, found)
+        yield from learned_weights(
+            prepared, config.formats, found, target=self.target, quantize=self._quantized, progress=progress
+        )
+
+    def _quantized(self, module: nn.Module, key: tuple[str, int, str]) -> QuantizedWeight:
+        return quantized_weight(module, key, target=self.target)
 
     def tunable_modules(self, prepared: nn.Module) -> list[TunableModule]:
         return self._tunable(prepared, self._config_of(prepared))
@@ -494,7 +506,7 @@ class EagerEngine(Engine[EagerConfig]):
                     native=chosen,
                     formats=formats,
                     group_sizes=groups,
-                    algorithms=algorithms_offered(module, self.target, folded=fqn in folds),
+                    algorithms=algorithms_offered(module, self.target, folded=fqn in folds, in_block=block_of(fqn) is not None),
                 )
             )
         return modules

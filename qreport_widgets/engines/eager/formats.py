@@ -43,6 +43,7 @@ from ..settings import (
     GROUP_SIZES,
     GROUPED_FORMATS,
     HQQ,
+    LEARNED,
     RTN,
     ModuleSettings,
 )
@@ -222,23 +223,26 @@ def _xnnpack_refuses(module: nn.Module, name: str) -> str:
     return ""
 
 
-def algorithms_offered(module: nn.Module, target: str = X86, folded: bool = False) -> dict[str, str]:
+def algorithms_offered(module: nn.Module, target: str = X86, folded: bool = False, in_block: bool = True) -> dict[str, str]:
     """The weight algorithms ``module``'s int4 weights can take on ``target``: algorithm -> why not
     ("" where it applies; round-to-nearest wherever int4 does). ``folded``: an AWQ scale of the
     module's input folds into the op before it (``folds``), which XNNPACK needs: its program has no
-    op to divide by it."""
+    op to divide by it. ``in_block``: the module sits in a numbered block (``model.layers.3``),
+    whose output the learned rounding matches."""
     formats = offered(module, target)[0]
     if all(formats.get(name) != "" for name in ALGORITHM_FORMATS):
         return {}
     if isinstance(module, nn.Linear):
+        found = dict.fromkeys(ALGORITHMS, "")
         if target == XNNPACK and not folded:
-            awq = (
+            found[AWQ] = (
                 "AWQ's input scales fold into the norm or Linear before a Linear, and none writes this one's input "
                 "alone: the program would divide by them, an op XNNPACK is not given"
             )
-            return {**dict.fromkeys(ALGORITHMS, ""), AWQ: awq}
-        return dict.fromkeys(ALGORITHMS, "")
-    data = "GPTQ and AWQ weigh a Linear's weights by its input activations"
+        if not in_block:
+            found[LEARNED] = "the learned rounding matches a block's output (model.layers.3), and this Linear sits in no block"
+        return found
+    data = "GPTQ, AWQ and the learned rounding weigh a Linear's weights by its input activations"
     if isinstance(module, nn.Embedding):
         return {RTN: "", HQQ: "", **dict.fromkeys(DATA_ALGORITHMS, data + "; an embedding looks rows up")}
     hqq = "torchao's HQQ takes 2-d weights (Linear, Embedding)"
@@ -405,3 +409,31 @@ def _bytes(tensor: torch.Tensor | None) -> int:
 def is_quantized_weight(weight: Any) -> bool:
     """Whether a module's weight is one of torchao's quantized tensors."""
     return isinstance(weight, torchao_eager().TorchAOBaseTensor)
+
+
+_SCALE_FLOOR = torch.finfo(torch.float32).eps  # torchao's smallest int8 activation scale
+
+
+def fake_quantized_tokens(x: torch.Tensor, symmetric: bool) -> torch.Tensor:
+    """``x`` with each row of its last dimension quantized to int8 as torchao's dynamic kernels do,
+    then dequantized.
+
+    On float32 the arithmetic of ``Int8Tensor.from_hp(x, PerRow())`` and its ``dequantize`` in the
+    same order, on plain tensors (the same values, bit for bit; a third of the time of building
+    the tensor subclass, which the simulation of int8 dynamic formats does on every Linear's input
+    of every pass): a row's range is widened to hold 0; symmetric: scale = max(|low|, high) / 127.5,
+    zero point 0; asymmetric: scale = (high - low) / 255, zero point = -128 - round(low / scale),
+    clamped to [-128, 127]; the scale at least float32's eps; q = clamp(round(x * (1 / scale)) +
+    zero point, -128, 127); back as (q - zero point) * scale. Other dtypes go through torchao."""
+    if x.dtype == torch.float32:
+        low = torch.clamp(x.amin(dim=-1, keepdim=True), max=0.0)
+        high = torch.clamp(x.amax(dim=-1, keepdim=True), min=0.0)
+        if symmetric:
+            scale = torch.clamp(torch.maximum(-low, high) / 127.5, min=_SCALE_FLOOR)
+            return torch.clamp(torch.round(x * (1.0 / scale)), -128, 127).mul_(scale)
+        scale = torch.clamp((high - low) / 255.0, min=_SCALE_FLOOR)
+        zero = torch.clamp(-128 - torch.round(low / scale), -128, 127)
+        return torch.clamp(torch.round(x * (1.0 / scale)).add_(zero), -128, 127).sub_(zero).mul_(scale)
+    ao = torchao_eager()
+    mapping = ao.MappingType.SYMMETRIC if symmetric else ao.MappingType.ASYMMETRIC
+    return ao.Int8Tensor.from_hp(x, ao.PerRow(), mapping_type=mapping).dequantize().to(x.dtype)

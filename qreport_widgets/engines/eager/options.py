@@ -18,8 +18,9 @@ class EagerOptions:
         group_size: the starting group size of an int4 ``format`` (``GROUP_SIZES``: 32, 64 or 128);
             None: ``DEFAULT_GROUP_SIZE``. A Linear whose rows it does not divide starts float.
         algorithms: the int4 weight algorithms the size front and ``fit`` weigh (``ALGORITHMS``);
-            None: all four. GPTQ and AWQ cost seconds a module per group size (on a 134M decoder,
-            a minute each over every Linear): ``("rtn", "hqq")`` keeps a large model's ``fit`` short.
+            None: ``SEARCHED_ALGORITHMS``, all but ``"learned"`` (minutes a decoder: name it to weigh it).
+            GPTQ and AWQ cost seconds a module per group size (on a 134M decoder, a minute each over
+            every Linear): ``("rtn", "hqq")`` keeps a large model's ``fit`` short.
             Any algorithm can still be chosen per module by hand.
         target: ``"x86"`` (default), or ``"xnnpack"``: every run is an ExecuTorch program lowered to
             XNNPACK and measured in ExecuTorch's runtime; ``format`` then one of ``XNNPACK_LINEAR``.

@@ -25,7 +25,7 @@ from ...core.memory import free_bytes, give_back, tensors_bytes
 from ...core.metrics import sqnr_db
 from ..contract import Variant, WholePasses
 from ..folds import input_folds
-from ..settings import AWQ, DATA_ALGORITHMS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, ModuleSettings, TunableModule
+from ..settings import AWQ, DATA_ALGORITHMS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, LEARNED, ModuleSettings, TunableModule
 from .algorithms import (
     CompactWeight,
     InputStatistics,
@@ -37,7 +37,8 @@ from .algorithms import (
     gram_runs,
     recording,
 )
-from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, ao_config, torchao_eager
+from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, ao_config, fake_quantized_tokens, torchao_eager
+from .learned import learned_weights
 from .replay import BlockReplay
 
 FormatKey = tuple[str, int, str]  # (format, group size or 0, weight algorithm or "")
@@ -86,34 +87,6 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size()
     names, _ = tensor.__tensor_flatten__()
     return sum(tensor_bytes(getattr(tensor, name)) for name in names)
-
-
-_SCALE_FLOOR = torch.finfo(torch.float32).eps  # torchao's smallest int8 activation scale
-
-
-def fake_quantized_tokens(x: torch.Tensor, symmetric: bool) -> torch.Tensor:
-    """``x`` with each row of its last dimension quantized to int8 as torchao's dynamic kernels do,
-    then dequantized.
-
-    On float32 the arithmetic of ``Int8Tensor.from_hp(x, PerRow())`` and its ``dequantize`` in the
-    same order, on plain tensors (the same values, bit for bit; a third of the time of building
-    the tensor subclass, which the simulation of int8 dynamic formats does on every Linear's input
-    of every pass): a row's range is widened to hold 0; symmetric: scale = max(|low|, high) / 127.5,
-    zero point 0; asymmetric: scale = (high - low) / 255, zero point = -128 - round(low / scale),
-    clamped to [-128, 127]; the scale at least float32's eps; q = clamp(round(x * (1 / scale)) +
-    zero point, -128, 127); back as (q - zero point) * scale. Other dtypes go through torchao."""
-    if x.dtype == torch.float32:
-        low = torch.clamp(x.amin(dim=-1, keepdim=True), max=0.0)
-        high = torch.clamp(x.amax(dim=-1, keepdim=True), min=0.0)
-        if symmetric:
-            scale = torch.clamp(torch.maximum(-low, high) / 127.5, min=_SCALE_FLOOR)
-            return torch.clamp(torch.round(x * (1.0 / scale)), -128, 127).mul_(scale)
-        scale = torch.clamp((high - low) / 255.0, min=_SCALE_FLOOR)
-        zero = torch.clamp(-128 - torch.round(low / scale), -128, 127)
-        return torch.clamp(torch.round(x * (1.0 / scale)).add_(zero), -128, 127).sub_(zero).mul_(scale)
-    ao = torchao_eager()
-    mapping = ao.MappingType.SYMMETRIC if symmetric else ao.MappingType.ASYMMETRIC
-    return ao.Int8Tensor.from_hp(x, ao.PerRow(), mapping_type=mapping).dequantize().to(x.dtype)
 
 
 class EagerSimulation(WholePasses):
@@ -221,11 +194,13 @@ class EagerSimulation(WholePasses):
         before = dict(self._configured or {})
         self.configure(Variant(frozenset(self._modules)))
         try:
+            self._find_learned([pair for pair in missing if pair[1][2] == LEARNED])
+            missing = [pair for pair in missing if pair[1][2] != LEARNED]
             choices = {fqn: (key[2], key[1]) for fqn, key in missing}
             shares = awq_shares(choices, self._folds)
             recorded = [(fqn, key) for fqn, key in missing if key[2] != AWQ or fqn in shares]
             features = {fqn: int(self._float[fqn].shape[1]) for fqn, _ in recorded}
-            for modules in gram_runs(features, sum(tensor_bytes(w) for w in self._float.values())):
+            for modules in gram_runs(features, sum(tensor_bytes(w) for w in self._float.values())) if features else ():
                 with torch.no_grad(), recording(self.model, modules) as gathered:
                     self._calibrate(self.model, gathered)  # merged across ranks, if any
                 for fqn in modules:
@@ -243,6 +218,23 @@ class EagerSimulation(WholePasses):
                 give_back()
         finally:
             self._apply(before)
+
+    def _find_learned(self, missing: list[tuple[str, FormatKey]]) -> None:
+        """The learned rounding's weights of ``missing`` (the model float, as configured by the
+        caller): the modules asked it in one format and group size learned together, block by block,
+        the other modules float (``learned_weights``)."""
+        together: dict[tuple[str, int], list[str]] = {}
+        for fqn, key in missing:
+            together.setdefault((key[0], key[1]), []).append(fqn)
+        for (name, group), modules in together.items():
+            found: dict[str, CompactWeight | Recipe] = {}
+            formats = {fqn: (name, group, LEARNED) for fqn in modules}
+            for gathered in learned_weights(self.model, formats, found, target=self._target):
+                with torch.no_grad():
+                    self._calibrate(self.model, gathered)  # merged across ranks, if any
+            for fqn in modules:
+                self._found[fqn, (name, group, LEARNED)] = found[fqn]
+            give_back()
 
     def _float_module(self, fqn: str) -> nn.Module:
         """A shallow copy of module ``fqn`` holding its float weight (whatever the model holds now)."""

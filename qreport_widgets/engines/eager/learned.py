@@ -1,0 +1,472 @@
+"""Int4 rounding learned on each block's output: the ``learned`` weight algorithm.
+
+GPTQ and AWQ choose a Linear's int4 values from that Linear's own inputs on the float model. Here
+the unit is a decoder block (``model.layers.3``: the numbered containers of ``module_blocks``), and
+the block's *output* is what is matched:
+
+1. One calibration pass records the first block's inputs on every batch (its hidden states and the
+   keyword arguments the model gives each block: masks, rotary tables; a KV cache is dropped) and
+   checks on the first batch that each block reads what the block before it wrote.
+2. Block by block, in order: the float block's output on the float inputs is the target; the block
+   with its Linears quantized reads the inputs *as the quantized blocks before it wrote them*. For
+   every Linear asked ``learned``, each weight's rounding offset ``v`` in [-0.5, 0.5] (up or down
+   from the nearest value) and each group's clipping ``c`` in [0.5, 1] (its scale is ``c`` times
+   the group's absolute maximum over 7.5) are learned by signed gradient steps on the mean squared
+   error of the block's output (the rounding's gradient passed straight through), the step size
+   falling linearly from ``1 / steps`` to 0, one calibration batch a step; the values with the
+   lowest step loss are kept. For int8-dynamic-int4-weight (8da4w) every Linear's input is rounded
+   to int8 per token as the kernel does, in the loop.
+3. The learned values are kept only where their output error on all calibration batches is lower
+   than round to nearest's (``v = 0``, ``c = 1``): a block never ends worse than where it started.
+
+The result is torchao's plain int4 layout (values in [-8, 7], one scale per row and group, zero
+points 0): the program, its ops and its bytes are round to nearest's. Linears of the block quantized
+by another algorithm take their own weights in the loop; those left float stay float. One block's
+activations are held at a time (the float and the quantized inputs and the float outputs of every
+calibration batch, and the gradient of one batch through the block).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils._pytree import tree_leaves
+
+from ...core.progress import Progress, steps
+from ..settings import GPTQ, LEARNED, RTN, module_blocks
+from .algorithms import QMAX, QMIN, AlgorithmError, QuantizedWeight, choose, gptq, int4_tensor, recording
+from .formats import GROUPED_FORMATS, INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, fake_quantized_tokens
+
+LEARNED_STEPS = 200  # signed gradient steps a block (measured: benchmarks/peers.py)
+CLIP_FLOOR = 0.5  # a group's range is at least half its largest weight
+CAPTURE = "learned: the first block's inputs"  # the calibration pass item's name
+KEPT = "learned rounding kept round to nearest: its values had no lower error on the block's output over the calibration batches"
+_SCALE_FLOOR = torch.finfo(torch.float32).eps  # torchao's smallest int4 group scale
+DYNAMIC_FORMATS = (INT8_DYNAMIC, INT8_DYNAMIC_INT4)  # the kernel rounds the Linear's input to int8 per token
+
+
+def decoder_blocks(model: nn.Module, names: list[str]) -> list[str]:
+    """The numbered containers (``module_blocks``) the Linears ``names`` sit in, each holding more
+    than itself, in the model's own module order."""
+    grouped = module_blocks(names)
+    order = {name: position for position, (name, _) in enumerate(model.named_modules())}
+    return sorted((block for block, members in grouped.items() if block not in members and block in order), key=order.get)
+
+
+def block_of(fqn: str) -> str | None:
+    """The numbered container ``fqn`` sits in, None for a module of its own (``lm_head``)."""
+    block = next(iter(module_blocks([fqn])))
+    return None if block == fqn else block
+
+
+def _kept_argument(value: Any) -> Any:
+    """A block's keyword argument as it is replayed: tensors and plain values kept (not copied: a
+    model hands every block the same masks and rotary tables), anything else (a KV cache) None."""
+    if value is None or isinstance(value, torch.Tensor | bool | int | float | str):
+        return value
+    if isinstance(value, tuple | list) and all(isinstance(v, torch.Tensor) for v in value):
+        return value
+    return None
+
+
+class BlockInputs:
+    """What a calibration pass records for the learned rounding: the first of ``blocks``' hidden
+    states on every batch and each block's keyword arguments; ``merge_`` adds another rank's."""
+
+    def __init__(self, model: nn.Module, blocks: list[str]) -> None:
+        self.blocks = blocks
+        self.hidden: list[torch.Tensor] = []  # the first block's input, one tensor a batch
+        self.arguments: list[list[dict[str, Any]]] = [[] for _ in blocks]  # block -> its keyword arguments a batch
+        self.chained = True  # each block read what the one before it wrote (checked on the first batch)
+        self._last_output: torch.Tensor | None = None
+        self._handles = []
+        for position, name in enumerate(blocks):
+            module = model.get_submodule(name)
+            self._handles.append(module.register_forward_pre_hook(self._before(position), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._after(position)))
+
+    def _before(self, position: int) -> Callable:
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if not isinstance(hidden, torch.Tensor):
+                self.chained = False
+                return
+            if position == 0:
+                self.hidden.append(hidden.detach().clone())
+            elif len(self.hidden) == 1 and (self._last_output is None or not torch.equal(self._last_output, hidden)):
+                self.chained = False
+            rest = {k: _kept_argument(v) for k, v in kwargs.items() if k != "hidden_states"}
+            rest.update({f"#{i}": a for i, a in enumerate(args[1:], 1)})  # positional ones, by place
+            self.arguments[position].append(rest)
+
+        return hook
+
+    def _after(self, _position: int) -> Callable:
+        def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
+            if len(self.hidden) == 1:
+                self._last_output = _hidden_of(output).detach()
+
+        return hook
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._last_output = None
+
+    def merge_(self, other: BlockInputs) -> BlockInputs:
+        """Add ``other``'s batches (another rank's) after these; returns self."""
+        self.hidden.extend(other.hidden)
+        for mine, theirs in zip(self.arguments, other.arguments, strict=True):
+            mine.extend(theirs)
+        self.chained = self.chained and other.chained
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:  # sent across ranks without its hooks
+        return {k: v for k, v in self.__dict__.items() if k not in ("_handles", "_last_output")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _handles=[], _last_output=None)
+
+
+def _hidden_of(output: Any) -> torch.Tensor:
+    """A block's output hidden states: the output, or its first tensor."""
+    if isinstance(output, torch.Tensor):
+        return output
+    return next(leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor))
+
+
+def _call(block: nn.Module, hidden: torch.Tensor, arguments: Mapping[str, Any]) -> torch.Tensor:
+    positional = [arguments[k] for k in sorted((k for k in arguments if k.startswith("#")), key=lambda k: int(k[1:]))]
+    named = {k: v for k, v in arguments.items() if not k.startswith("#")}
+    return _hidden_of(block(hidden, *positional, **named))
+
+
+@dataclass
+class _Rounding:
+    """One Linear's learnable rounding: its float weight in groups, each group's largest weight,
+    the offsets (``start`` to begin with, kept within half a step of it) and the clipping."""
+
+    weight: torch.Tensor  # float32, rows x groups x group size
+    largest: torch.Tensor  # rows x groups: each group's absolute maximum
+    start: torch.Tensor  # the offsets of the starting values (0: round to nearest), like weight
+    offset: torch.Tensor  # v, like weight, in start -/+ 0.5
+    clip: torch.Tensor  # c, rows x groups, in [CLIP_FLOOR, 1]
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, group_size: int, values: torch.Tensor | None = None) -> _Rounding:
+        """``weight``'s rounding, starting from round to nearest, or from int4 ``values`` (rows x
+        inputs, on round to nearest's scales: GPTQ's) where given."""
+        rows, inputs = weight.shape
+        grouped = weight.detach().float().reshape(rows, inputs // group_size, group_size)
+        largest = grouped.abs().amax(-1)
+        start = torch.zeros_like(grouped)
+        if values is not None:  # the offset that rounds each weight to its starting value
+            exact = grouped / (largest / ((QMAX - QMIN) / 2)).clamp_min(_SCALE_FLOOR)[..., None]
+            start = values.reshape(grouped.shape).float() - exact
+        clip = torch.ones(grouped.shape[:2], dtype=grouped.dtype, device=grouped.device)
+        return cls(grouped, largest, start, start.clone().requires_grad_(True), clip.requires_grad_(True))
+
+    def scale(self, clip: torch.Tensor | None = None) -> torch.Tensor:
+        clip = self.clip if clip is None else clip
+        return (self.largest * clip / ((QMAX - QMIN) / 2)).clamp_min(_SCALE_FLOOR)
+
+    def values(self, offset: torch.Tensor | None = None, clip: torch.Tensor | None = None, straight: bool = False) -> tuple:
+        """(int4 values, scales) for ``offset`` and ``clip`` (the learned ones by default);
+        ``straight``: the rounding's gradient passed straight through."""
+        offset = self.offset if offset is None else offset
+        scale = self.scale(clip)
+        x = self.weight / scale[..., None] + offset
+        rounded = torch.round(x)
+        if straight:
+            rounded = x + (rounded - x).detach()
+        return torch.clamp(rounded, QMIN, QMAX), scale
+
+    def dequantized(self, offset: torch.Tensor | None = None, clip: torch.Tensor | None = None) -> torch.Tensor:
+        straight = offset is None and clip is None
+        values, scale = self.values(offset, clip, straight)
+        return (values * scale[..., None]).reshape(self.weight.shape[0], -1)
+
+    def step(self, rate: float) -> None:
+        """One signed gradient step of size ``rate``, then both kept in their ranges."""
+        with torch.no_grad():
+            if self.offset.grad is not None:
+                self.offset.sub_(rate * torch.sign(self.offset.grad))
+                self.offset.copy_(torch.minimum(torch.maximum(self.offset, self.start - 0.5), self.start + 0.5))
+                self.offset.grad = None
+            if self.clip.grad is not None:
+                self.clip.sub_(rate * torch.sign(self.clip.grad)).clamp_(CLIP_FLOOR, 1.0)
+                self.clip.grad = None
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.offset.detach().clone(), self.clip.detach().clone()
+
+    @property
+    def beginning(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The starting offsets and clipping."""
+        return self.start, torch.ones_like(self.largest)
+
+    def result(self, group_size: int, dtype: torch.dtype, chosen: tuple[torch.Tensor, torch.Tensor]) -> QuantizedWeight:
+        with torch.no_grad():
+            values, scale = self.values(*chosen)
+        return QuantizedWeight(int4_tensor(values.reshape(self.weight.shape[0], -1), scale, group_size, dtype))
+
+
+def _constant(weight: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: weight
+
+
+@contextlib.contextmanager
+def _linears_as(
+    block: nn.Module, prefix: str, weights: Mapping[str, Callable[[], torch.Tensor]], dynamic: Mapping[str, bool]
+) -> Iterator[None]:
+    """Within: each named Linear of ``block`` multiplies by ``weights[fqn]()``, its input first
+    rounded to int8 per token where ``dynamic`` names it (symmetrically where it says True), the
+    rounding's gradient passed straight through."""
+    replaced = []
+    for fqn, weight_of in weights.items():
+        module = block.get_submodule(fqn[len(prefix) + 1 :])
+
+        def forward(
+            x: torch.Tensor,
+            module: nn.Module = module,
+            weight_of: Callable = weight_of,
+            symmetric: bool | None = dynamic.get(fqn),
+        ) -> torch.Tensor:
+            if symmetric is not None:
+                x = x + (fake_quantized_tokens(x.detach().float(), symmetric).to(x.dtype) - x).detach()
+            return F.linear(x, weight_of().to(x.dtype), module.bias)
+
+        module.forward = forward
+        replaced.append(module)
+    try:
+        yield
+    finally:
+        for module in replaced:
+            del module.forward
+
+
+@dataclass(frozen=True)
+class LearnedRounding:
+    """How the learned rounding runs: ``steps`` signed gradient steps a block (None:
+    ``LEARNED_STEPS``), each on the gradient of ``batches`` calibration batches (the next ones in
+    turn), the step size falling linearly from ``rate`` (None: ``1 / steps``) to 0."""
+
+    steps: int | None = None
+    batches: int = 1
+    rate: float | None = None
+    start: str = RTN  # the values learning starts from: round to nearest's, or GPTQ's on the block's inputs
+
+    @property
+    def step_count(self) -> int:
+        return self.steps if self.steps is not None else LEARNED_STEPS
+
+    def step_size(self, step: int) -> float:
+        count = self.step_count
+        return (1.0 - step / count) * (self.rate if self.rate is not None else 1.0 / count)
+
+
+def learn_rounding(
+    model: nn.Module,
+    inputs: BlockInputs,
+    learned: Mapping[str, int],
+    fixed: Mapping[str, torch.Tensor] | None = None,
+    dynamic: Mapping[str, bool] | None = None,
+    *,
+    options: LearnedRounding = LearnedRounding(),
+    progress: Progress | None = None,
+) -> dict[str, QuantizedWeight]:
+    """The int4 weights of the Linears ``learned`` names (fqn -> group size) of ``model`` (float;
+    never changed), learned block by block on the calibration batches ``inputs`` recorded. ``fixed``:
+    the other quantized Linears' weights (dequantized) as the run will hold them; ``dynamic``: the
+    Linears whose input the kernel rounds to int8 per token -> whether symmetrically (8da4w: False). ``progress`` is called after
+    each block (it may raise to stop)."""
+    fixed, dynamic = dict(fixed or {}), dict(dynamic or {})
+    if not inputs.hidden:
+        raise AlgorithmError(
+            "learned rounding reads each block's inputs on the calibration batches, and none reached the first block"
+        )
+    if not inputs.chained:
+        raise AlgorithmError(
+            "learned rounding replays the model block by block, and here a block does not read what the block before it "
+            "wrote (blocks: " + ", ".join(inputs.blocks[:3]) + ", ...): choose GPTQ for these Linears"
+        )
+    outside = [fqn for fqn in learned if block_of(fqn) not in inputs.blocks]
+    if outside:
+        raise AlgorithmError(f"learned rounding works on a decoder's blocks; {', '.join(outside)} sit in none: choose GPTQ there")
+    found: dict[str, QuantizedWeight] = {}
+    float_in = list(inputs.hidden)
+    quant_in = list(inputs.hidden)
+    last = max(inputs.blocks.index(block_of(fqn)) for fqn in learned)
+    with steps(last + 1, "learned rounding", "block", progress) as step:
+        for position, name in enumerate(inputs.blocks[: last + 1]):
+            block = model.get_submodule(name)
+            arguments = inputs.arguments[position]
+            with torch.no_grad():
+                float_out = [_call(block, h, a) for h, a in zip(float_in, arguments, strict=True)]
+            own = {fqn: group for fqn, group in learned.items() if block_of(fqn) == name}
+            others = {fqn: w for fqn, w in fixed.items() if block_of(fqn) == name}
+            found.update(_learn_block(block, name, own, others, dynamic, quant_in, float_out, arguments, options))
+            settled = {fqn: _constant(q.dequantize(torch.float32)) for fqn, q in found.items() if fqn in own}
+            settled.update({fqn: _constant(w) for fqn, w in others.items()})
+            with torch.no_grad(), _linears_as(block, name, settled, dynamic):
+                quant_in = [_call(block, h, a) for h, a in zip(quant_in, arguments, strict=True)]
+            float_in = float_out
+            step()
+    return found
+
+
+def _learn_block(
+    block: nn.Module,
+    name: str,
+    own: Mapping[str, int],
+    others: Mapping[str, torch.Tensor],
+    dynamic: Mapping[str, bool],
+    quant_in: list[torch.Tensor],
+    float_out: list[torch.Tensor],
+    arguments: list[dict[str, Any]],
+    options: LearnedRounding,
+) -> dict[str, QuantizedWeight]:
+    if not own:
+        return {}
+    floats = {fqn: block.get_submodule(fqn[len(name) + 1 :]).weight for fqn in own}
+    starts = _gptq_starts(block, name, own, quant_in, arguments) if options.start == GPTQ else {}
+    roundings = {fqn: _Rounding.of(floats[fqn], group, starts.get(fqn)) for fqn, group in own.items()}
+    weights: dict[str, Callable[[], torch.Tensor]] = {fqn: r.dequantized for fqn, r in roundings.items()}
+    weights.update({fqn: _constant(w) for fqn, w in others.items()})
+    parameters = {p for p in block.parameters() if p.requires_grad}
+    for p in parameters:
+        p.requires_grad_(False)  # only the rounding learns
+    best, least = None, float("inf")
+    try:
+        with _linears_as(block, name, weights, dynamic):
+            for step in range(options.step_count):
+                total = 0.0
+                for part in range(options.batches):
+                    index = (step * options.batches + part) % len(quant_in)
+                    output = _call(block, quant_in[index], arguments[index])
+                    loss = F.mse_loss(output.float(), float_out[index].float()) / options.batches
+                    loss.backward()
+                    total += float(loss.detach())
+                if total < least:  # the values this step's gradient was taken at
+                    best, least = {fqn: r.snapshot() for fqn, r in roundings.items()}, total
+                for rounding in roundings.values():
+                    rounding.step(options.step_size(step))
+            # the last step's values too, then the choice against the start on every batch
+            candidates = {
+                "start": {fqn: r.beginning for fqn, r in roundings.items()},
+                "learned": best,
+                "last": {fqn: r.snapshot() for fqn, r in roundings.items()},
+            }
+            errors = {
+                key: _block_error(block, roundings, chosen, quant_in, float_out, arguments)
+                for key, chosen in candidates.items()
+                if chosen is not None
+            }
+    finally:
+        for p in parameters:
+            p.requires_grad_(True)
+    choice = min(errors, key=errors.get)
+    chosen = candidates[choice]
+    found = {fqn: r.result(own[fqn], floats[fqn].dtype, chosen[fqn]) for fqn, r in roundings.items()}
+    if choice == "start" and not starts:  # round to nearest, kept as such (``QuantizedWeight.compact``)
+        return {fqn: replace(q, note=KEPT) for fqn, q in found.items()}
+    return found
+
+
+def _gptq_starts(
+    block: nn.Module, name: str, own: Mapping[str, int], quant_in: list[torch.Tensor], arguments: list[dict[str, Any]]
+) -> dict[str, torch.Tensor]:
+    """GPTQ's int4 values of the block's Linears ``own`` on the inputs the quantized blocks before
+    it give (each Linear's input statistics gathered on the float block); none where GPTQ kept
+    round to nearest."""
+    local = {fqn[len(name) + 1 :]: fqn for fqn in own}
+    with torch.no_grad(), recording(block, list(local)) as statistics:
+        for hidden, argument in zip(quant_in, arguments, strict=True):
+            _call(block, hidden, argument)
+    starts = {}
+    for inner, fqn in local.items():
+        found = gptq(block.get_submodule(inner).weight, statistics[inner], own[fqn])
+        if not found.note:
+            starts[fqn] = found.tensor.qdata
+    return starts
+
+
+def _block_error(
+    block: nn.Module,
+    roundings: Mapping[str, _Rounding],
+    chosen: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    quant_in: list[torch.Tensor],
+    float_out: list[torch.Tensor],
+    arguments: list[dict[str, Any]],
+) -> float:
+    """The block's summed squared output error on every batch with ``chosen`` offsets and
+    clipping, the block's Linears already swapped by the caller."""
+    saved = {fqn: r.snapshot() for fqn, r in roundings.items()}
+    total = 0.0
+    with torch.no_grad():
+        for fqn, r in roundings.items():
+            offset, clip = chosen[fqn]
+            r.offset.copy_(offset)
+            r.clip.copy_(clip)
+        for hidden, target, argument in zip(quant_in, float_out, arguments, strict=True):
+            total += float((_call(block, hidden, argument).float() - target.float()).pow(2).sum(dtype=torch.float64))
+        for fqn, r in roundings.items():
+            r.offset.copy_(saved[fqn][0])
+            r.clip.copy_(saved[fqn][1])
+    return total
+
+
+def learned_weights(
+    model: nn.Module,
+    formats: Mapping[str, tuple[str, int, str]],
+    found: dict[str, Any],
+    *,
+    target: str,
+    quantize: Callable[[nn.Module, tuple[str, int, str]], QuantizedWeight] | None = None,
+    options: LearnedRounding = LearnedRounding(),
+    progress: Progress | None = None,
+) -> Iterator[dict[str, BlockInputs]]:
+    """The learned weights of the modules ``formats`` (fqn -> (format, group size, algorithm)) asks
+    ``learned`` of, into ``found`` (packed, ``QuantizedWeight.compact``): yields once, an item that
+    records the first block's inputs while the caller passes the calibration batches through
+    ``model`` (float; the caller may replace the item by every rank's merged), then learns block by
+    block (``learn_rounding``). The block's other quantized Linears take their own weights in the
+    loop: from ``found`` (GPTQ / AWQ, found first), else their int4 values chosen here (round to
+    nearest, HQQ), else ``quantize(module, format)`` (int8 formats; without it they stay float there)."""
+    learned = {fqn: group for fqn, (_, group, algorithm) in formats.items() if algorithm == LEARNED}
+    if not learned:
+        return
+    linears = [fqn for fqn, module in model.named_modules() if isinstance(module, nn.Linear)]
+    blocks = decoder_blocks(model, linears)
+    outside = [fqn for fqn in learned if block_of(fqn) not in blocks]
+    if outside:
+        raise AlgorithmError(f"learned rounding works on a decoder's blocks; {', '.join(outside)} sit in none: choose GPTQ there")
+    gathered = {CAPTURE: BlockInputs(model, blocks)}
+    try:
+        yield gathered
+    finally:
+        gathered[CAPTURE].close()
+    touched = {block_of(fqn) for fqn in learned}
+    fixed, dynamic = {}, {}
+    with torch.no_grad():
+        for fqn, (name, group, algorithm) in formats.items():
+            if name in DYNAMIC_FORMATS:
+                dynamic[fqn] = name == INT8_DYNAMIC and target == X86  # x86's int8 dynamic rounds tokens symmetrically
+            if fqn in learned or block_of(fqn) not in touched or not isinstance(model.get_submodule(fqn), nn.Linear):
+                continue
+            module = model.get_submodule(fqn)
+            if fqn in found:
+                fixed[fqn] = found[fqn].expand(module.weight).dequantize(torch.float32)
+            elif name in GROUPED_FORMATS:
+                fixed[fqn] = choose(algorithm, module.weight, group).dequantize(torch.float32)
+            elif quantize is not None:
+                fixed[fqn] = quantize(module, (name, group, algorithm)).dequantize(torch.float32)
+    results = learn_rounding(model, gathered[CAPTURE], learned, fixed, dynamic, options=options, progress=progress)
+    found.update({fqn: weight.compact() for fqn, weight in results.items()})

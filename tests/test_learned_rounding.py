@@ -1,0 +1,199 @@
+"""The rounding learned on each decoder block's output (``algorithm="learned"``): what it promises on
+tiny real decoders (transformers' Llama from a config, left at ``use_cache=True``; the trained byte
+decoder) and through the session: never worse than its start on the calibration data, values on
+the int4 grid, round to nearest's bytes, composed with rotations, refused where it cannot apply."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hf_models import VOCAB, _tokens
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import qreport_widgets as qw
+from qreport_widgets.core.calibration import call_with
+from qreport_widgets.core.progress import quiet
+from qreport_widgets.engines.eager import learned
+from qreport_widgets.engines.eager.algorithms import AlgorithmError, QuantizedWeight, round_to_nearest
+from qreport_widgets.engines.settings import ModuleSettings
+from qreport_widgets.errors import InvalidSettingsError
+
+STEPS = learned.LearnedRounding(steps=30)
+
+
+def decoder(layers: int = 3) -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
+    """A Llama decoder as ``from_config`` builds it (``use_cache=True``), its weights widened so
+    int4 rounding costs something, and 6 batches of 4 x 16 tokens."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.mul_(8.0)
+    return model, [(ids,) for ids in _tokens(2)]
+
+
+def block_linears(model: nn.Module) -> list[str]:
+    return [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and fqn.startswith("model.layers.")]
+
+
+def recorded(model: nn.Module, batches) -> learned.BlockInputs:
+    blocks = learned.decoder_blocks(model, block_linears(model))
+    inputs = learned.BlockInputs(model, blocks)
+    with torch.no_grad():
+        for batch in batches:
+            call_with(model, batch)
+    inputs.close()
+    return inputs
+
+
+def with_weights(model: nn.Module, weights: dict[str, QuantizedWeight]) -> nn.Module:
+    copied = copy.deepcopy(model)
+    for fqn, weight in weights.items():
+        copied.get_submodule(fqn).weight = nn.Parameter(weight.dequantize(torch.float32), requires_grad=False)
+    return copied
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, batches = decoder()
+    return model, batches, recorded(model, batches)
+
+
+def test_the_first_blocks_inputs_are_recorded_once_a_batch_the_kv_cache_dropped(tiny):
+    model, batches, inputs = tiny
+    assert inputs.chained and len(inputs.hidden) == len(batches) == 6
+    assert inputs.hidden[0].shape == (4, 16, 64)
+    arguments = inputs.arguments[1][0]
+    assert arguments["past_key_values"] is None  # the model's DynamicCache is not replayed
+    assert isinstance(arguments["position_embeddings"], tuple)
+
+
+def test_each_block_ends_no_worse_than_round_to_nearest_on_the_calibration_batches(tiny):
+    model, batches, inputs = tiny
+    names = block_linears(model)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    found = learned.learn_rounding(model, inputs, dict.fromkeys(names, 32), options=STEPS, progress=quiet)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in original.items())  # the float model untouched
+    rounded = {fqn: QuantizedWeight(round_to_nearest(model.get_submodule(fqn).weight, 32)) for fqn in names}
+    # every block's output error from the inputs the quantized blocks before it give, learned against rounding
+    hidden = {"learned": list(inputs.hidden), "rounded": list(inputs.hidden)}
+    float_hidden = list(inputs.hidden)
+    for position, name in enumerate(inputs.blocks):
+        float_block = model.get_submodule(name)
+        errors = {}
+        with torch.no_grad():
+            target = [learned._call(float_block, h, a) for h, a in zip(float_hidden, inputs.arguments[position], strict=True)]
+            for kind, weights in (("learned", found), ("rounded", rounded)):
+                quantized = with_weights(model, weights).get_submodule(name)
+                outputs = [learned._call(quantized, h, a) for h, a in zip(hidden[kind], inputs.arguments[position], strict=True)]
+                errors[kind] = sum(float((o - t).pow(2).sum()) for o, t in zip(outputs, target, strict=True))
+                hidden[kind] = outputs
+        float_hidden = target
+        if position == 0:  # the same inputs for both: the learned values' promise, strictly
+            assert errors["learned"] < errors["rounded"]
+    # and the whole model's logits on the calibration batches
+    reference = [model(*b).logits for b in batches]
+    with torch.no_grad():
+        error = {
+            kind: sum(
+                float((with_weights(model, w)(*b).logits - r).pow(2).sum()) for b, r in zip(batches, reference, strict=True)
+            )
+            for kind, w in (("learned", found), ("rounded", rounded))
+        }
+    assert error["learned"] < error["rounded"]
+
+
+def test_the_learned_values_stay_on_round_to_nearests_int4_grid(tiny):
+    model, _, inputs = tiny
+    names = block_linears(model)[:7]  # the first block's
+    found = learned.learn_rounding(model, inputs, dict.fromkeys(names, 32), options=STEPS, progress=quiet)
+    changed = 0
+    for fqn, weight in found.items():
+        tensor, rounded = weight.tensor, round_to_nearest(model.get_submodule(fqn).weight, 32)
+        assert type(tensor) is type(rounded) and tensor.block_size == rounded.block_size
+        assert tensor.qdata.dtype == torch.int8 and int(tensor.qdata.min()) >= -8 and int(tensor.qdata.max()) <= 7
+        assert not bool(tensor.zero_point.any())
+        ratio = tensor.scale / rounded.scale  # each group's range clipped, never widened
+        assert float(ratio.max()) <= 1 + 1e-6 and float(ratio.min()) >= learned.CLIP_FLOOR - 1e-6
+        # a value moves at most one step from where its clipped scale rounds it
+        nearest = torch.clamp(
+            torch.round(model.get_submodule(fqn).weight.view(*tensor.scale.shape, 32) / tensor.scale[..., None]), -8, 7
+        )
+        assert int((tensor.qdata.view_as(nearest).float() - nearest).abs().max()) <= 1
+        changed += int((tensor.qdata != rounded.qdata).sum())
+    assert changed > 0
+
+
+def test_through_the_session_in_both_layouts_rotated_with_round_to_nearests_program_bytes(monkeypatch):
+    monkeypatch.setattr(learned, "LEARNED_STEPS", 20)
+    model, batches = decoder(layers=2)
+    results = {}
+    for fmt, target in (("int4-weight-only", "x86"), ("int8-dynamic-int4-weight", "xnnpack")):
+        session = qw.analyze(
+            model,
+            batches[0],
+            batches,
+            eval_data=batches[:2],
+            engine="eager",
+            format=fmt,
+            group_size=32,
+            target=target,
+            progress=False,
+        ).session
+        names = block_linears(model)
+        for algorithm, rotation in (("rtn", None), ("learned", None), ("learned", qw.Rotation())):
+            chosen = dict.fromkeys(names, ModuleSettings(format=fmt, group_size=32, algorithm=algorithm))
+            run = session.apply(chosen, rotation=rotation, progress=quiet)
+            assert run.ok, run.error
+            results[target, algorithm, rotation is not None] = run
+        assert results[target, "learned", False].output_sqnr_db > results[target, "rtn", False].output_sqnr_db
+        # plain int4 values and scales: the program (and its .pte) is round to nearest's, byte for byte
+        assert results[target, "learned", False].deployed_bytes == results[target, "rtn", False].deployed_bytes
+        assert results[target, "learned", True].output_sqnr_db > results[target, "rtn", False].output_sqnr_db
+    tensor = results["x86", "learned", False].quantized_model.get_submodule("model.layers.0.mlp.up_proj").weight
+    assert int(tensor.qdata.min()) >= -8 and int(tensor.qdata.max()) <= 7
+
+
+def test_outside_a_block_it_is_refused_and_as_code_it_builds_the_same_weights(monkeypatch):
+    monkeypatch.setattr(learned, "LEARNED_STEPS", 10)
+    model, batches = decoder(layers=2)
+    session = qw.analyze(
+        model, batches[0], batches, eval_data=batches[:2], engine="eager", format="int4-weight-only", progress=False
+    ).session
+    head = next(m for m in session.modules if m.fqn == "lm_head")
+    assert "sits in no block" in head.algorithms["learned"]
+    with pytest.raises(InvalidSettingsError, match="sits in no block"):
+        session.apply({"lm_head": ModuleSettings(format="int4-weight-only", group_size=32, algorithm="learned")})
+    with pytest.raises(AlgorithmError, match="sit in none"):
+        qw.quantize_weights(copy.deepcopy(model), {"lm_head": ("learned", 32)}, batches)
+    names = block_linears(model)[:7]
+    copied = qw.quantize_weights(copy.deepcopy(model), dict.fromkeys(names, ("learned", 32)), batches)
+    chosen = dict.fromkeys(names, ModuleSettings(format="int4-weight-only", group_size=32, algorithm="learned"))
+    run = session.apply(chosen, progress=quiet)
+    assert run.ok, run.error
+    assert "quantize_weights" in session.settings_as_code(chosen) and "'learned'" in session.settings_as_code(chosen)
+    for fqn in names:
+        assert torch.equal(copied.get_submodule(fqn).weight.qdata, run.quantized_model.get_submodule(fqn).weight.qdata), fqn
+
+
+def test_the_size_front_leaves_it_out_unless_asked():
+    model, batches = decoder(layers=2)
+    session = qw.analyze(model, batches[0], batches, engine="eager", format="int4-weight-only", progress=False).session
+    assert "learned" not in session.engine.searched_algorithms
+    asked = qw.analyze(
+        model, batches[0], batches, engine="eager", format="int4-weight-only", algorithms=("rtn", "learned"), progress=False
+    ).session
+    assert "learned" in asked.engine.searched_algorithms
