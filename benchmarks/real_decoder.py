@@ -19,7 +19,7 @@ With ``--fit``: on the XNNPACK target (8da4w g32 baseline), ``session.fit`` unde
 weighing the rotated model as one more choice (``rotation=True``) and the ``--algorithms`` given
 (default there: rtn gptq); every real run it made, then its choice.
 
-    python benchmarks/real_decoder.py [--algorithms rtn hqq gptq awq] [--formats int4 8da4w]
+    python benchmarks/real_decoder.py [--algorithms rtn hqq gptq awq learned] [--formats int4 8da4w] [--rotations both]
     python benchmarks/real_decoder.py --fit [--recover 0.8] [--algorithms rtn gptq]
     python benchmarks/real_decoder.py --decode [--fit]
 
@@ -110,18 +110,26 @@ def session_for(model, calibration, held_out, name: str, algorithms: list[str] |
     ).session
 
 
-def rows_for(model, calibration, held_out, name: str, algorithms: list[str], float_ppl: float) -> list[dict]:
+def rows_for(
+    model, calibration, held_out, name: str, algorithms: list[str], float_ppl: float, rotations: tuple = (None, Rotation())
+) -> list[dict]:
     fmt, group, target = FORMATS[name]
     start = time.perf_counter()
     session = session_for(model, calibration, held_out, name)
     print(f"{name}: analyze {time.perf_counter() - start:.0f} s", flush=True)
-    linears = [m.fqn for m in session.modules if m.current.format == fmt]
+    modules = [m for m in session.modules if m.current.format == fmt]
     rows, rtn_gap = [], {}
     for algorithm in algorithms:
-        for rotation in (None, Rotation()):
-            chosen = ModuleSettings(format=fmt, group_size=group, algorithm=algorithm)
+        for rotation in rotations:
+            # the learned rounding works on the blocks: the head, in none, takes GPTQ
+            chosen = {
+                m.fqn: ModuleSettings(
+                    format=fmt, group_size=group, algorithm=algorithm if m.algorithm_allowed(algorithm) else "gptq"
+                )
+                for m in modules
+            }
             start = time.perf_counter()
-            run = session.apply(dict.fromkeys(linears, chosen), rotation=rotation, progress=quiet)
+            run = session.apply(chosen, rotation=rotation, progress=quiet)
             seconds = time.perf_counter() - start
             rotated = "R1 + R2" if rotation is not None else "-"
             if not run.ok:
@@ -195,7 +203,10 @@ def fit_for_the_phone(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--algorithms", nargs="*", default=["rtn", "hqq", "gptq"], choices=["rtn", "hqq", "gptq", "awq"])
+    parser.add_argument(
+        "--algorithms", nargs="*", default=["rtn", "hqq", "gptq"], choices=["rtn", "hqq", "gptq", "awq", "learned"]
+    )
+    parser.add_argument("--rotations", choices=["both", "plain", "rotated"], default="both", help="which runs of each algorithm")
     parser.add_argument("--formats", nargs="*", default=["int4"], choices=list(FORMATS))
     parser.add_argument("--fit", action="store_true", help="fit under the 8da4w program's bytes, rotated or not")
     parser.add_argument("--recover", type=float, default=0.8, help="the share of the program's gap to float --fit asks")
@@ -211,7 +222,12 @@ def main() -> None:
         algorithms = args.algorithms if "--algorithms" in sys.argv else ["rtn", "gptq"]
         on_the_phone(model, calibration, held_out, float_ppl, algorithms, args.recover, args.fit, args.decode)
         return
-    rows = [row for name in args.formats for row in rows_for(model, calibration, held_out, name, args.algorithms, float_ppl)]
+    rotations = {"both": (None, Rotation()), "plain": (None,), "rotated": (Rotation(),)}[args.rotations]
+    rows = [
+        row
+        for name in args.formats
+        for row in rows_for(model, calibration, held_out, name, args.algorithms, float_ppl, rotations)
+    ]
     if rows:
         print("\n| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
         for row in rows:

@@ -100,9 +100,10 @@ def analyze(
         format: eager only: the starting format of every ``nn.Linear`` (``"int8-dynamic"`` by
             default; ``"int8-weight-only"``, ``"int4-weight-only"``, ``"int8-dynamic-int4-weight"``).
         group_size: eager only: the group size of a starting int4 format (32, 64 or 128; default 32).
-        algorithms: eager only: the int4 weight algorithms (``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``)
-            the size front and ``fit`` weigh per module; default all four (GPTQ and AWQ cost a minute
-            each over a 134M decoder's Linears: ``("rtn", "hqq")`` keeps a large model's fit short).
+        algorithms: eager only: the int4 weight algorithms (``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``,
+            ``"learned"``) the size front and ``fit`` weigh per module; default all but ``"learned"``
+            (minutes a decoder: name it to weigh it; GPTQ and AWQ cost a minute each over a 134M
+            decoder's Linears: ``("rtn", "hqq")`` keeps a large model's fit short).
         output_fn: ``output_fn(model_output) -> tensor``: what output SQNR is measured on; default:
             the output, or its first tensor (a Hugging Face ``ModelOutput``'s first field).
         process_group: calibrate across the processes of this torch.distributed group (default:

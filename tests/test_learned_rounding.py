@@ -137,6 +137,32 @@ def test_the_learned_values_stay_on_round_to_nearests_int4_grid(tiny):
     assert changed > 0
 
 
+def test_started_from_gptqs_values_it_ends_no_worse_than_them_on_the_first_block(tiny):
+    model, _, inputs = tiny
+    names = block_linears(model)[:7]  # the first block's: its inputs are the float ones for every start
+    options = learned.LearnedRounding(steps=30, start="gptq")
+    block = model.get_submodule(inputs.blocks[0])
+    starts = learned._gptq_starts(block, inputs.blocks[0], dict.fromkeys(names, 32), inputs.hidden, inputs.arguments[0])
+    assert starts  # where GPTQ's values beat rounding on held-out sequences they are the start, else rounding's
+    found = learned.learn_rounding(model, inputs, dict.fromkeys(names, 32), options=options, progress=quiet)
+    gptq_start = {}
+    for fqn in names:
+        rounded = round_to_nearest(model.get_submodule(fqn).weight, 32)
+        values = starts.get(fqn, rounded.qdata)
+        gptq_start[fqn] = QuantizedWeight(learned.int4_tensor(values, rounded.scale, 32, torch.float32))
+        assert int(found[fqn].tensor.qdata.min()) >= -8 and int(found[fqn].tensor.qdata.max()) <= 7
+
+    def first_block_error(weights):
+        quantized = with_weights(model, weights).get_submodule(inputs.blocks[0])
+        with torch.no_grad():
+            return sum(
+                float((learned._call(quantized, h, a) - learned._call(block, h, a)).pow(2).sum())
+                for h, a in zip(inputs.hidden, inputs.arguments[0], strict=True)
+            )
+
+    assert first_block_error(found) <= first_block_error(gptq_start)
+
+
 def test_through_the_session_in_both_layouts_rotated_with_round_to_nearests_program_bytes(monkeypatch):
     monkeypatch.setattr(learned, "LEARNED_STEPS", 20)
     model, batches = decoder(layers=2)

@@ -19,6 +19,7 @@ from ..engines.settings import (
     GPTQ,
     GROUPED_FORMATS,
     HQQ,
+    LEARNED,
     ModuleSettings,
     Setting,
     TunableModule,
@@ -28,7 +29,7 @@ from ..errors import InvalidSettingsError
 
 STATIC, DYNAMIC = "static", "dynamic"
 PER_TENSOR, PER_CHANNEL = "per-tensor", "per-channel"
-ALGORITHM_LABELS = {DEFAULT_ALGORITHM: "round", HQQ: "HQQ", GPTQ: "GPTQ", AWQ: "AWQ"}
+ALGORITHM_LABELS = {DEFAULT_ALGORITHM: "round", HQQ: "HQQ", GPTQ: "GPTQ", AWQ: "AWQ", LEARNED: "learned"}
 OBSERVER_OPTIONS = [("as started", ""), ("MinMax", "minmax"), ("Histogram", "histogram"), ("Percentile", "percentile")]
 RowParts = dict[str, w.Layout | w.Style]  # what the rows of one panel share
 
@@ -125,7 +126,7 @@ class SettingsRow(w.VBox):
         refused_algorithms = "; ".join(f"{name}: {why}" for name, why in module.algorithms.items() if why)
         algorithm_tip = (
             "int4 weight-only: how the int4 values are chosen (round to nearest; HQQ: torchao's scale search; "
-            "GPTQ / AWQ: from the calibration inputs)"
+            "GPTQ / AWQ: from the calibration inputs; learned: each block's rounding learned on its output, minutes a decoder)"
             + (f". Not offered here: {refused_algorithms}" if refused_algorithms else "")
         )
         self.algorithm = w.Dropdown(
