@@ -17,7 +17,7 @@ import qreport_widgets as qw
 from qreport_widgets.core.calibration import call_with
 from qreport_widgets.core.metrics import output_tensor, perplexity, sqnr_db
 from qreport_widgets.engines.contract import Variant
-from qreport_widgets.engines.eager import algorithms
+from qreport_widgets.engines.eager import algorithms, quantize
 from qreport_widgets.engines.eager.formats import ao_config, torchao_eager
 from qreport_widgets.engines.folds import input_folds
 from qreport_widgets.engines.settings import ModuleSettings
@@ -457,7 +457,7 @@ def test_awqs_scales_folded_into_the_ops_before_compute_what_dividing_each_input
 
 def test_awq_on_some_readers_of_an_input_divides_their_input_instead(text_decoder):
     model, data = text_decoder
-    quantized = algorithms.quantize_weights(
+    quantized = quantize.quantize_weights(
         copy.deepcopy(model), {"model.layers.0.self_attn.q_proj": ("awq", 32)}, data.calibration
     )
     q_proj = quantized.get_submodule("model.layers.0.self_attn.q_proj")

@@ -115,6 +115,6 @@ def quantize_weights(model: Any, choices: Any, batches: Any, target: str = "x86"
     reading one pass of ``model`` over ``batches`` (your calibration data), the learned rounding
     one more, then learning block by block. What the eager engine's settings as code call for them;
     returns ``model``. Needs torchao (the ``[eager]`` extra)."""
-    from .eager.algorithms import quantize_weights as on_torchao
+    from .eager.quantize import quantize_weights as on_torchao
 
     return on_torchao(model, choices, batches, target)

@@ -33,7 +33,6 @@ so neither is ever worse than rounding on the data it saw.
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -41,12 +40,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.calibration import call_with
 from ...core.devices import float64_on
 from ...core.memory import give_back
-from ...errors import InvalidSettingsError, QReportError
+from ...errors import QReportError
 from ..folds import ROWS, Fold, fold_scale, input_folds, rows_divided
-from ..settings import ALGORITHMS, AWQ, DATA_ALGORITHMS, GPTQ, GROUPED_FORMATS, HQQ, LEARNED, RTN
+from ..settings import AWQ, GPTQ, HQQ, LEARNED, RTN
 from .formats import torchao_eager
 
 INPUT_SCALE = "input_scale"  # the buffer an AWQ module divides its input by
@@ -701,49 +699,3 @@ def weights_in_runs(
                 raise AlgorithmError(f"{algorithm} could not quantize {fqn}: {type(error).__name__}: {error}") from error
         del statistics
         give_back()
-
-
-def quantize_weights(model: nn.Module, choices: Mapping[str, tuple], batches: Iterable[Any], target: str = "x86") -> nn.Module:
-    """Quantize the named Linears of ``model`` to int4 in place, each ``fqn: (algorithm, group_size)``
-    with ``algorithm`` one of ``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``, ``"learned"`` (and a third element
-    ``"int8-dynamic-int4-weight"`` for a Linear that quantizes its input to int8 per token as it
-    runs, "8da4w"; default ``"int4-weight-only"``): one pass over ``batches``
-    (the calibration data: a tensor, a tuple of inputs or a dict per batch; one pass per run of
-    modules, ``gram_runs``) gathers what GPTQ and AWQ read of each module's input on the float
-    model, then each module's weight is replaced. Returns ``model``.
-
-    What a session's settings as code call for the modules whose algorithm needs data.
-    """
-    modules = dict(model.named_modules())
-    formats = {fqn: chosen[2] if len(chosen) > 2 else GROUPED_FORMATS[0] for fqn, chosen in choices.items()}
-    choices = {fqn: (chosen[0], chosen[1]) for fqn, chosen in choices.items()}
-    for fqn, (algorithm, group_size) in choices.items():
-        module = modules.get(fqn)
-        if formats[fqn] not in GROUPED_FORMATS:
-            raise InvalidSettingsError(f"{fqn}: the format must be one of {', '.join(GROUPED_FORMATS)}, got {formats[fqn]!r}")
-        if not isinstance(module, nn.Linear):
-            found = type(module).__name__ if module is not None else "no module of that name"
-            raise InvalidSettingsError(f"{fqn}: quantize_weights takes Linear modules, found {found}")
-        if algorithm not in ALGORITHMS:
-            raise InvalidSettingsError(f"{fqn}: unknown weight algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
-        if module.in_features % group_size:
-            raise InvalidSettingsError(f"{fqn}: group size {group_size} does not divide its {module.in_features} input features")
-    data = {fqn: chosen for fqn, chosen in choices.items() if chosen[0] in DATA_ALGORITHMS}
-    found: dict[str, CompactWeight | Recipe] = {}
-    if data:
-        from .learned import learned_weights  # learned.py builds on this module
-
-        batches = list(batches)
-        everything = {fqn: (formats[fqn], group, algorithm) for fqn, (algorithm, group) in choices.items()}
-        passes = itertools.chain(weights_in_runs(model, data, found), learned_weights(model, everything, found, target=target))
-        for _ in passes:  # assigned after every run: the inputs stay float
-            with torch.no_grad():
-                for batch in batches:
-                    call_with(model, batch)
-    with torch.no_grad():
-        chosen = {
-            fqn: found.pop(fqn).expand(modules[fqn].weight) if fqn in found else choose(algorithm, modules[fqn].weight, group)
-            for fqn, (algorithm, group) in choices.items()
-        }
-        assign_weights(model, chosen, [fqn for fqn in chosen if formats[fqn] == GROUPED_FORMATS[1]])
-    return model
