@@ -96,7 +96,7 @@ def test_hugging_face_models_end_to_end(name):
     rows[query].format.value = "int4-weight-only"
     assert rows[query].settings == ModuleSettings(format="int4-weight-only", group_size=32)
     assert not rows[query].group.disabled and not rows[query].algorithm.disabled
-    assert [value for _, value in rows[query].algorithm.options] == ["", "hqq", "gptq", "awq"]
+    assert [value for _, value in rows[query].algorithm.options] == ["", "hqq", "gptq", "awq", "learned"]
     rows[query].algorithm.value = "gptq"
     assert rows[query].settings == ModuleSettings(format="int4-weight-only", group_size=32, algorithm="gptq")
     rows[query].settings = ModuleSettings(format="int8-weight-only")
