@@ -30,7 +30,7 @@ calibration batch, and the gradient of one batch through the block).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -68,6 +68,12 @@ def block_of(fqn: str) -> str | None:
     """The numbered container ``fqn`` sits in, None for a module of its own (``lm_head``)."""
     block = next(iter(module_blocks([fqn])))
     return None if block == fqn else block
+
+
+def _refuse_outside(learned: Iterable[str], blocks: list[str]) -> None:
+    outside = [fqn for fqn in learned if block_of(fqn) not in blocks]
+    if outside:
+        raise AlgorithmError(f"learned rounding works on a decoder's blocks; {', '.join(outside)} sit in none: choose GPTQ there")
 
 
 def _kept_argument(value: Any) -> Any:
@@ -312,9 +318,7 @@ def learn_rounding(
             "learned rounding replays the model block by block, and here a block does not read what the block before it "
             "wrote (blocks: " + ", ".join(inputs.blocks[:3]) + ", ...): choose GPTQ for these Linears"
         )
-    outside = [fqn for fqn in learned if block_of(fqn) not in inputs.blocks]
-    if outside:
-        raise AlgorithmError(f"learned rounding works on a decoder's blocks; {', '.join(outside)} sit in none: choose GPTQ there")
+    _refuse_outside(learned, inputs.blocks)
     found: dict[str, QuantizedWeight] = {}
     float_in = list(inputs.hidden)
     quant_in = list(inputs.hidden)
@@ -460,9 +464,7 @@ def learned_weights(
         return
     linears = [fqn for fqn, module in model.named_modules() if isinstance(module, nn.Linear)]
     blocks = decoder_blocks(model, linears)
-    outside = [fqn for fqn in learned if block_of(fqn) not in blocks]
-    if outside:
-        raise AlgorithmError(f"learned rounding works on a decoder's blocks; {', '.join(outside)} sit in none: choose GPTQ there")
+    _refuse_outside(learned, blocks)
     gathered = {CAPTURE: BlockInputs(model, blocks)}
     try:
         yield gathered
