@@ -145,6 +145,26 @@ def _block_output_sqnr(session, run):
     return sqnr_db(outputs[0], outputs[1])
 
 
+def test_the_rotated_twin_keeps_the_sessions_data_metric_and_process_group(monkeypatch):
+    """fit(rotation=...) simulates the rotated model on twin parts: they calibrate across the same
+    ranks as the session (a group of several processes stands in as the object it is)."""
+    group = object()
+    monkeypatch.setattr("qreport_widgets.tune.parts.group_of", lambda given: given)
+    model = decoder(64, tied=True)
+    generator = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 256, (2, 32), generator=generator),) for _ in range(6)]
+    session = qw.QuantizationSession(
+        model, batches[0], batches[:4], batches[4:], engine="eager", metric="perplexity", process_group=group
+    )
+    twin = session.parts.rotations.twin(qw.Rotation())
+    assert session.parts.runner.group is group and twin.runner.group is group
+    assert twin.runner.batches.calibration == session.calibration_data and twin.runner.batches.eval == session.eval_data
+    assert twin.runner.metric == session.metric and twin.runner.engine is not session.engine
+    logits = [m(*batches[4]).logits for m in (session.float_model, twin.runner.float_model)]
+    assert torch.allclose(*logits, atol=1e-4)  # the same model, rotated
+    assert session.parts.rotations.twin(qw.Rotation()) is twin  # made once
+
+
 def test_r4_is_refused_on_the_xnnpack_target_before_anything_runs():
     pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
     model = decoder(64, tied=False)
@@ -194,7 +214,7 @@ def test_fit_weighs_the_rotated_model_as_one_more_choice_and_returns_the_better_
     session = report.session
     budget = 0.9 * session.baseline().deployed_bytes
     found = session.fit(max_size_bytes=budget, rotation=True, progress=quiet)
-    plain_front, rotated_front = session.pareto(), session._rotated[qw.Rotation()].pareto()
+    plain_front, rotated_front = session.pareto(), session.parts.rotations.twin(qw.Rotation()).mixed.front().points
     # the fit starts on the front whose best point within the budget simulates the lower perplexity ...
     best = {
         key: front[front["size_bytes"] <= budget]["simulated_metric"].iloc[-1]
@@ -217,7 +237,7 @@ def test_fit_weighs_the_rotated_model_as_one_more_choice_and_returns_the_better_
     assert rotated and plain
     within = [run for run in (plain[-1], rotated[-1]) if run.deployed_bytes <= budget] or [plain[-1], rotated[-1]]
     assert found.eval_metric == min(run.eval_metric for run in within)
-    assert list(session._rotated) == [qw.Rotation()]  # the rotated model's session, kept for the next fit
+    assert list(session.parts.rotations.twins) == [qw.Rotation()]  # the rotated model's parts, kept for the next fit
     assert_unchanged(model, before)
     cnn = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     images = [torch.randn(4, 8) for _ in range(2)]

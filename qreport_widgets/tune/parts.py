@@ -19,6 +19,7 @@ from .history import History
 from .migration import Migrations
 from .mixed import MixedPrecision
 from .real import RealRuns
+from .rotations import Rotations, Twin
 from .runner import Batches, Runner
 from .simulation import Simulated
 from .verify import Verification
@@ -50,6 +51,7 @@ class Parts:
     diagnosis: Diagnosis  # sensitivity, trade-off, reach
     mixed: MixedPrecision  # the size front, fit
     verification: Verification  # suggestions measured before they are offered
+    rotations: Rotations  # the rotated float model's twin parts, fit weighing rotation, block SQNR
 
 
 def resolved_metric(
@@ -114,4 +116,13 @@ def build_parts(
     diagnosis = Diagnosis(runner, simulated, real)
     mixed = MixedPrecision(runner, simulated, real)
     verification = Verification(runner, real, diagnosis, migrations)
-    return Parts(runner, history, simulated, migrations, real, diagnosis, mixed, verification)
+
+    def twin_of(rotated: torch.nn.Module) -> Twin:  # the same data, metric, engine options and ranks
+        given = {"eval_fn": eval_fn, "output_fn": output_fn, "process_group": process_group, "analyzed": None}
+        twin = build_parts(
+            engine.renewed(), rotated, runner.example_inputs, batches.calibration, batches.eval, **given, metric=metric
+        )
+        return Twin(twin.runner, twin.mixed)
+
+    rotations = Rotations(runner, real, mixed, twin_of)
+    return Parts(runner, history, simulated, migrations, real, diagnosis, mixed, verification, rotations)

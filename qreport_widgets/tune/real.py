@@ -148,6 +148,18 @@ class RealRuns:
         config = self.runner.engine.config_of_mapping(qconfig_mapping, equalization_mapping)
         return self._run(config, label, progress, True)
 
+    def compare(self) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """``QuantizationSession.compare``: the runs (the float model's metric first, where there is one)
+        and their per-layer SQNR."""
+        ids = self.token_ids()
+        metric = self.runner.metric
+        column = metric.column if metric is not None else None
+        runs, layers = self.history.compare(self.runner.current_settings(), column, None if ids is None else ids.numel())
+        reference = self.runner.float_metric() if column is not None and len(runs) else None
+        if reference is not None and column is not None:
+            runs = self.history.with_float_reference(runs, column, reference)
+        return runs, layers
+
     def annotated(self, result: RunResult) -> RunResult:
         """``result`` (a recorded run with notes added) in its run's place in the history."""
         return self.history.annotated(result)

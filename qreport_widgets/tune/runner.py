@@ -23,6 +23,7 @@ from torch import nn
 
 from ..core.calibration import CalibrationData, calibrate, call_with
 from ..core.devices import MovedBatches, copy_on, model_device, moved
+from ..core.linears import transposed_words
 from ..core.memory import WatchedCopy, WeightPool, ensure_room, give_back, tensors_bytes
 from ..core.metrics import Metric, output_tensor, power_terms, sqnr_db
 from ..core.progress import Progress
@@ -108,7 +109,7 @@ class Runner:
         self.eval_fn = eval_fn
         self._watched = float_copy
         self.output_fn = output_fn  # as given (None: the output or its first tensor)
-        self._group = group
+        self.group = group  # the torch.distributed group calibrations merge across (None: this process alone)
         self._modules = None if modules is None else list(modules)
         self._weights = weights or WeightPool()
         self._reference: list[torch.Tensor] | None = None
@@ -166,7 +167,7 @@ class Runner:
         def here() -> int:
             return calibrate(model, data, desc=desc, progress=bar, on_batch=on_batch)
 
-        calibrated_across(self._group, model, here, desc, statistics=statistics)
+        calibrated_across(self.group, model, here, desc, statistics=statistics)
 
     def calibrate_quietly(self, model: torch.nn.Module, statistics: MutableMapping[str, Any] | None = None) -> None:
         self.calibrate(model, "calibrating a variant", statistics=statistics)
@@ -334,6 +335,8 @@ class Runner:
             except Exception as error:  # a module the check cannot call alone; the run itself is fine
                 notes.append(f"kernel check unavailable: {type(error).__name__}: {error}")
         said = engine.run_notes(config, quantized)  # settings the quantized model did not carry out
+        if self._watched.as_linears:
+            notes.append(transposed_words(self._watched.as_linears))
         summary, conversions = engine.conversions(prepared, quantized)
         everything = torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs])
         return {
