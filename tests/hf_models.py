@@ -1,13 +1,13 @@
 """Hugging Face transformers built offline from tiny configs (random weights, fixed seeds), with
 batches in the form each takes: a BERT encoder (keyword batches, a ``ModelOutput``), a Llama-style
-decoder with ``use_cache=False`` (token ids), a ViT (pixel values), and a BERT wrapped by mean
+decoder with ``use_cache=False`` (token ids), GPT-2 (transformers' ``Conv1D`` projections), a ViT (pixel values), and a BERT wrapped by mean
 pooling as sentence-embedding models are (positional ``(input_ids, attention_mask)``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, ViTConfig, ViTModel
+from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, ViTConfig, ViTModel
 
 VOCAB = 256
 
@@ -45,6 +45,14 @@ def tiny_llama() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
         use_cache=False,
     )
     return LlamaForCausalLM(config).eval(), [(ids,) for ids in _tokens(2)]
+
+
+def tiny_gpt2() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
+    """GPT-2's layout at its config's defaults (``use_cache=True``): its projections are transformers'
+    ``Conv1D``, weights stored (inputs, outputs)."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config).eval(), [(ids,) for ids in _tokens(3)]
 
 
 def tiny_vit() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:

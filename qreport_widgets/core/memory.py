@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import FloatModelChangedError, NotEnoughMemoryError
+from .linears import linears_in_place
 
 # What a step allocates beyond what the session holds, as a multiple of the float weights of the
 # modules it quantizes, measured at its peak (benchmarks/llm_scale.py, a 134M decoder, eager int4):
@@ -76,10 +77,14 @@ class WatchedCopy:
     session reads the model: a changed weight raises ``FloatModelChangedError`` naming it, rather
     than tuning a model that is no longer the one analyzed. Assigning a new tensor to the user's
     module (``module.weight = ...``) leaves the copy as it was.
+
+    Projections that are Linears stored transposed (transformers' ``Conv1D``) are ``nn.Linear`` in
+    the copy, over the same weights (``linears.py``); ``as_linears`` names them.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self._model = shared_copy(model).eval()
+        self.as_linears = linears_in_place(self._model)
         self._versions = {name: tensor._version for name, tensor in _weights(self._model)}
 
     @property
