@@ -1,7 +1,8 @@
 """Hugging Face transformers built offline from tiny configs (random weights, fixed seeds), with
 batches in the form each takes: a BERT encoder (keyword batches, a ``ModelOutput``), a Llama-style
-decoder with ``use_cache=False`` (token ids), GPT-2 (transformers' ``Conv1D`` projections), a ViT (pixel values), and a BERT wrapped by mean
-pooling as sentence-embedding models are (positional ``(input_ids, attention_mask)``)."""
+decoder with ``use_cache=False`` (token ids), GPT-2 (transformers' ``Conv1D`` projections), a ViT
+(pixel values), and a BERT wrapped by mean pooling as sentence-embedding models are (positional
+``(input_ids, attention_mask)``)."""
 
 from __future__ import annotations
 

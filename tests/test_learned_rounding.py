@@ -116,25 +116,53 @@ def test_each_block_ends_no_worse_than_round_to_nearest_on_the_calibration_batch
     assert error["learned"] < error["rounded"]
 
 
-def test_the_learned_values_stay_on_round_to_nearests_int4_grid(tiny):
+@pytest.mark.parametrize("full_range", [False, True], ids=["round-to-nearest-grid", "full-range-grid"])
+def test_the_learned_values_stay_on_the_int4_grid(tiny, full_range):
     model, _, inputs = tiny
     names = block_linears(model)[:7]  # the first block's
-    found = learned.learn_rounding(model, inputs, dict.fromkeys(names, 32), options=STEPS, progress=quiet)
-    changed = 0
+    options = learned.LearnedRounding(steps=30, full_range=full_range)
+    found = learned.learn_rounding(model, inputs, dict.fromkeys(names, 32), options=options, progress=quiet)
+    changed, negative = 0, 0
     for fqn, weight in found.items():
-        tensor, rounded = weight.tensor, round_to_nearest(model.get_submodule(fqn).weight, 32)
+        float_weight = model.get_submodule(fqn).weight
+        tensor, rounded = weight.tensor, round_to_nearest(float_weight, 32)
         assert type(tensor) is type(rounded) and tensor.block_size == rounded.block_size
         assert tensor.qdata.dtype == torch.int8 and int(tensor.qdata.min()) >= -8 and int(tensor.qdata.max()) <= 7
         assert not bool(tensor.zero_point.any())
-        ratio = tensor.scale / rounded.scale  # each group's range clipped, never widened
-        assert float(ratio.max()) <= 1 + 1e-6 and float(ratio.min()) >= learned.CLIP_FLOOR - 1e-6
+        grouped = float_weight.view(*tensor.scale.shape, 32)
+        # each group's range clipped, never widened: from its largest weight over 7.5, or (full range) over 8
+        widest = grouped.abs().amax(-1) / (8.0 if full_range else 7.5)
+        ratio = tensor.scale.abs() / widest
+        assert float(ratio.max()) <= 1 + 1e-5 and float(ratio.min()) >= learned.CLIP_FLOOR - 1e-6
+        if full_range:  # negative where the group's extreme weight is positive: it lands on -8
+            extreme = grouped.gather(-1, grouped.abs().argmax(-1, keepdim=True))[..., 0]
+            assert torch.equal(tensor.scale < 0, extreme > 0)
+            negative += int((tensor.scale < 0).sum())
+        else:
+            assert bool((tensor.scale > 0).all())
         # a value moves at most one step from where its clipped scale rounds it
-        nearest = torch.clamp(
-            torch.round(model.get_submodule(fqn).weight.view(*tensor.scale.shape, 32) / tensor.scale[..., None]), -8, 7
-        )
+        nearest = torch.clamp(torch.round(grouped / tensor.scale[..., None]), -8, 7)
         assert int((tensor.qdata.view_as(nearest).float() - nearest).abs().max()) <= 1
         changed += int((tensor.qdata != rounded.qdata).sum())
-    assert changed > 0
+    assert changed > 0 and (negative > 0) == full_range
+
+
+def test_the_full_range_grid_rounds_closer_and_is_refused_where_the_kernels_take_positive_scales_only(tiny):
+    model, _, _ = tiny
+    for fqn in block_linears(model)[:7]:
+        weight = model.get_submodule(fqn).weight
+        errors = {}
+        for signed in (False, True):
+            rounding = learned._Rounding.of(weight, 32, signed=signed)
+            with torch.no_grad():
+                errors[signed] = float((rounding.dequantized(*rounding.beginning) - weight).pow(2).sum())
+        assert errors[True] < errors[False], fqn  # 16 values over the group's span, not 15 and a half
+    assert learned.LearnedRounding().signed("x86") and not learned.LearnedRounding().signed("xnnpack")
+    assert not learned.LearnedRounding(start="gptq").signed("x86")  # GPTQ's values sit on round to nearest's scales
+    with pytest.raises(AlgorithmError, match="positive scales only"):
+        learned.LearnedRounding(full_range=True).signed("xnnpack")
+    with pytest.raises(AlgorithmError, match="starts from round to nearest"):
+        learned.LearnedRounding(full_range=True, start="gptq").signed("x86")
 
 
 def test_started_from_gptqs_values_it_ends_no_worse_than_them_on_the_first_block(tiny):

@@ -21,7 +21,11 @@ the block's *output* is what is matched:
    than the start's (``c = 1``): a block never ends worse than where it started.
 
 The result is torchao's plain int4 layout (values in [-8, 7], one scale per row and group, zero
-points 0): the program, its ops and its bytes are round to nearest's. Linears of the block quantized
+points 0): the program, its ops and its bytes are round to nearest's. Where the kernels take a
+negative scale (x86's dequantize-then-matmul; not XNNPACK's), the grid is the full-range one:
+each group's extreme weight lands exactly on -8 (its scale is ``c`` times the group's absolute
+maximum over 8, negative where that weight is positive), so all 16 values span the group where
+round to nearest's leaves one half unused (``LearnedRounding.full_range``). Linears of the block quantized
 by another algorithm take their own weights in the loop; those left float stay float. One block's
 activations are held at a time (the float and the quantized inputs and the float outputs of every
 calibration batch, and the gradient of one batch through the block).
@@ -42,7 +46,7 @@ from torch.utils._pytree import tree_leaves
 from ...core.progress import Progress, steps
 from ..settings import GPTQ, LEARNED, RTN, module_blocks
 from .algorithms import QMAX, QMIN, AlgorithmError, QuantizedWeight, choose, gptq, int4_tensor, recording
-from .formats import GROUPED_FORMATS, INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, fake_quantized_tokens
+from .formats import GROUPED_FORMATS, INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, XNNPACK, fake_quantized_tokens
 
 # signed gradient steps a block, each on this many calibration batches, from round to nearest's
 # values (measured on SmolLM2 and the byte decoder: benchmarks/peers.py)
@@ -169,11 +173,13 @@ class _Rounding:
     start: torch.Tensor  # the offsets of the starting values (0: round to nearest), like weight
     offset: torch.Tensor  # v, like weight, in start -/+ 0.5
     clip: torch.Tensor  # c, rows x groups, in [CLIP_FLOOR, 1]
+    sign: torch.Tensor | None = None  # the full-range grid's scale signs, rows x groups; None: positive scales
 
     @classmethod
-    def of(cls, weight: torch.Tensor, group_size: int, values: torch.Tensor | None = None) -> _Rounding:
+    def of(cls, weight: torch.Tensor, group_size: int, values: torch.Tensor | None = None, signed: bool = False) -> _Rounding:
         """``weight``'s rounding, starting from round to nearest, or from int4 ``values`` (rows x
-        inputs, on round to nearest's scales: GPTQ's) where given."""
+        inputs, on round to nearest's scales: GPTQ's) where given. ``signed``: on the full-range
+        grid (the module's notes) instead of round to nearest's."""
         rows, inputs = weight.shape
         grouped = weight.detach().float().reshape(rows, inputs // group_size, group_size)
         largest = grouped.abs().amax(-1)
@@ -181,12 +187,18 @@ class _Rounding:
         if values is not None:  # the offset that rounds each weight to its starting value
             exact = grouped / (largest / ((QMAX - QMIN) / 2)).clamp_min(_SCALE_FLOOR)[..., None]
             start = values.reshape(grouped.shape).float() - exact
+        sign = None
+        if signed:  # the group's extreme weight lands on QMIN: a negative scale where that weight is positive
+            extreme = grouped.gather(-1, grouped.abs().argmax(-1, keepdim=True))[..., 0]
+            sign = torch.where(extreme > 0, -1.0, 1.0).to(grouped.dtype)
         clip = torch.ones(grouped.shape[:2], dtype=grouped.dtype, device=grouped.device)
-        return cls(grouped, largest, start, start.clone().requires_grad_(True), clip.requires_grad_(True))
+        return cls(grouped, largest, start, start.clone().requires_grad_(True), clip.requires_grad_(True), sign)
 
     def scale(self, clip: torch.Tensor | None = None) -> torch.Tensor:
         clip = self.clip if clip is None else clip
-        return (self.largest * clip / ((QMAX - QMIN) / 2)).clamp_min(_SCALE_FLOOR)
+        if self.sign is None:
+            return (self.largest * clip / ((QMAX - QMIN) / 2)).clamp_min(_SCALE_FLOOR)
+        return (self.largest * clip / -QMIN).clamp_min(_SCALE_FLOOR) * self.sign
 
     def values(self, offset: torch.Tensor | None = None, clip: torch.Tensor | None = None, straight: bool = False) -> tuple:
         """(int4 values, scales) for ``offset`` and ``clip`` (the learned ones by default);
@@ -268,13 +280,15 @@ class LearnedRounding:
     """How the learned rounding runs: ``steps`` signed gradient steps a block, each on the gradient
     of ``batches`` calibration batches (the next ones in turn), the step size falling linearly from
     ``rate`` (None: ``1 / steps``) to 0, from ``start``'s values (``"rtn"``: round to nearest's,
-    ``"gptq"``: GPTQ's on the block's inputs). None: the module's defaults (``LEARNED_STEPS``,
-    ``LEARNED_BATCHES``, ``LEARNED_START``), read when it runs."""
+    ``"gptq"``: GPTQ's on the block's inputs), on the full-range grid (``full_range``; None: where
+    the target's kernels take negative scales and the start is round to nearest's). None: the
+    module's defaults (``LEARNED_STEPS``, ``LEARNED_BATCHES``, ``LEARNED_START``), read when it runs."""
 
     steps: int | None = None
     batches: int | None = None
     rate: float | None = None
     start: str | None = None
+    full_range: bool | None = None
 
     @property
     def step_count(self) -> int:
@@ -287,6 +301,16 @@ class LearnedRounding:
     @property
     def starts_from(self) -> str:
         return self.start if self.start is not None else LEARNED_START
+
+    def signed(self, target: str) -> bool:
+        """Whether the rounding is learned on the full-range grid for ``target``."""
+        if self.full_range is None:
+            return target != XNNPACK and self.starts_from == RTN
+        if self.full_range and self.starts_from != RTN:
+            raise AlgorithmError("the learned rounding's full-range grid starts from round to nearest: start='rtn'")
+        if self.full_range and target == XNNPACK:
+            raise AlgorithmError("XNNPACK's int4 kernels take positive scales only: full_range=False there")
+        return self.full_range
 
     def step_size(self, step: int) -> float:
         count = self.step_count
@@ -301,13 +325,15 @@ def learn_rounding(
     dynamic: Mapping[str, bool] | None = None,
     *,
     options: LearnedRounding = LearnedRounding(),
+    target: str = X86,
     progress: Progress | None = None,
 ) -> dict[str, QuantizedWeight]:
     """The int4 weights of the Linears ``learned`` names (fqn -> group size) of ``model`` (float;
     never changed), learned block by block on the calibration batches ``inputs`` recorded. ``fixed``:
     the other quantized Linears' weights (dequantized) as the run will hold them; ``dynamic``: the
-    Linears whose input the kernel rounds to int8 per token -> whether symmetrically (8da4w: False). ``progress`` is called after
-    each block (it may raise to stop)."""
+    Linears whose input the kernel rounds to int8 per token -> whether symmetrically (8da4w: False);
+    ``target``: the kernels' (``LearnedRounding.signed``). ``progress`` is called after each block (it
+    may raise to stop)."""
     fixed, dynamic = dict(fixed or {}), dict(dynamic or {})
     if not inputs.hidden:
         raise AlgorithmError(
@@ -319,6 +345,7 @@ def learn_rounding(
             "wrote (blocks: " + ", ".join(inputs.blocks[:3]) + ", ...): choose GPTQ for these Linears"
         )
     _refuse_outside(learned, inputs.blocks)
+    signed = options.signed(target)
     found: dict[str, QuantizedWeight] = {}
     float_in = list(inputs.hidden)
     quant_in = list(inputs.hidden)
@@ -331,7 +358,7 @@ def learn_rounding(
                 float_out = [_call(block, h, a) for h, a in zip(float_in, arguments, strict=True)]
             own = {fqn: group for fqn, group in learned.items() if block_of(fqn) == name}
             others = {fqn: w for fqn, w in fixed.items() if block_of(fqn) == name}
-            found.update(_learn_block(block, name, own, others, dynamic, quant_in, float_out, arguments, options))
+            found.update(_learn_block(block, name, own, others, dynamic, quant_in, float_out, arguments, options, signed))
             settled = {fqn: _constant(q.dequantize(torch.float32)) for fqn, q in found.items() if fqn in own}
             settled.update({fqn: _constant(w) for fqn, w in others.items()})
             with torch.no_grad(), _linears_as(block, name, settled, dynamic):
@@ -351,12 +378,13 @@ def _learn_block(
     float_out: list[torch.Tensor],
     arguments: list[dict[str, Any]],
     options: LearnedRounding,
+    signed: bool = False,
 ) -> dict[str, QuantizedWeight]:
     if not own:
         return {}
     floats = {fqn: block.get_submodule(fqn[len(name) + 1 :]).weight for fqn in own}
     starts = _gptq_starts(block, name, own, quant_in, arguments) if options.starts_from == GPTQ else {}
-    roundings = {fqn: _Rounding.of(floats[fqn], group, starts.get(fqn)) for fqn, group in own.items()}
+    roundings = {fqn: _Rounding.of(floats[fqn], group, starts.get(fqn), signed) for fqn, group in own.items()}
     weights: dict[str, Callable[[], torch.Tensor]] = {fqn: r.dequantized for fqn, r in roundings.items()}
     weights.update({fqn: _constant(w) for fqn, w in others.items()})
     parameters = {p for p in block.parameters() if p.requires_grad}
@@ -394,7 +422,7 @@ def _learn_block(
     choice = min(errors, key=errors.get)
     chosen = candidates[choice]
     found = {fqn: r.result(own[fqn], floats[fqn].dtype, chosen[fqn]) for fqn, r in roundings.items()}
-    if choice == "start" and not starts:  # round to nearest, kept as such (``QuantizedWeight.compact``)
+    if choice == "start" and not starts and not signed:  # round to nearest, kept as such (``QuantizedWeight.compact``)
         return {fqn: replace(q, note=KEPT) for fqn, q in found.items()}
     return found
 
@@ -485,5 +513,5 @@ def learned_weights(
                 fixed[fqn] = choose(algorithm, module.weight, group).dequantize(torch.float32)
             elif quantize is not None:
                 fixed[fqn] = quantize(module, (name, group, algorithm)).dequantize(torch.float32)
-    results = learn_rounding(model, gathered[CAPTURE], learned, fixed, dynamic, options=options, progress=progress)
+    results = learn_rounding(model, gathered[CAPTURE], learned, fixed, dynamic, options=options, target=target, progress=progress)
     found.update({fqn: weight.compact() for fqn, weight in results.items()})
