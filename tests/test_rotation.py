@@ -165,6 +165,29 @@ def test_the_rotated_twin_keeps_the_sessions_data_metric_and_process_group(monke
     assert session.parts.rotations.twin(qw.Rotation()) is twin  # made once
 
 
+def test_r4_is_refused_on_fx_whose_convert_drops_the_online_product():
+    # the fact: convert_fx puts a new quantized module in the float Linear's place, without its pre-hook
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16)).eval()
+    model[0].register_forward_pre_hook(lambda _module, args: (args[0] * 4.0,))
+    x = torch.randn(8, 16)
+    prepared = prepare_fx(model, get_default_qconfig_mapping("x86"), (x,))
+    prepared(x)
+    converted = convert_fx(prepared)
+    with torch.no_grad():
+        without = torch.nn.functional.linear(x, model[0].weight, model[0].bias)  # the Linear alone, no product
+        assert sqnr_db(without, converted(x)) > 25 and sqnr_db(model(x), converted(x)) < 10  # the product is gone
+    # so a session on FX refuses R4 before anything runs, and says what to use
+    session = qw.QuantizationSession(
+        decoder(64, tied=False), (torch.zeros(1, 8, dtype=torch.long),), [(torch.zeros(1, 8, dtype=torch.long),)]
+    )
+    with pytest.raises(qw.InvalidSettingsError, match="drops its forward pre-hooks"):
+        session.apply({}, rotation=qw.Rotation(down=True))
+
+
 def test_r4_is_refused_on_the_xnnpack_target_before_anything_runs():
     pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
     model = decoder(64, tied=False)

@@ -131,12 +131,12 @@ class RealRuns:
         before anything runs for what the engine cannot apply. ``record=False``: a trial, measured at
         the output only and kept out of the history (its kernels checked too with ``check_kernels``).
         ``rotation``: folded into a copy of the float model first (the run's own, released with it)."""
+        problem = self.runner.engine.online_transform_problem() if rotation is not None and rotation.down else ""
+        if problem:  # before anything is prepared
+            raise InvalidSettingsError(f"R4 (Rotation(down=True)) cannot be measured here: {problem}")
         config = self.runner.config_for(settings)
         source = self.migrations.model_for(settings)
         if rotation is not None:
-            problem = self.runner.engine.online_transform_problem() if rotation.down else ""
-            if problem:
-                raise InvalidSettingsError(f"R4 (Rotation(down=True)) cannot be measured here: {problem}")
             source = rotate(source if source is not None else self.runner.float_model, rotation)
         checks = self._checks_kernels if record or check_kernels else None
         return self._run(config, label, progress, record, float_model=source, settings=settings, checks=checks, rotation=rotation)

@@ -29,6 +29,15 @@ from .simulate import Simulator, qparams_after_float
 __all__ = ["FxEngine"]
 
 
+# convert_fx swaps each quantized module for a new one: a forward pre-hook on the float module (R4's
+# product on down_proj's input) does not follow it, and the quantized model runs without the product
+ONLINE_PRODUCT_DROPPED = (
+    "convert_fx replaces each quantized Linear by a new module and drops its forward pre-hooks, so R4's Hadamard "
+    "on down_proj's input would be lost from the quantized model: use Rotation() (R1 + R2, folded into the weights), "
+    "or the eager or PT2E engine for R4"
+)
+
+
 class FxEngine(Engine[FxConfig]):
     """``prepare_fx`` -> calibrate -> ``convert_fx``, starting from ``qconfig_mapping``.
 
@@ -93,6 +102,9 @@ class FxEngine(Engine[FxConfig]):
 
     def kernel_words(self) -> str:
         return f"torch's {self.backend} int8 kernels on the CPU"
+
+    def online_transform_problem(self) -> str:
+        return ONLINE_PRODUCT_DROPPED
 
     def prepare(self, float_model: torch.nn.Module, config: FxConfig, example_inputs: tuple[Any, ...]) -> torch.fx.GraphModule:
         extra: dict[str, Any] = {}
