@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import qreport_widgets as qw
 from qreport_widgets.core.metrics import is_float_output, perplexity, sqnr_db
 from qreport_widgets.core.progress import quiet
+from qreport_widgets.engines import build_engine
 from qreport_widgets.engines.rotation import ONLINE_HADAMARD, hadamard, random_rotation
 
 
@@ -106,7 +107,12 @@ def test_a_session_run_takes_a_rotation_and_measures_against_the_original_float_
     generator = torch.Generator().manual_seed(2)
     batches = [(torch.randint(0, 256, (2, 32), generator=generator),) for _ in range(6)]
     report = qw.analyze(
-        model, batches[0], batches[:4], eval_data=batches[4:], engine="eager", format="int4-weight-only", metric="perplexity"
+        model,
+        batches[0],
+        batches[:4],
+        eval_data=batches[4:],
+        engine=build_engine("eager", format="int4-weight-only"),
+        metric="perplexity",
     )
     session = report.session
     plain = session.apply({})
@@ -186,6 +192,33 @@ def test_r4_is_refused_on_fx_whose_convert_drops_the_online_product():
     )
     with pytest.raises(qw.InvalidSettingsError, match="drops its forward pre-hooks"):
         session.apply({}, rotation=qw.Rotation(down=True))
+
+
+def test_fit_with_rotation_checks_its_arguments_before_any_front_is_built():
+    model = decoder(64, tied=False)
+    generator = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 256, (2, 32), generator=generator),) for _ in range(6)]
+    session = qw.QuantizationSession(
+        model, batches[0], batches[:4], batches[4:], engine=build_engine("eager", format="int4-weight-only"), metric="perplexity"
+    )
+    with pytest.raises(ValueError, match="needs max_size_bytes"):
+        session.fit(rotation=True)
+    with pytest.raises(ValueError, match="infinite SQNR"):
+        session.fit(target_sqnr_db=float("inf"), rotation=True)
+    with pytest.raises(ValueError, match="no quantized model of it will meet"):
+        session.fit(target_metric=session.float_metric() * 0.5, rotation=True)
+    assert session.parts.rotations.twins == {}  # no rotated front was built for any of them
+    fx = qw.QuantizationSession(model, batches[0], batches[:4], engine="fx")
+    with pytest.raises(qw.InvalidSettingsError, match="which the eager engine builds"):
+        fx.fit(max_size_bytes=1e6, rotation=True)
+    # a rotation the model does not take is refused only when it is asked for
+    layernormed = decoder(64, tied=False)
+    layernormed.model.norm = nn.LayerNorm(64)
+    other = qw.QuantizationSession(layernormed, batches[0], batches[:4], engine="eager")
+    assert set(other.rotation_problems()) == {"R1"}
+    with pytest.raises(qw.InvalidSettingsError, match="R1: model.norm"):
+        other.parts.rotations.check(qw.Rotation())
+    other.parts.rotations.check(qw.Rotation(residual=False))  # R2 alone applies
 
 
 def test_r4_is_refused_on_the_xnnpack_target_before_anything_runs():

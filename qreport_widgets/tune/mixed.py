@@ -123,6 +123,28 @@ class MixedPrecision:
         front = self._fronts.get(False, self._fronts.get(True))
         return {} if front is None else {"size_front": front.points.copy()}
 
+    def check_goal(self, max_size_bytes: float | None, target_sqnr_db: float | None, target_metric: float | None) -> None:
+        """A fit's goal refused before any front is built: none given, or a target no quantized model
+        can meet (an infinite SQNR; a metric the float model itself misses)."""
+        if target_metric is not None and self.runner.eval_fn is None:
+            raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
+        if max_size_bytes is None and target_sqnr_db is None and target_metric is None:
+            raise ValueError("fit() needs max_size_bytes, target_sqnr_db, target_metric or a combination")
+        if target_sqnr_db is not None and not math.isfinite(target_sqnr_db):
+            raise ValueError(f"target_sqnr_db={target_sqnr_db}: only the float model's output has an infinite SQNR")
+        measures = self.runner.metric
+        reference = self.runner.float_metric() if target_metric is not None and measures is not None else None
+        if (
+            measures is not None
+            and reference is not None
+            and target_metric is not None
+            and not measures.meets(reference, target_metric)
+        ):
+            raise ValueError(
+                f"the float model's {measures.name} is {reference:.6g}, short of the target {measures.words(target_metric)}: "
+                "no quantized model of it will meet that"
+            )
+
     def fit(
         self,
         max_size_bytes: float | None = None,
@@ -132,10 +154,7 @@ class MixedPrecision:
         by_block: bool = False,
     ) -> RunResult:
         """``fit()`` on the front, the run in its place in the history with the notes added."""
-        if target_metric is not None and self.runner.eval_fn is None:
-            raise ValueError("target_metric needs the session's eval_fn (pass eval_fn= to analyze() or the session)")
-        if max_size_bytes is None and target_sqnr_db is None and target_metric is None:
-            raise ValueError("fit() needs max_size_bytes, target_sqnr_db, target_metric or a combination")
+        self.check_goal(max_size_bytes, target_sqnr_db, target_metric)
         kernels = self.real.truth(quiet).real_kernels  # a real run may find more (``RealRuns.adopt_kernels``)
         goal = (max_size_bytes, target_sqnr_db, target_metric, progress, self.runner.metric)
         found = fit(self.real.apply, self.front(progress, by_block), *goal)

@@ -74,6 +74,27 @@ class Rotations:
         with torch.no_grad():
             return self.runner.engine.block_sqnr(self.reference(run.rotation), run.quantized_model, data[batch])
 
+    def check(self, rotation: Rotation) -> None:
+        """``fit(rotation=...)`` refused before any front is built: on an engine without the int4
+        fronts, where a rotation asked for does not apply, or R4 where its product cannot be measured."""
+        engine = self.runner.engine
+        if engine.name != "eager":
+            raise InvalidSettingsError(
+                f"fit(rotation=...) weighs a rotated decoder's size front, which the eager engine builds (its int4 "
+                f"formats and algorithms); on the {engine.name} engine, measure a rotated run with apply(settings, "
+                "rotation=...)"
+            )
+        asked = {"R1": rotation.residual, "R2": rotation.values}
+        problems = {name: why for name, why in self.problems().items() if asked.get(name)}
+        if problems:
+            raise InvalidSettingsError(
+                f"fit(rotation={rotation!r}) on a model the rotations do not apply to: "
+                + "; ".join(f"{name}: {why}" for name, why in problems.items())
+            )
+        problem = engine.online_transform_problem() if rotation.down else ""
+        if problem:
+            raise InvalidSettingsError(f"R4 (Rotation(down=True)) cannot be measured here: {problem}")
+
     def fit(
         self,
         goal: tuple[float | None, float | None, float | None],
@@ -86,8 +107,8 @@ class Rotations:
             rotation = Rotation()
         if not rotation:
             return self.mixed.fit(*goal, progress, by_block)
-        if self.problems():
-            raise InvalidSettingsError(f"fit(rotation=...) on a model the rotations do not apply to: {self.problems()}")
+        self.check(rotation)
+        self.mixed.check_goal(*goal)
         twin = self.twin(rotation)
         fronts = (self.mixed.front(progress, by_block), twin.mixed.front(progress, by_block))
         metric = self.runner.metric
