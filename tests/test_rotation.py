@@ -68,6 +68,16 @@ def test_the_rotated_float_model_gives_the_same_logits_and_the_users_model_is_un
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied and model.config.tie_word_embeddings == tied
     # the rotated head unties: the final norm's scale is folded into it alone
     assert rotated.lm_head.weight is not rotated.model.embed_tokens.weight and not rotated.config.tie_word_embeddings
+    assert rotated.model.config is rotated.config  # the inner model reads the same (untied) config
+    # each rotation moves the weights it is said to: R1 every reader of the stream, R2 the values' and the
+    # attention output's (a test comparing logits alone would pass if either did nothing)
+    alone = {"R1": qw.rotate(model, qw.Rotation(values=False)), "R2": qw.rotate(model, qw.Rotation(residual=False))}
+    first = {name: m.model.layers[0].self_attn for name, m in (("float", model), ("both", rotated), *alone.items())}
+    assert torch.equal(first["R2"].q_proj.weight, first["float"].q_proj.weight)  # R2 leaves the queries alone
+    assert not torch.allclose(first["R1"].q_proj.weight, first["float"].q_proj.weight, atol=1e-3)
+    for name in ("v_proj", "o_proj"):
+        assert not torch.allclose(getattr(first["R2"], name).weight, getattr(first["float"], name).weight, atol=1e-3)
+        assert not torch.allclose(getattr(first["both"], name).weight, getattr(first["R1"], name).weight, atol=1e-3)
     # what the rotation is for: the residual stream's outlier channels are spread over all of them
     peak = model.model.embed_tokens.weight.abs().amax(0)
     peak_rotated = rotated.model.embed_tokens.weight.abs().amax(0)

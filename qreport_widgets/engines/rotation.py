@@ -224,9 +224,13 @@ def _eps(norm: nn.Module) -> float:
 def _untie_head(model: nn.Module, decoder: _Decoder) -> None:
     if decoder.head.weight is decoder.embedding.weight:
         decoder.head.weight = nn.Parameter(decoder.head.weight.detach().clone())
-        if hasattr(model, "config") and getattr(model.config, "tie_word_embeddings", False):
-            model.config = copy.deepcopy(model.config)
-            model.config.tie_word_embeddings = False  # a later tie_weights() must not undo the rotation
+        old = getattr(model, "config", None)
+        if old is not None and getattr(old, "tie_word_embeddings", False):
+            config = copy.deepcopy(old)
+            config.tie_word_embeddings = False  # a later tie_weights() must not undo the rotation
+            for module in model.modules():  # every module that shared the config (the inner model's too)
+                if getattr(module, "config", None) is old:
+                    module.config = config
 
 
 def _fold_norms(decoder: _Decoder) -> None:
