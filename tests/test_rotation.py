@@ -14,7 +14,7 @@ import qreport_widgets as qw
 from qreport_widgets.core.metrics import is_float_output, perplexity, sqnr_db
 from qreport_widgets.core.progress import quiet
 from qreport_widgets.engines import build_engine
-from qreport_widgets.engines.rotation import ONLINE_HADAMARD, hadamard, random_rotation
+from qreport_widgets.engines.rotation import ONLINE_HADAMARD, hadamard, matrix_words, random_rotation
 
 
 def decoder(hidden: int = 48, tied: bool = True) -> LlamaForCausalLM:
@@ -43,6 +43,15 @@ def test_hadamard_matrices_of_the_orders_decoders_use(order):
     assert torch.equal(h @ h.T, order * torch.eye(order, dtype=torch.float64))
     q = random_rotation(order, torch.Generator().manual_seed(0))
     assert torch.allclose(q @ q.T, torch.eye(order, dtype=torch.float64), atol=1e-12)
+
+
+def test_an_order_without_a_hadamard_matrix_is_said_with_its_cost():
+    model = decoder(48, tied=False)  # intermediate 96 = 8 x 12: a Hadamard order; 48 = 4 x 12 too
+    assert "R4: a Hadamard matrix of order 96" in matrix_words(model, qw.Rotation(down=True))
+    model.config.intermediate_size = 100
+    odd = LlamaForCausalLM(model.config).eval()
+    said = matrix_words(odd, qw.Rotation(down=True))
+    assert "R4: no Hadamard matrix of order 100 is built here" in said and "10,000 multiply-adds a token" in said
 
 
 def test_an_order_without_a_hadamard_matrix_here_gets_a_random_orthogonal_one():
@@ -121,7 +130,8 @@ def test_a_session_run_takes_a_rotation_and_measures_against_the_original_float_
         batches[0],
         batches[:4],
         eval_data=batches[4:],
-        engine=build_engine("eager", format="int4-weight-only"),
+        engine="eager",
+        format="int4-weight-only",
         metric="perplexity",
     )
     session = report.session
@@ -129,6 +139,9 @@ def test_a_session_run_takes_a_rotation_and_measures_against_the_original_float_
     rotated = session.apply({}, rotation=qw.Rotation())
     assert rotated.ok and rotated.rotation == qw.Rotation() and plain.rotation is None
     assert any(note.startswith("rotated: R1 (residual stream) + R2 (values per head)") for note in rotated.notes)
+    assert any(
+        "R1: a Hadamard matrix of order 64 with random signs; R2: a Hadamard matrix of order 16" in n for n in rotated.notes
+    )
     runs = session.compare()[0].set_index("run")["changes"]  # the runs table says which run was rotated
     assert runs[rotated.label] == "the float model: rotated: R1 (residual stream) + R2 (values per head)"
     assert runs[plain.label] == "the starting settings"
@@ -215,8 +228,6 @@ def test_fit_with_rotation_checks_its_arguments_before_any_front_is_built():
         session.fit(rotation=True)
     with pytest.raises(ValueError, match="infinite SQNR"):
         session.fit(target_sqnr_db=float("inf"), rotation=True)
-    with pytest.raises(ValueError, match="no quantized model of it will meet"):
-        session.fit(target_metric=session.float_metric() * 0.5, rotation=True)
     assert session.parts.rotations.twins == {}  # no rotated front was built for any of them
     fx = qw.QuantizationSession(model, batches[0], batches[:4], engine="fx")
     with pytest.raises(qw.InvalidSettingsError, match="which the eager engine builds"):

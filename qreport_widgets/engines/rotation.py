@@ -104,6 +104,32 @@ def random_rotation(n: int, generator: torch.Generator) -> torch.Tensor:
     return found * signs / math.sqrt(n)
 
 
+def matrix_words(model: nn.Module, rotation: Rotation) -> str:
+    """Which matrix each rotation of ``rotation`` takes on ``model`` (its orders), and what an order
+    without a Hadamard matrix here costs: folded rotations nothing at run time, R4's product a dense
+    ``n x n`` one a token per block (a Hadamard one could run as a fast transform)."""
+    decoder = _decoder(model)
+    sizes = {
+        "R1": (rotation.residual, decoder.embedding.weight.shape[1]),
+        "R2": (rotation.values, int(getattr(decoder.layers[0].self_attn, "head_dim", 0) or 0)),
+        "R4": (rotation.down, decoder.layers[0].mlp.down_proj.weight.shape[1]),
+    }
+    said = []
+    for name, (asked, n) in sizes.items():
+        if not asked or not n:
+            continue
+        if hadamard(n) is not None:
+            said.append(f"{name}: a Hadamard matrix of order {n} with random signs")
+        elif name == "R4":
+            said.append(
+                f"{name}: no Hadamard matrix of order {n} is built here (not 2^a 12^b 20^c): a random orthogonal one, "
+                f"its product {n * n:,} multiply-adds a token in each block (dense, as a Hadamard one runs here too)"
+            )
+        else:
+            said.append(f"{name}: no Hadamard matrix of order {n} here: a random orthogonal one (folded: no cost at run time)")
+    return "; ".join(said)
+
+
 @dataclass
 class _Decoder:
     embedding: nn.Embedding

@@ -14,7 +14,7 @@ import torch
 
 from ..core.metrics import token_ids
 from ..core.progress import Progress, quiet
-from ..engines.rotation import Rotation, rotate
+from ..engines.rotation import Rotation, matrix_words, rotate
 from ..engines.settings import ModuleSettings
 from ..errors import DecodeSpeedError, InvalidSettingsError, ModelReleasedError, QReportWarning
 from .history import History
@@ -214,7 +214,8 @@ class RealRuns:
             config, label, progress, per_layer=record, check_kernels=checks, float_model=float_model, settings=settings
         )
         if rotation is not None:
-            said = f"rotated: {rotation.words} folded into the float weights first (seed {rotation.seed})"
+            matrices = matrix_words(self.runner.float_model, rotation)
+            said = f"rotated: {rotation.words} folded into the float weights first (seed {rotation.seed}; {matrices})"
             result = replace(result.noted(said), rotation=rotation)
         if not record:
             return result
