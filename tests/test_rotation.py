@@ -230,7 +230,7 @@ def test_fit_with_rotation_checks_its_arguments_before_any_front_is_built():
         session.fit(target_sqnr_db=float("inf"), rotation=True)
     assert session.parts.rotations.twins == {}  # no rotated front was built for any of them
     fx = qw.QuantizationSession(model, batches[0], batches[:4], engine="fx")
-    with pytest.raises(qw.InvalidSettingsError, match="which the eager engine builds"):
+    with pytest.raises(qw.InvalidSettingsError, match="over the eager engine.s int4 formats"):
         fx.fit(max_size_bytes=1e6, rotation=True)
     # a rotation the model does not take is refused only when it is asked for
     layernormed = decoder(64, tied=False)

@@ -116,6 +116,15 @@ class Engine(ABC, Generic[ConfigT]):
         model's own device (default)."""
         return None
 
+    def rotated_front_problem(self) -> str:
+        """Why ``fit(rotation=...)`` cannot weigh a rotated model's size front on this engine; ""
+        where it can. Default: the int4 formats and algorithms the rotation is weighed for are the
+        eager engine's, which says "" here."""
+        return (
+            f"fit(rotation=...) weighs a rotated decoder's size front over the eager engine's int4 formats and "
+            f"algorithms; on the {self.name} engine, measure a rotated run with apply(settings, rotation=...)"
+        )
+
     def online_transform_problem(self) -> str:
         """Why a product computed as the model runs besides its modules (R4's Hadamard on a Linear's
         input) cannot be measured by this engine's runs; "" where it can (default)."""

@@ -78,12 +78,8 @@ class Rotations:
         """``fit(rotation=...)`` refused before any front is built: on an engine without the int4
         fronts, where a rotation asked for does not apply, or R4 where its product cannot be measured."""
         engine = self.runner.engine
-        if engine.name != "eager":
-            raise InvalidSettingsError(
-                f"fit(rotation=...) weighs a rotated decoder's size front, which the eager engine builds (its int4 "
-                f"formats and algorithms); on the {engine.name} engine, measure a rotated run with apply(settings, "
-                "rotation=...)"
-            )
+        if engine.rotated_front_problem():
+            raise InvalidSettingsError(engine.rotated_front_problem())
         asked = {"R1": rotation.residual, "R2": rotation.values}
         problems = {name: why for name, why in self.problems().items() if asked.get(name)}
         if problems:

@@ -220,6 +220,9 @@ class EagerEngine(Engine[EagerConfig]):
     def kernel_device(self) -> torch.device:
         return CPU  # both targets are CPUs: torchao's x86 kernels, or XNNPACK in ExecuTorch's runtime
 
+    def rotated_front_problem(self) -> str:
+        return ""
+
     def online_transform_problem(self) -> str:
         return ONLINE_PRODUCT_FAILS if self.target == XNNPACK else ""
 
