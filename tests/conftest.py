@@ -76,6 +76,7 @@ def pytest_configure(config):
     same weights) and loaded from there after; the weights in ``tests/weights`` are put there
     first. A ``QREPORT_WIDGETS_CACHE`` already set is kept (a developer's repeated runs skip the
     training); else a fresh folder per run."""
+    _threads_per_worker()
     if not os.environ.get(CACHE_VARIABLE):
         os.environ[CACHE_VARIABLE] = tempfile.mkdtemp(prefix="qreport-demo-weights-")
     folder = Path(os.environ[CACHE_VARIABLE])
@@ -83,6 +84,16 @@ def pytest_configure(config):
     for weights in COMMITTED_WEIGHTS.glob("*.pt"):
         if not (folder / weights.name).exists():
             shutil.copyfile(weights, folder / weights.name)
+
+
+def _threads_per_worker() -> None:
+    """Under ``pytest -n N`` (``make test``: the files shared among workers), each worker takes its
+    share of the cores, and so do the processes it starts (notebook kernels, ranks, the runtime's)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 @pytest.fixture(scope="session")
@@ -148,10 +159,26 @@ def _browser_runs_notebooks(items) -> bool:
     return os.path.exists(chromium) and any(item.path.name == "test_quickstart_browser.py" for item in items)
 
 
+# the files that take longest (minutes of ExecuTorch lowering, a browser, trained decoders), collected
+# first: ``make test`` hands whole files to its workers in collection order, and a long file handed
+# out last would leave one worker running alone at the end
+LONGEST_FIRST = (
+    "test_eager_xnnpack.py",
+    "test_xnnpack.py",
+    "test_quickstart_browser.py",
+    "test_learned_rounding.py",
+    "test_distributed.py",
+    "test_text_decoder.py",
+    "test_weight_algorithms.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """Notebooks that need an optional extra skip, cell by cell, where it is not installed (the tests
     of an extra skip at import, ``pytest.importorskip``); the slow notebooks' cells are marked slow;
-    the notebooks the browser tests run are left to them where they run."""
+    the notebooks the browser tests run are left to them where they run; the longest files first
+    (``LONGEST_FIRST``), each file's tests in their order."""
+    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST else len(LONGEST_FIRST))
     if _browser_runs_notebooks(items):
         covered = [item for item in items if item.path.name in BROWSER_NOTEBOOKS]
         if covered:
