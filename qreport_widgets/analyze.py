@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import pandas as pd
 import torch
 from torch.ao.quantization import QConfigMapping
 
@@ -13,7 +14,7 @@ from .core.devices import MovedBatches, device_mismatch, model_device, moved
 from .core.memory import WatchedCopy
 from .core.metrics import Metric
 from .engines import build_engine
-from .errors import DeviceMismatchError
+from .errors import DeviceMismatchError, warn_user
 from .observe.detectors import (
     DetectorBase,
     DynamicStaticDetector,
@@ -202,7 +203,25 @@ def analyze(
         report.attach_session(None, f"{type(error).__name__}: {error}")
     else:
         report.attach_session(session)
+        _warn_untunable(session.untunable_weights())
     return report
+
+
+UNTUNABLE_SHARE = 0.01  # analyze warns when weights no tunable module holds are more of the bytes than this
+
+
+def _warn_untunable(found: pd.DataFrame) -> None:
+    share = float(found["share"].sum()) if len(found) else 0.0
+    if share <= UNTUNABLE_SHARE:
+        return
+    shown = ", ".join(f"{row.weight} {tuple(row.shape)}" for row in found.head(3).itertuples())
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+    warn_user(
+        f"{share:.0%} of the model's weight bytes sit in {len(found)} weight{'s' if len(found) > 1 else ''} no tunable "
+        f"module holds ({shown}{more}): "
+        "they stay float whatever the settings, and every size counts them at full width; "
+        "session.untunable_weights() lists them"
+    )
 
 
 def _moved_to(

@@ -135,6 +135,22 @@ class Runner:
     def current_settings(self) -> dict[str, ModuleSettings]:
         return {m.fqn: m.current for m in self.modules}
 
+    def untunable_weights(self) -> pd.DataFrame:
+        """The float model's weights (two dimensions or more over 1; tied ones once) that no tunable module holds, so
+        they stay float whatever the settings (a mixture of experts' 3-d expert weights, a custom
+        module's matrix): ``weight``, ``shape``, ``bytes`` and ``share`` of all the weights' bytes."""
+        owners = {m.fqn for m in self.modules}
+        rows, total = [], 0
+        for name, weight in self.float_model.named_parameters():
+            size = weight.numel() * weight.element_size()
+            total += size
+            matrix = sum(size > 1 for size in weight.shape) >= 2  # not a (1, tokens, width) table or a token
+            if matrix and name.rpartition(".")[0] not in owners:
+                rows.append({"weight": name, "shape": tuple(weight.shape), "bytes": size})
+        found = pd.DataFrame(rows, columns=["weight", "shape", "bytes"])
+        found["share"] = found["bytes"] / max(total, 1)
+        return found.sort_values("bytes", ascending=False, kind="stable").reset_index(drop=True)
+
     def config_for(self, settings: Mapping[str, ModuleSettings]) -> Any:
         """The engine's configuration of ``settings``; InvalidSettingsError for what it cannot apply."""
         modules = self.modules

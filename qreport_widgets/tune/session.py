@@ -114,6 +114,12 @@ class QuantizationSession(SimulatedQuestions):
         """What each tunable module does under the starting configuration."""
         return self.parts.runner.current_settings()
 
+    def untunable_weights(self) -> pd.DataFrame:
+        """The weights no tunable module holds (they stay float whatever the settings: a mixture of
+        experts' 3-d expert weights, a custom module's matrix), largest first, with their share of
+        the model's weight bytes; ``analyze`` warns when they are more than 1% of them."""
+        return self.parts.runner.untunable_weights()
+
     def suggested_settings(self, suggestions: Iterable[Suggestion]) -> dict[str, ModuleSettings]:
         """The current settings with ``suggestions`` (e.g. ``report.suggestions()``) accepted, unmeasured."""
         return with_suggestions(self.modules, suggestions)
