@@ -314,11 +314,13 @@ class EagerEngine(Engine[EagerConfig]):
         blocks = [b for b in module_blocks(names) if b in modules and next(modules[b].children(), None) is not None]
         if not blocks:
             return pd.Series(dtype=float, name="SQNR (dB)")
-        expected = module_outputs(float_model, blocks, batch, first=True)
+        expected = module_outputs(float_model, blocks, moved(batch, model_device(float_model)), first=True)
+        # the batch goes where each model is: a run's copy sits where its kernels are (a program: the CPU)
+        there = moved(batch, CPU if isinstance(quantized, DeployedProgram) else model_device(quantized))
         if isinstance(quantized, DeployedProgram):
-            found = program_taps(quantized, blocks).outputs(*(batch if isinstance(batch, tuple) else (batch,)))
+            found = program_taps(quantized, blocks).outputs(*(there if isinstance(there, tuple) else (there,)))
         else:
-            found = {name: [output] for name, output in module_outputs(quantized, blocks, batch, first=True).items()}
+            found = {name: [output] for name, output in module_outputs(quantized, blocks, there, first=True).items()}
         values = {}
         for block in blocks:
             same = [t for t in found.get(block, []) if block in expected and t.shape == expected[block].shape]
