@@ -322,6 +322,15 @@ def test_what_the_simulation_keeps_of_each_result_rebuilds_it_exactly():
         assert torch.equal(again.dequantize(), quantized.dequantize()) and again.note == quantized.note
 
 
+def test_gram_matrices_are_gathered_in_one_pass_where_free_memory_holds_them_else_in_runs():
+    features = {f"layers.{i}.{name}": width for i in range(3) for name, width in (("q", 64), ("down", 128))}
+    held = sum(8 * width**2 for width in features.values())  # float64 sums
+    assert algorithms.gram_runs(features, weight_bytes=0, free=4 * held) == [list(features)]
+    runs = algorithms.gram_runs(features, weight_bytes=held / 0.15 / 3, free=0)  # a third of them a run
+    assert [name for run in runs for name in run] == list(features) and len(runs) == 3
+    assert algorithms.gram_runs(features, weight_bytes=0, free=0) == [[name] for name in features]  # one a run at least
+
+
 def test_a_real_run_gathers_gptq_inputs_in_runs_of_modules_and_gets_the_same_model(monkeypatch):
     import qreport_widgets.tune.runner as runner
 
@@ -336,7 +345,8 @@ def test_a_real_run_gathers_gptq_inputs_in_runs_of_modules_and_gets_the_same_mod
     passes.clear()
     together = session.apply(settings)
     assert together.ok and passes == ["run 2: calibrating"]
-    monkeypatch.setattr(algorithms, "GRAM_SHARE", 1e-9)  # one module a run
+    monkeypatch.setattr(algorithms, "GRAM_SHARE", 1e-9)  # one module a run, whatever memory is free
+    monkeypatch.setattr(algorithms, "GRAM_FREE_SHARE", 0.0)
     passes.clear()
     apart = session.apply(settings)
     # one pass per module, but one for q/k/v: the Linears asked AWQ that read one input share its statistics

@@ -152,6 +152,13 @@ def free_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def device_free_bytes(device: torch.device) -> int:
+    """The memory free on ``device``: a CUDA device's own, else the machine's (``free_bytes``)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return free_bytes()
+
+
 def ensure_room(step: str, weights: int, output: int, doing: str) -> None:
     """Refuses ``doing`` (a step of kind ``step``, see ``STEP_WEIGHTS``) with ``NotEnoughMemoryError``
     when what it is estimated to allocate, for ``weights`` bytes of quantized modules' float weights

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.devices import float64_on
-from ...core.memory import give_back
+from ...core.devices import float64_on, model_device
+from ...core.memory import device_free_bytes, give_back
 from ...errors import QReportError
 from ..folds import ROWS, Fold, fold_scale, input_folds, rows_divided
 from ..settings import AWQ, GPTQ, HQQ, LEARNED, RTN
@@ -580,16 +580,20 @@ def choose(algorithm: str, weight: torch.Tensor, group_size: int, statistics: In
     raise ValueError(f"unknown weight algorithm {algorithm!r}")
 
 
-# the input Gram matrices GPTQ and AWQ read, held at once up to this share of the float weights (a
-# 134M decoder's are 0.7 of its weights: five calibration passes instead of one)
+# the input Gram matrices GPTQ and AWQ read are held at once up to the larger of this share of the
+# float weights and GRAM_FREE_SHARE of the memory free on the model's device when they are gathered:
+# one calibration pass where memory allows (a 134M decoder's are 0.7 of its float32 weights, 1.0 GB;
+# in runs of 15% they took 13 passes), runs of modules where it does not (a 7B decoder's are 44 GB)
 GRAM_SHARE = 0.15
+GRAM_FREE_SHARE = 0.25
 
 
-def gram_runs(features: Mapping[str, int], weight_bytes: float) -> list[list[str]]:
+def gram_runs(features: Mapping[str, int], weight_bytes: float, free: float = 0.0) -> list[list[str]]:
     """The modules (name -> input features) in runs whose input Gram matrices (features x features
-    floats each) hold at most ``GRAM_SHARE`` of ``weight_bytes`` together, at least one module a
-    run, in order: each run one calibration pass, so a decoder's Gram matrices are never all held at once."""
-    room = GRAM_SHARE * weight_bytes
+    float64 sums each) hold at most the larger of ``GRAM_SHARE`` of ``weight_bytes`` and
+    ``GRAM_FREE_SHARE`` of ``free`` (the bytes free where they are gathered) together, at least one
+    module a run, in order: each run one calibration pass."""
+    room = max(GRAM_SHARE * weight_bytes, GRAM_FREE_SHARE * free)
     runs: list[list[str]] = [[]]
     held = 0.0
     for fqn, count in features.items():
@@ -679,7 +683,8 @@ def weights_in_runs(
     features = {fqn: int(model.get_submodule(fqn).weight.shape[1]) for fqn in recorded}
     if not features:
         return
-    for run in gram_runs(features, sum(p.numel() * p.element_size() for p in model.parameters())):
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    for run in gram_runs(features, weights, device_free_bytes(model_device(model))):
         with torch.no_grad(), recording(model, run) as statistics:
             yield statistics
         for fqn in run:

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ...core.calibration import call_with
-from ...core.memory import free_bytes, give_back, tensors_bytes
+from ...core.devices import model_device
+from ...core.memory import device_free_bytes, free_bytes, give_back, tensors_bytes
 from ...core.metrics import sqnr_db
 from ..contract import Variant, WholePasses
 from ..folds import input_folds
@@ -200,7 +201,9 @@ class EagerSimulation(WholePasses):
             shares = awq_shares(choices, self._folds)
             recorded = [(fqn, key) for fqn, key in missing if key[2] != AWQ or fqn in shares]
             features = {fqn: int(self._float[fqn].shape[1]) for fqn, _ in recorded}
-            for modules in gram_runs(features, sum(tensor_bytes(w) for w in self._float.values())) if features else ():
+            held = sum(tensor_bytes(w) for w in self._float.values())
+            free = device_free_bytes(model_device(self.model))
+            for modules in gram_runs(features, held, free) if features else ():
                 with torch.no_grad(), recording(self.model, modules) as gathered:
                     self._calibrate(self.model, gathered)  # merged across ranks, if any
                 for fqn in modules:
