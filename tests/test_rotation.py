@@ -321,3 +321,19 @@ def test_fit_weighs_the_rotated_model_as_one_more_choice_and_returns_the_better_
     other = qw.analyze(cnn, images[0], images, engine="eager", format="int4-weight-only", progress=False).session
     with pytest.raises(qw.InvalidSettingsError, match="rotations do not apply"):
         other.fit(max_size_bytes=10_000, rotation=True)
+
+
+def test_rotate_checks_itself_on_an_example_and_refuses_a_layout_its_folds_do_not_commute_with():
+    model = decoder(64, tied=False)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    assert qw.rotate(model, qw.Rotation(), (ids,)) is not None  # the Llama layout passes its own check
+    # a per-channel scale on a block's output (as some models' "layer scale"): every module is named as in
+    # Llama, so nothing in the names says R1 cannot apply; the rotated model's logits do
+    scale = torch.linspace(0.5, 1.5, 64)
+    model.model.layers[0].register_forward_hook(
+        lambda _m, _a, output: (output[0] * scale, *output[1:]) if isinstance(output, tuple) else output * scale
+    )
+    assert qw.rotation_problems(model) == {}
+    with pytest.raises(qw.InvalidSettingsError, match=r"changes what this llama model computes: the rotated model's output is"):
+        qw.rotate(model, qw.Rotation(), (ids,))
+    qw.rotate(model, qw.Rotation(residual=False), (ids,))  # R2 stays within the attention: it still applies

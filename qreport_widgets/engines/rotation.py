@@ -25,10 +25,13 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..core.calibration import call_with
+from ..core.metrics import FLOAT_ROUNDOFF_DB, is_float_output, output_tensor, sqnr_db
 from ..errors import InvalidSettingsError
 
 ONLINE_HADAMARD = "online_hadamard"  # the buffer R4's pre-hook multiplies down_proj's input by
@@ -167,9 +170,11 @@ def rotation_problems(model: nn.Module) -> dict[str, str]:
     return problems
 
 
-def rotate(model: nn.Module, rotation: Rotation = Rotation()) -> nn.Module:
+def rotate(model: nn.Module, rotation: Rotation = Rotation(), example_inputs: Any = None) -> nn.Module:
     """A copy of ``model`` with ``rotation`` folded into its weights (``model`` is not changed): the
-    same logits to float32 round-off. InvalidSettingsError naming why for a model it does not apply to."""
+    same logits to float32 round-off. InvalidSettingsError naming why for a model it does not apply to.
+    With ``example_inputs`` (a batch, or a tuple of the model's arguments) it checks itself: the
+    rotated copy's output against the model's on them, refused below float round-off (``check``)."""
     problems = rotation_problems(model)
     wanted = {"R1": rotation.residual, "R2": rotation.values}
     refused = {name: why for name, why in problems.items() if wanted[name]}
@@ -188,7 +193,26 @@ def rotate(model: nn.Module, rotation: Rotation = Rotation()) -> nn.Module:
             _rotate_values(decoder, random_rotation(head_dim, generator))
         if rotation.down:
             _rotate_down(decoder, generator)
+    if example_inputs is not None:
+        check(model, rotated, rotation, example_inputs)
     return rotated
+
+
+def check(model: nn.Module, rotated: nn.Module, rotation: Rotation, example_inputs: Any) -> float:
+    """The rotated model's output SQNR (dB) against ``model``'s on ``example_inputs``; InvalidSettingsError
+    naming the model's family and the gap where it is below float round-off (``FLOAT_ROUNDOFF_DB``): a layout
+    the folds do not commute with, whatever its modules are named."""
+    with torch.no_grad():
+        expected, found = (output_tensor(call_with(m, example_inputs)).float() for m in (model, rotated))
+    found_db = sqnr_db(expected, found)
+    if not is_float_output(found_db):
+        family = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+        raise InvalidSettingsError(
+            f"{rotation.words} changes what this {family} model computes: the rotated model's output is {found_db:.1f} dB "
+            f"from the original's on the example input, where float round-off keeps {FLOAT_ROUNDOFF_DB:.0f} dB or more. "
+            "Its layout does not commute with the rotations; quantize it unrotated"
+        )
+    return found_db
 
 
 # ---- the layout ----------------------------------------------------------------------------------

@@ -137,7 +137,7 @@ class RealRuns:
         config = self.runner.config_for(settings)
         source = self.migrations.model_for(settings)
         if rotation is not None:
-            source = rotate(source if source is not None else self.runner.float_model, rotation)
+            source = rotate(source if source is not None else self.runner.float_model, rotation, self.runner.example_inputs)
         checks = self._checks_kernels if record or check_kernels else None
         return self._run(config, label, progress, record, float_model=source, settings=settings, checks=checks, rotation=rotation)
 

@@ -51,7 +51,7 @@ class Rotations:
     def twin(self, rotation: Rotation) -> Twin:
         """The parts of a session on the float model with ``rotation`` folded in; made once."""
         if rotation not in self._twins:
-            self._twins[rotation] = self._twin_of(rotate(self.runner.float_model, rotation))
+            self._twins[rotation] = self._twin_of(rotate(self.runner.float_model, rotation, self.runner.example_inputs))
         return self._twins[rotation]
 
     def reference(self, rotation: Rotation | None) -> torch.nn.Module:
