@@ -337,3 +337,46 @@ def test_rotate_checks_itself_on_an_example_and_refuses_a_layout_its_folds_do_no
     with pytest.raises(qw.InvalidSettingsError, match=r"changes what this llama model computes: the rotated model's output is"):
         qw.rotate(model, qw.Rotation(), (ids,))
     qw.rotate(model, qw.Rotation(residual=False), (ids,))  # R2 stays within the attention: it still applies
+
+
+def _family(name: str) -> nn.Module:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    sizes = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
+    tokens = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+    built = {
+        "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**sizes, head_dim=16, sliding_window=16)),
+        "phi3": lambda: Phi3ForCausalLM(Phi3Config(**sizes, **tokens)),  # fused qkv_proj and gate_up_proj
+        "olmo2": lambda: Olmo2ForCausalLM(Olmo2Config(**sizes, **tokens)),  # norms after attention and MLP
+    }[name]()
+    return built.eval()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "olmo2"])
+def test_r2_applies_to_every_attention_with_value_and_output_projections_checked_by_the_logits(family):
+    model = _family(family)
+    before = fingerprint(model)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    problems = qw.rotation_problems(model)
+    assert set(problems) == {"R1"}  # sandwich / post norms, fused projections: R1 is said not to apply, with why
+    with pytest.raises(qw.InvalidSettingsError, match="R1 does not apply"):
+        qw.rotate(model, qw.Rotation(), (ids,))
+    rotated = qw.rotate(model, qw.Rotation(residual=False), (ids,))  # its own logits check passed
+    attention, turned = model.model.layers[0].self_attn, rotated.model.layers[0].self_attn
+    values = "qkv_proj" if family == "phi3" else "v_proj"
+    width = 2 * 16  # key-value heads x head size: the last rows of a fused qkv_proj
+    moved = getattr(turned, values).weight[-width:]
+    assert not torch.allclose(moved, getattr(attention, values).weight[-width:], atol=1e-3)
+    if family == "phi3":  # the queries and keys of a fused projection stay as they were
+        assert torch.equal(turned.qkv_proj.weight[:-width], attention.qkv_proj.weight[:-width])
+    assert not torch.allclose(turned.o_proj.weight, attention.o_proj.weight, atol=1e-3)
+    assert_unchanged(model, before)

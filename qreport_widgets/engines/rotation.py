@@ -15,9 +15,12 @@ weights and the activations its Linears read lose their outlier channels (QuaRot
   taken back in the weight (``W H``). It is computed, not folded: a matrix product per token, which an
   exported program carries too.
 
-Written for the Llama layout transformers uses for Llama, Mistral, Qwen2, SmolLM and their kin (pre-norm
-blocks, RMS norms); ``rotation_problems`` says why a model is not one (a norm after a block's
-output, a norm that subtracts the mean, a layout it does not know).
+R1 is written for the Llama layout transformers uses for Llama, Mistral, Qwen2, SmolLM and their kin
+(pre-norm blocks, RMS norms); R2 for any block whose attention has value and output projections
+(``v_proj``, or the value rows of a fused ``qkv_proj``, and ``o_proj``: Gemma 3, Phi-3, OLMo 2 too).
+``rotation_problems`` says why a model does not take one (a norm after a block's output, a norm
+that subtracts the mean, a layout it does not know); ``rotate(..., example_inputs)`` checks the
+result by the outputs themselves (``check``).
 """
 
 from __future__ import annotations
@@ -142,32 +145,41 @@ class _Decoder:
 
 
 def rotation_problems(model: nn.Module) -> dict[str, str]:
-    """Which rotations cannot be folded into ``model``, each with why (empty: R1 and R2 both apply)."""
+    """Which rotations cannot be folded into ``model``, each with why (empty: R1 and R2 both apply).
+    R1 needs the Llama layout (pre-norm blocks, RMS norms with a scale alone); R2 only each block's
+    value and output projections. ``rotate(..., example_inputs)`` checks the result itself."""
+    problems: dict[str, str] = {}
     try:
         decoder = _decoder(model)
     except InvalidSettingsError as error:
-        return {"R1": str(error), "R2": str(error)}
-    problems: dict[str, str] = {}
+        problems["R1"] = str(error)
+    else:
+        found = _residual_problem(decoder)
+        if found:
+            problems["R1"] = found
+    try:
+        _value_projections(model)
+    except InvalidSettingsError as error:
+        problems["R2"] = str(error)
+    return problems
+
+
+def _residual_problem(decoder: _Decoder) -> str:
     for index, layer in enumerate(decoder.layers):
         extra = [name for name, child in layer.named_children() if _is_norm(child)]
         extra = [name for name in extra if name not in ("input_layernorm", "post_attention_layernorm")]
         if extra:
-            problems["R1"] = (
+            return (
                 f"block {index} has a norm on a block's output before the residual add ({', '.join(extra)}): the stream "
                 "it writes is normalised, which a rotation of the stream does not commute with"
             )
-            break
     for norm_name, norm in _norms(decoder):
         if not _is_rms_norm(norm):
-            problems["R1"] = (
+            return (
                 f"{norm_name} ({type(norm).__name__}) is not an RMS norm with a scale alone: a norm that subtracts the mean or "
                 "adds a bias does not commute with a rotation of the stream (QuaRot folds LayerNorm's mean separately; not here)"
             )
-            break
-    attention = decoder.layers[0].self_attn
-    if not all(hasattr(attention, name) for name in ("v_proj", "o_proj", "head_dim")):
-        problems["R2"] = f"the attention ({type(attention).__name__}) has no v_proj / o_proj with a head_dim"
-    return problems
+    return ""
 
 
 def rotate(model: nn.Module, rotation: Rotation = Rotation(), example_inputs: Any = None) -> nn.Module:
@@ -181,7 +193,7 @@ def rotate(model: nn.Module, rotation: Rotation = Rotation(), example_inputs: An
     if refused:
         raise InvalidSettingsError("; ".join(f"{name} does not apply: {why}" for name, why in refused.items()))
     rotated = copy.deepcopy(model)
-    decoder = _decoder(rotated)
+    decoder = _decoder(rotated) if rotation.residual or rotation.down else None
     generator = torch.Generator().manual_seed(rotation.seed)
     with torch.no_grad():
         if rotation.residual:
@@ -189,8 +201,8 @@ def rotate(model: nn.Module, rotation: Rotation = Rotation(), example_inputs: An
             _fold_norms(decoder)
             _rotate_residual(decoder, random_rotation(decoder.embedding.weight.shape[1], generator))
         if rotation.values:
-            head_dim = int(decoder.layers[0].self_attn.head_dim)
-            _rotate_values(decoder, random_rotation(head_dim, generator))
+            values = _value_projections(rotated)
+            _rotate_values(values, random_rotation(values[0].head_dim, generator))
         if rotation.down:
             _rotate_down(decoder, generator)
     if example_inputs is not None:
@@ -318,17 +330,56 @@ def _rotate_residual(decoder: _Decoder, q: torch.Tensor) -> None:
     reads(decoder.head)
 
 
-def _rotate_values(decoder: _Decoder, r: torch.Tensor) -> None:
-    """Each head's values times R: v_proj's rows of every head R^T W, o_proj's columns of every head W R."""
+@dataclass(frozen=True)
+class _Values:
+    """Where one block's attention computes its values: ``rows`` of ``writer``'s output (all of
+    ``v_proj``'s; the last ``kv heads x head_dim`` of a fused ``qkv_proj``), read by ``o_proj``."""
+
+    writer: nn.Linear
+    rows: slice
+    o_proj: nn.Linear
+    head_dim: int
+
+
+def _value_projections(model: nn.Module) -> list[_Values]:
+    """Every block's ``_Values``, from ``model.model.layers[i].self_attn``: ``v_proj`` and ``o_proj``
+    (Llama, Gemma, OLMo, Qwen ...), or Phi-3's fused ``qkv_proj`` (queries, keys, values in that order)."""
+    layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
+    if not layers:
+        raise InvalidSettingsError(f"{type(model).__name__} has no model.layers: R2 rotates each block's attention values")
+    found = []
+    for index, layer in enumerate(layers):
+        attention = getattr(layer, "self_attn", None)
+        o_proj, head_dim = getattr(attention, "o_proj", None), getattr(attention, "head_dim", None)
+        v_proj, fused = getattr(attention, "v_proj", None), getattr(attention, "qkv_proj", None)
+        kv_heads = getattr(attention, "num_key_value_heads", None) or getattr(
+            getattr(attention, "config", None), "num_key_value_heads", None
+        )
+        if isinstance(v_proj, nn.Linear) and isinstance(o_proj, nn.Linear) and head_dim:
+            found.append(_Values(v_proj, slice(0, v_proj.weight.shape[0]), o_proj, int(head_dim)))
+        elif isinstance(fused, nn.Linear) and isinstance(o_proj, nn.Linear) and head_dim and kv_heads:
+            width = int(kv_heads) * int(head_dim)
+            rows = fused.weight.shape[0]
+            found.append(_Values(fused, slice(rows - width, rows), o_proj, int(head_dim)))
+        else:
+            raise InvalidSettingsError(
+                f"block {index}'s attention ({type(attention).__name__}) has no v_proj (or fused qkv_proj with its key-value "
+                "heads) and o_proj with a head_dim: R2 rotates the values each head hands o_proj"
+            )
+    return found
+
+
+def _rotate_values(values: list[_Values], r: torch.Tensor) -> None:
+    """Each head's values times R: the value rows of every head R^T W, o_proj's columns of every head W R."""
     d = r.shape[0]
-    for layer in decoder.layers:
-        attention = layer.self_attn
-        v, o = attention.v_proj, attention.o_proj
+    for found in values:
+        v, o, rows = found.writer, found.o_proj, found.rows
         r_here = r.to(v.weight.device)
-        rows = v.weight.double().view(-1, d, v.weight.shape[1])  # (kv heads, head_dim, in)
-        v.weight.copy_(torch.einsum("ji,hjk->hik", r_here, rows).reshape(v.weight.shape).to(v.weight.dtype))
+        weight = v.weight[rows].double()
+        turned = torch.einsum("ji,hjk->hik", r_here, weight.view(-1, d, weight.shape[1])).reshape(weight.shape)
+        v.weight[rows] = turned.to(v.weight.dtype)
         if v.bias is not None:
-            v.bias.copy_((v.bias.double().view(-1, d) @ r_here).reshape(-1).to(v.bias.dtype))
+            v.bias[rows] = (v.bias[rows].double().view(-1, d) @ r_here).reshape(-1).to(v.bias.dtype)
         columns = o.weight.double().view(o.weight.shape[0], -1, d)  # (out, heads, head_dim)
         o.weight.copy_((columns @ r_here).reshape(o.weight.shape).to(o.weight.dtype))
 
