@@ -362,14 +362,19 @@ def _family(name: str) -> nn.Module:
 
 
 @pytest.mark.parametrize("family", ["gemma3", "phi3", "olmo2"])
-def test_r2_applies_to_every_attention_with_value_and_output_projections_checked_by_the_logits(family):
+def test_r2_applies_to_every_attention_with_value_and_output_projections_and_r1_to_fused_ones_checked_by_the_logits(family):
     model = _family(family)
     before = fingerprint(model)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     problems = qw.rotation_problems(model)
-    assert set(problems) == {"R1"}  # sandwich / post norms, fused projections: R1 is said not to apply, with why
-    with pytest.raises(qw.InvalidSettingsError, match="R1 does not apply"):
-        qw.rotate(model, qw.Rotation(), (ids,))
+    if family == "phi3":  # fused projections read and write the stream as the separate ones do: R1 applies
+        assert problems == {}
+        both = qw.rotate(model, qw.Rotation(), (ids,))  # checked by its own logits
+        assert not torch.allclose(both.model.layers[0].mlp.gate_up_proj.weight, model.model.layers[0].mlp.gate_up_proj.weight)
+    else:  # sandwich / post norms: R1 is said not to apply, with why
+        assert set(problems) == {"R1"}
+        with pytest.raises(qw.InvalidSettingsError, match="R1 does not apply"):
+            qw.rotate(model, qw.Rotation(), (ids,))
     rotated = qw.rotate(model, qw.Rotation(residual=False), (ids,))  # its own logits check passed
     attention, turned = model.model.layers[0].self_attn, rotated.model.layers[0].self_attn
     values = "qkv_proj" if family == "phi3" else "v_proj"

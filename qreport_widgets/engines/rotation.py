@@ -142,6 +142,15 @@ class _Decoder:
     layers: list[nn.Module]
     final_norm: nn.Module
     head: nn.Linear
+    # per block: the Linears that read the attention's norm, the MLP's norm, and that write the stream
+    attention_readers: list[list[nn.Linear]]
+    mlp_readers: list[list[nn.Linear]]
+    writers: list[list[nn.Linear]]
+
+
+# a block's projections by name: the separate ones of the Llama layout, or the fused ones of Phi-3
+_ATTENTION_READERS = (("q_proj", "k_proj", "v_proj"), ("qkv_proj",))
+_MLP_READERS = (("gate_proj", "up_proj"), ("gate_up_proj",))
 
 
 def rotation_problems(model: nn.Module) -> dict[str, str]:
@@ -239,18 +248,30 @@ def _decoder(model: nn.Module) -> _Decoder:
             f"{type(model).__name__} is not a decoder in the Llama layout the rotations are written for (model.embed_tokens, "
             "model.layers with self_attn / mlp / input_layernorm / post_attention_layernorm, model.norm, lm_head)"
         )
+    readers: tuple[list[list[nn.Linear]], list[list[nn.Linear]]] = ([], [])
+    writers = []
     for index, layer in enumerate(layers):
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        needed = [
-            (attention, ("q_proj", "k_proj", "v_proj", "o_proj")),
-            (mlp, ("gate_proj", "up_proj", "down_proj")),
-            (layer, ("input_layernorm", "post_attention_layernorm")),
-        ]
-        missing = [name for owner, names in needed for name in names if owner is None or not hasattr(owner, name)]
-        if missing:
+        found = [_linears(attention, _ATTENTION_READERS), _linears(mlp, _MLP_READERS)]
+        written = [getattr(attention, "o_proj", None), getattr(mlp, "down_proj", None)]
+        norms = [name for name in ("input_layernorm", "post_attention_layernorm") if not hasattr(layer, name)]
+        if None in found or not all(isinstance(w, nn.Linear) for w in written) or norms:
             named = f"block {index} ({type(layer).__name__})"
-            raise InvalidSettingsError(f"{named} has no {', '.join(missing)}: not the Llama layout")
-    return _Decoder(embedding, layers, final_norm, head)
+            missing = ", ".join(norms) or "q/k/v_proj (or qkv_proj), gate/up_proj (or gate_up_proj), o_proj and down_proj"
+            raise InvalidSettingsError(f"{named} has no {missing}: not the Llama layout")
+        readers[0].append(found[0])
+        readers[1].append(found[1])
+        writers.append(written)
+    return _Decoder(embedding, layers, final_norm, head, readers[0], readers[1], writers)
+
+
+def _linears(owner: nn.Module | None, layouts: tuple[tuple[str, ...], ...]) -> list[nn.Linear] | None:
+    """The Linears of the first of ``layouts`` (names) ``owner`` has all of; None where it has none."""
+    for names in layouts:
+        found = [getattr(owner, name, None) for name in names]
+        if all(isinstance(linear, nn.Linear) for linear in found):
+            return found
+    return None
 
 
 def _norms(decoder: _Decoder) -> list[tuple[str, nn.Module]]:
@@ -298,10 +319,9 @@ def _untie_head(model: nn.Module, decoder: _Decoder) -> None:
 def _fold_norms(decoder: _Decoder) -> None:
     """Each norm's scale into the Linears that read its output; the norm's scale becomes 1."""
     readers = [(decoder.final_norm, [decoder.head])]
-    for layer in decoder.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        readers.append((layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]))
-        readers.append((layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj]))
+    for layer, attention, mlp in zip(decoder.layers, decoder.attention_readers, decoder.mlp_readers, strict=True):
+        readers.append((layer.input_layernorm, attention))
+        readers.append((layer.post_attention_layernorm, mlp))
     for norm, linears in readers:
         scale = norm.weight.detach().double()
         for linear in linears:
@@ -321,12 +341,11 @@ def _rotate_residual(decoder: _Decoder, q: torch.Tensor) -> None:
 
     embedding = decoder.embedding.weight
     embedding.copy_((embedding.double() @ q.to(embedding.device)).to(embedding.dtype))
-    for layer in decoder.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        for linear in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj):
+    for attention, mlp, written in zip(decoder.attention_readers, decoder.mlp_readers, decoder.writers, strict=True):
+        for linear in (*attention, *mlp):
             reads(linear)
-        writes(attention.o_proj)
-        writes(mlp.down_proj)
+        for linear in written:
+            writes(linear)
     reads(decoder.head)
 
 
