@@ -26,13 +26,20 @@ WITHOUT_AVX512 := $(shell grep -v '^\#' tools/without-avx512.env)
 KERNEL_TESTS := $(BIN)/python -m pytest -m 'kernels and not slow' -p no:cacheprovider
 NO_SIMD_LOG := $(VENV)/kernel-tests-no-simd.log
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each test file in one of them, so that
+# ExecuTorch's lowering (one core, in Python) and the notebooks' kernels overlap with the rest; each
+# worker takes its share of the cores (tests/conftest.py). The wall time of the whole is printed last.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(BIN)/python -m pytest --durations=20
+	@began=$$(date +%s); \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=20; suite=$$?; \
 	env ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(KERNEL_TESTS) > $(NO_SIMD_LOG) 2>&1 & no_simd=$$!; \
 	env $(WITHOUT_AVX512) $(KERNEL_TESTS); without_avx512=$$?; \
 	wait $$no_simd; one_thread=$$?; \
 	echo "--- the same tests on one thread, torch's no-SIMD kernels:"; cat $(NO_SIMD_LOG); \
-	test $$without_avx512 -eq 0 && test $$one_thread -eq 0
+	echo "--- make test: $$(( $$(date +%s) - began )) s wall (suite exit $$suite, kernels $$without_avx512 / $$one_thread)"; \
+	test $$suite -eq 0 && test $$without_avx512 -eq 0 && test $$one_thread -eq 0
 
 # the tests marked slow (pyproject.toml), left out of `make test` to keep it near 15 minutes on 2 cores
 test-slow: setup
