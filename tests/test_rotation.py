@@ -376,6 +376,8 @@ def test_r2_applies_to_every_attention_with_value_and_output_projections_and_r1_
         with pytest.raises(qw.InvalidSettingsError, match="R1 does not apply"):
             qw.rotate(model, qw.Rotation(), (ids,))
     rotated = qw.rotate(model, qw.Rotation(residual=False), (ids,))  # its own logits check passed
+    # what a run's notes say of it, read without the Llama layout R1 would need
+    assert matrix_words(model, qw.Rotation(residual=False)) == "R2: a Hadamard matrix of order 16 with random signs"
     attention, turned = model.model.layers[0].self_attn, rotated.model.layers[0].self_attn
     values = "qkv_proj" if family == "phi3" else "v_proj"
     width = 2 * 16  # key-value heads x head size: the last rows of a fused qkv_proj

@@ -114,16 +114,16 @@ def matrix_words(model: nn.Module, rotation: Rotation) -> str:
     """Which matrix each rotation of ``rotation`` takes on ``model`` (its orders), and what an order
     without a Hadamard matrix here costs: folded rotations nothing at run time, R4's product a dense
     ``n x n`` one a token per block (a Hadamard one could run as a fast transform)."""
-    decoder = _decoder(model)
-    sizes = {
-        "R1": (rotation.residual, decoder.embedding.weight.shape[1]),
-        "R2": (rotation.values, int(getattr(decoder.layers[0].self_attn, "head_dim", 0) or 0)),
-        "R4": (rotation.down, decoder.layers[0].mlp.down_proj.weight.shape[1]),
+    sizes = {  # each read only where that rotation is asked: R2 alone needs no Llama layout
+        "R1": (rotation.residual, lambda: _decoder(model).embedding.weight.shape[1]),
+        "R2": (rotation.values, lambda: _value_projections(model)[0].head_dim),
+        "R4": (rotation.down, lambda: _decoder(model).layers[0].mlp.down_proj.weight.shape[1]),
     }
     said = []
-    for name, (asked, n) in sizes.items():
-        if not asked or not n:
+    for name, (asked, size_of) in sizes.items():
+        if not asked:
             continue
+        n = int(size_of())
         if hadamard(n) is not None:
             said.append(f"{name}: a Hadamard matrix of order {n} with random signs")
         elif name == "R4":
