@@ -8,29 +8,10 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
-from hf_models import VOCAB, _tokens, tiny_gpt2
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from hf_models import tiny_gpt2, tiny_moe
 
 import qreport_widgets as qw
 from qreport_widgets.errors import QReportWarning
-
-
-def tiny_moe():
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-    return Qwen3MoeForCausalLM(config).eval(), [(ids,) for ids in _tokens(4, count=3)]
 
 
 def test_a_mixture_of_experts_weights_left_float_are_named_with_their_share():
