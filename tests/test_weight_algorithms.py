@@ -62,6 +62,80 @@ def test_gptq_and_awq_lower_every_linears_output_error_on_the_calibration_inputs
     assert awq_better >= len(names) // 2
 
 
+def _column_by_column(weight: torch.Tensor, gram: torch.Tensor, group: int, damping: float) -> torch.Tensor:
+    """GPTQ's int4 values of one weight as a plain loop over its columns in rows x inputs layout
+    (lazy updates every ``GPTQ_BLOCK`` columns): the arithmetic each weight must keep when solved
+    beside others."""
+    hessian = gram.clone()
+    dead = hessian.diagonal() == 0
+    hessian[dead, dead] = 1.0
+    order = torch.argsort(hessian.diagonal(), descending=True)
+    hessian = hessian[order][:, order]
+    hessian.diagonal().add_(damping * float(hessian.diagonal().mean()))
+    inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian.double())), upper=True).float()
+    work = weight.detach().float().clone()
+    work[:, dead] = 0.0
+    scales = algorithms.group_scales(work, group)
+    work = work[:, order]
+    values = torch.empty_like(work)
+    step = algorithms.GPTQ_BLOCK
+    for start in range(0, work.shape[1], step):
+        stop = min(start + step, work.shape[1])
+        block, errors = work[:, start:stop].clone(), torch.empty(work.shape[0], stop - start)
+        for i in range(stop - start):
+            scale = scales[:, int(order[start + i]) // group]
+            q = torch.clamp(torch.round(block[:, i] / scale), algorithms.QMIN, algorithms.QMAX)
+            values[:, start + i] = q
+            error = (block[:, i] - q * scale) / inverse[start + i, start + i]
+            block[:, i:].sub_(error[:, None] * inverse[start + i, start + i : stop][None, :])
+            errors[:, i] = error
+        work[:, stop:].sub_(errors @ inverse[start:stop, stop:])
+    return values[:, torch.argsort(order)].to(torch.int8)
+
+
+def test_gptq_of_many_weights_solved_together_gives_each_the_values_it_gets_alone(text_decoder, monkeypatch):
+    model, data = text_decoder
+    names = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    with torch.no_grad(), algorithms.recording(model, names) as inputs:
+        for batch in data.calibration:
+            call_with(model, batch)
+    problems = {fqn: (model.get_submodule(fqn).weight, inputs[fqn], 128) for fqn in names}
+    assert len({tuple(w.shape) for w, _, _ in problems.values()}) < len(names)  # weights of one shape, solved together
+    together = algorithms.gptq_many(problems)
+    monkeypatch.setattr(algorithms, "GPTQ_BATCH_BYTES", 1)  # one weight at a time
+    for fqn, (weight, statistics, group) in problems.items():
+        alone = algorithms.gptq_many({fqn: problems[fqn]})[fqn]
+        assert torch.equal(together[fqn].tensor.qdata, alone.tensor.qdata), fqn
+        assert torch.equal(together[fqn].tensor.scale, alone.tensor.scale) and together[fqn].note == alone.note, fqn
+        plain = _column_by_column(weight, statistics.gram, group, algorithms.GPTQ_DAMPINGS[0])
+        if not alone.note:  # every Linear of the trained decoder takes the first damping
+            assert torch.equal(alone.tensor.qdata, plain), fqn
+    assert not any(q.note for q in together.values())
+
+
+def test_linears_that_read_one_input_record_the_statistics_each_would_alone(text_decoder):
+    model, data = text_decoder
+    readers = [group for group in input_folds(model).values() if len(group.readers) > 1][0].readers
+    with torch.no_grad(), algorithms.recording(model, readers) as together:
+        for batch in data.calibration:
+            call_with(model, batch)
+    for fqn in readers:
+        with torch.no_grad(), algorithms.recording(model, [fqn]) as alone:
+            for batch in data.calibration:
+                call_with(model, batch)
+        mine, own = together[fqn], alone[fqn]
+        assert torch.equal(mine.fit_sum, own.fit_sum) and torch.equal(mine.gram, own.gram), fqn
+        assert (mine.tokens, mine.fitted_tokens, mine.units) == (own.tokens, own.fitted_tokens, own.units)
+        weight = model.get_submodule(fqn).weight.detach()
+        rounded = algorithms.QuantizedWeight(algorithms.round_to_nearest(weight, 128))
+        assert mine.held_out_error(weight, rounded) == own.held_out_error(weight, rounded), fqn
+    # each keeps its own sums: merging another rank's statistics into one changes no other
+    first, second = (together[fqn] for fqn in readers[:2])
+    before = second.fit_sum.clone()
+    first.merge_(copy.deepcopy(first))
+    assert torch.equal(second.fit_sum, before) and not torch.equal(first.fit_sum, before)
+
+
 def test_the_output_error_is_the_layers_squared_output_error_on_its_inputs():
     torch.manual_seed(0)
     layer = nn.Linear(64, 16, bias=False)

@@ -53,6 +53,7 @@ GPTQ_BLOCK = 128
 GPTQ_DAMPINGS = (0.01, 0.1, 1.0)  # times the mean of diag(H), the first that beats rounding on held-out tokens
 AWQ_GRID = 20  # alpha in 0, 0.05, ..., 1, as published
 CLIP_RATIOS = tuple(1 - step / 20 for step in range(10))  # a group's largest weight times 1, 0.95, ..., 0.55: its range
+GPTQ_BATCH_BYTES = 256 * 2**20  # working memory of the weights of one shape solved together
 ROWS_AT_ONCE = 4096  # rows of a weight worked on at once: a decoder head's working copies stay small
 HELD_EVERY = 4  # about one sequence in 4 of the calibration inputs: what a result is checked on, not fitted to
 
@@ -63,6 +64,34 @@ class AlgorithmError(QReportError, RuntimeError):
 
 def _intx() -> Any:
     return torchao_eager().IntxUnpackedToInt8Tensor
+
+
+@dataclass(frozen=True)
+class BatchTerms:
+    """What one batch of a Linear's input adds to its ``InputStatistics``, in float32."""
+
+    units: int
+    tokens: int
+    abs_sum: torch.Tensor
+    fitted_tokens: int
+    fitted_gram: torch.Tensor | None  # the fitted tokens' x^T x, None where every unit is held out
+    held: torch.Tensor | None  # the held-out units' tokens (tokens x features), None where none is
+
+
+def batch_terms(x: torch.Tensor) -> BatchTerms:
+    """The ``BatchTerms`` of input ``x`` (a batch of a Linear's input, features last)."""
+    features = x.shape[-1]
+    units = x.detach().float().reshape(-1, x.shape[-2] if x.dim() >= 3 else 1, features)
+    held = held_out(units)
+    fitted = units[~held].reshape(-1, features)
+    return BatchTerms(
+        len(units),
+        units.shape[0] * units.shape[1],
+        units.abs().sum((0, 1)),
+        len(fitted),
+        fitted.T @ fitted if len(fitted) else None,
+        units[held].reshape(-1, features) if bool(held.any()) else None,
+    )
 
 
 @dataclass
@@ -100,18 +129,18 @@ class InputStatistics:
         return cls(torch.zeros(features, features, dtype=dtype, device=device), torch.zeros(features, dtype=dtype, device=device))
 
     def add(self, x: torch.Tensor) -> None:
-        features = x.shape[-1]
-        units = x.detach().float().reshape(-1, x.shape[-2] if x.dim() >= 3 else 1, features)
-        held = held_out(units)
-        self.units += len(units)
-        self.tokens += units.shape[0] * units.shape[1]
-        self.abs_sum.add_(units.abs().sum((0, 1)).to(self.abs_sum.dtype))
-        fitted = units[~held].reshape(-1, features)
-        self.fitted_tokens += len(fitted)
-        if len(fitted):
-            self.fit_sum.add_((fitted.T @ fitted).to(self.fit_sum.dtype))
-        if bool(held.any()):
-            self._hold([units[held].reshape(-1, features).clone()])
+        self.add_terms(batch_terms(x))
+
+    def add_terms(self, terms: BatchTerms) -> None:
+        """Add one batch's ``batch_terms``: those of a batch several Linears read are worked out once."""
+        self.units += terms.units
+        self.tokens += terms.tokens
+        self.abs_sum.add_(terms.abs_sum.to(self.abs_sum.dtype))
+        self.fitted_tokens += terms.fitted_tokens
+        if terms.fitted_gram is not None:
+            self.fit_sum.add_(terms.fitted_gram.to(self.fit_sum.dtype))
+        if terms.held is not None:
+            self._hold([terms.held])  # read only: Linears that read one input share it
 
     def _hold(self, batches: list[torch.Tensor]) -> None:
         if self.held_gram is not None:
@@ -197,6 +226,7 @@ class InputRecorder:
     def __init__(self, model: nn.Module, names: Iterable[str]) -> None:
         self.statistics: dict[str, InputStatistics] = {}
         self._handles = []
+        self._last: tuple[torch.Tensor, int, BatchTerms] | None = None  # the input last seen, and its terms
         for fqn in names:
             module = model.get_submodule(fqn)
             self.statistics[fqn] = InputStatistics.empty(int(module.weight.shape[1]), module.weight.device)
@@ -207,7 +237,10 @@ class InputRecorder:
 
         def hook(_module: nn.Module, args: tuple) -> None:
             if args and isinstance(args[0], torch.Tensor):
-                statistics.add(args[0])
+                x = args[0]
+                if self._last is None or self._last[0] is not x or self._last[1] != x._version:
+                    self._last = (x, x._version, batch_terms(x))  # q, k and v read one tensor: its terms once
+                statistics.add_terms(self._last[2])
 
         return hook
 
@@ -215,6 +248,7 @@ class InputRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._last = None
         return self.statistics
 
 
@@ -412,33 +446,71 @@ def gptq(weight: torch.Tensor, statistics: InputStatistics, group_size: int) -> 
     output error than round-to-nearest on the held-out sequences (then fitted again to every token);
     round-to-nearest, with a note saying why, where none has (too few calibration tokens for the
     module's input features: the fit follows those tokens, not the inputs the model will see)."""
-    original = weight.detach().float()
-    if statistics.tokens == 0:
+    return gptq_many({None: (weight, statistics, group_size)})[None]
+
+
+def gptq_many(problems: Mapping[Any, tuple[torch.Tensor, InputStatistics, int]]) -> dict[Any, QuantizedWeight]:
+    """``gptq`` of each ``key: (weight, statistics, group size)``, the same values, the weights of one
+    shape and group size solved together (``gptq_values_many``): a decoder's Linears in a few
+    column loops instead of one a Linear."""
+    originals = {key: weight.detach().float() for key, (weight, _, _) in problems.items()}
+    inputs = {key: statistics for key, (_, statistics, _) in problems.items()}
+    groups = {key: group for key, (_, _, group) in problems.items()}
+    if any(statistics.tokens == 0 for statistics in inputs.values()):
         raise AlgorithmError("GPTQ reads the module's inputs on the calibration batches, and none reached it")
-    rounded = round_to_nearest(original, group_size)
-    least = statistics.held_out_error(original, QuantizedWeight(rounded))
+    rounded = {key: round_to_nearest(originals[key], groups[key]) for key in problems}
+
+    def held_out(key: Any, values: torch.Tensor) -> float:
+        return inputs[key].held_out_error(originals[key], QuantizedWeight(values))
+
+    least = {key: held_out(key, values) for key, values in rounded.items()}
+    found: dict[Any, QuantizedWeight] = {}
+    pending = list(problems)
     for damping in GPTQ_DAMPINGS:
-        found = gptq_values(original, statistics.fit, group_size, damping)
-        if statistics.held_out_error(original, QuantizedWeight(found)) < least:
-            # the damping that carries over to tokens the fit did not see, fitted again to every token
-            return QuantizedWeight(
-                gptq_values(original, statistics.gram, group_size, damping) if statistics.has_held_out else found
-            )
-    inputs = original.shape[1]
-    return QuantizedWeight(
-        rounded,
-        note=(
-            f"GPTQ kept round to nearest: its weights had no lower output error on held-out calibration sequences "
-            f"({statistics.tokens:,} tokens for {inputs:,} input features; more calibration data helps)"
-        ),
-    )
+        if not pending:
+            break
+        fits = _values_of({key: (originals[key], inputs[key].fit, groups[key]) for key in pending}, damping)
+        passed = [key for key in pending if held_out(key, fits[key]) < least[key]]
+        # the damping that carries over to tokens the fit did not see, fitted again to every token
+        again = {key: (originals[key], inputs[key].gram, groups[key]) for key in passed if inputs[key].has_held_out}
+        refits = _values_of(again, damping)
+        found.update({key: QuantizedWeight(refits.get(key, fits[key])) for key in passed})
+        pending = [key for key in pending if key not in found]
+    for key in pending:
+        found[key] = QuantizedWeight(
+            rounded[key],
+            note=(
+                f"GPTQ kept round to nearest: its weights had no lower output error on held-out calibration sequences "
+                f"({inputs[key].tokens:,} tokens for {originals[key].shape[1]:,} input features; more calibration data helps)"
+            ),
+        )
+    return {key: found[key] for key in problems}
 
 
-def gptq_values(original: torch.Tensor, gram: torch.Tensor, group_size: int, damping: float) -> torch.Tensor:
-    """GPTQ's int4 tensor of ``original`` (float, rows x inputs) for inputs of Gram matrix ``gram``.
-    Rows are independent given the inputs: they go ``ROWS_AT_ONCE`` at a time (a decoder head's
-    working copies stay small)."""
-    rows, inputs = original.shape
+def _values_of(problems: Mapping[Any, tuple[torch.Tensor, torch.Tensor, int]], damping: float) -> dict[Any, torch.Tensor]:
+    """GPTQ's int4 tensor of each ``key: (float weight, Gram matrix, group size)`` at ``damping``:
+    weights of one shape, group size and device solved together, ``GPTQ_BATCH_BYTES`` of working
+    memory at a time; a weight of more than ``ROWS_AT_ONCE`` rows (a decoder head) alone."""
+    alike: dict[tuple, list[Any]] = {}
+    for key, (weight, _, group) in problems.items():
+        alike.setdefault((tuple(weight.shape), group, weight.device), []).append(key)
+    values = {}
+    for (shape, group, _), keys in alike.items():
+        rows, inputs = shape
+        if rows > ROWS_AT_ONCE:
+            values.update({key: gptq_values(problems[key][0], problems[key][1], group, damping) for key in keys})
+            continue
+        together = max(1, GPTQ_BATCH_BYTES // (4 * (2 * rows * inputs + 2 * inputs * inputs)))
+        for first in range(0, len(keys), together):
+            chunk = keys[first : first + together]
+            solved = gptq_values_many([problems[k][0] for k in chunk], [problems[k][1] for k in chunk], group, damping)
+            values.update(zip(chunk, solved, strict=True))
+    return values
+
+
+def _activation_order(gram: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the input channels in activation order, the upper Cholesky factor of the damped inverse
+    Gram matrix in that order, the channels that were always 0) of inputs with Gram matrix ``gram``."""
     hessian = gram.clone()
     dead = hessian.diagonal() == 0  # an input channel that was always 0: its weights do not matter
     hessian[dead, dead] = 1.0
@@ -447,6 +519,15 @@ def gptq_values(original: torch.Tensor, gram: torch.Tensor, group_size: int, dam
     hessian.diagonal().add_(damping * float(hessian.diagonal().mean()))
     precise = hessian.double() if float64_on(hessian.device) else hessian
     inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(precise)), upper=True).float()
+    return order, inverse, dead
+
+
+def gptq_values(original: torch.Tensor, gram: torch.Tensor, group_size: int, damping: float) -> torch.Tensor:
+    """GPTQ's int4 tensor of ``original`` (float, rows x inputs) for inputs of Gram matrix ``gram``.
+    Rows are independent given the inputs: they go ``ROWS_AT_ONCE`` at a time (a decoder head's
+    working copies stay small)."""
+    rows, inputs = original.shape
+    order, inverse, dead = _activation_order(gram, damping)
     group_of = order // group_size  # each column's group, in the order the columns go
     restore = torch.argsort(order)
     values, scales = [], []
@@ -454,33 +535,61 @@ def gptq_values(original: torch.Tensor, gram: torch.Tensor, group_size: int, dam
         work = original[first : first + ROWS_AT_ONCE].clone()
         work[:, dead] = 0.0
         chunk_scales = group_scales(work, group_size)  # fixed first: the columns go in activation order
-        found = _gptq_rows(work[:, order], chunk_scales, group_of, inverse)
+        found = _gptq_rows(work[:, order][None], chunk_scales[None], group_of[None], inverse[None])[0]
         values.append(found[:, restore])
         scales.append(chunk_scales)
     return int4_tensor(torch.cat(values), torch.cat(scales), group_size, original.dtype)
 
 
+def gptq_values_many(
+    originals: list[torch.Tensor], grams: list[torch.Tensor], group_size: int, damping: float
+) -> list[torch.Tensor]:
+    """``gptq_values`` of weights of one shape (at most ``ROWS_AT_ONCE`` rows), each with its own
+    Gram matrix, in one column loop: the same values, in a loop's steps for all of them."""
+    ordered = [_activation_order(gram, damping) for gram in grams]
+    works, scales = [], []
+    for original, (order, _, dead) in zip(originals, ordered, strict=True):
+        work = original.clone()
+        work[:, dead] = 0.0
+        scales.append(group_scales(work, group_size))
+        works.append(work[:, order])
+    orders = torch.stack([order for order, _, _ in ordered])
+    found = _gptq_rows(torch.stack(works), torch.stack(scales), orders // group_size, torch.stack([i for _, i, _ in ordered]))
+    return [
+        int4_tensor(values[:, torch.argsort(order)], scale, group_size, original.dtype)
+        for values, order, scale, original in zip(found, orders, scales, originals, strict=True)
+    ]
+
+
 def _gptq_rows(work: torch.Tensor, scales: torch.Tensor, group_of: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """The int4 values of ``work`` (rows x inputs in activation order, changed in place) column by
-    column, each column's rounding error spread over the columns after it through ``inverse`` (the
-    upper Cholesky factor of the damped inverse Gram matrix), in blocks of ``GPTQ_BLOCK``."""
-    rows, inputs = work.shape
-    values = torch.empty(rows, inputs, dtype=torch.int8, device=work.device)
+    """The int4 values of each of ``work``'s weights (weights x rows x inputs in each one's
+    activation order, changed in place) column by column, each column's rounding error spread over
+    the columns after it through the weight's ``inverse`` (the upper Cholesky factor of its damped
+    inverse Gram matrix), in blocks of ``GPTQ_BLOCK``. ``scales``: weights x rows x groups;
+    ``group_of``: weights x inputs, each column's group. Every weight's arithmetic is the one it
+    would have alone."""
+    count, rows, inputs = work.shape
+    values = torch.empty(count, inputs, rows, dtype=torch.int8, device=work.device)
     for start in range(0, inputs, GPTQ_BLOCK):
         stop = min(start + GPTQ_BLOCK, inputs)
-        block = work[:, start:stop].clone()
+        # the block's columns as rows (weights x block columns x rows): each column's update runs
+        # along memory, over every row of every weight at once
+        block = work[:, :, start:stop].transpose(1, 2).contiguous()
         errors = torch.empty_like(block)
-        block_inverse = inverse[start:stop, start:stop]
-        block_scale = scales[:, group_of[start:stop]]  # rows x block columns
+        block_inverse = inverse[:, start:stop, start:stop]
+        diagonal = block_inverse.diagonal(dim1=1, dim2=2)[..., None]  # weights x block columns x 1
+        block_scale = scales.gather(2, group_of[:, None, start:stop].expand(count, rows, stop - start))
+        block_scale = block_scale.transpose(1, 2).contiguous()
         for i in range(stop - start):
             column, scale = block[:, i], block_scale[:, i]
             q = torch.clamp(torch.round(column / scale), QMIN, QMAX)
             values[:, start + i] = q.to(torch.int8)
-            error = (column - q * scale) / block_inverse[i, i]
-            block[:, i:].sub_(error[:, None] * block_inverse[i, i:][None, :])
+            error = (column - q * scale) / diagonal[:, i]
+            block[:, i:].sub_(block_inverse[:, i, i:, None] * error[:, None, :])
             errors[:, i] = error
-        work[:, stop:].sub_(errors @ inverse[start:stop, stop:])
-    return values
+        for weight in range(count):  # one product a weight, as it would run alone
+            work[weight, :, stop:].sub_(errors[weight].T.contiguous() @ inverse[weight, start:stop, stop:])
+    return values.transpose(1, 2)
 
 
 def awq(weight: torch.Tensor, statistics: InputStatistics, group_size: int, *, grid: int = AWQ_GRID) -> QuantizedWeight:
@@ -668,6 +777,11 @@ def unfolded_awq(choices: Mapping[str, tuple[str, int]], folds: Mapping[str, Fol
     return problems
 
 
+def _failure_words(run: list[str], choices: Mapping[str, tuple[str, int]], error: Exception) -> str:
+    named = ", ".join(f"{fqn} ({choices[fqn][0]})" for fqn in run[:3]) + (", ..." if len(run) > 3 else "")
+    return f"could not quantize {named}: {type(error).__name__}: {error}"
+
+
 def weights_in_runs(
     model: nn.Module, choices: Mapping[str, tuple[str, int]], found: dict[str, CompactWeight | Recipe]
 ) -> Iterator[dict[str, InputStatistics]]:
@@ -687,20 +801,21 @@ def weights_in_runs(
     for run in gram_runs(features, weights, device_free_bytes(model_device(model))):
         with torch.no_grad(), recording(model, run) as statistics:
             yield statistics
-        for fqn in run:
-            algorithm, group_size = choices[fqn]
-            try:
-                with torch.no_grad():
-                    if algorithm == AWQ:
-                        readers = {r: model.get_submodule(r).weight for r in shares[fqn]}
-                        for reader, chosen in awq_group(readers, statistics.pop(fqn), group_size).items():
-                            if choices.get(reader) == (AWQ, group_size):
-                                found[reader] = chosen.compact()
-                    else:
-                        found[fqn] = choose(algorithm, model.get_submodule(fqn).weight, group_size, statistics.pop(fqn)).compact()
-            except AlgorithmError:
-                raise
-            except Exception as error:
-                raise AlgorithmError(f"{algorithm} could not quantize {fqn}: {type(error).__name__}: {error}") from error
+        solved = [fqn for fqn in run if choices[fqn][0] == GPTQ]
+        try:
+            with torch.no_grad():
+                problems = {fqn: (model.get_submodule(fqn).weight, statistics.pop(fqn), choices[fqn][1]) for fqn in solved}
+                found.update({fqn: weight.compact() for fqn, weight in gptq_many(problems).items()})
+                del problems
+                for fqn in (fqn for fqn in run if fqn not in solved):
+                    group_size = choices[fqn][1]
+                    readers = {r: model.get_submodule(r).weight for r in shares[fqn]}
+                    for reader, chosen in awq_group(readers, statistics.pop(fqn), group_size).items():
+                        if choices.get(reader) == (AWQ, group_size):
+                            found[reader] = chosen.compact()
+        except AlgorithmError:
+            raise
+        except Exception as error:
+            raise AlgorithmError(_failure_words(run, choices, error)) from error
         del statistics
         give_back()

@@ -35,6 +35,7 @@ from .algorithms import (
     awq_group,
     awq_shares,
     choose,
+    gptq_many,
     gram_runs,
     recording,
 )
@@ -206,13 +207,14 @@ class EagerSimulation(WholePasses):
             for modules in gram_runs(features, held, free) if features else ():
                 with torch.no_grad(), recording(self.model, modules) as gathered:
                     self._calibrate(self.model, gathered)  # merged across ranks, if any
+                solved = [(fqn, key) for fqn, key in recorded if fqn in modules and key[2] != AWQ]
+                problems = {(fqn, key): (self._float[fqn], gathered[fqn], key[1]) for fqn, key in solved}
+                with torch.no_grad():  # GPTQ: the weights of one shape solved together
+                    self._found.update({pair: weight.compact() for pair, weight in gptq_many(problems).items()})
+                del problems
                 for fqn in modules:
                     statistics = gathered.pop(fqn)  # freed once the module's results are found
-                    for key in (key for other, key in recorded if other == fqn):
-                        if key[2] != AWQ:
-                            found = quantized_weight(self._float_module(fqn), key, statistics, self._target)
-                            self._found[fqn, key] = found.compact()
-                            continue
+                    for key in (key for other, key in recorded if other == fqn and key[2] == AWQ):
                         readers = {reader: self._float[reader] for reader in shares[fqn]}
                         with torch.no_grad():  # every reader of the input: one scale, whichever of them asks next
                             for reader, found in awq_group(readers, statistics, key[1]).items():
