@@ -1,8 +1,8 @@
 """Hugging Face transformers built offline from tiny configs (random weights, fixed seeds), with
 batches in the form each takes: a BERT encoder (keyword batches, a ``ModelOutput``), a Llama-style
 decoder with ``use_cache=False`` (token ids), GPT-2 (transformers' ``Conv1D`` projections), a ViT
-(pixel values), and a BERT wrapped by mean pooling as sentence-embedding models are (positional
-``(input_ids, attention_mask)``)."""
+(pixel values), a BERT wrapped by mean pooling as sentence-embedding models are (positional
+``(input_ids, attention_mask)``), and a tiny decoder of each family people ship (``tiny_family``)."""
 
 from __future__ import annotations
 
@@ -110,3 +110,52 @@ def mean_pooled_bert() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor
 
 
 MODELS = {"bert": tiny_bert, "llama": tiny_llama, "vit": tiny_vit}
+
+
+def tiny_family(name: str) -> nn.Module:
+    """A decoder of family ``name`` (a key of ``FAMILIES``: the README's names) at its config's
+    defaults (``use_cache=True``) but for its sizes: 2 blocks of width 64, 4 heads."""
+    import transformers as t
+
+    sizes = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 64,
+    }
+    grouped = {**sizes, "num_key_value_heads": 2}
+    tokens = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+    opt = {k: v for k, v in sizes.items() if k != "intermediate_size"}
+    built = {
+        "Llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(**grouped)),
+        "Mistral": lambda: t.MistralForCausalLM(t.MistralConfig(**grouped)),
+        "Qwen2": lambda: t.Qwen2ForCausalLM(t.Qwen2Config(**grouped)),
+        "Qwen3": lambda: t.Qwen3ForCausalLM(t.Qwen3Config(**grouped, head_dim=16)),
+        "Granite": lambda: t.GraniteForCausalLM(t.GraniteConfig(**grouped)),
+        "SmolLM3": lambda: t.SmolLM3ForCausalLM(t.SmolLM3Config(**grouped, **tokens)),
+        "Phi-3": lambda: t.Phi3ForCausalLM(t.Phi3Config(**grouped, **tokens)),
+        "Gemma 2": lambda: t.Gemma2ForCausalLM(t.Gemma2Config(**grouped, head_dim=16)),
+        "Gemma 3": lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(**grouped, head_dim=16, sliding_window=16)),
+        "OLMo 2": lambda: t.Olmo2ForCausalLM(t.Olmo2Config(**grouped, **tokens)),
+        "Qwen3-MoE": lambda: t.Qwen3MoeForCausalLM(
+            t.Qwen3MoeConfig(**grouped, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2)
+        ),
+        "StableLM": lambda: t.StableLmForCausalLM(t.StableLmConfig(**grouped)),
+        "Phi": lambda: t.PhiForCausalLM(t.PhiConfig(**sizes, **tokens)),
+        "OPT": lambda: t.OPTForCausalLM(t.OPTConfig(**opt, ffn_dim=128, word_embed_proj_dim=64, **tokens)),
+        "LFM2": lambda: t.Lfm2ForCausalLM(t.Lfm2Config(**grouped, **tokens)),
+        "GPT-NeoX": lambda: t.GPTNeoXForCausalLM(t.GPTNeoXConfig(**sizes, **tokens)),
+        "GPT-2": lambda: t.GPT2LMHeadModel(
+            t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, **tokens)
+        ),
+    }
+    torch.manual_seed(0)
+    return built[name]().eval()
+
+
+FAMILIES = (
+    "Llama", "Mistral", "Qwen2", "Qwen3", "Granite", "SmolLM3", "Phi-3", "Gemma 2", "Gemma 3", "OLMo 2", "Qwen3-MoE",
+    "StableLM", "Phi", "OPT", "LFM2", "GPT-NeoX", "GPT-2",
+)  # fmt: skip

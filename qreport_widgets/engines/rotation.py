@@ -17,7 +17,8 @@ weights and the activations its Linears read lose their outlier channels (QuaRot
 
 R1 is written for the Llama layout transformers uses for Llama, Mistral, Qwen2, SmolLM and their kin
 (pre-norm blocks, RMS norms); R2 for any block whose attention has value and output projections
-(``v_proj``, or the value rows of a fused ``qkv_proj``, and ``o_proj``: Gemma 3, Phi-3, OLMo 2 too).
+(``v_proj``, or the value rows of a fused ``qkv_proj``, and ``o_proj`` / ``out_proj`` / ``dense``:
+Gemma 2 and 3, Phi-3, OLMo 2, Qwen3-MoE, StableLM, Phi, OPT and LFM2 too).
 ``rotation_problems`` says why a model does not take one (a norm after a block's output, a norm
 that subtracts the mean, a layout it does not know); ``rotate(..., example_inputs)`` checks the
 result by the outputs themselves (``check``).
@@ -352,39 +353,70 @@ def _rotate_residual(decoder: _Decoder, q: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class _Values:
     """Where one block's attention computes its values: ``rows`` of ``writer``'s output (all of
-    ``v_proj``'s; the last ``kv heads x head_dim`` of a fused ``qkv_proj``), read by ``o_proj``."""
+    ``v_proj``'s; the last ``kv heads x head_dim`` of a fused ``qkv_proj``), read by ``output``
+    (``o_proj``; Phi's ``dense``, OPT's and LFM2's ``out_proj``)."""
 
     writer: nn.Linear
     rows: slice
-    o_proj: nn.Linear
+    output: nn.Linear
     head_dim: int
 
 
+# where decoders keep their numbered blocks, what a block calls its attention, and what the
+# attention calls the projection of its heads' values back to the stream
+BLOCK_LISTS = ("model.layers", "model.decoder.layers", "gpt_neox.layers", "transformer.h")
+ATTENTIONS = ("self_attn", "attention", "attn")
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense")
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    for path in BLOCK_LISTS:
+        try:
+            found = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(found, nn.ModuleList) and len(found):
+            return list(found)
+    return []
+
+
 def _value_projections(model: nn.Module) -> list[_Values]:
-    """Every block's ``_Values``, from ``model.model.layers[i].self_attn``: ``v_proj`` and ``o_proj``
-    (Llama, Gemma, OLMo, Qwen ...), or Phi-3's fused ``qkv_proj`` (queries, keys, values in that order)."""
-    layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
+    """Every attention block's ``_Values``: ``v_proj`` and its output projection (Llama, Gemma,
+    OLMo, Qwen, Phi, OPT, LFM2 ...), or Phi-3's fused ``qkv_proj`` (queries, keys, values in that
+    order). Blocks without attention (LFM2's convolutions) have none."""
+    layers = _blocks(model)
     if not layers:
-        raise InvalidSettingsError(f"{type(model).__name__} has no model.layers: R2 rotates each block's attention values")
+        where = ", ".join(BLOCK_LISTS)
+        raise InvalidSettingsError(
+            f"{type(model).__name__} has no numbered blocks ({where}): R2 rotates each block's attention values"
+        )
     found = []
     for index, layer in enumerate(layers):
-        attention = getattr(layer, "self_attn", None)
-        o_proj, head_dim = getattr(attention, "o_proj", None), getattr(attention, "head_dim", None)
+        attention = next((getattr(layer, name) for name in ATTENTIONS if isinstance(getattr(layer, name, None), nn.Module)), None)
+        if attention is None:
+            continue
+        output = next((getattr(attention, name) for name in OUTPUT_PROJECTIONS if hasattr(attention, name)), None)
+        head_dim = getattr(attention, "head_dim", None)
         v_proj, fused = getattr(attention, "v_proj", None), getattr(attention, "qkv_proj", None)
         kv_heads = getattr(attention, "num_key_value_heads", None) or getattr(
             getattr(attention, "config", None), "num_key_value_heads", None
         )
-        if isinstance(v_proj, nn.Linear) and isinstance(o_proj, nn.Linear) and head_dim:
-            found.append(_Values(v_proj, slice(0, v_proj.weight.shape[0]), o_proj, int(head_dim)))
-        elif isinstance(fused, nn.Linear) and isinstance(o_proj, nn.Linear) and head_dim and kv_heads:
+        if isinstance(v_proj, nn.Linear) and isinstance(output, nn.Linear) and head_dim:
+            found.append(_Values(v_proj, slice(0, v_proj.weight.shape[0]), output, int(head_dim)))
+        elif isinstance(fused, nn.Linear) and isinstance(output, nn.Linear) and head_dim and kv_heads:
             width = int(kv_heads) * int(head_dim)
             rows = fused.weight.shape[0]
-            found.append(_Values(fused, slice(rows - width, rows), o_proj, int(head_dim)))
+            found.append(_Values(fused, slice(rows - width, rows), output, int(head_dim)))
         else:
             raise InvalidSettingsError(
                 f"block {index}'s attention ({type(attention).__name__}) has no v_proj (or fused qkv_proj with its key-value "
-                "heads) and o_proj with a head_dim: R2 rotates the values each head hands o_proj"
+                f"heads) and output projection ({', '.join(OUTPUT_PROJECTIONS)}) Linears with a head_dim: R2 rotates the "
+                "values each head hands its output projection"
             )
+    if not found:
+        raise InvalidSettingsError(
+            f"{type(model).__name__}'s blocks have no attention ({', '.join(ATTENTIONS)}): R2 has nothing to rotate"
+        )
     return found
 
 
@@ -392,7 +424,7 @@ def _rotate_values(values: list[_Values], r: torch.Tensor) -> None:
     """Each head's values times R: the value rows of every head R^T W, o_proj's columns of every head W R."""
     d = r.shape[0]
     for found in values:
-        v, o, rows = found.writer, found.o_proj, found.rows
+        v, o, rows = found.writer, found.output, found.rows
         r_here = r.to(v.weight.device)
         weight = v.weight[rows].double()
         turned = torch.einsum("ji,hjk->hik", r_here, weight.view(-1, d, weight.shape[1])).reshape(weight.shape)
