@@ -117,7 +117,10 @@ def test_architectures_the_rotations_do_not_commute_with_are_refused_naming_why(
 
     layer_norm = decoder()
     layer_norm.model.norm = nn.LayerNorm(48)
-    assert "subtracts the mean" in qw.rotation_problems(layer_norm)["R1"]
+    # a LayerNorm among RMS norms: centring the stream for it would move what the RMS norms compute
+    assert "mix LayerNorms (model.norm) and RMS norms" in qw.rotation_problems(layer_norm)["R1"]
+    with pytest.raises(qw.InvalidSettingsError, match="R1 does not apply: the stream's norms mix"):
+        qw.rotate(layer_norm)
     assert "not a decoder in the Llama layout" in qw.rotation_problems(nn.Linear(4, 4))["R1"]
 
 
@@ -237,7 +240,7 @@ def test_fit_with_rotation_checks_its_arguments_before_any_front_is_built():
     layernormed.model.norm = nn.LayerNorm(64)
     other = qw.QuantizationSession(layernormed, batches[0], batches[:4], engine="eager")
     assert set(other.rotation_problems()) == {"R1"}
-    with pytest.raises(qw.InvalidSettingsError, match="R1: model.norm"):
+    with pytest.raises(qw.InvalidSettingsError, match=r"R1: the stream.s norms mix LayerNorms \(model.norm\)"):
         other.parts.rotations.check(qw.Rotation())
     other.parts.rotations.check(qw.Rotation(residual=False))  # R2 alone applies
 

@@ -47,3 +47,30 @@ def test_each_family_takes_the_rotations_the_readme_says_and_refuses_the_others_
         else:
             with pytest.raises(qw.InvalidSettingsError, match=f"{name} does not apply: .+"):
                 qw.rotate(model, rotation, (ids,))
+
+
+def test_layer_norms_with_a_scale_and_bias_become_rms_norms_on_a_centred_stream_tied_or_not():
+    from qreport_widgets.engines.rotation import UnitRMSNorm
+
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    for tied in (False, True):
+        model = tiny_family("StableLM")
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():  # a trained model's norms: scales and biases far from 1 and 0
+            for module in model.modules():
+                if isinstance(module, torch.nn.LayerNorm):
+                    module.weight.copy_(1 + 0.5 * torch.randn(module.weight.shape, generator=generator))
+                    module.bias.copy_(0.3 * torch.randn(module.bias.shape, generator=generator))
+        if tied:
+            model.config.tie_word_embeddings = True
+            model.lm_head.weight = model.model.embed_tokens.weight
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        rotated = qw.rotate(model, qw.Rotation(), (ids,))  # its own check: the logits to float round-off
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the user's model untouched
+        norms = [
+            rotated.model.norm,
+            *(n for layer in rotated.model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)),
+        ]
+        assert all(isinstance(norm, UnitRMSNorm) and bool((norm.weight == 1).all()) for norm in norms)
+        assert rotated.lm_head.bias is not None and rotated.model.layers[0].mlp.gate_proj.bias is not None  # the norms' biases
+        assert not any(isinstance(m, torch.nn.LayerNorm) for m in rotated.modules())

@@ -16,11 +16,11 @@ weights and the activations its Linears read lose their outlier channels (QuaRot
   exported program carries too.
 
 R1 is written for the Llama layout transformers uses for Llama, Mistral, Qwen2, SmolLM and their kin
-(pre-norm blocks, RMS norms); R2 for any block whose attention has value and output projections
-(``v_proj``, or the value rows of a fused ``qkv_proj``, and ``o_proj`` / ``out_proj`` / ``dense``:
-Gemma 2 and 3, Phi-3, OLMo 2, Qwen3-MoE, StableLM, Phi, OPT and LFM2 too).
-``rotation_problems`` says why a model does not take one (a norm after a block's output, a norm
-that subtracts the mean, a layout it does not know); ``rotate(..., example_inputs)`` checks the
+(pre-norm blocks; RMS norms, or LayerNorms made RMS norms on a centred stream: StableLM); R2 for any
+block whose attention has value and output projections (``v_proj``, or the value rows of a fused
+``qkv_proj``, and ``o_proj`` / ``out_proj`` / ``dense``: Gemma 2 and 3, Phi-3, OLMo 2, Qwen3-MoE,
+StableLM, Phi, OPT and LFM2 too). ``rotation_problems`` says why a model does not take one (a norm
+after a block's output, LayerNorms mixed with RMS norms, a layout it does not know); ``rotate(..., example_inputs)`` checks the
 result by the outputs themselves (``check``).
 """
 
@@ -147,6 +147,7 @@ class _Decoder:
     attention_readers: list[list[nn.Linear]]
     mlp_readers: list[list[nn.Linear]]
     writers: list[list[nn.Linear]]
+    owner: nn.Module  # the inner model (``model.model``) that holds the layers and the final norm
 
 
 # a block's projections by name: the separate ones of the Llama layout, or the fused ones of Phi-3
@@ -183,12 +184,19 @@ def _residual_problem(decoder: _Decoder) -> str:
                 f"block {index} has a norm on a block's output before the residual add ({', '.join(extra)}): the stream "
                 "it writes is normalised, which a rotation of the stream does not commute with"
             )
-    for norm_name, norm in _norms(decoder):
-        if not _is_rms_norm(norm):
+    norms = _norms(decoder)
+    for norm_name, norm in norms:
+        if not _is_rms_norm(norm) and not _is_layer_norm(norm):
             return (
-                f"{norm_name} ({type(norm).__name__}) is not an RMS norm with a scale alone: a norm that subtracts the mean or "
-                "adds a bias does not commute with a rotation of the stream (QuaRot folds LayerNorm's mean separately; not here)"
+                f"{norm_name} ({type(norm).__name__}) is neither an RMS norm with a scale alone nor a LayerNorm with a "
+                "scale and bias: the rotation of the stream does not commute with what it computes"
             )
+    layer_norms = [name for name, norm in norms if _is_layer_norm(norm)]
+    if layer_norms and len(layer_norms) < len(norms):  # centring the stream for the LayerNorms would move the RMS norms
+        return (
+            f"the stream's norms mix LayerNorms ({', '.join(layer_norms[:2])}{', ...' if len(layer_norms) > 2 else ''}) "
+            "and RMS norms: a LayerNorm becomes an RMS norm only on a stream centred for every norm that reads it"
+        )
     return ""
 
 
@@ -208,6 +216,7 @@ def rotate(model: nn.Module, rotation: Rotation = Rotation(), example_inputs: An
     with torch.no_grad():
         if rotation.residual:
             _untie_head(rotated, decoder)
+            _layer_norms_as_rms(decoder)
             _fold_norms(decoder)
             _rotate_residual(decoder, random_rotation(decoder.embedding.weight.shape[1], generator))
         if rotation.values:
@@ -263,7 +272,7 @@ def _decoder(model: nn.Module) -> _Decoder:
         readers[0].append(found[0])
         readers[1].append(found[1])
         writers.append(written)
-    return _Decoder(embedding, layers, final_norm, head, readers[0], readers[1], writers)
+    return _Decoder(embedding, layers, final_norm, head, readers[0], readers[1], writers, inner)
 
 
 def _linears(owner: nn.Module | None, layouts: tuple[tuple[str, ...], ...]) -> list[nn.Linear] | None:
@@ -300,6 +309,30 @@ def _is_rms_norm(norm: nn.Module) -> bool:
     return bool(torch.allclose(found.float(), expected.float(), rtol=1e-4, atol=1e-5))
 
 
+def _is_layer_norm(norm: nn.Module) -> bool:
+    """Whether ``norm`` is torch's LayerNorm over the last dimension with a scale (a bias or none)."""
+    return (
+        isinstance(norm, nn.LayerNorm)
+        and len(norm.normalized_shape) == 1
+        and isinstance(norm.weight, torch.Tensor)
+        and norm.weight.dim() == 1
+    )
+
+
+class UnitRMSNorm(nn.Module):
+    """``x / rms(x)``, what a LayerNorm computes on a stream whose mean is 0 once its scale and bias
+    are folded into the Linears that read it (``_layer_norms_as_rms``); its scale stays 1."""
+
+    def __init__(self, width: int, eps: float, like: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width, dtype=like.dtype, device=like.device))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scaled = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * scaled.to(x.dtype)
+
+
 def _eps(norm: nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)) or 1e-6)
 
@@ -315,6 +348,52 @@ def _untie_head(model: nn.Module, decoder: _Decoder) -> None:
             for module in model.modules():  # every module that shared the config (the inner model's too)
                 if getattr(module, "config", None) is old:
                     module.config = config
+
+
+def _layer_norms_as_rms(decoder: _Decoder) -> None:
+    """Where the stream's norms are LayerNorms (StableLM), as QuaRot does: every row of the embedding
+    and every Linear that writes the stream centred (its outputs' mean over the stream's width taken
+    out: ``W -> C W``, ``b -> C b``, ``C = I - 1 1^T / n``), so the stream's mean is 0 wherever a norm
+    reads it and each LayerNorm is ``x / rms(x)`` times its scale plus its bias; the bias is folded
+    into the biases of the Linears that read it (``b' = b_r + W_r b``, made where they had none), the
+    scale left for ``_fold_norms``, and the norm replaced by a ``UnitRMSNorm`` times that scale."""
+    readers = [(decoder.final_norm, [decoder.head], None, "final_norm")]
+    for index, (layer, attention, mlp) in enumerate(
+        zip(decoder.layers, decoder.attention_readers, decoder.mlp_readers, strict=True)
+    ):
+        readers.append((layer.input_layernorm, attention, index, "input_layernorm"))
+        readers.append((layer.post_attention_layernorm, mlp, index, "post_attention_layernorm"))
+    if not all(_is_layer_norm(norm) for norm, *_ in readers):  # RMS norms (a mix is refused: _residual_problem)
+        return
+
+    def centred(linear: nn.Linear) -> None:
+        weight = linear.weight.double()
+        linear.weight.copy_((weight - weight.mean(0, keepdim=True)).to(linear.weight.dtype))
+        if linear.bias is not None:
+            linear.bias.copy_((linear.bias.double() - linear.bias.double().mean()).to(linear.bias.dtype))
+
+    embedding = decoder.embedding.weight
+    embedding.copy_((embedding.double() - embedding.double().mean(1, keepdim=True)).to(embedding.dtype))
+    for written in decoder.writers:
+        for linear in written:
+            centred(linear)
+    for norm, linears, index, name in readers:
+        if not _is_layer_norm(norm):
+            continue
+        bias = norm.bias.detach().double() if norm.bias is not None else None
+        if bias is not None and bool(bias.any()):
+            for linear in linears:
+                added = linear.weight.double() @ bias.to(linear.weight.device)
+                if linear.bias is None:
+                    linear.bias = nn.Parameter(added.to(linear.weight.dtype), requires_grad=linear.weight.requires_grad)
+                else:
+                    linear.bias.copy_((linear.bias.double() + added).to(linear.bias.dtype))
+        replacement = UnitRMSNorm(norm.weight.shape[0], float(norm.eps), norm.weight)
+        replacement.weight.copy_(norm.weight.detach())  # folded into the readers next, as an RMS norm's scale
+        if index is None:
+            decoder.final_norm = decoder.owner.norm = replacement
+        else:
+            setattr(decoder.layers[index], name, replacement)
 
 
 def _fold_norms(decoder: _Decoder) -> None:
