@@ -17,15 +17,15 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def readme_rows() -> dict[str, tuple[bool, bool]]:
-    """family -> (R1 + R2 applies, R2 alone applies), from the README's table."""
+    """family -> (R1 applies, R2 applies), from the README's table."""
     text = README.read_text()
     table = re.search(r"<!-- rotation families -->\n(.*?)<!-- end rotation families -->", text, re.S)
     assert table, "README.md has no rotation families table"
     rows = {}
     for line in table.group(1).strip().splitlines()[2:]:
-        families, both, values, _ = (cell.strip() for cell in line.strip("|").split("|"))
+        families, residual, values, _ = (cell.strip() for cell in line.strip("|").split("|"))
         for family in families.split(", "):
-            rows[family] = (both == "yes", values == "yes")
+            rows[family] = (residual == "yes", values == "yes")
     return rows
 
 
@@ -35,26 +35,31 @@ def test_the_readme_names_every_family_built_here():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_takes_the_rotations_the_readme_says_and_refuses_the_others_naming_why(family):
-    both, values = readme_rows()[family]
+    residual, values = readme_rows()[family]
     model = tiny_family(family)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     problems = qw.rotation_problems(model)
-    assert ("R1" not in problems) == both and ("R2" not in problems) == values, problems
-    for applies, rotation, name in ((both, qw.Rotation(), "R1"), (values, qw.Rotation(residual=False), "R2")):
+    assert ("R1" not in problems) == residual and ("R2" not in problems) == values, problems
+    asked = {"R1": qw.Rotation(values=False), "R2": qw.Rotation(residual=False)}
+    for name, applies in (("R1", residual), ("R2", values)):
         if applies:
-            rotated = qw.rotate(model, rotation, (ids,))  # refused if its logits moved past float round-off
+            rotated = qw.rotate(model, asked[name], (ids,))  # refused if its logits moved past float round-off
             assert rotated is not model
         else:
             with pytest.raises(qw.InvalidSettingsError, match=f"{name} does not apply: .+"):
-                qw.rotate(model, rotation, (ids,))
+                qw.rotate(model, asked[name], (ids,))
+    if residual and values:
+        qw.rotate(model, qw.Rotation(), (ids,))
 
 
-def test_layer_norms_with_a_scale_and_bias_become_rms_norms_on_a_centred_stream_tied_or_not():
-    from qreport_widgets.engines.rotation import UnitRMSNorm
+@pytest.mark.parametrize("family", ["StableLM", "Phi", "OPT", "GPT-NeoX"])
+def test_layer_norms_with_a_scale_and_bias_become_rms_norms_on_a_centred_stream_tied_or_not(family):
+    from qreport_widgets.engines.rotation import UnitRMSNorm, _decoder
 
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    rotation = qw.Rotation(values=family != "GPT-NeoX", down=True)  # R4 on the MLP's output projection too
     for tied in (False, True):
-        model = tiny_family("StableLM")
+        model = tiny_family(family)
         generator = torch.Generator().manual_seed(3)
         with torch.no_grad():  # a trained model's norms: scales and biases far from 1 and 0
             for module in model.modules():
@@ -63,14 +68,12 @@ def test_layer_norms_with_a_scale_and_bias_become_rms_norms_on_a_centred_stream_
                     module.bias.copy_(0.3 * torch.randn(module.bias.shape, generator=generator))
         if tied:
             model.config.tie_word_embeddings = True
-            model.lm_head.weight = model.model.embed_tokens.weight
+            model.get_output_embeddings().weight = model.get_input_embeddings().weight
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        rotated = qw.rotate(model, qw.Rotation(), (ids,))  # its own check: the logits to float round-off
+        rotated = qw.rotate(model, rotation, (ids,))  # its own check: the logits to float round-off
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the user's model untouched
-        norms = [
-            rotated.model.norm,
-            *(n for layer in rotated.model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)),
-        ]
-        assert all(isinstance(norm, UnitRMSNorm) and bool((norm.weight == 1).all()) for norm in norms)
-        assert rotated.lm_head.bias is not None and rotated.model.layers[0].mlp.gate_proj.bias is not None  # the norms' biases
+        decoder = _decoder(rotated)
+        assert decoder.layout == {"StableLM": "Llama"}.get(family, family)
+        assert all(isinstance(read.norm, UnitRMSNorm) and bool((read.norm.weight == 1).all()) for read in decoder.norms)
+        assert all(linear.bias is not None for read in decoder.norms for linear in read.readers)  # the norms' biases
         assert not any(isinstance(m, torch.nn.LayerNorm) for m in rotated.modules())

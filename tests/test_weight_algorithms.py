@@ -550,3 +550,17 @@ def test_awq_on_some_readers_of_an_input_divides_their_input_instead(text_decode
     assert torch.equal(quantized.get_submodule(norm).weight, model.get_submodule(norm).weight)
     problems = algorithms.unfolded_awq({"model.layers.0.self_attn.q_proj": ("awq", 32)}, input_folds(model))
     assert "k_proj, model.layers.0.self_attn.v_proj also read" in problems["model.layers.0.self_attn.q_proj"]
+
+
+def test_fused_projections_fold_into_the_norm_they_read_and_take_awq_and_gptq():
+    from hf_models import _tokens, tiny_family
+
+    model = tiny_family("Phi-3")  # qkv_proj and gate_up_proj: one Linear reads each norm
+    folds = input_folds(model)
+    assert folds["model.layers.0.self_attn.qkv_proj"].into == "model.layers.0.input_layernorm"
+    assert folds["model.layers.0.mlp.gate_up_proj"].into == "model.layers.0.post_attention_layernorm"
+    assert folds["lm_head"].into == "model.norm"
+    chosen = {"model.layers.0.self_attn.qkv_proj": ("awq", 32), "model.layers.1.mlp.gate_up_proj": ("gptq", 32)}
+    quantized = qw.quantize_weights(copy.deepcopy(model), chosen, [(ids,) for ids in _tokens(5)])
+    for fqn in chosen:
+        assert int(quantized.get_submodule(fqn).weight.qdata.abs().max()) <= 8

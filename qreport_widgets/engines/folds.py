@@ -38,8 +38,9 @@ class Fold:
 
 
 def input_folds(model: nn.Module) -> dict[str, Fold]:
-    """Each Linear of ``model`` whose input scale folds into the op before it -> that fold (empty
-    for a model not in the Llama layout)."""
+    """Each Linear of ``model`` whose input scale folds into the op before it -> that fold: an RMS
+    norm's readers (``rotation.LAYOUTS``), ``down_proj`` into ``up_proj``'s rows, ``o_proj`` into
+    ``v_proj``'s (empty for a model in no layout the rotations know)."""
     try:
         decoder = _decoder(model)
     except InvalidSettingsError:
@@ -51,14 +52,19 @@ def input_folds(model: nn.Module) -> dict[str, Fold]:
         if _is_rms_norm(owner):
             folds.append(Fold(names[id(owner)], NORM, tuple(names[id(r)] for r in readers)))
 
+    finals = [read for read in decoder.norms if read.owner not in decoder.layers]
     for layer in decoder.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        norm(layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj])
-        norm(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])
-        folds.append(Fold(names[id(mlp.up_proj)], ROWS, (names[id(mlp.down_proj)],)))
-        if attention.v_proj.out_features == attention.o_proj.in_features:
-            folds.append(Fold(names[id(attention.v_proj)], ROWS, (names[id(attention.o_proj)],)))
-    norm(decoder.final_norm, [decoder.head])
+        for read in (read for read in decoder.norms if read.owner is layer):
+            norm(read.norm, read.readers)
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        up, down = getattr(mlp, "up_proj", None), getattr(mlp, "down_proj", None)
+        if isinstance(up, nn.Linear) and isinstance(down, nn.Linear):
+            folds.append(Fold(names[id(up)], ROWS, (names[id(down)],)))
+        v_proj, o_proj = getattr(attention, "v_proj", None), getattr(attention, "o_proj", None)
+        if isinstance(v_proj, nn.Linear) and isinstance(o_proj, nn.Linear) and v_proj.out_features == o_proj.in_features:
+            folds.append(Fold(names[id(v_proj)], ROWS, (names[id(o_proj)],)))
+    for read in finals:
+        norm(read.norm, read.readers)
     return {reader: fold for fold in folds for reader in fold.readers}
 
 

@@ -118,7 +118,7 @@ def matrix_words(model: nn.Module, rotation: Rotation) -> str:
     sizes = {  # each read only where that rotation is asked: R2 alone needs no Llama layout
         "R1": (rotation.residual, lambda: _decoder(model).embedding.weight.shape[1]),
         "R2": (rotation.values, lambda: _value_projections(model)[0].head_dim),
-        "R4": (rotation.down, lambda: _decoder(model).layers[0].mlp.down_proj.weight.shape[1]),
+        "R4": (rotation.down, lambda: _decoder(model).writers[0][-1].weight.shape[1]),
     }
     said = []
     for name, (asked, size_of) in sizes.items():
@@ -138,21 +138,87 @@ def matrix_words(model: nn.Module, rotation: Rotation) -> str:
 
 
 @dataclass
+class _NormRead:
+    """A norm that reads the residual stream (``owner.name``, at ``path``) and the Linears that read its output."""
+
+    owner: nn.Module
+    name: str
+    path: str
+    readers: list[nn.Linear]
+
+    @property
+    def norm(self) -> nn.Module:
+        return getattr(self.owner, self.name)
+
+    def replace(self, module: nn.Module) -> None:
+        setattr(self.owner, self.name, module)
+
+
+@dataclass
 class _Decoder:
-    embedding: nn.Embedding
+    layout: str
+    embeddings: list[nn.Embedding]  # what writes the stream first: the tokens' (a head may be tied to it), positions'
     layers: list[nn.Module]
-    final_norm: nn.Module
     head: nn.Linear
-    # per block: the Linears that read the attention's norm, the MLP's norm, and that write the stream
-    attention_readers: list[list[nn.Linear]]
-    mlp_readers: list[list[nn.Linear]]
-    writers: list[list[nn.Linear]]
-    owner: nn.Module  # the inner model (``model.model``) that holds the layers and the final norm
+    norms: list[_NormRead]  # each block's in order, the final norm last
+    writers: list[list[nn.Linear]]  # each block's Linears that write the stream, the MLP's last
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.embeddings[0]
 
 
-# a block's projections by name: the separate ones of the Llama layout, or the fused ones of Phi-3
-_ATTENTION_READERS = (("q_proj", "k_proj", "v_proj"), ("qkv_proj",))
-_MLP_READERS = (("gate_proj", "up_proj"), ("gate_up_proj",))
+@dataclass(frozen=True)
+class _Layout:
+    """Where a decoder family keeps what R1 folds into: its blocks, the embeddings that start the
+    stream, the final norm, each block's norms with the Linears that read them (alternatives, the
+    first a block has all of), and the Linears that write the stream (paths inside a block)."""
+
+    name: str
+    blocks: str
+    embeddings: tuple[str, ...]
+    final_norm: str
+    norms: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...]
+    writers: tuple[str, ...]
+    absent: tuple[str, ...] = ()  # modules that change the stream's width where they exist
+
+
+_QKV = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.qkv_proj",))
+LAYOUTS = (
+    _Layout(  # Llama, Mistral, Qwen, Granite, SmolLM, StableLM; Phi-3's fused projections
+        "Llama",
+        "model.layers",
+        ("model.embed_tokens",),
+        "model.norm",
+        (("input_layernorm", _QKV), ("post_attention_layernorm", (("mlp.gate_proj", "mlp.up_proj"), ("mlp.gate_up_proj",)))),
+        ("self_attn.o_proj", "mlp.down_proj"),
+    ),
+    _Layout(  # Phi: attention and MLP read one norm in parallel
+        "Phi",
+        "model.layers",
+        ("model.embed_tokens",),
+        "model.final_layernorm",
+        (("input_layernorm", (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.fc1"),)),),
+        ("self_attn.dense", "mlp.fc2"),
+    ),
+    _Layout(  # GPT-NeoX (Pythia): a norm each for attention and MLP, in parallel or not
+        "GPT-NeoX",
+        "gpt_neox.layers",
+        ("gpt_neox.embed_in",),
+        "gpt_neox.final_layer_norm",
+        (("input_layernorm", (("attention.query_key_value",),)), ("post_attention_layernorm", (("mlp.dense_h_to_4h",),))),
+        ("attention.dense", "mlp.dense_4h_to_h"),
+    ),
+    _Layout(  # OPT: learned positions add to the stream
+        "OPT",
+        "model.decoder.layers",
+        ("model.decoder.embed_tokens", "model.decoder.embed_positions"),
+        "model.decoder.final_layer_norm",
+        (("self_attn_layer_norm", (tuple(p for p in _QKV[0]),)), ("final_layer_norm", (("fc1",),))),
+        ("self_attn.out_proj", "fc2"),
+        absent=("model.decoder.project_in", "model.decoder.project_out"),
+    ),
+)
 
 
 def rotation_problems(model: nn.Module) -> dict[str, str]:
@@ -178,7 +244,7 @@ def rotation_problems(model: nn.Module) -> dict[str, str]:
 def _residual_problem(decoder: _Decoder) -> str:
     for index, layer in enumerate(decoder.layers):
         extra = [name for name, child in layer.named_children() if _is_norm(child)]
-        extra = [name for name in extra if name not in ("input_layernorm", "post_attention_layernorm")]
+        extra = [name for name in extra if name not in {read.name for read in decoder.norms if read.owner is layer}]
         if extra:
             return (
                 f"block {index} has a norm on a block's output before the residual add ({', '.join(extra)}): the stream "
@@ -247,49 +313,76 @@ def check(model: nn.Module, rotated: nn.Module, rotation: Rotation, example_inpu
 
 
 # ---- the layout ----------------------------------------------------------------------------------
+def _module_at(root: nn.Module, path: str) -> nn.Module | None:
+    found: Any = root
+    for part in path.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return None
+    return found if isinstance(found, nn.Module) else None
+
+
 def _decoder(model: nn.Module) -> _Decoder:
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    """``model``'s stream in the first of ``LAYOUTS`` it fits; InvalidSettingsError naming what a
+    block lacks for the layout whose blocks, embeddings and final norm it has, or that none fits."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    inner = getattr(model, "model", None)
-    layers = list(getattr(inner, "layers", []) or [])
-    final_norm = getattr(inner, "norm", None)
-    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear) or not layers or final_norm is None:
-        raise InvalidSettingsError(
-            f"{type(model).__name__} is not a decoder in the Llama layout the rotations are written for (model.embed_tokens, "
-            "model.layers with self_attn / mlp / input_layernorm / post_attention_layernorm, model.norm, lm_head)"
-        )
-    readers: tuple[list[list[nn.Linear]], list[list[nn.Linear]]] = ([], [])
-    writers = []
-    for index, layer in enumerate(layers):
-        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        found = [_linears(attention, _ATTENTION_READERS), _linears(mlp, _MLP_READERS)]
-        written = [getattr(attention, "o_proj", None), getattr(mlp, "down_proj", None)]
-        norms = [name for name in ("input_layernorm", "post_attention_layernorm") if not hasattr(layer, name)]
-        if None in found or not all(isinstance(w, nn.Linear) for w in written) or norms:
-            named = f"block {index} ({type(layer).__name__})"
-            missing = ", ".join(norms) or "q/k/v_proj (or qkv_proj), gate/up_proj (or gate_up_proj), o_proj and down_proj"
-            raise InvalidSettingsError(f"{named} has no {missing}: not the Llama layout")
-        readers[0].append(found[0])
-        readers[1].append(found[1])
-        writers.append(written)
-    return _Decoder(embedding, layers, final_norm, head, readers[0], readers[1], writers, inner)
+    lacking = ""
+    for layout in LAYOUTS:
+        blocks = _module_at(model, layout.blocks)
+        embeddings = [_module_at(model, path) for path in layout.embeddings]
+        final_norm = _module_at(model, layout.final_norm)
+        if not isinstance(blocks, nn.ModuleList) or not len(blocks) or final_norm is None or not isinstance(head, nn.Linear):
+            continue
+        if not all(isinstance(e, nn.Embedding) for e in embeddings) or any(_module_at(model, p) for p in layout.absent):
+            continue
+        found = _blocks_in(layout, list(blocks))
+        if isinstance(found, str):
+            lacking = lacking or found
+            continue
+        norms, writers = found
+        owner_path, _, name = layout.final_norm.rpartition(".")
+        norms.append(_NormRead(_module_at(model, owner_path), name, layout.final_norm, [head]))
+        return _Decoder(layout.name, embeddings, list(blocks), head, norms, writers)
+    if lacking:
+        raise InvalidSettingsError(lacking)
+    known = "; ".join(f"{layout.name}'s: {layout.blocks}, {layout.final_norm}" for layout in LAYOUTS)
+    raise InvalidSettingsError(
+        f"{type(model).__name__} is not a decoder in a layout the rotations are written for ({known}; an output embedding)"
+    )
+
+
+def _blocks_in(layout: _Layout, blocks: list[nn.Module]) -> tuple[list[_NormRead], list[list[nn.Linear]]] | str:
+    """Each block's norms with their readers and its writers in ``layout``; what the first block
+    that does not fit lacks, said, where one does not."""
+    norms, writers = [], []
+    for index, layer in enumerate(blocks):
+        missing = [name for name, _ in layout.norms if _module_at(layer, name) is None]
+        read = [(name, _linears(layer, choices)) for name, choices in layout.norms]
+        missing += [
+            " / ".join(", ".join(c) for c in choices)
+            for (_, choices), (_, r) in zip(layout.norms, read, strict=True)
+            if r is None
+        ]
+        missing += [path for path in layout.writers if not isinstance(_module_at(layer, path), nn.Linear)]
+        if missing:
+            return f"block {index} ({type(layer).__name__}) has no {'; no '.join(missing)}: not the {layout.name} layout"
+        prefix = f"{layout.blocks}.{index}"
+        norms.extend(_NormRead(layer, name, f"{prefix}.{name}", linears) for name, linears in read)
+        writers.append([_module_at(layer, path) for path in layout.writers])
+    return norms, writers
 
 
 def _linears(owner: nn.Module | None, layouts: tuple[tuple[str, ...], ...]) -> list[nn.Linear] | None:
-    """The Linears of the first of ``layouts`` (names) ``owner`` has all of; None where it has none."""
-    for names in layouts:
-        found = [getattr(owner, name, None) for name in names]
+    """The Linears of the first of ``layouts`` (paths inside ``owner``) ``owner`` has all of; None where it has none."""
+    for paths in layouts:
+        found = [_module_at(owner, path) if owner is not None else None for path in paths]
         if all(isinstance(linear, nn.Linear) for linear in found):
             return found
     return None
 
 
 def _norms(decoder: _Decoder) -> list[tuple[str, nn.Module]]:
-    found = [("model.norm", decoder.final_norm)]
-    for index, layer in enumerate(decoder.layers):
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            found.append((f"model.layers.{index}.{name}", getattr(layer, name)))
-    return found
+    return [(read.path, read.norm) for read in decoder.norms]
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -351,19 +444,13 @@ def _untie_head(model: nn.Module, decoder: _Decoder) -> None:
 
 
 def _layer_norms_as_rms(decoder: _Decoder) -> None:
-    """Where the stream's norms are LayerNorms (StableLM), as QuaRot does: every row of the embedding
-    and every Linear that writes the stream centred (its outputs' mean over the stream's width taken
-    out: ``W -> C W``, ``b -> C b``, ``C = I - 1 1^T / n``), so the stream's mean is 0 wherever a norm
-    reads it and each LayerNorm is ``x / rms(x)`` times its scale plus its bias; the bias is folded
-    into the biases of the Linears that read it (``b' = b_r + W_r b``, made where they had none), the
-    scale left for ``_fold_norms``, and the norm replaced by a ``UnitRMSNorm`` times that scale."""
-    readers = [(decoder.final_norm, [decoder.head], None, "final_norm")]
-    for index, (layer, attention, mlp) in enumerate(
-        zip(decoder.layers, decoder.attention_readers, decoder.mlp_readers, strict=True)
-    ):
-        readers.append((layer.input_layernorm, attention, index, "input_layernorm"))
-        readers.append((layer.post_attention_layernorm, mlp, index, "post_attention_layernorm"))
-    if not all(_is_layer_norm(norm) for norm, *_ in readers):  # RMS norms (a mix is refused: _residual_problem)
+    """Where the stream's norms are LayerNorms (StableLM, Phi, GPT-NeoX, OPT), as QuaRot does: every
+    row of the embeddings and every Linear that writes the stream centred (its outputs' mean over the
+    stream's width taken out: ``W -> C W``, ``b -> C b``, ``C = I - 1 1^T / n``), so the stream's mean
+    is 0 wherever a norm reads it and each LayerNorm is ``x / rms(x)`` times its scale plus its bias;
+    the bias is folded into the biases of the Linears that read it (``b' = b_r + W_r b``, made where
+    they had none), the scale left for ``_fold_norms``, the norm replaced by a ``UnitRMSNorm``."""
+    if not all(_is_layer_norm(read.norm) for read in decoder.norms):  # RMS norms (a mix is refused: _residual_problem)
         return
 
     def centred(linear: nn.Linear) -> None:
@@ -372,17 +459,17 @@ def _layer_norms_as_rms(decoder: _Decoder) -> None:
         if linear.bias is not None:
             linear.bias.copy_((linear.bias.double() - linear.bias.double().mean()).to(linear.bias.dtype))
 
-    embedding = decoder.embedding.weight
-    embedding.copy_((embedding.double() - embedding.double().mean(1, keepdim=True)).to(embedding.dtype))
+    for embedding in decoder.embeddings:
+        rows = embedding.weight
+        rows.copy_((rows.double() - rows.double().mean(1, keepdim=True)).to(rows.dtype))
     for written in decoder.writers:
         for linear in written:
             centred(linear)
-    for norm, linears, index, name in readers:
-        if not _is_layer_norm(norm):
-            continue
+    for read in decoder.norms:
+        norm = read.norm
         bias = norm.bias.detach().double() if norm.bias is not None else None
         if bias is not None and bool(bias.any()):
-            for linear in linears:
+            for linear in read.readers:
                 added = linear.weight.double() @ bias.to(linear.weight.device)
                 if linear.bias is None:
                     linear.bias = nn.Parameter(added.to(linear.weight.dtype), requires_grad=linear.weight.requires_grad)
@@ -390,23 +477,16 @@ def _layer_norms_as_rms(decoder: _Decoder) -> None:
                     linear.bias.copy_((linear.bias.double() + added).to(linear.bias.dtype))
         replacement = UnitRMSNorm(norm.weight.shape[0], float(norm.eps), norm.weight)
         replacement.weight.copy_(norm.weight.detach())  # folded into the readers next, as an RMS norm's scale
-        if index is None:
-            decoder.final_norm = decoder.owner.norm = replacement
-        else:
-            setattr(decoder.layers[index], name, replacement)
+        read.replace(replacement)
 
 
 def _fold_norms(decoder: _Decoder) -> None:
     """Each norm's scale into the Linears that read its output; the norm's scale becomes 1."""
-    readers = [(decoder.final_norm, [decoder.head])]
-    for layer, attention, mlp in zip(decoder.layers, decoder.attention_readers, decoder.mlp_readers, strict=True):
-        readers.append((layer.input_layernorm, attention))
-        readers.append((layer.post_attention_layernorm, mlp))
-    for norm, linears in readers:
-        scale = norm.weight.detach().double()
-        for linear in linears:
+    for read in decoder.norms:
+        scale = read.norm.weight.detach().double()
+        for linear in read.readers:
             linear.weight.copy_((linear.weight.double() * scale[None, :]).to(linear.weight.dtype))
-        norm.weight.fill_(1.0)
+        read.norm.weight.fill_(1.0)
 
 
 def _rotate_residual(decoder: _Decoder, q: torch.Tensor) -> None:
@@ -419,14 +499,15 @@ def _rotate_residual(decoder: _Decoder, q: torch.Tensor) -> None:
         if linear.bias is not None:
             linear.bias.copy_((linear.bias.double() @ q_here).to(linear.bias.dtype))
 
-    embedding = decoder.embedding.weight
-    embedding.copy_((embedding.double() @ q.to(embedding.device)).to(embedding.dtype))
-    for attention, mlp, written in zip(decoder.attention_readers, decoder.mlp_readers, decoder.writers, strict=True):
-        for linear in (*attention, *mlp):
-            reads(linear)
+    for embedding in decoder.embeddings:
+        rows = embedding.weight
+        rows.copy_((rows.double() @ q.to(rows.device)).to(rows.dtype))
+    for written in decoder.writers:
         for linear in written:
             writes(linear)
-    reads(decoder.head)
+    for read in decoder.norms:  # the head among the final norm's readers
+        for linear in read.readers:
+            reads(linear)
 
 
 @dataclass(frozen=True)
@@ -515,13 +596,14 @@ def _rotate_values(values: list[_Values], r: torch.Tensor) -> None:
 
 
 def _rotate_down(decoder: _Decoder, generator: torch.Generator) -> None:
-    """down_proj's input times a normalised Hadamard matrix H as the model runs, its weight W H."""
-    size = decoder.layers[0].mlp.down_proj.weight.shape[1]
+    """The MLP's output projection's input (``down_proj``'s) times a normalised Hadamard matrix H as
+    the model runs, its weight W H."""
+    size = decoder.writers[0][-1].weight.shape[1]
     found = hadamard(size)
     h = found / math.sqrt(size) if found is not None else random_rotation(size, generator)
     shared: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # one matrix per device, read by every block
-    for layer in decoder.layers:
-        down = layer.mlp.down_proj
+    for written in decoder.writers:
+        down = written[-1]
         weight = down.weight
         down.weight.copy_((weight.double() @ h.to(weight.device)).to(weight.dtype))
         online = shared.setdefault((weight.device, weight.dtype), h.to(weight.device, weight.dtype))
