@@ -12,6 +12,7 @@ import torch
 from hf_models import FAMILIES, VOCAB, tiny_family
 
 import qreport_widgets as qw
+from qreport_widgets.engines.rotation import _value_projections
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -45,6 +46,13 @@ def test_each_family_takes_the_rotations_the_readme_says_and_refuses_the_others_
         if applies:
             rotated = qw.rotate(model, asked[name], (ids,))  # refused if its logits moved past float round-off
             assert rotated is not model
+            if name == "R2":  # each head's value rows turned, a fused projection's other rows as they were
+                for before, after in zip(_value_projections(model), _value_projections(rotated), strict=True):
+                    values_before, values_after = before.writer.weight[before.rows], after.writer.weight[after.rows]
+                    assert not torch.allclose(values_before, values_after, atol=1e-4)
+                    others = torch.ones(before.writer.weight.shape[0], dtype=torch.bool)
+                    others[before.rows] = False
+                    assert torch.equal(before.writer.weight[others], after.writer.weight[others])
         else:
             with pytest.raises(qw.InvalidSettingsError, match=f"{name} does not apply: .+"):
                 qw.rotate(model, asked[name], (ids,))
@@ -57,7 +65,7 @@ def test_layer_norms_with_a_scale_and_bias_become_rms_norms_on_a_centred_stream_
     from qreport_widgets.engines.rotation import UnitRMSNorm, _decoder
 
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
-    rotation = qw.Rotation(values=family != "GPT-NeoX", down=True)  # R4 on the MLP's output projection too
+    rotation = qw.Rotation(down=True)  # R4 on the MLP's output projection too
     for tied in (False, True):
         model = tiny_family(family)
         generator = torch.Generator().manual_seed(3)

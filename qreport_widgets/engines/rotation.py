@@ -15,11 +15,13 @@ weights and the activations its Linears read lose their outlier channels (QuaRot
   taken back in the weight (``W H``). It is computed, not folded: a matrix product per token, which an
   exported program carries too.
 
-R1 is written for the Llama layout transformers uses for Llama, Mistral, Qwen2, SmolLM and their kin
-(pre-norm blocks; RMS norms, or LayerNorms made RMS norms on a centred stream: StableLM); R2 for any
+R1 is written for the layouts of ``LAYOUTS``: Llama's (Mistral, Qwen2, SmolLM, StableLM and their kin,
+Phi-3's fused projections), Phi's parallel blocks, GPT-NeoX's and OPT's, pre-norm blocks with RMS
+norms or LayerNorms (made RMS norms on a centred stream); R2 for any
 block whose attention has value and output projections (``v_proj``, or the value rows of a fused
-``qkv_proj``, and ``o_proj`` / ``out_proj`` / ``dense``: Gemma 2 and 3, Phi-3, OLMo 2, Qwen3-MoE,
-StableLM, Phi, OPT and LFM2 too). ``rotation_problems`` says why a model does not take one (a norm
+``qkv_proj`` or of each head in GPT-NeoX's interleaved ``query_key_value``, and ``o_proj`` /
+``out_proj`` / ``dense``: Gemma 2 and 3, Phi-3, OLMo 2, Qwen3-MoE, StableLM, Phi, OPT, GPT-NeoX and
+LFM2 too). ``rotation_problems`` says why a model does not take one (a norm
 after a block's output, LayerNorms mixed with RMS norms, a layout it does not know); ``rotate(..., example_inputs)`` checks the
 result by the outputs themselves (``check``).
 """
@@ -513,11 +515,12 @@ def _rotate_residual(decoder: _Decoder, q: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class _Values:
     """Where one block's attention computes its values: ``rows`` of ``writer``'s output (all of
-    ``v_proj``'s; the last ``kv heads x head_dim`` of a fused ``qkv_proj``), read by ``output``
-    (``o_proj``; Phi's ``dense``, OPT's and LFM2's ``out_proj``)."""
+    ``v_proj``'s; the last ``kv heads x head_dim`` of a fused ``qkv_proj``; the last third of each
+    head's rows of GPT-NeoX's ``query_key_value``), read by ``output`` (``o_proj``; Phi's and
+    GPT-NeoX's ``dense``, OPT's and LFM2's ``out_proj``)."""
 
     writer: nn.Linear
-    rows: slice
+    rows: slice | torch.Tensor  # the value rows in head order: a run of them, or their indices
     output: nn.Linear
     head_dim: int
 
@@ -558,6 +561,7 @@ def _value_projections(model: nn.Module) -> list[_Values]:
         output = next((getattr(attention, name) for name in OUTPUT_PROJECTIONS if hasattr(attention, name)), None)
         head_dim = getattr(attention, "head_dim", None)
         v_proj, fused = getattr(attention, "v_proj", None), getattr(attention, "qkv_proj", None)
+        interleaved, head_size = getattr(attention, "query_key_value", None), getattr(attention, "head_size", None)
         kv_heads = getattr(attention, "num_key_value_heads", None) or getattr(
             getattr(attention, "config", None), "num_key_value_heads", None
         )
@@ -567,6 +571,11 @@ def _value_projections(model: nn.Module) -> list[_Values]:
             width = int(kv_heads) * int(head_dim)
             rows = fused.weight.shape[0]
             found.append(_Values(fused, slice(rows - width, rows), output, int(head_dim)))
+        elif isinstance(interleaved, nn.Linear) and isinstance(output, nn.Linear) and head_size:
+            size = int(head_size)  # each head's rows: its queries, keys and values, head_size each
+            heads = interleaved.weight.shape[0] // (3 * size)
+            rows = torch.cat([torch.arange(3 * size * head + 2 * size, 3 * size * (head + 1)) for head in range(heads)])
+            found.append(_Values(interleaved, rows.to(interleaved.weight.device), output, size))
         else:
             raise InvalidSettingsError(
                 f"block {index}'s attention ({type(attention).__name__}) has no v_proj (or fused qkv_proj with its key-value "
