@@ -85,3 +85,17 @@ def test_layer_norms_with_a_scale_and_bias_become_rms_norms_on_a_centred_stream_
         assert all(isinstance(read.norm, UnitRMSNorm) and bool((read.norm.weight == 1).all()) for read in decoder.norms)
         assert all(linear.bias is not None for read in decoder.norms for linear in read.readers)  # the norms' biases
         assert not any(isinstance(m, torch.nn.LayerNorm) for m in rotated.modules())
+
+
+def test_a_mixture_of_experts_rotates_its_router_and_every_expert_and_refuses_r4():
+    model = tiny_family("Qwen3-MoE")
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    rotated = qw.rotate(model, qw.Rotation(values=False), (ids,))  # its logits checked: the same experts chosen
+    mlp, turned = model.model.layers[0].mlp, rotated.model.layers[0].mlp
+    for name in ("gate_up_proj", "down_proj"):
+        assert not torch.allclose(getattr(mlp.experts, name), getattr(turned.experts, name), atol=1e-4), name
+    assert not torch.allclose(mlp.gate.weight, turned.gate.weight, atol=1e-4)  # the router reads the stream too
+    # each expert writes the rotated stream: an orthogonal turn of every column along the stream's axis
+    assert torch.allclose(turned.experts.down_proj.norm(dim=-2), mlp.experts.down_proj.norm(dim=-2), atol=1e-5)
+    with pytest.raises(qw.InvalidSettingsError, match="R4 multiplies .* experts"):
+        qw.rotate(model, qw.Rotation(down=True), (ids,))

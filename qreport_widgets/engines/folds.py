@@ -49,7 +49,7 @@ def input_folds(model: nn.Module) -> dict[str, Fold]:
     folds: list[Fold] = []
 
     def norm(owner: nn.Module, readers: list[nn.Module]) -> None:
-        if _is_rms_norm(owner):
+        if _is_rms_norm(owner) and all(isinstance(r, nn.Linear) for r in readers):  # not a router and its experts
             folds.append(Fold(names[id(owner)], NORM, tuple(names[id(r)] for r in readers)))
 
     finals = [read for read in decoder.norms if read.owner not in decoder.layers]

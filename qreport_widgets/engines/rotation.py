@@ -16,7 +16,7 @@ weights and the activations its Linears read lose their outlier channels (QuaRot
   exported program carries too.
 
 R1 is written for the layouts of ``LAYOUTS``: Llama's (Mistral, Qwen2, SmolLM, StableLM and their kin,
-Phi-3's fused projections), Phi's parallel blocks, GPT-NeoX's and OPT's, pre-norm blocks with RMS
+Phi-3's fused projections, Qwen3-MoE's router and 3-d experts), Phi's parallel blocks, GPT-NeoX's and OPT's, pre-norm blocks with RMS
 norms or LayerNorms (made RMS norms on a centred stream); R2 for any
 block whose attention has value and output projections (``v_proj``, or the value rows of a fused
 ``qkv_proj`` or of each head in GPT-NeoX's interleaved ``query_key_value``, and ``o_proj`` /
@@ -139,6 +139,24 @@ def matrix_words(model: nn.Module, rotation: Rotation) -> str:
     return "; ".join(said)
 
 
+class ExpertWeights:
+    """A module's weight parameter (a router's ``weight``, experts' 3-d ``gate_up_proj`` or
+    ``down_proj``) seen as a Linear's: the stream on its last axis where it reads it, on the one
+    before where it writes it; no bias."""
+
+    bias = None
+
+    def __init__(self, owner: nn.Module, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return getattr(self.owner, self.name)
+
+
+_Stream = nn.Linear | ExpertWeights  # what reads or writes the residual stream
+
+
 @dataclass
 class _NormRead:
     """A norm that reads the residual stream (``owner.name``, at ``path``) and the Linears that read its output."""
@@ -146,7 +164,7 @@ class _NormRead:
     owner: nn.Module
     name: str
     path: str
-    readers: list[nn.Linear]
+    readers: list[_Stream]
 
     @property
     def norm(self) -> nn.Module:
@@ -163,7 +181,7 @@ class _Decoder:
     layers: list[nn.Module]
     head: nn.Linear
     norms: list[_NormRead]  # each block's in order, the final norm last
-    writers: list[list[nn.Linear]]  # each block's Linears that write the stream, the MLP's last
+    writers: list[list[_Stream]]  # each block's Linears (or experts) that write the stream, the MLP's last
 
     @property
     def embedding(self) -> nn.Embedding:
@@ -181,7 +199,7 @@ class _Layout:
     embeddings: tuple[str, ...]
     final_norm: str
     norms: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...]
-    writers: tuple[str, ...]
+    writers: tuple[tuple[str, ...], ...]  # each writer's paths, the first a block has
     absent: tuple[str, ...] = ()  # modules that change the stream's width where they exist
 
 
@@ -192,8 +210,14 @@ LAYOUTS = (
         "model.layers",
         ("model.embed_tokens",),
         "model.norm",
-        (("input_layernorm", _QKV), ("post_attention_layernorm", (("mlp.gate_proj", "mlp.up_proj"), ("mlp.gate_up_proj",)))),
-        ("self_attn.o_proj", "mlp.down_proj"),
+        (
+            ("input_layernorm", _QKV),
+            (
+                "post_attention_layernorm",
+                (("mlp.gate_proj", "mlp.up_proj"), ("mlp.gate_up_proj",), ("mlp.gate.weight", "mlp.experts.gate_up_proj")),
+            ),
+        ),
+        (("self_attn.o_proj",), ("mlp.down_proj", "mlp.experts.down_proj")),  # Qwen3-MoE: a router and 3-d experts
     ),
     _Layout(  # Phi: attention and MLP read one norm in parallel
         "Phi",
@@ -201,7 +225,7 @@ LAYOUTS = (
         ("model.embed_tokens",),
         "model.final_layernorm",
         (("input_layernorm", (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.fc1"),)),),
-        ("self_attn.dense", "mlp.fc2"),
+        (("self_attn.dense",), ("mlp.fc2",)),
     ),
     _Layout(  # GPT-NeoX (Pythia): a norm each for attention and MLP, in parallel or not
         "GPT-NeoX",
@@ -209,7 +233,7 @@ LAYOUTS = (
         ("gpt_neox.embed_in",),
         "gpt_neox.final_layer_norm",
         (("input_layernorm", (("attention.query_key_value",),)), ("post_attention_layernorm", (("mlp.dense_h_to_4h",),))),
-        ("attention.dense", "mlp.dense_4h_to_h"),
+        (("attention.dense",), ("mlp.dense_4h_to_h",)),
     ),
     _Layout(  # OPT: learned positions add to the stream
         "OPT",
@@ -217,7 +241,7 @@ LAYOUTS = (
         ("model.decoder.embed_tokens", "model.decoder.embed_positions"),
         "model.decoder.final_layer_norm",
         (("self_attn_layer_norm", (tuple(p for p in _QKV[0]),)), ("final_layer_norm", (("fc1",),))),
-        ("self_attn.out_proj", "fc2"),
+        (("self_attn.out_proj",), ("fc2",)),
         absent=("model.decoder.project_in", "model.decoder.project_out"),
     ),
 )
@@ -291,6 +315,11 @@ def rotate(model: nn.Module, rotation: Rotation = Rotation(), example_inputs: An
             values = _value_projections(rotated)
             _rotate_values(values, random_rotation(values[0].head_dim, generator))
         if rotation.down:
+            if not all(isinstance(written[-1], nn.Linear) for written in decoder.writers):
+                raise InvalidSettingsError(
+                    "R4 multiplies the input of each MLP's output projection as the model runs, and this model's MLPs are "
+                    "experts (3-d weights): Rotation(down=False)"
+                )
             _rotate_down(decoder, generator)
     if example_inputs is not None:
         check(model, rotated, rotation, example_inputs)
@@ -353,7 +382,7 @@ def _decoder(model: nn.Module) -> _Decoder:
     )
 
 
-def _blocks_in(layout: _Layout, blocks: list[nn.Module]) -> tuple[list[_NormRead], list[list[nn.Linear]]] | str:
+def _blocks_in(layout: _Layout, blocks: list[nn.Module]) -> tuple[list[_NormRead], list[list[_Stream]]] | str:
     """Each block's norms with their readers and its writers in ``layout``; what the first block
     that does not fit lacks, said, where one does not."""
     norms, writers = [], []
@@ -365,21 +394,33 @@ def _blocks_in(layout: _Layout, blocks: list[nn.Module]) -> tuple[list[_NormRead
             for (_, choices), (_, r) in zip(layout.norms, read, strict=True)
             if r is None
         ]
-        missing += [path for path in layout.writers if not isinstance(_module_at(layer, path), nn.Linear)]
+        written = [next(filter(None, (_stream_at(layer, path) for path in paths)), None) for paths in layout.writers]
+        missing += [" / ".join(paths) for paths, w in zip(layout.writers, written, strict=True) if w is None]
         if missing:
             return f"block {index} ({type(layer).__name__}) has no {'; no '.join(missing)}: not the {layout.name} layout"
         prefix = f"{layout.blocks}.{index}"
         norms.extend(_NormRead(layer, name, f"{prefix}.{name}", linears) for name, linears in read)
-        writers.append([_module_at(layer, path) for path in layout.writers])
+        writers.append(written)
     return norms, writers
 
 
-def _linears(owner: nn.Module | None, layouts: tuple[tuple[str, ...], ...]) -> list[nn.Linear] | None:
-    """The Linears of the first of ``layouts`` (paths inside ``owner``) ``owner`` has all of; None where it has none."""
+def _stream_at(owner: nn.Module, path: str) -> _Stream | None:
+    """The Linear at ``path`` inside ``owner``, or the weight parameter there (``ExpertWeights``); None."""
+    found = _module_at(owner, path)
+    if isinstance(found, nn.Linear):
+        return found
+    parent, _, name = path.rpartition(".")
+    holder = _module_at(owner, parent) if parent else owner
+    weight = getattr(holder, name, None) if holder is not None else None
+    return ExpertWeights(holder, name) if isinstance(weight, nn.Parameter) and weight.dim() >= 2 else None
+
+
+def _linears(owner: nn.Module | None, layouts: tuple[tuple[str, ...], ...]) -> list[_Stream] | None:
+    """What the first of ``layouts`` (paths inside ``owner``) names, where ``owner`` has all of it; None where it has none."""
     for paths in layouts:
-        found = [_module_at(owner, path) if owner is not None else None for path in paths]
-        if all(isinstance(linear, nn.Linear) for linear in found):
-            return found
+        found = [_stream_at(owner, path) if owner is not None else None for path in paths]
+        if all(found):
+            return found  # type: ignore[return-value]
     return None
 
 
@@ -455,9 +496,9 @@ def _layer_norms_as_rms(decoder: _Decoder) -> None:
     if not all(_is_layer_norm(read.norm) for read in decoder.norms):  # RMS norms (a mix is refused: _residual_problem)
         return
 
-    def centred(linear: nn.Linear) -> None:
+    def centred(linear: _Stream) -> None:  # the stream on the weight's next to last axis
         weight = linear.weight.double()
-        linear.weight.copy_((weight - weight.mean(0, keepdim=True)).to(linear.weight.dtype))
+        linear.weight.copy_((weight - weight.mean(-2, keepdim=True)).to(linear.weight.dtype))
         if linear.bias is not None:
             linear.bias.copy_((linear.bias.double() - linear.bias.double().mean()).to(linear.bias.dtype))
 
@@ -471,6 +512,8 @@ def _layer_norms_as_rms(decoder: _Decoder) -> None:
         norm = read.norm
         bias = norm.bias.detach().double() if norm.bias is not None else None
         if bias is not None and bool(bias.any()):
+            if any(isinstance(linear, ExpertWeights) for linear in read.readers):
+                raise InvalidSettingsError(f"{read.path}'s bias cannot fold into experts, which have no bias: R1 does not apply")
             for linear in read.readers:
                 added = linear.weight.double() @ bias.to(linear.weight.device)
                 if linear.bias is None:
