@@ -15,15 +15,15 @@ weights and the activations its Linears read lose their outlier channels (QuaRot
   taken back in the weight (``W H``). It is computed, not folded: a matrix product per token, which an
   exported program carries too.
 
-R1 is written for the layouts of ``LAYOUTS``: Llama's (Mistral, Qwen2, SmolLM, StableLM and their kin,
-Phi-3's fused projections, Qwen3-MoE's router and 3-d experts), Phi's parallel blocks, GPT-NeoX's and OPT's, pre-norm blocks with RMS
-norms or LayerNorms (made RMS norms on a centred stream); R2 for any
-block whose attention has value and output projections (``v_proj``, or the value rows of a fused
-``qkv_proj`` or of each head in GPT-NeoX's interleaved ``query_key_value``, and ``o_proj`` /
-``out_proj`` / ``dense``: Gemma 2 and 3, Phi-3, OLMo 2, Qwen3-MoE, StableLM, Phi, OPT, GPT-NeoX and
-LFM2 too). ``rotation_problems`` says why a model does not take one (a norm
-after a block's output, LayerNorms mixed with RMS norms, a layout it does not know); ``rotate(..., example_inputs)`` checks the
-result by the outputs themselves (``check``).
+R1 is written for the layouts of ``LAYOUTS``: Llama's (Mistral, Qwen2, SmolLM, StableLM and their
+kin, Phi-3's fused projections, Qwen3-MoE's router and 3-d experts), Phi's parallel blocks,
+GPT-NeoX's and OPT's: pre-norm blocks with RMS norms or LayerNorms (made RMS norms on a centred
+stream). R2 is written for any block whose attention has value and output projections (``v_proj``,
+or the value rows of a fused ``qkv_proj`` or of each head in GPT-NeoX's interleaved
+``query_key_value``, and ``o_proj`` / ``out_proj`` / ``dense``: Gemma 2 and 3, OLMo 2 and LFM2 too).
+``rotation_problems`` says why a model does not take one (a norm after a block's output, LayerNorms
+mixed with RMS norms, a layout it does not know); ``rotate(..., example_inputs)`` checks the result
+by the outputs themselves (``check``).
 """
 
 from __future__ import annotations
