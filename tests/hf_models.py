@@ -145,7 +145,7 @@ def tiny_family(name: str) -> nn.Module:
         "StableLM": lambda: t.StableLmForCausalLM(t.StableLmConfig(**grouped)),
         "Phi": lambda: t.PhiForCausalLM(t.PhiConfig(**sizes, **tokens)),
         "OPT": lambda: t.OPTForCausalLM(t.OPTConfig(**opt, ffn_dim=128, word_embed_proj_dim=64, **tokens)),
-        "LFM2": lambda: t.Lfm2ForCausalLM(t.Lfm2Config(**grouped, **tokens)),
+        "LFM2": lambda: t.Lfm2ForCausalLM(t.Lfm2Config(**grouped, **tokens, layer_types=["conv", "full_attention"])),
         "GPT-NeoX": lambda: t.GPTNeoXForCausalLM(t.GPTNeoXConfig(**sizes, **tokens)),
         "GPT-2": lambda: t.GPT2LMHeadModel(
             t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, **tokens)

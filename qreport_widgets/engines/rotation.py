@@ -17,10 +17,10 @@ weights and the activations its Linears read lose their outlier channels (QuaRot
 
 R1 is written for the layouts of ``LAYOUTS``: Llama's (Mistral, Qwen2, SmolLM, StableLM and their
 kin, Phi-3's fused projections, Qwen3-MoE's router and 3-d experts), Phi's parallel blocks,
-GPT-NeoX's and OPT's: pre-norm blocks with RMS norms or LayerNorms (made RMS norms on a centred
+GPT-NeoX's, LFM2's (convolution blocks too) and OPT's: pre-norm blocks with RMS norms or LayerNorms (made RMS norms on a centred
 stream). R2 is written for any block whose attention has value and output projections (``v_proj``,
 or the value rows of a fused ``qkv_proj`` or of each head in GPT-NeoX's interleaved
-``query_key_value``, and ``o_proj`` / ``out_proj`` / ``dense``: Gemma 2 and 3, OLMo 2 and LFM2 too).
+``query_key_value``, and ``o_proj`` / ``out_proj`` / ``dense``: Gemma 2 and 3 and OLMo 2 too).
 ``rotation_problems`` says why a model does not take one (a norm after a block's output, LayerNorms
 mixed with RMS norms, a layout it does not know); ``rotate(..., example_inputs)`` checks the result
 by the outputs themselves (``check``).
@@ -234,6 +234,14 @@ LAYOUTS = (
         "gpt_neox.final_layer_norm",
         (("input_layernorm", (("attention.query_key_value",),)), ("post_attention_layernorm", (("mlp.dense_h_to_4h",),))),
         (("attention.dense",), ("mlp.dense_4h_to_h",)),
+    ),
+    _Layout(  # LFM2: short convolutions or attention between the stream's Linears, block by block
+        "LFM2",
+        "model.layers",
+        ("model.embed_tokens",),
+        "model.embedding_norm",
+        (("operator_norm", (_QKV[0], ("conv.in_proj",))), ("ffn_norm", (("feed_forward.w1", "feed_forward.w3"),))),
+        (("self_attn.out_proj", "conv.out_proj"), ("feed_forward.w2",)),
     ),
     _Layout(  # OPT: learned positions add to the stream
         "OPT",
