@@ -60,7 +60,7 @@ def test_each_family_takes_the_rotations_the_readme_says_and_refuses_the_others_
         qw.rotate(model, qw.Rotation(), (ids,))
 
 
-@pytest.mark.parametrize("family", ["StableLM", "Phi", "OPT", "GPT-NeoX"])
+@pytest.mark.parametrize("family", ["StableLM", "Phi", "OPT", "GPT-NeoX", "GPT-2"])
 def test_layer_norms_with_a_scale_and_bias_become_rms_norms_on_a_centred_stream_tied_or_not(family):
     from qreport_widgets.engines.rotation import UnitRMSNorm, _decoder
 

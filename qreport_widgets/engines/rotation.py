@@ -17,10 +17,11 @@ weights and the activations its Linears read lose their outlier channels (QuaRot
 
 R1 is written for the layouts of ``LAYOUTS``: Llama's (Mistral, Qwen2, SmolLM, StableLM and their
 kin, Phi-3's fused projections, Qwen3-MoE's router and 3-d experts), Phi's parallel blocks,
-GPT-NeoX's, LFM2's (convolution blocks too) and OPT's: pre-norm blocks with RMS norms or LayerNorms (made RMS norms on a centred
-stream). R2 is written for any block whose attention has value and output projections (``v_proj``,
-or the value rows of a fused ``qkv_proj`` or of each head in GPT-NeoX's interleaved
-``query_key_value``, and ``o_proj`` / ``out_proj`` / ``dense``: Gemma 2 and 3 and OLMo 2 too).
+GPT-NeoX's, LFM2's (convolution blocks too), OPT's and GPT-2's (``Conv1D``: ``TransposedLinear``):
+pre-norm blocks with RMS norms or LayerNorms (made RMS norms on a centred stream). R2 is written
+for any block whose attention has value and output projections (``v_proj``, or the value rows of a
+fused ``qkv_proj`` / ``c_attn`` or of each head in GPT-NeoX's interleaved ``query_key_value``, and
+``o_proj`` / ``out_proj`` / ``dense`` / ``c_proj``: Gemma 2 and 3 and OLMo 2 too).
 ``rotation_problems`` says why a model does not take one (a norm after a block's output, LayerNorms
 mixed with RMS norms, a layout it does not know); ``rotate(..., example_inputs)`` checks the result
 by the outputs themselves (``check``).
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 from ..core.calibration import call_with
+from ..core.linears import is_transposed_linear
 from ..core.metrics import FLOAT_ROUNDOFF_DB, is_float_output, output_tensor, sqnr_db
 from ..errors import InvalidSettingsError
 
@@ -154,7 +156,24 @@ class ExpertWeights:
         return getattr(self.owner, self.name)
 
 
-_Stream = nn.Linear | ExpertWeights  # what reads or writes the residual stream
+class TransposedLinear:
+    """transformers' ``Conv1D`` (GPT-2's projections: ``x @ weight + bias``, the weight stored
+    ``(inputs, outputs)``) seen as the Linear it computes: ``weight`` is the transposed view of the
+    module's own, so what is written into it lands in the module."""
+
+    def __init__(self, owner: nn.Module) -> None:
+        self.owner = owner
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.owner.weight.t()
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.owner.bias
+
+
+_Stream = nn.Linear | ExpertWeights | TransposedLinear  # what reads or writes the residual stream
 
 
 @dataclass
@@ -243,6 +262,14 @@ LAYOUTS = (
         (("operator_norm", (_QKV[0], ("conv.in_proj",))), ("ffn_norm", (("feed_forward.w1", "feed_forward.w3"),))),
         (("self_attn.out_proj", "conv.out_proj"), ("feed_forward.w2",)),
     ),
+    _Layout(  # GPT-2: LayerNorms, learned positions, Conv1D projections (TransposedLinear)
+        "GPT-2",
+        "transformer.h",
+        ("transformer.wte", "transformer.wpe"),
+        "transformer.ln_f",
+        (("ln_1", (("attn.c_attn",),)), ("ln_2", (("mlp.c_fc",),))),
+        (("attn.c_proj",), ("mlp.c_proj",)),
+    ),
     _Layout(  # OPT: learned positions add to the stream
         "OPT",
         "model.decoder.layers",
@@ -323,7 +350,7 @@ def rotate(model: nn.Module, rotation: Rotation = Rotation(), example_inputs: An
             values = _value_projections(rotated)
             _rotate_values(values, random_rotation(values[0].head_dim, generator))
         if rotation.down:
-            if not all(isinstance(written[-1], nn.Linear) for written in decoder.writers):
+            if any(isinstance(written[-1], ExpertWeights) for written in decoder.writers):
                 raise InvalidSettingsError(
                     "R4 multiplies the input of each MLP's output projection as the model runs, and this model's MLPs are "
                     "experts (3-d weights): Rotation(down=False)"
@@ -417,6 +444,8 @@ def _stream_at(owner: nn.Module, path: str) -> _Stream | None:
     found = _module_at(owner, path)
     if isinstance(found, nn.Linear):
         return found
+    if found is not None and is_transposed_linear(found):
+        return TransposedLinear(found)
     parent, _, name = path.rpartition(".")
     holder = _module_at(owner, parent) if parent else owner
     weight = getattr(holder, name, None) if holder is not None else None
@@ -520,8 +549,8 @@ def _layer_norms_as_rms(decoder: _Decoder) -> None:
         norm = read.norm
         bias = norm.bias.detach().double() if norm.bias is not None else None
         if bias is not None and bool(bias.any()):
-            if any(isinstance(linear, ExpertWeights) for linear in read.readers):
-                raise InvalidSettingsError(f"{read.path}'s bias cannot fold into experts, which have no bias: R1 does not apply")
+            if any(linear.bias is None and not isinstance(linear, nn.Linear) for linear in read.readers):
+                raise InvalidSettingsError(f"{read.path}'s bias cannot fold into readers that have no bias: R1 does not apply")
             for linear in read.readers:
                 added = linear.weight.double() @ bias.to(linear.weight.device)
                 if linear.bias is None:
@@ -570,9 +599,9 @@ class _Values:
     head's rows of GPT-NeoX's ``query_key_value``), read by ``output`` (``o_proj``; Phi's and
     GPT-NeoX's ``dense``, OPT's and LFM2's ``out_proj``)."""
 
-    writer: nn.Linear
+    writer: _Stream
     rows: slice | torch.Tensor  # the value rows in head order: a run of them, or their indices
-    output: nn.Linear
+    output: _Stream
     head_dim: int
 
 
@@ -580,7 +609,7 @@ class _Values:
 # attention calls the projection of its heads' values back to the stream
 BLOCK_LISTS = ("model.layers", "model.decoder.layers", "gpt_neox.layers", "transformer.h")
 ATTENTIONS = ("self_attn", "attention", "attn")
-OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense")
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -609,20 +638,23 @@ def _value_projections(model: nn.Module) -> list[_Values]:
         attention = next((getattr(layer, name) for name in ATTENTIONS if isinstance(getattr(layer, name, None), nn.Module)), None)
         if attention is None:
             continue
-        output = next((getattr(attention, name) for name in OUTPUT_PROJECTIONS if hasattr(attention, name)), None)
+        output = next(filter(None, (_stream_at(attention, name) for name in OUTPUT_PROJECTIONS)), None)
         head_dim = getattr(attention, "head_dim", None)
-        v_proj, fused = getattr(attention, "v_proj", None), getattr(attention, "qkv_proj", None)
-        interleaved, head_size = getattr(attention, "query_key_value", None), getattr(attention, "head_size", None)
-        kv_heads = getattr(attention, "num_key_value_heads", None) or getattr(
-            getattr(attention, "config", None), "num_key_value_heads", None
+        v_proj = _stream_at(attention, "v_proj")
+        fused = next(filter(None, (_stream_at(attention, name) for name in ("qkv_proj", "c_attn"))), None)
+        interleaved, head_size = _stream_at(attention, "query_key_value"), getattr(attention, "head_size", None)
+        kv_heads = (
+            getattr(attention, "num_key_value_heads", None)
+            or getattr(getattr(attention, "config", None), "num_key_value_heads", None)
+            or getattr(attention, "num_heads", None)  # GPT-2: as many key-value heads as queries
         )
-        if isinstance(v_proj, nn.Linear) and isinstance(output, nn.Linear) and head_dim:
+        if v_proj is not None and output is not None and head_dim:
             found.append(_Values(v_proj, slice(0, v_proj.weight.shape[0]), output, int(head_dim)))
-        elif isinstance(fused, nn.Linear) and isinstance(output, nn.Linear) and head_dim and kv_heads:
+        elif fused is not None and output is not None and head_dim and kv_heads:
             width = int(kv_heads) * int(head_dim)
             rows = fused.weight.shape[0]
             found.append(_Values(fused, slice(rows - width, rows), output, int(head_dim)))
-        elif isinstance(interleaved, nn.Linear) and isinstance(output, nn.Linear) and head_size:
+        elif interleaved is not None and output is not None and head_size:
             size = int(head_size)  # each head's rows: its queries, keys and values, head_size each
             heads = interleaved.weight.shape[0] // (3 * size)
             rows = torch.cat([torch.arange(3 * size * head + 2 * size, 3 * size * (head + 1)) for head in range(heads)])
@@ -665,10 +697,11 @@ def _rotate_down(decoder: _Decoder, generator: torch.Generator) -> None:
     for written in decoder.writers:
         down = written[-1]
         weight = down.weight
-        down.weight.copy_((weight.double() @ h.to(weight.device)).to(weight.dtype))
+        weight.copy_((weight.double() @ h.to(weight.device)).to(weight.dtype))
         online = shared.setdefault((weight.device, weight.dtype), h.to(weight.device, weight.dtype))
-        down.register_buffer(ONLINE_HADAMARD, online)
-        down.register_forward_pre_hook(_online_hadamard)
+        module = down.owner if isinstance(down, TransposedLinear) else down
+        module.register_buffer(ONLINE_HADAMARD, online)
+        module.register_forward_pre_hook(_online_hadamard)
 
 
 def _online_hadamard(module: nn.Module, args: tuple) -> tuple:
