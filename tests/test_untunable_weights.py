@@ -36,3 +36,19 @@ def test_a_model_whose_weights_all_sit_in_tunable_modules_is_silent():
         warnings.simplefilter("error", QReportWarning)
         report = qw.analyze(model, batches[0], batches, engine="eager", format="int4-weight-only", progress=False)
     assert report.session.untunable_weights().empty
+
+
+def test_a_mixture_of_experts_phone_program_serialises_and_runs_leaving_the_models_config_as_it_was():
+    pytest.importorskip("executorch")
+    from qreport_widgets.engines.executorch import DeployedProgram
+
+    model, batches = tiny_moe()
+    asked = model.config._experts_implementation  # transformers' grouped_mm: a custom op without an out variant
+    session = qw.analyze(
+        model, batches[0], batches, engine="eager", format="int8-dynamic-int4-weight", target="xnnpack", progress=False
+    ).session
+    baseline = session.baseline()
+    assert baseline.ok, baseline.error  # exported with a batched matmul over the chosen experts: plain ops
+    assert isinstance(baseline.quantized_model, DeployedProgram) and baseline.size_bytes == len(baseline.quantized_model.pte)
+    assert baseline.output_sqnr_db > 10  # the runtime's output, against the float model's
+    assert model.config._experts_implementation == asked

@@ -21,6 +21,7 @@ May import: ``core``, ``errors`` (the engine packages import this module).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import io
 import itertools
@@ -425,7 +426,43 @@ def _returnable(value: Any) -> bool:
     return isinstance(value, (int, float, bool))
 
 
+# transformers' experts implementations that reach a program as a custom op without an out variant,
+# which ExecuTorch cannot serialise ("Missing out variants: transformers::grouped_mm_fallback"), and the
+# implementation exported in their place (a batched matmul over the chosen experts' weights: plain ops)
+_UNSERIALISABLE_EXPERTS = ("grouped_mm",)
+_EXPORTED_EXPERTS = "batched_mm"
+
+
+@contextlib.contextmanager
+def _exportable_experts(model: torch.nn.Module) -> Iterator[None]:
+    """Within: every module of ``model`` whose transformers configuration asks an experts
+    implementation a program cannot serialise reads a copy of it asking ``_EXPORTED_EXPERTS``; the
+    modules' own configurations are given back after (the user's are never written)."""
+    swapped: dict[int, Any] = {}
+    held: list[tuple[torch.nn.Module, Any]] = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_experts_implementation", None) not in _UNSERIALISABLE_EXPERTS:
+            continue
+        if id(config) not in swapped:
+            changed = copy.copy(config)
+            changed._experts_implementation = _EXPORTED_EXPERTS
+            swapped[id(config)] = changed
+        held.append((module, config))
+        module.config = swapped[id(config)]
+    try:
+        yield
+    finally:
+        for module, config in held:
+            module.config = config
+
+
 def _exported(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
+    with _exportable_experts(model):
+        return _exported_as_is(model, example_inputs)
+
+
+def _exported_as_is(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
     model = _ProgramOutputs(model)
     rows = _batch_rows(list(example_inputs))
     if rows is not None and rows > 1:
