@@ -57,23 +57,9 @@ def tiny_gpt2() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
 
 
 def tiny_moe() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
-    """Qwen3-MoE at its config's defaults: its experts are 3-d parameters of one module, not Linears."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-    return Qwen3MoeForCausalLM(config).eval(), [(ids,) for ids in _tokens(4, count=3)]
+    """Qwen3-MoE at its config's defaults (``tiny_family``): its experts are 3-d parameters of one
+    module, not Linears."""
+    return tiny_family("Qwen3-MoE"), [(ids,) for ids in _tokens(4, count=3)]
 
 
 def tiny_vit() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:

@@ -275,7 +275,7 @@ LAYOUTS = (
         "model.decoder.layers",
         ("model.decoder.embed_tokens", "model.decoder.embed_positions"),
         "model.decoder.final_layer_norm",
-        (("self_attn_layer_norm", (tuple(p for p in _QKV[0]),)), ("final_layer_norm", (("fc1",),))),
+        (("self_attn_layer_norm", _QKV[:1]), ("final_layer_norm", (("fc1",),))),
         (("self_attn.out_proj",), ("fc2",)),
         absent=("model.decoder.project_in", "model.decoder.project_out"),
     ),
@@ -607,17 +607,14 @@ class _Values:
 
 # where decoders keep their numbered blocks, what a block calls its attention, and what the
 # attention calls the projection of its heads' values back to the stream
-BLOCK_LISTS = ("model.layers", "model.decoder.layers", "gpt_neox.layers", "transformer.h")
+BLOCK_LISTS = tuple(dict.fromkeys(layout.blocks for layout in LAYOUTS))
 ATTENTIONS = ("self_attn", "attention", "attn")
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
     for path in BLOCK_LISTS:
-        try:
-            found = model.get_submodule(path)
-        except AttributeError:
-            continue
+        found = _module_at(model, path)
         if isinstance(found, nn.ModuleList) and len(found):
             return list(found)
     return []
