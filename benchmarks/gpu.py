@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -65,10 +66,17 @@ class Steps:
             synchronized(self.device)
         except Exception as error:  # a step that fails is a row saying so; the rest still run
             self.rows[name] = (time.perf_counter() - start, f"FAILED {type(error).__name__}: {str(error)[:120]}", math.nan, False)
+            self.said(name)
             return None
         seconds = time.perf_counter() - start
         self.rows[name] = (seconds, *result(value))
+        self.said(name)
         return value
+
+    def said(self, name: str) -> None:
+        # each step as it ends, so that a run stopped part way still shows what it measured
+        seconds, said, _, _ = self.rows[name]
+        print(f"  {self.device}: {name}, {seconds:.2f} s, {said}", file=sys.stderr, flush=True)
 
 
 def run_words(run: Any) -> tuple[str, float, bool]:

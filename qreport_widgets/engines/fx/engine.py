@@ -12,7 +12,7 @@ import torch
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
 from ...core.calibration import call_with, torch_warnings_hidden
-from ...core.devices import CPU
+from ...core.devices import CPU, model_device
 from ...core.memory import models_forgotten
 from ...core.metrics import output_tensor
 from ...observe.graph import ModelGraph
@@ -154,6 +154,7 @@ class FxEngine(Engine[FxConfig]):
         with torch_warnings_hidden(), models_forgotten():
             prepared = self.prepare(float_model, config, example_inputs)
             calibrate(prepared)
+            _weight_observers_on(prepared, model_device(float_model))
             equalized = _convert_equalization_ref(prepared)
             with torch.no_grad(), torch_observers_paused(equalized):
                 expected, found = output_tensor(call_with(float_model, batch)), output_tensor(call_with(equalized, batch))
@@ -199,3 +200,22 @@ class FxEngine(Engine[FxConfig]):
             calibrated_with,
             dynamic_reduce_range=self.backend != "qnnpack",
         )
+
+
+def _weight_observers_on(prepared: torch.nn.Module, device: torch.device) -> None:
+    """Have the weight equalization observers that converting makes from ``prepared``'s equalization
+    qconfigs made on ``device``. torch makes each with CPU buffers and fills them by copying, so on a
+    model elsewhere (a GPU) the equalization scale mixes devices and fails; the input observers are
+    already where the model is."""
+    attributes = getattr(prepared, "meta", {}).get("_observed_graph_module_attrs")
+    table = getattr(attributes, "equalization_node_name_to_qconfig", None)
+    if not table or device == CPU:
+        return
+
+    def placed(qconfig: Any) -> Any:
+        make = qconfig.weight
+        return qconfig._replace(weight=lambda: make().to(device))
+
+    attributes.equalization_node_name_to_qconfig = {
+        name: qconfig if qconfig is None else placed(qconfig) for name, qconfig in table.items()
+    }
