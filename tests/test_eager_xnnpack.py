@@ -27,8 +27,9 @@ from torchao.quantization.granularity import PerGroup  # noqa: E402
 
 from qreport_widgets import analyze  # noqa: E402
 from qreport_widgets.core.metrics import perplexity  # noqa: E402
+from qreport_widgets.engines import program_reuse  # noqa: E402
 from qreport_widgets.engines.contract import Variant  # noqa: E402
-from qreport_widgets.engines.executorch import DeployedProgram  # noqa: E402
+from qreport_widgets.engines.executorch import DeployedProgram, lower  # noqa: E402
 from qreport_widgets.engines.settings import ModuleSettings  # noqa: E402
 from qreport_widgets.errors import DecodeSpeedError, InvalidSettingsError  # noqa: E402
 
@@ -126,6 +127,18 @@ def test_gptq_in_the_8da4w_layout_beats_round_to_nearest_in_the_runtime(phone_de
     assert run.eval_metric < baseline.eval_metric and run.output_sqnr_db > baseline.output_sqnr_db + 3
     assert run.size_bytes == pytest.approx(baseline.size_bytes, rel=0.001)  # the same layout, other int4 values
     assert not run.module_notes or all("kept round to nearest" in note for note in run.module_notes.values())
+
+    # the baseline's graph: GPTQ's int4 values and scales written into its program, the bytes a lowering gives
+    program = run.quantized_model
+    assert any("lowered before" in note for note in run.notes) and program.saved_s > 0
+    example, partitioner, fuse = program.lowered_as
+    held = dict(program_reuse.LOWERED._programs)
+    program_reuse.LOWERED._programs.clear()
+    try:
+        lowered = lower(program.reference, example, partitioner=partitioner, fuse_quantized_ops=fuse)
+    finally:
+        program_reuse.LOWERED._programs.update(held)
+    assert lowered.reused == "" and lowered.pte == program.pte
 
     # as code: GPTQ's weights for 8da4w Linears, an int4 embedding, the lowering ExecuTorch's LLM export does
     chosen["model.embed_tokens"] = ModuleSettings(format="int4-weight-only", group_size=32)

@@ -15,7 +15,7 @@ process, started when a program first runs); tensors cross to it as their bytes 
 there ends the worker, not the notebook's kernel: the call raises ``RuntimeFailedError`` saying what
 was running, and the next call starts a new worker.
 
-May import: ``core``, ``errors`` (the engine packages import this module).
+May import: ``core``, ``errors``, ``program_reuse`` (the engine packages import this module).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.calibration import torch_warnings_hidden
 from ..errors import MissingExtraError, QReportError
+from . import program_reuse
 
 INSTALL = "pip install 'qreport-widgets[executorch]'  (executorch==1.5.1, beside torch 2.13 and torchao 0.18)"
 # nodes of a lowered graph that are bookkeeping, not ops a kernel runs
@@ -159,6 +160,11 @@ class DeployedProgram(torch.nn.Module):
         self.pte = pte
         self.delegation = delegation
         self.lowering_s = 0.0
+        # what the lowering depended on, and, where an earlier program of the same graph was reused, how
+        # (in words) and the seconds that saved ("" and 0: lowered in full)
+        self.structure: program_reuse.Structure | None = None
+        self.reused = ""
+        self.saved_s = 0.0
         self.input_shapes: tuple[tuple[int, ...], ...] | None = None  # set when the program fixes its input shapes
         # the most batch rows one execution takes (its memory is planned for them); None: unknown, as given
         self.batch_limit: int | None = None
@@ -276,15 +282,24 @@ def lower(
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", UserWarning)
             exported = exported or _exported(model, example_inputs)
-            step = "to_edge_transform_and_lower with XNNPACK's partitioner"
-            chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
-            with _reasons() as reasons:
-                # XNNPACK's own edge config: the edge IR is not validated again over fake tensors
-                edge = api.to_edge_transform_and_lower(exported, partitioner=[chosen], compile_config=api.edge_compile_config())
-            delegation = _delegation(edge.exported_program().graph_module, reasons)
-            step = "to_executorch (serialising the program)"
-            config = api.ExecutorchBackendConfig(do_quant_fusion_and_const_prop=fuse_quantized_ops)
-            pte = bytes(edge.to_executorch(config).buffer)
+            step = "comparing the graph with the programs lowered before"
+            shape = program_reuse.structure(exported, partitioner, fuse_quantized_ops)
+            earlier = program_reuse.LOWERED.get(shape.key)
+            reused = None if earlier is None else program_reuse.rewritten(earlier.pte, earlier.structure, shape)
+            if reused is not None:  # the graph lowered before: only its changed constants written in
+                pte, delegation = reused.pte, earlier.delegation
+            else:
+                step = "to_edge_transform_and_lower with XNNPACK's partitioner"
+                chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
+                with _reasons() as reasons:
+                    # XNNPACK's own edge config: the edge IR is not validated again over fake tensors
+                    edge = api.to_edge_transform_and_lower(
+                        exported, partitioner=[chosen], compile_config=api.edge_compile_config()
+                    )
+                delegation = _delegation(edge.exported_program().graph_module, reasons)
+                step = "to_executorch (serialising the program)"
+                config = api.ExecutorchBackendConfig(do_quant_fusion_and_const_prop=fuse_quantized_ops)
+                pte = bytes(edge.to_executorch(config).buffer)
     except Exception as error:
         raise LoweringError(
             f"ExecuTorch could not lower the quantized model to XNNPACK: {step} failed ({type(error).__name__}: "
@@ -294,6 +309,17 @@ def lower(
     if reference is None:  # what ``program_taps`` lowers again, with taps
         program.lowered_as = (example_inputs, partitioner, fuse_quantized_ops)
     program.lowering_s = time.perf_counter() - start
+    program.structure = shape
+    if reused is not None:
+        before = f"the program's graph is one lowered before ({earlier.lowering_s + earlier.saved_s:.1f} s)"
+        program.reused = (
+            f"{before}: its {reused.constants} changed weights and scales were written into that program as XNNPACK "
+            "stores them, the bytes a lowering gives"
+            if reused.constants
+            else f"{before}, and its weights are the same: that program reused"
+        )
+        program.saved_s = max(earlier.lowering_s + earlier.saved_s - program.lowering_s, 0.0)
+    program_reuse.LOWERED.remember(shape.key, program)
     program.batch_limit = _batch_rows(list(example_inputs))
     if not _batch_free(exported):
         program.input_shapes = tuple(tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor))

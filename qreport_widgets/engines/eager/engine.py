@@ -422,6 +422,7 @@ class EagerEngine(Engine[EagerConfig]):
         used = {name for name, _, _ in config.formats.values()}
         if program is not None:
             notes = [RUNTIME_NOTE.format(size=len(program.pte), seconds=program.lowering_s), program.delegation.words]
+            notes += [program.reused] if program.reused else []
         else:
             notes = [INT4_NOTE] if used & {INT4_WEIGHT_ONLY, INT8_DYNAMIC_INT4} else []
             notes += [INT8_WEIGHT_ONLY_NOTE] if INT8_WEIGHT_ONLY in used else []

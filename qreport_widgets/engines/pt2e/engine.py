@@ -228,7 +228,7 @@ class Pt2eEngine(Engine[Pt2eConfig]):
         if program is None:
             return RunNotes((LATENCY_NOTE,), undone)
         runtime = RUNTIME_NOTE.format(size=len(program.pte), seconds=program.lowering_s)
-        return RunNotes((runtime, program.delegation.words), undone)
+        return RunNotes((runtime, program.delegation.words, *([program.reused] if program.reused else [])), undone)
 
     def deployed_bytes(self, quantized: torch.nn.Module) -> int:
         """The ``.pte`` program's bytes for the XNNPACK target; else as every engine counts them."""

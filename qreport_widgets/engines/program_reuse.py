@@ -1,0 +1,236 @@
+"""A program lowered before, reused for a model whose exported graph is the same and whose weights differ.
+
+Lowering to XNNPACK (``to_edge_transform_and_lower``: decompositions, edge passes, partitioning,
+XNNPACK's preprocess) costs minutes on a decoder, and depends on the graph, not on the weights. Two
+runs that differ only in the int4 values and scales an algorithm chose (round to nearest against
+GPTQ, say) export the same graph. XNNPACK keeps each delegated constant in the program's named data,
+its bytes stored once under a key that is the SHA-256 of those bytes (``scale_`` before a group scale's),
+the delegate's graph naming the key. So a weight change is, in the ``.pte``, each changed constant's
+bytes written in place and its key renamed: the program a fresh lowering gives, byte for byte (checked
+in ``tests/test_program_reuse.py``).
+
+Every rewrite proves itself on the earlier program first: a changed constant's earlier bytes, in the
+form XNNPACK stores them (int4 values two to a byte, offset by 8, the even column in the low nibble;
+group scales as bfloat16; other floats as float32; else as they are), must be found exactly once in
+the ``.pte`` and its key present, the new bytes the same length, and no new key one the program
+already has (a fresh lowering would store the two as one). A constant that is not delegated (a norm's
+weight, an embedding ExecuTorch's own kernels read, a constant folded into another), or anything else
+this does not find as expected, sends the run to a full lowering.
+
+May import: ``core``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import re
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# one leaf of a constant: its path inside the constant ("" for a plain tensor) and the tensor
+Leaf = tuple[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What a lowering depends on besides the weights (``key``), and the exported constants' leaves."""
+
+    key: str
+    leaves: dict[str, list[Leaf]]
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """An earlier program with another model's weights written in: its bytes, and how many constants changed."""
+
+    pte: bytes
+    constants: int
+
+
+def structure(exported: torch.export.ExportedProgram, *lowering: Any) -> Structure:
+    """``exported``'s graph, signature, input shapes and constants' types, shapes and dtypes, with the
+    lowering's own arguments (``lowering``), as one key; and every constant's tensors."""
+    leaves = {
+        name: list(_leaves(value, ""))
+        for name, value in (*exported.state_dict.items(), *exported.constants.items())
+        if isinstance(value, torch.Tensor)
+    }
+    words = "\n".join(described(exported, *lowering))
+    return Structure(hashlib.sha256(words.encode()).hexdigest(), leaves)
+
+
+def described(exported: torch.export.ExportedProgram, *lowering: Any) -> list[str]:
+    """What ``structure``'s key is made of, a line each."""
+    lines = [repr(lowering), str(exported.graph_signature), repr(sorted(map(str, exported.range_constraints.items())))]
+    for node in exported.graph.nodes:
+        value = node.meta.get("val")
+        shape = (tuple(map(str, value.shape)), str(value.dtype)) if isinstance(value, torch.Tensor) else None
+        lines.append(f"{node.op} {node.name} {node.target} {node.args} {node.kwargs} {shape}")
+    for name, value in (*exported.state_dict.items(), *exported.constants.items()):
+        if not isinstance(value, torch.Tensor):
+            lines.append(f"{name} {type(value).__name__}")  # a script object: the same only if it is the same kind
+            continue
+        lines.append(f"{name} {type(value).__name__} {_context(value)}")
+        lines.extend(f"{name}{path} {tuple(t.shape)} {t.dtype}" for path, t in _leaves(value, ""))
+    return lines
+
+
+def _leaves(value: torch.Tensor, path: str) -> Iterator[Leaf]:
+    """A tensor subclass's inner tensors (torchao's quantized weights: values, scales, zero points), as
+    it flattens itself; a plain tensor as itself."""
+    if type(value) in (torch.Tensor, torch.nn.Parameter) or not hasattr(value, "__tensor_flatten__"):
+        yield path, value.detach()
+        return
+    names, _ = value.__tensor_flatten__()
+    for name in names:
+        yield from _leaves(getattr(value, name), f"{path}.{name}")
+
+
+def _context(value: torch.Tensor) -> str:
+    """A tensor subclass's flattening context (block size, dtypes, ...) in words; "" for a plain tensor."""
+    if type(value) in (torch.Tensor, torch.nn.Parameter) or not hasattr(value, "__tensor_flatten__"):
+        return ""
+    return repr(_plain(value.__tensor_flatten__()[1]))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with each enum member as its value: torchao gives a weight's activation quantization
+    as a string or as the string enum member, depending on how the weight was made, for the same graph."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item) for item in value)
+    return value
+
+
+class Lowered:
+    """The programs lowered in this process, by structure key, held weakly: a program the session
+    has let go of is not kept alive for reuse."""
+
+    def __init__(self) -> None:
+        self._programs: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+    def remember(self, key: str, program: Any) -> None:
+        self._programs[key] = program
+
+    def get(self, key: str) -> Any:
+        return self._programs.get(key)
+
+
+LOWERED = Lowered()
+
+
+def rewritten(pte: bytes, before: Structure, after: Structure) -> Rewritten | None:
+    """The program ``pte`` (lowered from constants ``before``) with the constants ``after`` written in
+    its place, or None where that cannot be done as a fresh lowering would do it (module docstring)."""
+    if before.key != after.key:
+        return None
+    pairs = [pair for name, leaves in after.leaves.items() for pair in zip(before.leaves[name], leaves, strict=True)]
+    changes, kept = [], []
+    for (_, earlier), (_, now) in pairs:
+        earlier, now = earlier.detach().cpu(), now.detach().cpu()
+        if torch.equal(earlier, now):
+            kept.append(earlier)
+        else:
+            changes.append((earlier, now))
+    if _shares_storage(changes, kept):
+        return None  # a blob stored once for a changed constant and an unchanged one: a lowering now stores two
+    keys = _keys_in(pte)
+    writes: dict[bytes, bytes] = {}  # a changed constant's stored bytes, earlier -> now
+    for earlier, now in changes:
+        stored = _stored_pair(pte, keys, earlier, now)
+        if stored is None or writes.get(stored[0], stored[1]) != stored[1]:
+            return None  # not found as XNNPACK stores it, or one stored blob asked to become two
+        writes[stored[0]] = stored[1]
+    return _written(pte, keys, writes, len(changes))
+
+
+def _shares_storage(changes: list[tuple[torch.Tensor, torch.Tensor]], kept: list[torch.Tensor]) -> bool:
+    """Whether a changed constant was equal to an unchanged one before (XNNPACK stored them as one)."""
+    alike: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    for tensor in kept:
+        alike.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
+    return any(
+        torch.equal(earlier, other) for earlier, _ in changes for other in alike.get((tuple(earlier.shape), earlier.dtype), ())
+    )
+
+
+def _keys_in(pte: bytes) -> dict[bytes, list[int]]:
+    """Where each named-data key (64 hex digits, alone) occurs in the program."""
+    found: dict[bytes, list[int]] = {}
+    for match in _KEY.finditer(pte):
+        found.setdefault(match.group(), []).append(match.start())
+    return found
+
+
+_KEY = re.compile(rb"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
+
+
+def _written(pte: bytes, keys: dict[bytes, list[int]], writes: dict[bytes, bytes], changed: int) -> Rewritten | None:
+    renames = {_key(earlier): _key(now) for earlier, now in writes.items()}
+    if len(set(renames.values())) != len(renames) or any(key in keys for key in renames.values()):
+        return None  # two constants now alike, or like one the program has: a fresh lowering stores them once
+    program = bytearray(pte)
+    for earlier, now in writes.items():
+        at = pte.find(earlier)
+        program[at : at + len(earlier)] = now
+    for earlier_key, key in renames.items():
+        for at in keys[earlier_key]:
+            program[at : at + len(key)] = key
+    return Rewritten(bytes(program), changed)
+
+
+def _key(stored: bytes) -> bytes:
+    return hashlib.sha256(stored).hexdigest().encode()
+
+
+def _stored_pair(
+    pte: bytes, keys: dict[bytes, list[int]], earlier: torch.Tensor, now: torch.Tensor
+) -> tuple[bytes, bytes] | None:
+    """The bytes XNNPACK stored for ``earlier`` and would store for ``now``, in the one form of
+    ``_FORMS`` whose earlier bytes are a key's in the program and found there exactly once; None if none."""
+    for form in _FORMS:
+        stored = form(earlier)
+        if stored is None or _key(stored) not in keys:
+            continue
+        at = pte.find(stored)
+        if at < 0 or pte.find(stored, at + 1) >= 0:
+            return None
+        replacement = form(now)
+        return (stored, replacement) if replacement is not None and len(replacement) == len(stored) else None
+    return None
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _int4_pairs(tensor: torch.Tensor) -> bytes | None:
+    """int4 values (in int8, -8..7) as XNNPACK's 4-bit weights store them: each shifted by 8 to 0..15,
+    two to a byte along the row, the even column in the low nibble, an odd row length padded with 0."""
+    if tensor.dtype not in (torch.int8, torch.int16, torch.int32) or tensor.dim() != 2:
+        return None
+    if tensor.numel() and (int(tensor.min()) < -8 or int(tensor.max()) > 7):
+        return None
+    nibbles = (tensor.to(torch.int16) + 8).to(torch.uint8)
+    if nibbles.shape[1] % 2:
+        nibbles = torch.nn.functional.pad(nibbles, (0, 1), value=8)
+    pairs = nibbles.reshape(nibbles.shape[0], -1, 2)
+    return _bytes(pairs[..., 0] | (pairs[..., 1] << 4))
+
+
+def _as(dtype: torch.dtype) -> Callable[[torch.Tensor], bytes | None]:
+    def stored(tensor: torch.Tensor) -> bytes | None:
+        return _bytes(tensor.to(dtype)) if tensor.is_floating_point() else None
+
+    return stored
+
+
+_FORMS: tuple[Callable[[torch.Tensor], bytes | None], ...] = (_int4_pairs, _as(torch.bfloat16), _as(torch.float32), _bytes)

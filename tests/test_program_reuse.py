@@ -1,0 +1,111 @@
+"""A program lowered before, reused where only the weights changed (``engines/program_reuse.py``):
+the bytes a fresh lowering gives, and a full lowering wherever that cannot be shown.
+
+On the tiny Llama, every Linear 8da4w in groups of 32 as the eager engine's XNNPACK target lowers
+it (``DYNAMIC`` partitioner, quantized-op fusion). The session's own reuse (a second algorithm on
+the trained decoder's phone program) is checked in ``test_eager_xnnpack.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hf_models import tiny_llama
+
+pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
+
+from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_  # noqa: E402
+from torchao.quantization.granularity import PerGroup  # noqa: E402
+
+from qreport_widgets.engines import program_reuse  # noqa: E402
+from qreport_widgets.engines.executorch import DYNAMIC, _exported, lower  # noqa: E402
+
+
+def quantized(model, group_size: int = 32):
+    model = copy.deepcopy(model)
+    quantize_(model, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size)))
+    return model
+
+
+def lowered(model, example):
+    return lower(model, example, partitioner=DYNAMIC, fuse_quantized_ops=True)
+
+
+def structure_of(model, example):
+    return program_reuse.structure(_exported(model, example), DYNAMIC, True)
+
+
+def with_weights(model, **changes):
+    """A copy of ``model`` with Linear weights changed: ``name=factor`` scales every weight whose
+    module name ends with ``name``; ``name=other`` copies module ``other``'s weight there."""
+    model = copy.deepcopy(model)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, change in changes.items():
+            for fqn, module in modules.items():
+                if fqn.endswith(name.replace("__", ".")):
+                    if isinstance(change, str):
+                        module.weight.copy_(modules[change].weight)
+                    else:
+                        module.weight.mul_(change)
+    return model
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    """The tiny Llama with its two blocks' q_proj weights alike (XNNPACK stores their int4 values and
+    scales once, under one key each), quantized and lowered: the earlier program of every test."""
+    model, batches = tiny_llama()
+    model = with_weights(model, layers__1__self_attn__q_proj="model.layers.0.self_attn.q_proj")
+    example = batches[0]
+    first = lowered(quantized(model), example)
+    assert first.reused == "" and first.structure is not None
+    return model, example, first
+
+
+def rewritten(first, model, example):
+    return program_reuse.rewritten(first.pte, first.structure, structure_of(quantized(model), example))
+
+
+def test_other_int4_values_are_written_into_the_earlier_program_and_it_runs(decoder):
+    model, example, first = decoder
+    program_reuse.LOWERED.remember(first.structure.key, first)
+    other = quantized(with_weights(model, proj=1.03))  # every Linear's int4 values and scales move, the twins alike
+    program = lowered(other, example)
+    assert "lowered before" in program.reused and "changed weights and scales" in program.reused
+    assert len(program.pte) == len(first.pte) and program.pte != first.pte
+    assert program.lowering_s < first.lowering_s and program.saved_s > 0
+    # the program computes with the new weights: as close to the eager model it was lowered from as the first is to its own
+    logits, eager = program(*example).logits, other(*example).logits
+    assert torch.nn.functional.cosine_similarity(logits.flatten(), eager.flatten(), dim=0) > 0.99
+
+
+def test_the_same_weights_reuse_the_program_as_it_is(decoder):
+    model, example, first = decoder
+    program_reuse.LOWERED.remember(first.structure.key, first)
+    program = lowered(quantized(model), example)
+    assert program.pte == first.pte and "weights are the same" in program.reused
+
+
+def test_another_graph_or_constant_shape_has_another_structure(decoder):
+    model, example, first = decoder
+    assert structure_of(quantized(model), example).key == first.structure.key
+    assert structure_of(quantized(model, group_size=64), example).key != first.structure.key  # scales of another shape
+    longer = (torch.cat([example[0], example[0]], dim=1),)
+    assert structure_of(quantized(model), longer).key != first.structure.key  # another sequence length
+    assert rewritten(first, model, longer) is None
+
+
+def test_what_a_lowering_would_store_otherwise_is_lowered_in_full(decoder):
+    model, example, first = decoder
+    assert rewritten(first, model, example).constants == 0
+    # a norm's weight is the program's own constant (ExecuTorch's kernels read it), not XNNPACK's
+    assert rewritten(first, with_weights(model, input_layernorm=1.5), example) is None
+    # two weights stored apart that become alike: a lowering stores them once
+    assert rewritten(first, with_weights(model, layers__1__self_attn__k_proj="model.layers.0.self_attn.k_proj"), example) is None
+    # one blob stored for two weights, one of them changed: a lowering stores two
+    assert rewritten(first, with_weights(model, layers__1__self_attn__q_proj=1.1), example) is None
+    # both changed alike: still one blob
+    assert rewritten(first, with_weights(model, q_proj=1.1), example).constants == 4
