@@ -6,16 +6,18 @@ runs that differ only in the int4 values and scales an algorithm chose (round to
 GPTQ, say) export the same graph. XNNPACK keeps each delegated constant in the program's named data,
 its bytes stored once under a key that is the SHA-256 of those bytes (``scale_`` before a group scale's),
 the delegate's graph naming the key. So a weight change is, in the ``.pte``, each changed constant's
-bytes written in place and its key renamed: the program a fresh lowering gives, byte for byte (checked
-in ``tests/test_program_reuse.py``).
+bytes written in place and its key renamed: the program a fresh lowering gives, byte for byte
+(``tests/test_eager_xnnpack.py`` checks it on the trained decoder's GPTQ program).
 
-Every rewrite proves itself on the earlier program first: a changed constant's earlier bytes, in the
+Every rewrite proves itself on the earlier program first. A changed constant's earlier bytes, in the
 form XNNPACK stores them (int4 values two to a byte, offset by 8, the even column in the low nibble;
-group scales as bfloat16; other floats as float32; else as they are), must be found exactly once in
-the ``.pte`` and its key present, the new bytes the same length, and no new key one the program
-already has (a fresh lowering would store the two as one). A constant that is not delegated (a norm's
-weight, an embedding ExecuTorch's own kernels read, a constant folded into another), or anything else
-this does not find as expected, sends the run to a full lowering.
+group scales as bfloat16; other floats as float32; else as they are), must be stored under their key
+and found exactly once in the ``.pte``, and the new bytes be as long. No blob may be stored once for a
+changed constant and an unchanged one, or for two constants that change apart, and no new key be one
+the program has: a fresh lowering would store two blobs where the earlier program has one, or one
+where it has two. A constant that is not delegated (a norm's weight, an embedding ExecuTorch's own
+kernels read, a constant folded into another), or anything else this does not find as expected,
+sends the run to a full lowering.
 
 May import: ``core``.
 """
@@ -132,39 +134,35 @@ def rewritten(pte: bytes, before: Structure, after: Structure) -> Rewritten | No
     its place, or None where that cannot be done as a fresh lowering would do it (module docstring)."""
     if before.key != after.key:
         return None
-    pairs = [pair for name, leaves in after.leaves.items() for pair in zip(before.leaves[name], leaves, strict=True)]
-    changes, kept = [], []
-    for (_, earlier), (_, now) in pairs:
-        earlier, now = earlier.detach().cpu(), now.detach().cpu()
-        if torch.equal(earlier, now):
-            kept.append(earlier)
-        else:
-            changes.append((earlier, now))
-    if _shares_storage(changes, kept):
-        return None  # a blob stored once for a changed constant and an unchanged one: a lowering now stores two
     keys = _keys_in(pte)
     writes: dict[bytes, bytes] = {}  # a changed constant's stored bytes, earlier -> now
-    for earlier, now in changes:
-        stored = _stored_pair(pte, keys, earlier, now)
-        if stored is None or writes.get(stored[0], stored[1]) != stored[1]:
-            return None  # not found as XNNPACK stores it, or one stored blob asked to become two
-        writes[stored[0]] = stored[1]
-    return _written(pte, keys, writes, len(changes))
+    kept: set[bytes] = set()  # the keys of the stored bytes of constants that did not change
+    changed = 0
+    for name, leaves in after.leaves.items():
+        for (_, earlier), (_, now) in zip(before.leaves[name], leaves, strict=True):
+            earlier, now = earlier.detach().cpu(), now.detach().cpu()
+            form, stored = _stored(keys, earlier)
+            if torch.equal(earlier, now):
+                if stored is not None:
+                    kept.add(_key(stored))
+                continue
+            changed += 1
+            replacement = None if form is None else form(now)
+            if stored is None or replacement is None or len(replacement) != len(stored):
+                return None  # not a constant XNNPACK stores, or not as this reads it
+            if writes.setdefault(stored, replacement) != replacement:
+                return None  # one stored blob asked to become two
+    if any(_key(stored) in kept for stored in writes):
+        return None  # stored once for a changed constant and an unchanged one: a lowering now stores two
+    return _written(pte, keys, {stored: now for stored, now in writes.items() if now != stored}, changed)
 
 
-def _shares_storage(changes: list[tuple[torch.Tensor, torch.Tensor]], kept: list[torch.Tensor]) -> bool:
-    """Whether a changed constant was equal to an unchanged one before (XNNPACK stored them as one)."""
-    alike: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-    for tensor in kept:
-        alike.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
-    return any(
-        torch.equal(earlier, other) for earlier, _ in changes for other in alike.get((tuple(earlier.shape), earlier.dtype), ())
-    )
+Keys = dict[bytes, list[int]]  # each named-data key in the program, and where it occurs
 
 
-def _keys_in(pte: bytes) -> dict[bytes, list[int]]:
+def _keys_in(pte: bytes) -> Keys:
     """Where each named-data key (64 hex digits, alone) occurs in the program."""
-    found: dict[bytes, list[int]] = {}
+    found: Keys = {}
     for match in _KEY.finditer(pte):
         found.setdefault(match.group(), []).append(match.start())
     return found
@@ -173,13 +171,25 @@ def _keys_in(pte: bytes) -> dict[bytes, list[int]]:
 _KEY = re.compile(rb"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
 
 
-def _written(pte: bytes, keys: dict[bytes, list[int]], writes: dict[bytes, bytes], changed: int) -> Rewritten | None:
+def _stored(keys: Keys, tensor: torch.Tensor) -> tuple[Callable[[torch.Tensor], bytes | None] | None, bytes | None]:
+    """The form of ``_FORMS`` in which the program stores ``tensor`` under its key, and those bytes;
+    (None, None) where it stores it in none (not a constant XNNPACK keeps)."""
+    for form in _FORMS:
+        stored = form(tensor)
+        if stored is not None and _key(stored) in keys:
+            return form, stored
+    return None, None
+
+
+def _written(pte: bytes, keys: Keys, writes: dict[bytes, bytes], changed: int) -> Rewritten | None:
     renames = {_key(earlier): _key(now) for earlier, now in writes.items()}
     if len(set(renames.values())) != len(renames) or any(key in keys for key in renames.values()):
         return None  # two constants now alike, or like one the program has: a fresh lowering stores them once
     program = bytearray(pte)
     for earlier, now in writes.items():
         at = pte.find(earlier)
+        if at < 0 or pte.find(earlier, at + 1) >= 0:
+            return None  # the bytes are elsewhere in the program too (a constant outside XNNPACK alike)
         program[at : at + len(earlier)] = now
     for earlier_key, key in renames.items():
         for at in keys[earlier_key]:
@@ -189,23 +199,6 @@ def _written(pte: bytes, keys: dict[bytes, list[int]], writes: dict[bytes, bytes
 
 def _key(stored: bytes) -> bytes:
     return hashlib.sha256(stored).hexdigest().encode()
-
-
-def _stored_pair(
-    pte: bytes, keys: dict[bytes, list[int]], earlier: torch.Tensor, now: torch.Tensor
-) -> tuple[bytes, bytes] | None:
-    """The bytes XNNPACK stored for ``earlier`` and would store for ``now``, in the one form of
-    ``_FORMS`` whose earlier bytes are a key's in the program and found there exactly once; None if none."""
-    for form in _FORMS:
-        stored = form(earlier)
-        if stored is None or _key(stored) not in keys:
-            continue
-        at = pte.find(stored)
-        if at < 0 or pte.find(stored, at + 1) >= 0:
-            return None
-        replacement = form(now)
-        return (stored, replacement) if replacement is not None and len(replacement) == len(stored) else None
-    return None
 
 
 def _bytes(tensor: torch.Tensor) -> bytes:
