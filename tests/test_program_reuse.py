@@ -1,7 +1,7 @@
 """A program lowered before, reused where only the weights changed (``engines/program_reuse.py``):
 the bytes a fresh lowering gives, and a full lowering wherever that cannot be shown.
 
-On the tiny Llama, every Linear 8da4w in groups of 32 as the eager engine's XNNPACK target lowers
+On a one-block tiny Llama, every Linear 8da4w in groups of 32 as the eager engine's XNNPACK target lowers
 it (``DYNAMIC`` partitioner, quantized-op fusion). The session's own reuse (a second algorithm on
 the trained decoder's phone program) is checked in ``test_eager_xnnpack.py``.
 """
@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from hf_models import tiny_llama
+from transformers import LlamaConfig, LlamaForCausalLM
 
 pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
 
@@ -45,7 +45,7 @@ def with_weights(model, **changes):
     with torch.no_grad():
         for name, change in changes.items():
             for fqn, module in modules.items():
-                if fqn.endswith(name.replace("__", ".")):
+                if fqn.endswith(name):
                     if isinstance(change, str):
                         module.weight.copy_(modules[change].weight)
                     else:
@@ -55,11 +55,20 @@ def with_weights(model, **changes):
 
 @pytest.fixture(scope="module")
 def decoder():
-    """The tiny Llama with its two blocks' q_proj weights alike (XNNPACK stores their int4 values and
-    scales once, under one key each), quantized and lowered: the earlier program of every test."""
-    model, batches = tiny_llama()
-    model = with_weights(model, layers__1__self_attn__q_proj="model.layers.0.self_attn.q_proj")
-    example = batches[0]
+    """A one-block tiny Llama with its k_proj and v_proj weights alike (XNNPACK stores their int4
+    values and scales once, under one key each), quantized and lowered: every test's earlier program."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = with_weights(LlamaForCausalLM(config).eval(), v_proj="model.layers.0.self_attn.k_proj")
+    example = (torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1)),)
     first = lowered(quantized(model), example)
     assert first.reused == "" and first.structure is not None
     return model, example, first
@@ -104,8 +113,8 @@ def test_what_a_lowering_would_store_otherwise_is_lowered_in_full(decoder):
     # a norm's weight is the program's own constant (ExecuTorch's kernels read it), not XNNPACK's
     assert rewritten(first, with_weights(model, input_layernorm=1.5), example) is None
     # two weights stored apart that become alike: a lowering stores them once
-    assert rewritten(first, with_weights(model, layers__1__self_attn__k_proj="model.layers.0.self_attn.k_proj"), example) is None
+    assert rewritten(first, with_weights(model, up_proj="model.layers.0.mlp.gate_proj"), example) is None
     # one blob stored for two weights, one of them changed: a lowering stores two
-    assert rewritten(first, with_weights(model, layers__1__self_attn__q_proj=1.1), example) is None
+    assert rewritten(first, with_weights(model, v_proj=1.1), example) is None
     # both changed alike: still one blob
-    assert rewritten(first, with_weights(model, q_proj=1.1), example).constants == 4
+    assert rewritten(first, with_weights(model, k_proj=1.1, v_proj=1.1), example).constants == 4
