@@ -33,13 +33,13 @@ def tiny_bert() -> tuple[nn.Module, list[dict[str, torch.Tensor]]]:
     return BertModel(config).eval(), [{"input_ids": ids, "attention_mask": mask} for ids in _tokens(1)]
 
 
-def tiny_llama() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
+def tiny_llama(layers: int = 2) -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,

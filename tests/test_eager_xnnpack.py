@@ -132,12 +132,12 @@ def test_gptq_in_the_8da4w_layout_beats_round_to_nearest_in_the_runtime(phone_de
     program = run.quantized_model
     assert any("lowered before" in note for note in run.notes) and program.saved_s > 0
     example, partitioner, fuse = program.lowered_as
-    held = dict(program_reuse.LOWERED._programs)
-    program_reuse.LOWERED._programs.clear()
+    held = dict(program_reuse.LOWERED)
+    program_reuse.LOWERED.clear()
     try:
         lowered = lower(program.reference, example, partitioner=partitioner, fuse_quantized_ops=fuse)
     finally:
-        program_reuse.LOWERED._programs.update(held)
+        program_reuse.LOWERED.update(held)
     assert lowered.reused == "" and lowered.pte == program.pte
 
     # as code: GPTQ's weights for 8da4w Linears, an int4 embedding, the lowering ExecuTorch's LLM export does

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from hf_models import tiny_llama
 
 pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
 
@@ -57,18 +57,9 @@ def with_weights(model, **changes):
 def decoder():
     """A one-block tiny Llama with its k_proj and v_proj weights alike (XNNPACK stores their int4
     values and scales once, under one key each), quantized and lowered: every test's earlier program."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = with_weights(LlamaForCausalLM(config).eval(), v_proj="model.layers.0.self_attn.k_proj")
-    example = (torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1)),)
+    model, batches = tiny_llama(layers=1)
+    model = with_weights(model, v_proj="model.layers.0.self_attn.k_proj")
+    example = batches[0]
     first = lowered(quantized(model), example)
     assert first.reused == "" and first.structure is not None
     return model, example, first
@@ -80,7 +71,7 @@ def rewritten(first, model, example):
 
 def test_other_int4_values_are_written_into_the_earlier_program_and_it_runs(decoder):
     model, example, first = decoder
-    program_reuse.LOWERED.remember(first.structure.key, first)
+    program_reuse.LOWERED[first.structure.key] = first
     other = quantized(with_weights(model, proj=1.03))  # every Linear's int4 values and scales move, the twins alike
     program = lowered(other, example)
     assert "lowered before" in program.reused and "changed weights and scales" in program.reused
@@ -93,7 +84,7 @@ def test_other_int4_values_are_written_into_the_earlier_program_and_it_runs(deco
 
 def test_the_same_weights_reuse_the_program_as_it_is(decoder):
     model, example, first = decoder
-    program_reuse.LOWERED.remember(first.structure.key, first)
+    program_reuse.LOWERED[first.structure.key] = first
     program = lowered(quantized(model), example)
     assert program.pte == first.pte and "weights are the same" in program.reused
 

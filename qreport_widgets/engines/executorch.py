@@ -311,15 +311,16 @@ def lower(
     program.lowering_s = time.perf_counter() - start
     program.structure = shape
     if reused is not None:
-        before = f"the program's graph is one lowered before ({earlier.lowering_s + earlier.saved_s:.1f} s)"
+        full_s = earlier.lowering_s + earlier.saved_s  # what lowering that graph in full took
+        before = f"the program's graph is one lowered before ({full_s:.1f} s)"
         program.reused = (
             f"{before}: its {reused.constants} changed weights and scales were written into that program as XNNPACK "
             "stores them, the bytes a lowering gives"
             if reused.constants
             else f"{before}, and its weights are the same: that program reused"
         )
-        program.saved_s = max(earlier.lowering_s + earlier.saved_s - program.lowering_s, 0.0)
-    program_reuse.LOWERED.remember(shape.key, program)
+        program.saved_s = max(full_s - program.lowering_s, 0.0)
+    program_reuse.LOWERED[shape.key] = program
     program.batch_limit = _batch_rows(list(example_inputs))
     if not _batch_free(exported):
         program.input_shapes = tuple(tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor))

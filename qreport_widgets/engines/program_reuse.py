@@ -57,47 +57,34 @@ class Rewritten:
 def structure(exported: torch.export.ExportedProgram, *lowering: Any) -> Structure:
     """``exported``'s graph, signature, input shapes and constants' types, shapes and dtypes, with the
     lowering's own arguments (``lowering``), as one key; and every constant's tensors."""
-    leaves = {
-        name: list(_leaves(value, ""))
-        for name, value in (*exported.state_dict.items(), *exported.constants.items())
-        if isinstance(value, torch.Tensor)
-    }
-    words = "\n".join(described(exported, *lowering))
-    return Structure(hashlib.sha256(words.encode()).hexdigest(), leaves)
-
-
-def described(exported: torch.export.ExportedProgram, *lowering: Any) -> list[str]:
-    """What ``structure``'s key is made of, a line each."""
+    constants = [*exported.state_dict.items(), *exported.constants.items()]
+    leaves = {name: list(_leaves(value, "")) for name, value in constants if isinstance(value, torch.Tensor)}
     lines = [repr(lowering), str(exported.graph_signature), repr(sorted(map(str, exported.range_constraints.items())))]
     for node in exported.graph.nodes:
         value = node.meta.get("val")
         shape = (tuple(map(str, value.shape)), str(value.dtype)) if isinstance(value, torch.Tensor) else None
         lines.append(f"{node.op} {node.name} {node.target} {node.args} {node.kwargs} {shape}")
-    for name, value in (*exported.state_dict.items(), *exported.constants.items()):
-        if not isinstance(value, torch.Tensor):
-            lines.append(f"{name} {type(value).__name__}")  # a script object: the same only if it is the same kind
-            continue
-        lines.append(f"{name} {type(value).__name__} {_context(value)}")
-        lines.extend(f"{name}{path} {tuple(t.shape)} {t.dtype}" for path, t in _leaves(value, ""))
-    return lines
+    for name, value in constants:
+        context = "" if _is_plain(value) else repr(_plain(value.__tensor_flatten__()[1]))  # block size, dtypes, ...
+        lines.append(f"{name} {type(value).__name__} {context}")  # a script object: the same only if of the same kind
+        lines.extend(f"{name}{path} {tuple(t.shape)} {t.dtype}" for path, t in leaves.get(name, ()))
+    return Structure(hashlib.sha256("\n".join(lines).encode()).hexdigest(), leaves)
+
+
+def _is_plain(value: Any) -> bool:
+    """Whether ``value`` is a plain tensor or parameter (not a subclass that flattens itself), or no tensor."""
+    return type(value) in (torch.Tensor, torch.nn.Parameter) or not hasattr(value, "__tensor_flatten__")
 
 
 def _leaves(value: torch.Tensor, path: str) -> Iterator[Leaf]:
     """A tensor subclass's inner tensors (torchao's quantized weights: values, scales, zero points), as
     it flattens itself; a plain tensor as itself."""
-    if type(value) in (torch.Tensor, torch.nn.Parameter) or not hasattr(value, "__tensor_flatten__"):
+    if _is_plain(value):
         yield path, value.detach()
         return
     names, _ = value.__tensor_flatten__()
     for name in names:
         yield from _leaves(getattr(value, name), f"{path}.{name}")
-
-
-def _context(value: torch.Tensor) -> str:
-    """A tensor subclass's flattening context (block size, dtypes, ...) in words; "" for a plain tensor."""
-    if type(value) in (torch.Tensor, torch.nn.Parameter) or not hasattr(value, "__tensor_flatten__"):
-        return ""
-    return repr(_plain(value.__tensor_flatten__()[1]))
 
 
 def _plain(value: Any) -> Any:
@@ -112,21 +99,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class Lowered:
-    """The programs lowered in this process, by structure key, held weakly: a program the session
-    has let go of is not kept alive for reuse."""
-
-    def __init__(self) -> None:
-        self._programs: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-
-    def remember(self, key: str, program: Any) -> None:
-        self._programs[key] = program
-
-    def get(self, key: str) -> Any:
-        return self._programs.get(key)
-
-
-LOWERED = Lowered()
+# the programs lowered in this process, by structure key, held weakly: a program the session has let
+# go of is not kept alive for reuse
+LOWERED: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 def rewritten(pte: bytes, before: Structure, after: Structure) -> Rewritten | None:
