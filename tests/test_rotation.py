@@ -4,6 +4,7 @@ not commute with are refused naming why, and a session's run takes a rotation.""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 from conftest import assert_unchanged, fingerprint
@@ -218,6 +219,44 @@ def test_r4_is_refused_on_fx_whose_convert_drops_the_online_product():
     )
     with pytest.raises(qw.InvalidSettingsError, match="drops its forward pre-hooks"):
         session.apply({}, rotation=qw.Rotation(down=True))
+
+
+def test_a_rotated_runs_kernels_are_never_taken_by_the_simulation_of_the_unrotated_model(monkeypatch):
+    """A recorded run hands the kernels it finds computing something else than their reference to the
+    simulation, which runs them from then on (FX's broken PReLU: tests/test_search.py). A rotated run's
+    kernels compute the rotated weights, and the simulation runs the model unrotated: stood in for here
+    on the eager engine (whose kernels agree with their reference) by a check that finds two broken
+    kernels, one of them only on the rotated run, and a simulation that takes whatever it is given."""
+    from qreport_widgets.engines.eager.engine import EagerEngine
+    from qreport_widgets.engines.eager.simulate import EagerSimulation
+
+    broken, hidden = "model.layers.0.mlp.down_proj", "model.layers.1.mlp.up_proj"
+    taken: list[str] = []
+    rotated = {"now": False}
+
+    def kernel_sqnr(self, reference, quantized, batch):
+        found = {broken: 1.0, **({hidden: 2.0} if rotated["now"] else {})}
+        return pd.Series(found, name="kernel SQNR (dB)")
+
+    def run_real_kernels(self, quantized, names):
+        taken.extend(name for name in names if name not in taken)
+        return list(taken)
+
+    monkeypatch.setattr(EagerEngine, "reference_model", lambda self, prepared: prepared)
+    monkeypatch.setattr(EagerEngine, "kernel_sqnr", kernel_sqnr)
+    monkeypatch.setattr(EagerSimulation, "run_real_kernels", run_real_kernels)
+    batches = [(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5)),) for _ in range(3)]
+    session = qw.QuantizationSession(decoder(64, tied=False), batches[0], batches[:2], batches[2:], engine="eager")
+    assert session.baseline().ok and session.truth_check().disagreeing == [broken]
+    rotated["now"] = True
+    run = session.apply({}, rotation=qw.Rotation(), label="rotated")
+    assert run.ok and run.rotation == qw.Rotation()
+    assert taken == [] and session.truth_check().real_kernels == ()  # the simulation of the unrotated model took none
+    said = [note for note in run.notes if "does not take them" in note]
+    assert said and f"{broken} (1.0 dB)" in said[0] and f"{hidden} (2.0 dB)" in said[0], run.notes
+    rotated["now"] = False
+    assert session.apply({}, label="plain").ok  # an unrotated run hands its broken kernel over
+    assert taken == [broken] and session.truth_check().real_kernels == (broken,)
 
 
 def test_fit_with_rotation_checks_its_arguments_before_any_front_is_built():

@@ -219,11 +219,26 @@ class RealRuns:
             result = replace(result.noted(said), rotation=rotation)
         if not record:
             return result
+        if rotation is not None:  # its kernels hold the rotated weights: the simulation of the float model never takes them
+            return self.history.record(self._rotated_kernels_noted(result))
         adopted = self.adopt_kernels(result)  # a kernel the baseline's inputs hid: the simulation runs it now
         if adopted:
             said = self.adopted_words("this run", adopted)
             result = result.noted(f"{said}; the simulation runs them from now on (estimates made before are redone)")
         return self.history.record(result)
+
+    @staticmethod
+    def _rotated_kernels_noted(run: RunResult) -> RunResult:
+        """A rotated run with the kernels it found differing from their reference named, and why the
+        simulation (of the float model as given, unrotated) does not run them."""
+        low = run.kernel_sqnr_db[run.kernel_sqnr_db < KERNEL_AGREEMENT_DB]
+        if low.empty:
+            return run
+        each = ", ".join(f"{name} ({float(db):.1f} dB)" for name, db in low.items())
+        return run.noted(
+            f"this rotated run found kernels differing from their reference: {each}; they compute the rotated "
+            "weights, so the simulation of the unrotated model does not take them"
+        )
 
     def _checks_kernels(self, prepared: torch.nn.Module) -> bool:
         """Whether a run checks its kernels against their reference (a reference conversion, about a
