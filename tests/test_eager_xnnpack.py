@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 from conftest import text_decoder_report
+from hf_models import tiny_llama
 
 pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
 
@@ -27,9 +28,8 @@ from torchao.quantization.granularity import PerGroup  # noqa: E402
 
 from qreport_widgets import analyze  # noqa: E402
 from qreport_widgets.core.metrics import perplexity  # noqa: E402
-from qreport_widgets.engines import program_reuse  # noqa: E402
 from qreport_widgets.engines.contract import Variant  # noqa: E402
-from qreport_widgets.engines.executorch import DeployedProgram, lower  # noqa: E402
+from qreport_widgets.engines.executorch import DeployedProgram  # noqa: E402
 from qreport_widgets.engines.settings import ModuleSettings  # noqa: E402
 from qreport_widgets.errors import DecodeSpeedError, InvalidSettingsError  # noqa: E402
 
@@ -85,8 +85,13 @@ def independent_program(model, example, evaluation):
     return perplexity(lambda ids: logits(ids), evaluation), len(pte)
 
 
-def test_the_baseline_is_the_program_executorch_ships_its_perplexity_and_size_an_independent_programs(phone_decoder):
-    model, data, evaluation, report = phone_decoder
+def test_the_baseline_is_the_program_executorch_ships_its_perplexity_and_size_an_independent_programs():
+    """On a one-block Llama as ``from_pretrained`` gives it (the independent program costs a lowering
+    a block: the trained decoder's baseline is checked against its float model in the GPTQ test)."""
+    model, batches = tiny_llama(layers=1)
+    evaluation = [(torch.cat([batches[0][0], batches[1][0]]),)]  # 8 sequences, the program is planned for 4
+    options = {"engine": "eager", "target": "xnnpack", "format": "int8-dynamic-int4-weight", "group_size": 32, "progress": False}
+    report = analyze(as_from_pretrained(model), batches[0], batches, eval_data=evaluation, metric="perplexity", **options)
     session = report.session
     baseline = session.baseline()
     assert baseline.ok, baseline.error
@@ -99,10 +104,10 @@ def test_the_baseline_is_the_program_executorch_ships_its_perplexity_and_size_an
 
     # the program returns the logits the session measures, whatever the config says, and leaves it as it was
     assert session.float_model.config.use_cache and program.reference.config.use_cache
-    expected_perplexity, expected_bytes = independent_program(model, data.calibration[0], evaluation)
+    expected_perplexity, expected_bytes = independent_program(model, batches[0], evaluation)
     assert baseline.eval_metric == pytest.approx(expected_perplexity, rel=1e-3)
-    assert baseline.size_bytes == pytest.approx(expected_bytes, rel=0.02)
-    assert perplexity(model, evaluation) < baseline.eval_metric < 1.02 * perplexity(model, evaluation)
+    # the same outputs from a few hundred bytes less a delegated Linear (3.7 KB of 133 KB here, 1.7% on four blocks)
+    assert expected_bytes * 0.97 <= baseline.size_bytes <= expected_bytes
 
     # the eager model is the simulation: the truth check compares it with the program
     truth = session.truth_check()
@@ -122,23 +127,21 @@ def test_gptq_in_the_8da4w_layout_beats_round_to_nearest_in_the_runtime(phone_de
     _, _, _, report = phone_decoder
     session = report.session
     baseline, chosen = every_linear(session, "gptq")
+    model, data, evaluation, _ = phone_decoder
+    assert baseline.ok and baseline.quantized_model.batch_limit == 4  # evaluation batches of 8: two executions each
+    assert perplexity(model, evaluation) < baseline.eval_metric < 1.02 * perplexity(model, evaluation)
+    baseline_pte = baseline.quantized_model.pte
     run = session.apply(chosen, label="gptq")
     assert run.ok, run.error
     assert run.eval_metric < baseline.eval_metric and run.output_sqnr_db > baseline.output_sqnr_db + 3
     assert run.size_bytes == pytest.approx(baseline.size_bytes, rel=0.001)  # the same layout, other int4 values
     assert not run.module_notes or all("kept round to nearest" in note for note in run.module_notes.values())
 
-    # the baseline's graph: GPTQ's int4 values and scales written into its program, the bytes a lowering gives
+    # the baseline's graph: GPTQ's int4 values and scales written into its program (the bytes a fresh
+    # lowering gives: tests/test_program_reuse.py)
     program = run.quantized_model
     assert any("lowered before" in note for note in run.notes) and program.saved_s > 0
-    example, partitioner, fuse = program.lowered_as
-    held = dict(program_reuse.LOWERED)
-    program_reuse.LOWERED.clear()
-    try:
-        lowered = lower(program.reference, example, partitioner=partitioner, fuse_quantized_ops=fuse)
-    finally:
-        program_reuse.LOWERED.update(held)
-    assert lowered.reused == "" and lowered.pte == program.pte
+    assert len(program.pte) == len(baseline_pte) and program.pte != baseline_pte
 
     # as code: GPTQ's weights for 8da4w Linears, an int4 embedding, the lowering ExecuTorch's LLM export does
     chosen["model.embed_tokens"] = ModuleSettings(format="int4-weight-only", group_size=32)

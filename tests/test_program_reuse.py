@@ -80,6 +80,14 @@ def test_other_int4_values_are_written_into_the_earlier_program_and_it_runs(deco
     # the program computes with the new weights: as close to the eager model it was lowered from as the first is to its own
     logits, eager = program(*example).logits, other(*example).logits
     assert torch.nn.functional.cosine_similarity(logits.flatten(), eager.flatten(), dim=0) > 0.99
+    # and it is, byte for byte, the program a fresh lowering of the new weights gives
+    held = dict(program_reuse.LOWERED)
+    program_reuse.LOWERED.clear()
+    try:
+        fresh = lowered(other, example)
+    finally:
+        program_reuse.LOWERED.update(held)
+    assert fresh.reused == "" and fresh.pte == program.pte
 
 
 def test_the_same_weights_reuse_the_program_as_it_is(decoder):
