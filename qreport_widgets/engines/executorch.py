@@ -493,7 +493,10 @@ def _exported_as_is(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> 
     model = _ProgramOutputs(model)
     rows = _batch_rows(list(example_inputs))
     if rows is not None and rows > 1:
-        # ExecuTorch plans the program's memory for the bound: the example's batch, stated (larger ones run in chunks)
+        # ExecuTorch plans the program's memory for the bound: the example's batch, stated (larger ones run in chunks).
+        # A fixed batch lowers a third faster (32 s against 49 s on the byte decoder), but with quantized-op fusion
+        # the constant propagation then folds what the fixed batch makes constant into the program: 888,448 bytes
+        # against 770,944 (without the fusion 733,440 against 742,144), no longer the program ExecuTorch's export ships
         batch = torch.export.Dim("batch", min=1, max=rows)
         try:
             shapes = {"inputs": tuple({0: batch} for _ in example_inputs)}  # the wrapper takes them as *inputs
