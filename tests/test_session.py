@@ -77,6 +77,23 @@ def test_failed_run_keeps_history(analyzed):
     assert not result.ok and "batch 5 failed" in result.error and session.history == before
 
 
+def test_progress_takes_what_analyze_takes_true_false_or_a_callback(capsys):
+    """``progress=False`` shows nothing, as ``analyze(progress=False)`` does; True a bar; a callback its counts."""
+    batches = demo.demo_batches(4)
+    report = qw.analyze(demo.build_demo_model(), batches[0], batches, qconfig_mapping=demo.demo_qconfig_mapping(), progress=False)
+    session = report.session
+    verified = report.verified_suggestions(progress=False)
+    assert verified is report.verified_suggestions(progress=True)  # computed once per session
+    assert "verifying" not in capsys.readouterr().err
+    counts = []
+    assert session.apply({}, label="counted", progress=lambda done, total: counts.append((done, total))).ok
+    assert counts[-1] == (len(session.calibration_data), len(session.calibration_data))  # a step a calibration batch
+    assert session.apply({}, label="quiet", progress=False).ok
+    assert "calibrating" not in capsys.readouterr().err
+    with pytest.raises(TypeError, match=r"progress= takes True, False or a callback \(done, total\), got str"):
+        session.pareto(progress="yes")
+
+
 def test_mapping_as_code_runs(analyzed):
     _, _, report = analyzed
     namespace: dict = {}

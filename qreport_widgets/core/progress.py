@@ -32,3 +32,15 @@ def steps(total: int, desc: str, unit: str, progress: Progress | None) -> Iterat
 
 def quiet(done: int, total: int | None) -> None:
     """A progress callback that shows nothing (work run as part of something with its own bar)."""
+
+
+def shown(progress: Progress | bool | None) -> Progress | None:
+    """A session method's ``progress=`` as the work takes it: None or True, a tqdm bar; False,
+    nothing shown (as ``analyze(progress=False)``); a callback ``(done, total)`` as it is."""
+    if progress is None or progress is True:
+        return None
+    if progress is False:
+        return quiet
+    if not callable(progress):
+        raise TypeError(f"progress= takes True, False or a callback (done, total), got {type(progress).__name__}")
+    return progress

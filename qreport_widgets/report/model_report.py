@@ -236,7 +236,7 @@ class ModelReport:
         """Every tunable module's settings with all suggestions accepted, unmeasured (as upstream)."""
         return with_suggestions(self.tunable_modules(), self.suggestions())
 
-    def verified_suggestions(self, progress: Callable[[int, int | None], None] | None = None) -> VerifiedSuggestions:
+    def verified_suggestions(self, progress: Callable[[int, int | None], None] | bool | None = None) -> VerifiedSuggestions:
         """The suggestions, and what the simulation finds by itself, each measured before it is
         offered; Accept all measured as a whole (needs the session of ``analyze()``)."""
         if self._session is None:

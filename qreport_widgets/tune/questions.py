@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import pandas as pd
 
-from ..core.progress import Progress
+from ..core.progress import Progress, shown
 from ..engines.contract import Simulation, Variant
 from ..engines.rotation import Rotation
 from ..engines.settings import module_blocks
@@ -39,10 +39,10 @@ class SimulatedQuestions:
         return self.parts.runner.float_metric()
 
     # ---- diagnosis (diagnosis.py), on the simulation ----------------------------------------------
-    def simulation(self, progress: Progress | None = None) -> Simulation:
+    def simulation(self, progress: Progress | bool | None = None) -> Simulation:
         """The starting configuration calibrated once, as a simulation in which modules can be kept
         float without calibrating again (checked against the real baseline when first built)."""
-        return self.parts.diagnosis.simulation(progress)
+        return self.parts.diagnosis.simulation(shown(progress))
 
     def simulate(self, float_modules: Variant | Iterable[str] = ()) -> tuple[float, float | None]:
         """Simulated output SQNR (dB) and ``eval_fn`` metric with ``float_modules`` kept float (or in a Variant)."""
@@ -51,22 +51,22 @@ class SimulatedQuestions:
     def simulate_each(
         self,
         variants: Sequence[Variant | Iterable[str]],
-        progress: Progress | None = None,
+        progress: Progress | bool | None = None,
         desc: str = "simulating",
         metric: bool = True,
     ) -> list[tuple[float, float | None]]:
         """``simulate(v)`` for each variant; see ``Simulated.simulate_each``."""
-        return self.parts.diagnosis.simulate_each(variants, progress, desc, metric)
+        return self.parts.diagnosis.simulate_each(variants, shown(progress), desc, metric)
 
-    def sensitivity(self, progress: Progress | None = None, *, metric: bool = True) -> pd.DataFrame:
+    def sensitivity(self, progress: Progress | bool | None = None, *, metric: bool = True) -> pd.DataFrame:
         """Which module hurts, one module at a time: the output SQNR gained when each module alone
         stays float, simulated; see ``Diagnosis.sensitivity``. Warns when the simulation does not
         match the real model."""
-        return self._warned(self.parts.diagnosis.sensitivity(progress, metric=metric))
+        return self._warned(self.parts.diagnosis.sensitivity(shown(progress), metric=metric))
 
-    def block_sensitivity(self, progress: Progress | None = None, *, metric: bool = True) -> pd.DataFrame:
+    def block_sensitivity(self, progress: Progress | bool | None = None, *, metric: bool = True) -> pd.DataFrame:
         """Which block (``model.layers.3``) hurts: each kept float whole, simulated; see ``Diagnosis.block_sensitivity``."""
-        return self._warned(self.parts.diagnosis.block_sensitivity(progress, metric=metric))
+        return self._warned(self.parts.diagnosis.block_sensitivity(shown(progress), metric=metric))
 
     def blocks(self) -> dict[str, list[str]]:
         """The session's modules grouped by the numbered block that holds them (``model.layers.3`` of
@@ -83,14 +83,14 @@ class SimulatedQuestions:
         again with the blocks' outputs tapped). Empty where the engine keeps no block (FX, PT2E)."""
         return self.parts.rotations.block_sqnr(run, batch)
 
-    def format_sensitivity(self, progress: Progress | None = None) -> pd.DataFrame:
+    def format_sensitivity(self, progress: Progress | bool | None = None) -> pd.DataFrame:
         """What each format costs where (eager engine); see ``Diagnosis.format_sensitivity``."""
-        return self._warned(self.parts.diagnosis.format_sensitivity(progress))
+        return self._warned(self.parts.diagnosis.format_sensitivity(shown(progress)))
 
-    def tradeoff(self, progress: Progress | None = None) -> pd.DataFrame:
+    def tradeoff(self, progress: Progress | bool | None = None) -> pd.DataFrame:
         """The one-at-a-time ranking's modules kept float one after the other, simulated (not the
         in-context search: see ``search_path()``); see ``Diagnosis.tradeoff``."""
-        return self._warned(self.parts.diagnosis.tradeoff(progress))
+        return self._warned(self.parts.diagnosis.tradeoff(shown(progress)))
 
     def plan_reach(
         self,
@@ -100,11 +100,11 @@ class SimulatedQuestions:
         max_metric_loss: float | None = None,
         max_metric_gap: float | None = None,
         by_block: bool = False,
-        progress: Progress | None = None,
+        progress: Progress | bool | None = None,
     ) -> ReachPlan:
         """What reach() would try, from the simulation alone; see ``Diagnosis.plan_reach``."""
         target_metric, _ = metric_target(self.metric, self.float_metric, target_metric, max_metric_loss, max_metric_gap)
-        return self.parts.diagnosis.plan_reach(target_sqnr_db, target_metric, by_block=by_block, progress=progress)
+        return self.parts.diagnosis.plan_reach(target_sqnr_db, target_metric, by_block=by_block, progress=shown(progress))
 
     def reach(
         self,
@@ -114,7 +114,7 @@ class SimulatedQuestions:
         max_metric_loss: float | None = None,
         max_metric_gap: float | None = None,
         by_block: bool = False,
-        progress: Progress | None = None,
+        progress: Progress | bool | None = None,
     ) -> RunResult:
         """The fewest modules kept float that meet the target, each picked by what it gains given the
         picks before (the in-context search), confirmed by a real run; ``by_block=True``: the fewest
@@ -124,7 +124,7 @@ class SimulatedQuestions:
         (``float_metric()``): ``max_metric_loss=0.01`` lets it be at most 1% worse (lower accuracy,
         higher perplexity), ``max_metric_gap=0.5`` at most 0.5 worse in its own units."""
         target_metric, how = metric_target(self.metric, self.float_metric, target_metric, max_metric_loss, max_metric_gap)
-        run = self.parts.diagnosis.reach(target_sqnr_db, target_metric, by_block=by_block, progress=progress)
+        run = self.parts.diagnosis.reach(target_sqnr_db, target_metric, by_block=by_block, progress=shown(progress))
         return run if how is None else self.parts.real.annotated(run.noted(how))
 
     def search_path(self) -> pd.DataFrame:
@@ -134,18 +134,18 @@ class SimulatedQuestions:
         return self.parts.diagnosis.search_path()
 
     # ---- mixed precision (mixed.py), on the simulation --------------------------------------------
-    def pareto(self, progress: Progress | None = None, *, by_block: bool = False) -> pd.DataFrame:
+    def pareto(self, progress: Progress | bool | None = None, *, by_block: bool = False) -> pd.DataFrame:
         """The size front of per-module choices, smallest first, each point better than every smaller
         one: ``size_bytes`` (deployed), ``simulated_output_sqnr_db``, ``simulated_metric`` (with
         ``eval_fn``), ``formats`` and ``settings`` (for ``apply``). Simulated, computed once; see
         ``mixed.py``. ``by_block=True``: every module of a block (``blocks()``) takes the same choice."""
-        return self._warned(self.parts.mixed.front(progress, by_block).points.copy())
+        return self._warned(self.parts.mixed.front(shown(progress), by_block).points.copy())
 
-    def uniform_points(self, progress: Progress | None = None, *, by_block: bool = False) -> pd.DataFrame:
+    def uniform_points(self, progress: Progress | bool | None = None, *, by_block: bool = False) -> pd.DataFrame:
         """The same choice on every module that offers it (``all float``, ``all int4-weight-only
         (group 32)`` ...) and the baseline, simulated as ``pareto()`` rows, indexed by label
         (computed with ``pareto(by_block=...)``'s front)."""
-        return self.parts.mixed.front(progress, by_block).uniform.copy()
+        return self.parts.mixed.front(shown(progress), by_block).uniform.copy()
 
     def fit(
         self,
@@ -157,7 +157,7 @@ class SimulatedQuestions:
         max_metric_gap: float | None = None,
         by_block: bool = False,
         rotation: Rotation | bool | None = None,
-        progress: Progress | None = None,
+        progress: Progress | bool | None = None,
     ) -> RunResult:
         """A real run of the size front's best point within ``max_size_bytes`` (deployed bytes), or
         of its smallest point that meets ``target_sqnr_db`` / ``target_metric`` (within the budget
@@ -175,7 +175,7 @@ class SimulatedQuestions:
         the other front was weighed in simulation only; else the other fit runs too and the better
         real run is returned. Rotated runs are recorded here as rotated; the notes name the other."""
         target_metric, how = metric_target(self.metric, self.float_metric, target_metric, max_metric_loss, max_metric_gap)
-        run = self.parts.rotations.fit((max_size_bytes, target_sqnr_db, target_metric), rotation, by_block, progress)
+        run = self.parts.rotations.fit((max_size_bytes, target_sqnr_db, target_metric), rotation, by_block, shown(progress))
         return run if how is None else self.parts.real.annotated(run.noted(how))
 
     def computed(self) -> dict[str, pd.DataFrame]:

@@ -16,7 +16,7 @@ import torch
 
 from ..core.calibration import CalibrationData
 from ..core.metrics import Metric
-from ..core.progress import Progress
+from ..core.progress import Progress, shown
 from ..engines import build_engine
 from ..engines.contract import Engine
 from ..engines.rotation import Rotation
@@ -133,17 +133,17 @@ class QuantizationSession(SimulatedQuestions):
         return self.parts.runner.output_of(output)
 
     # ---- real runs (real.py, history.py) ------------------------------------------------------------
-    def baseline(self, progress: Progress | None = None) -> RunResult:
+    def baseline(self, progress: Progress | bool | None = None) -> RunResult:
         """The starting configuration's run, computed once, and checked against the simulation
         (``truth_check``): where they disagree its notes say so."""
-        return self.parts.real.baseline(progress)
+        return self.parts.real.baseline(shown(progress))
 
     def apply(
         self,
         settings: Mapping[str, ModuleSettings],
         *,
         label: str | None = None,
-        progress: Progress | None = None,
+        progress: Progress | bool | None = None,
         record: bool = True,
         rotation: Rotation | bool | None = None,
     ) -> RunResult:
@@ -160,7 +160,7 @@ class QuantizationSession(SimulatedQuestions):
         ``rotation=True`` is ``Rotation()``.
         """
         chosen = Rotation() if rotation is True else rotation or None
-        return self.parts.real.apply(settings, label=label, progress=progress, record=record, rotation=chosen)
+        return self.parts.real.apply(settings, label=label, progress=shown(progress), record=record, rotation=chosen)
 
     def rotation_problems(self) -> dict[str, str]:
         """Which rotations (``R1``, ``R2``) the float model does not take, each with why; empty: both apply."""
@@ -172,12 +172,12 @@ class QuantizationSession(SimulatedQuestions):
         equalization_mapping: Any = None,
         *,
         label: str | None = None,
-        progress: Progress | None = None,
+        progress: Progress | bool | None = None,
     ) -> RunResult:
         """FX: prepare_fx with a QConfigMapping you wrote (and an equalization mapping) -> calibrate ->
         convert_fx -> metrics. Failures do not raise: the result carries ``error``. Other engines
         raise TypeError (use ``apply(settings)``)."""
-        return self.parts.real.run_mapping(qconfig_mapping, equalization_mapping, label, progress)
+        return self.parts.real.run_mapping(qconfig_mapping, equalization_mapping, label, shown(progress))
 
     def settings_as_code(self, settings: Mapping[str, ModuleSettings]) -> str:
         """Python that builds the engine's configuration for ``settings``, to paste into a pipeline
@@ -192,11 +192,11 @@ class QuantizationSession(SimulatedQuestions):
         (default the latest)."""
         return self.parts.real.decode_speed(run, prompt_tokens, new_tokens)
 
-    def truth_check(self, progress: Progress | None = None) -> TruthCheck:
+    def truth_check(self, progress: Progress | bool | None = None) -> TruthCheck:
         """The simulation against the real model on the starting configuration (see ``truth.py``):
         the gap, the modules whose quantized kernels differ from their reference, and whether the
         simulation, running those real kernels, now matches. Runs the baseline if needed."""
-        return self.parts.real.truth(progress)
+        return self.parts.real.truth(shown(progress))
 
     def keep(self, run: int | RunResult, keep: bool = True) -> RunResult:
         """Pin a run of the history (its position or the run) so its quantized model is kept; the
@@ -229,9 +229,9 @@ class QuantizationSession(SimulatedQuestions):
         return self.parts.runner.equalization_float_error({fqn: ModuleSettings(equalize=True)})
 
     def verified_suggestions(
-        self, suggestions: Iterable[Suggestion], *, nan_metric: Iterable[str] = (), progress: Progress | None = None
+        self, suggestions: Iterable[Suggestion], *, nan_metric: Iterable[str] = (), progress: Progress | bool | None = None
     ) -> VerifiedSuggestions:
         """``suggestions`` (e.g. ``report.suggestions()``) and what the simulation finds by itself,
         each measured before it is offered (see ``verify.py``); ``nan_metric`` names the modules
         whose equalization metric is NaN. Computed once per session."""
-        return self.parts.verification.verified(suggestions, nan_metric, progress)
+        return self.parts.verification.verified(suggestions, nan_metric, shown(progress))
