@@ -19,6 +19,7 @@ pytest.importorskip("executorch", reason="the [executorch] extra is not installe
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_  # noqa: E402
 from torchao.quantization.granularity import PerGroup  # noqa: E402
 
+from qreport_widgets.core.progress import Stopped  # noqa: E402
 from qreport_widgets.engines import program_reuse  # noqa: E402
 from qreport_widgets.engines.executorch import DYNAMIC, _exported, lower  # noqa: E402
 
@@ -117,3 +118,17 @@ def test_what_a_lowering_would_store_otherwise_is_lowered_in_full(decoder):
     assert rewritten(first, with_weights(model, v_proj=1.1), example) is None
     # both changed alike: still one blob
     assert rewritten(first, with_weights(model, k_proj=1.1, v_proj=1.1), example).constants == 4
+
+
+def test_a_lowering_reports_its_stages_and_a_callback_that_raises_stops_it(decoder):
+    model, example, first = decoder
+    program_reuse.LOWERED[first.structure.key] = first
+    counts = []
+    program = lower(quantized(model), example, partitioner=DYNAMIC, fuse_quantized_ops=True, progress=lambda *c: counts.append(c))
+    assert "weights are the same" in program.reused and counts == [(1, 3), (2, 3), (3, 3)]  # export, rewriting, serialised
+
+    def stop(done, total):
+        raise Stopped
+
+    with pytest.raises(Stopped):  # after the export: no lowering error, nothing lowered
+        lower(quantized(with_weights(model, proj=0.5)), example, partitioner=DYNAMIC, fuse_quantized_ops=True, progress=stop)

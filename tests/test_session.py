@@ -12,6 +12,7 @@ from conftest import assert_unchanged, fingerprint
 
 import qreport_widgets as qw
 from qreport_widgets import demo
+from qreport_widgets.core.progress import Stopped
 from qreport_widgets.engines.fx.qconfig import mapping_as_code
 from qreport_widgets.engines.settings import InvalidSettingsError, ModuleSettings, validate
 from qreport_widgets.tune.session import QuantizationSession
@@ -92,6 +93,14 @@ def test_progress_takes_what_analyze_takes_true_false_or_a_callback(capsys):
     assert "calibrating" not in capsys.readouterr().err
     with pytest.raises(TypeError, match=r"progress= takes True, False or a callback \(done, total\), got str"):
         session.pareto(progress="yes")
+
+    def stop(done, total):  # a widget's Cancel: the run stops, and is not recorded as a failed run
+        raise Stopped
+
+    before = list(session.history)
+    with pytest.raises(Stopped):
+        session.apply({}, label="stopped", progress=stop)
+    assert session.history == before
 
 
 def test_mapping_as_code_runs(analyzed):

@@ -10,16 +10,24 @@ from tqdm.auto import tqdm
 Progress = Callable[[int, "int | None"], None]
 
 
+class Stopped(Exception):
+    """Raised by a progress callback to stop the work it reports on (a widget's Cancel): a run
+    stopped so is not recorded as a failed run, the exception goes on to the caller."""
+
+
 @contextmanager
-def steps(total: int, desc: str, unit: str, progress: Progress | None) -> Iterator[Callable[[], None]]:
+def steps(total: int, desc: str, unit: str, progress: Progress | None) -> Iterator[Callable[..., None]]:
     """A ``step()`` to call after each of ``total`` steps: it advances a tqdm bar when ``progress``
-    is None, else calls ``progress(done, total)`` (which may raise to stop the work)."""
+    is None, else calls ``progress(done, total)`` (which may raise to stop the work);
+    ``step(next_desc)`` also names what runs next on the bar (work in stages)."""
     bar = tqdm(total=total, desc=desc, unit=unit, disable=progress is not None, leave=False)
     done = 0
 
-    def step() -> None:
+    def step(next_desc: str | None = None) -> None:
         nonlocal done
         done += 1
+        if next_desc is not None:
+            bar.set_description(next_desc, refresh=False)
         bar.update()
         if progress is not None:
             progress(done, total)

@@ -144,8 +144,10 @@ class Engine(ABC, Generic[ConfigT]):
         """The modules whose settings can be changed, in forward order, with what they do now."""
 
     @abstractmethod
-    def convert(self, prepared: torch.nn.Module) -> torch.nn.Module:
-        """The quantized model of a calibrated prepared model."""
+    def convert(self, prepared: torch.nn.Module, progress: Progress | None = None) -> torch.nn.Module:
+        """The quantized model of a calibrated prepared model. ``progress``: the stages of a
+        conversion that has them (a program lowered for a phone: export, lowering, serialising),
+        one step each; None, a bar naming them."""
 
     def calibrates(self, config: ConfigT) -> bool:
         """Whether a run with ``config`` needs the calibration data before ``convert``. Default:

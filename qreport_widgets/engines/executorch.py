@@ -50,12 +50,14 @@ import torch.multiprocessing  # noqa: F401  (a tensor of a dtype NumPy lacks cro
 from torch.utils import _pytree as pytree
 
 from ..core.calibration import torch_warnings_hidden
+from ..core.progress import Progress, Stopped, steps
 from ..errors import MissingExtraError, QReportError
 from . import program_reuse
 
 INSTALL = "pip install 'qreport-widgets[executorch]'  (executorch==1.5.1, beside torch 2.13 and torchao 0.18)"
 # nodes of a lowered graph that are bookkeeping, not ops a kernel runs
 BOOKKEEPING = {"getitem", "sym_size", "sym_size.int", "executorch_call_delegate"}
+STAGES = 3  # of a lowering, each a step of its progress: export, lowering (or rewriting), serialising
 FULL, DYNAMIC = "full", "dynamic"  # XNNPACK's partitioners: every op it takes, or dynamically quantized GEMMs only
 X86_HINT = "or quantize for x86 (analyze(...) without target=)"
 RUNTIME_WORDS = "XNNPACK in ExecuTorch's runtime on the CPU"  # where a target's real runs are measured
@@ -262,6 +264,7 @@ def lower(
     fuse_quantized_ops: bool = False,
     reference: torch.nn.Module | None = None,
     exported: torch.export.ExportedProgram | None = None,
+    progress: Progress | None = None,
 ) -> DeployedProgram:
     """``model`` (a quantized model) exported, lowered to XNNPACK, serialised and loaded in
     ExecuTorch's runtime; the batch size stays free where the graph allows it, up to the example's.
@@ -271,12 +274,18 @@ def lower(
     quantize / dequantize ops outside XNNPACK fused into ExecuTorch's quantized kernels (a grouped
     int4 / int8 embedding becomes ``embedding_4bit`` / ``embedding_byte``). ``reference``: what
     per-layer SQNR reads (default ``model``). ``exported``: ``model`` already exported (on
-    ``example_inputs``), as it is."""
+    ``example_inputs``), as it is. ``progress``: a step a stage (export, lowering, serialising;
+    None: a bar naming the stage that runs), a callback that raises stops it between stages."""
     api = executorch_api()
     start = time.perf_counter()
     step = "torch.export of the quantized model"
     try:
-        with torch_warnings_hidden(), quiet_runtime(), warnings.catch_warnings():
+        with (
+            torch_warnings_hidden(),
+            quiet_runtime(),
+            warnings.catch_warnings(),
+            steps(STAGES, "lowering: torch.export", "stage", progress) as stage,
+        ):
             # ExecuTorch's and torch's own deprecations inside the lowering (copied pytree specs): nothing to act on
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -288,7 +297,10 @@ def lower(
             reused = None if earlier is None else program_reuse.rewritten(earlier.pte, earlier.structure, shape)
             if reused is not None:  # the graph lowered before: only its changed constants written in
                 pte, delegation = reused.pte, earlier.delegation
+                stage("lowering: the changed weights written into the program lowered before")
+                stage()
             else:
+                stage("lowering: decompositions, edge passes, XNNPACK (to_edge_transform_and_lower)")
                 step = "to_edge_transform_and_lower with XNNPACK's partitioner"
                 chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
                 with _reasons() as reasons:
@@ -297,9 +309,13 @@ def lower(
                         exported, partitioner=[chosen], compile_config=api.edge_compile_config()
                     )
                 delegation = _delegation(edge.exported_program().graph_module, reasons)
+                stage("lowering: serialising the program (to_executorch)")
                 step = "to_executorch (serialising the program)"
                 config = api.ExecutorchBackendConfig(do_quant_fusion_and_const_prop=fuse_quantized_ops)
                 pte = bytes(edge.to_executorch(config).buffer)
+            stage()
+    except Stopped:  # the caller stopped it between stages
+        raise
     except Exception as error:
         raise LoweringError(
             f"ExecuTorch could not lower the quantized model to XNNPACK: {step} failed ({type(error).__name__}: "

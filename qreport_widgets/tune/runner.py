@@ -26,7 +26,7 @@ from ..core.devices import MovedBatches, copy_on, model_device, moved
 from ..core.linears import transposed_words
 from ..core.memory import WatchedCopy, WeightPool, ensure_room, give_back, tensors_bytes
 from ..core.metrics import Metric, output_tensor, power_terms, sqnr_db
-from ..core.progress import Progress
+from ..core.progress import Progress, Stopped
 from ..engines.contract import Engine
 from ..engines.settings import ModuleSettings, TunableModule, validate_all
 from ..errors import CalibrationError, NotEnoughMemoryError
@@ -288,7 +288,7 @@ class Runner:
             # before convert changes prepared
             checks = check_kernels(prepared) if callable(check_kernels) else bool(check_kernels)
             reference = engine.reference_model(prepared) if checks else None
-            quantized = engine.convert(prepared)
+            quantized = engine.convert(prepared, progress)
             measured = self._measure(quantized, prepared, config, label, per_layer, source, reference, moved_to)
             if moved_to is not None:
                 said = f"measured on {engine.kernel_words()}: the model is on {lives}, so the run converted a copy of it there"
@@ -296,7 +296,7 @@ class Runner:
             del prepared, reference, source
             give_back()  # what converting and measuring freed
             return RunResult(**given, **measured, duration_s=time.perf_counter() - start)
-        except NotEnoughMemoryError:  # refused before it started: not a failed run
+        except (NotEnoughMemoryError, Stopped):  # refused before it started, or stopped by its caller: not a failed run
             raise
         except Exception as error:  # user models and data: report, keep the session usable
             detail = "".join(traceback.format_exception_only(type(error), error)).strip()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 from traitlets import Bool, Float, HasTraits, Int, Tuple, Unicode
 
 from ..core.metrics import is_float_output
-from ..core.progress import Progress
+from ..core.progress import Progress, Stopped
 from ..engines.settings import ModuleSettings, validate_all
 from ..errors import InvalidSettingsError, ModelReleasedError
 from ..tune.run import ReleasedModel
@@ -44,7 +44,7 @@ T = TypeVar("T")
 FAILED_RUN = "<i>Run failed; the previous results are kept.</i>"
 
 
-class Cancelled(Exception):
+class Cancelled(Stopped):
     """Raised from a progress report after ``TuneController.cancel()``: the computation stops."""
 
 

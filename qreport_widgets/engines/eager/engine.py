@@ -264,7 +264,7 @@ class EagerEngine(Engine[EagerConfig]):
     def tunable_modules(self, prepared: nn.Module) -> list[TunableModule]:
         return self._tunable(prepared, self._config_of(prepared))
 
-    def convert(self, prepared: nn.Module) -> nn.Module:
+    def convert(self, prepared: nn.Module, progress: Progress | None = None) -> nn.Module:
         config = self._config_of(prepared)
         if not config.formats:
             raise FormatError("every module is float: the result would be the float model. Choose a format for a Linear layer.")
@@ -286,7 +286,7 @@ class EagerEngine(Engine[EagerConfig]):
             raise FormatError(_failure(prepared, config, error)) from error
         if self.target == XNNPACK:
             inputs = moved(self._example_inputs, model_device(prepared))  # where the run's copy is
-            return lower(prepared, inputs, partitioner=DYNAMIC, fuse_quantized_ops=True)
+            return lower(prepared, inputs, partitioner=DYNAMIC, fuse_quantized_ops=True, progress=progress)
         return prepared
 
     # ---- what a run measures --------------------------------------------------------------------

@@ -15,6 +15,7 @@ from ...core.calibration import call_with, torch_warnings_hidden
 from ...core.devices import CPU, model_device
 from ...core.memory import models_forgotten
 from ...core.metrics import output_tensor
+from ...core.progress import Progress
 from ...observe.graph import ModelGraph
 from ..contract import Engine, Observation
 from ..settings import ModuleSettings, Setting, TunableModule
@@ -120,8 +121,8 @@ class FxEngine(Engine[FxConfig]):
     def tunable_modules(self, prepared: torch.nn.Module) -> list[TunableModule]:
         return tunable_modules(ModelGraph.of(prepared))
 
-    def convert(self, prepared: torch.nn.Module) -> torch.nn.Module:
-        return convert_fx_keeping_float(prepared)  # convert_fx would quantize a float PReLU anyway
+    def convert(self, prepared: torch.nn.Module, progress: Progress | None = None) -> torch.nn.Module:
+        return convert_fx_keeping_float(prepared)  # one step: nothing to report  # convert_fx would quantize a float PReLU anyway
 
     # ---- what a run measures --------------------------------------------------------------------
     def per_layer_sqnr(self, float_model: torch.nn.Module, quantized: torch.nn.Module, batch: Any) -> pd.Series:

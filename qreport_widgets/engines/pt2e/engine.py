@@ -21,6 +21,7 @@ import torch.fx
 from ...core.devices import CPU
 from ...core.memory import models_forgotten
 from ...core.metrics import sqnr_db
+from ...core.progress import Progress
 from ..contract import Engine, Observation, RunNotes, conversion_tables
 from ..executorch import ONLINE_PRODUCT_FAILS, RUNTIME_WORDS
 from ..settings import ModuleSettings, Setting, TunableModule
@@ -163,7 +164,7 @@ class Pt2eEngine(Engine[Pt2eConfig]):
             modules[fqn] = TunableModule(fqn, _type_name(node), current, unavailable, native=current)
         return list(modules.values())
 
-    def convert(self, prepared: torch.nn.Module) -> torch.nn.Module:
+    def convert(self, prepared: torch.nn.Module, progress: Progress | None = None) -> torch.nn.Module:
         """convert_pt2e's graph; for the XNNPACK target, that graph lowered and loaded in ExecuTorch's
         runtime (a ``DeployedProgram``, called like the model)."""
         converted = _without_unused_tensors(convert(prepared))
@@ -174,7 +175,7 @@ class Pt2eEngine(Engine[Pt2eConfig]):
                 "Check the settings (every module kept float?) and that the model has Linear / Conv layers."
             )
         if self.target == "xnnpack":
-            return lower(converted, self._example_inputs)
+            return lower(converted, self._example_inputs, progress=progress)
         return converted
 
     # ---- what a run measures --------------------------------------------------------------------
