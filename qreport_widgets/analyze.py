@@ -59,6 +59,7 @@ def analyze(
     process_group: Any = None,
     metric: Metric | str | None = None,
     target: str | None = None,
+    learned_start: str | None = None,
     exact_percentiles: bool = False,
     move_batches: bool = False,
 ) -> ModelReport:
@@ -105,6 +106,9 @@ def analyze(
             ``"learned"``) the size front and ``fit`` weigh per module; default all but ``"learned"``
             (minutes a decoder: name it to weigh it; GPTQ and AWQ cost a minute each over a 134M
             decoder's Linears: ``("rtn", "hqq")`` keeps a large model's fit short).
+        learned_start: eager only: the values the ``"learned"`` rounding starts from on each block,
+            ``"rtn"`` (default: round to nearest's) or ``"gptq"`` (GPTQ's); which is better differs
+            by model (SmolLM2: round to nearest's; the byte decoder: GPTQ's).
         output_fn: ``output_fn(model_output) -> tensor``: what output SQNR is measured on; default:
             the output, or its first tensor (a Hugging Face ``ModelOutput``'s first field).
         process_group: calibrate across the processes of this torch.distributed group (default:
@@ -154,6 +158,7 @@ def analyze(
         group_size=group_size,
         algorithms=algorithms,
         target=target,
+        learned_start=learned_start,
         **options,
     )
     # the session's own modules around the caller's weights, shared (not held twice); weights changed in

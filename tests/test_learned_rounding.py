@@ -247,6 +247,37 @@ def test_outside_a_block_it_is_refused_and_as_code_it_builds_the_same_weights(mo
         assert torch.equal(copied.get_submodule(fqn).weight.qdata, run.quantized_model.get_submodule(fqn).weight.qdata), fqn
 
 
+def test_its_start_is_chosen_in_the_call_and_its_code_starts_there_too(monkeypatch):
+    """``analyze(..., learned_start="gptq")``: the run, its simulation and its code learn from GPTQ's values."""
+    from qreport_widgets.engines.contract import Variant
+
+    monkeypatch.setattr(learned, "LEARNED_STEPS", 10)
+    monkeypatch.setattr(learned, "LEARNED_BATCHES", 1)
+    model, batches = decoder(layers=2)
+    names = block_linears(model)[:7]  # the first block's
+    chosen = dict.fromkeys(names, ModuleSettings(format="int4-weight-only", group_size=32, algorithm="learned"))
+    options = {"eval_data": batches[:2], "engine": "eager", "format": "int4-weight-only", "progress": False}
+    runs = {}
+    for start in ("rtn", "gptq"):
+        session = qw.analyze(model, batches[0], batches, learned_start=start, **options).session
+        runs[start] = run = session.apply(chosen, progress=quiet)
+        assert run.ok, run.error
+        simulated, _ = session.simulate(Variant(settings=tuple(chosen.items())))
+        assert simulated == pytest.approx(run.output_sqnr_db, abs=0.05)  # the simulation learns from the same start
+        assert ("learned_start='gptq'" in session.settings_as_code(chosen)) == (start == "gptq")
+    copied = qw.quantize_weights(copy.deepcopy(model), dict.fromkeys(names, ("learned", 32)), batches, learned_start="gptq")
+
+    def values(found, fqn):
+        return found.get_submodule(fqn).weight.qdata
+
+    assert all(torch.equal(values(copied, fqn), values(runs["gptq"].quantized_model, fqn)) for fqn in names)
+    assert not all(torch.equal(values(runs["rtn"].quantized_model, f), values(runs["gptq"].quantized_model, f)) for f in names)
+    with pytest.raises(ValueError, match="learned_start must be 'rtn' or 'gptq', got 'hqq'"):
+        qw.analyze(model, batches[0], batches, learned_start="hqq", **options)
+    with pytest.raises(ValueError, match="learned_start= is not for engine='fx'"):
+        qw.analyze(model, batches[0], batches, learned_start="gptq", progress=False)
+
+
 def test_the_size_front_leaves_it_out_unless_asked():
     model, batches = decoder(layers=2)
     session = qw.analyze(model, batches[0], batches, engine="eager", format="int4-weight-only", progress=False).session

@@ -60,6 +60,7 @@ def build_engine(
     group_size: int | None = None,
     algorithms: tuple[str, ...] | None = None,
     target: str | None = None,
+    learned_start: str | None = None,
 ) -> Engine:
     """The engine registered as ``name``, built from its own options among these arguments.
 
@@ -76,6 +77,7 @@ def build_engine(
         "group_size": group_size,
         "algorithms": algorithms,
         "target": target,
+        "learned_start": learned_start,
     }
     given = {key: value for key, value in arguments.items() if value is not None}
     own = {option.name for option in fields(engine.options_type)}
@@ -109,12 +111,13 @@ def _engine_class(name: str) -> type[Engine]:
     return ENGINES[name]()
 
 
-def quantize_weights(model: Any, choices: Any, batches: Any, target: str = "x86") -> Any:
+def quantize_weights(model: Any, choices: Any, batches: Any, target: str = "x86", learned_start: str | None = None) -> Any:
     """Quantize Linears of ``model`` to int4 in place, ``{fqn: (algorithm, group_size)}`` with
     ``algorithm`` one of ``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``, ``"learned"``: GPTQ and AWQ
     reading one pass of ``model`` over ``batches`` (your calibration data), the learned rounding
-    one more, then learning block by block. What the eager engine's settings as code call for them;
-    returns ``model``. Needs torchao (the ``[eager]`` extra)."""
+    one more, then learning block by block from ``learned_start``'s values (``"rtn"``, default, or
+    ``"gptq"``). What the eager engine's settings as code call for them; returns ``model``. Needs
+    torchao (the ``[eager]`` extra)."""
     from .eager.quantize import quantize_weights as on_torchao
 
-    return on_torchao(model, choices, batches, target)
+    return on_torchao(model, choices, batches, target, learned_start)

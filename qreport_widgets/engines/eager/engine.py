@@ -67,7 +67,7 @@ from .formats import (
     offered,
     torchao_eager,
 )
-from .learned import BlockInputs, block_of, learned_weights
+from .learned import BlockInputs, LearnedRounding, block_of, learned_weights
 from .options import EagerOptions
 from .simulate import EagerSimulation, quantized_weight
 from .trace import eager_graph, observed_modules, replay
@@ -148,13 +148,15 @@ class EagerEngine(Engine[EagerConfig]):
         group_size: int | None = None,
         algorithms: tuple[str, ...] | None = None,
         target: str = X86,
+        learned_start: str | None = None,
     ) -> None:
         torchao_eager()  # a clear error naming the extra, before anything else
         # the same ValueError as build_engine for a format, group size or algorithm refused
-        options = EagerOptions(format, group_size, algorithms, target)
+        options = EagerOptions(format, group_size, algorithms, target, learned_start)
         if target == XNNPACK:
             executorch_api()  # ExecuTorch, or the error naming the extra
         self.target = target
+        self.learned = LearnedRounding(start=learned_start)  # the learned rounding's start (None: LEARNED_START)
         self._example_inputs: tuple[Any, ...] = ()  # what a program is exported with
         self.start_format = format
         self.start_group_size = group_size or 0  # 0: DEFAULT_GROUP_SIZE, as in ModuleSettings
@@ -170,10 +172,12 @@ class EagerEngine(Engine[EagerConfig]):
 
     @classmethod
     def from_options(cls, options: EagerOptions) -> EagerEngine:
-        return cls(options.format or INT8_DYNAMIC, options.group_size, options.algorithms, options.target)
+        return cls(options.format or INT8_DYNAMIC, options.group_size, options.algorithms, options.target, options.learned_start)
 
     def renewed(self) -> EagerEngine:
-        return EagerEngine(self.start_format, self.start_group_size or None, self.searched_algorithms, self.target)
+        return EagerEngine(
+            self.start_format, self.start_group_size or None, self.searched_algorithms, self.target, self.learned.start
+        )
 
     # ---- observation ----------------------------------------------------------------------------
     def observe(self, float_model: nn.Module, example_inputs: tuple[Any, ...], *, record: bool = False) -> Observation:
@@ -208,7 +212,7 @@ class EagerEngine(Engine[EagerConfig]):
         return config
 
     def config_as_code(self, config: EagerConfig) -> str:
-        return config.as_code()
+        return config.as_code(self.learned.start)
 
     def calibrates(self, config: EagerConfig) -> bool:
         # formats observe nothing (dynamic ones quantize each batch as it comes); GPTQ and AWQ read
@@ -255,7 +259,7 @@ class EagerEngine(Engine[EagerConfig]):
         found = self._found.setdefault(prepared, {})
         yield from weights_in_runs(prepared, config.needs_data, found)
         yield from learned_weights(
-            prepared, config.formats, found, target=self.target, quantize=self._quantized, progress=progress
+            prepared, config.formats, found, target=self.target, quantize=self._quantized, options=self.learned, progress=progress
         )
 
     def _quantized(self, module: nn.Module, key: tuple[str, int, str]) -> QuantizedWeight:
@@ -476,7 +480,7 @@ class EagerEngine(Engine[EagerConfig]):
         example_inputs: tuple[Any, ...],
         calibrate: Callable[[nn.Module], None],
     ) -> EagerSimulation:
-        return EagerSimulation(prepared, modules, calibrate, self.target)
+        return EagerSimulation(prepared, modules, calibrate, self.target, self.learned)
 
     # ---- helpers --------------------------------------------------------------------------------
     def _config_of(self, prepared: nn.Module) -> EagerConfig:

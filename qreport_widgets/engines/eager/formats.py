@@ -306,7 +306,8 @@ class EagerConfig:
             }
         )
 
-    def as_code(self) -> str:
+    def as_code(self, learned_start: str | None = None) -> str:
+        """Python that builds this configuration (``learned_start``: the learned rounding's start, where not the default)."""
         entries = "".join(
             f"    {fqn!r}: {config_code(*choice, target=self.target)},\n"
             for fqn, choice in self.formats.items()
@@ -322,6 +323,8 @@ class EagerConfig:
         data = self.needs_data
         if not data:
             return f"{CODE_IMPORTS}{XNNPACK_IMPORTS if self.target == XNNPACK else ''}\n{code}"
+        learns = any(algorithm == LEARNED for algorithm, _ in data.values())
+        started = f", learned_start={learned_start!r}" if learns and learned_start not in (None, RTN) else ""
         choices = "".join(
             f"    {fqn!r}: ({algorithm!r}, {group}{_format_argument(self.formats[fqn][0])}),\n"
             for fqn, (algorithm, group) in data.items()
@@ -330,7 +333,7 @@ class EagerConfig:
             f"{CODE_IMPORTS}{XNNPACK_IMPORTS if self.target == XNNPACK else ''}from qreport_widgets import quantize_weights\n\n"
             "# first, on the float model: int4 weights chosen by GPTQ / AWQ from one pass over the\n"
             "# calibration batches the session calibrated on (module -> (algorithm, group size[, format]))\n"
-            f"quantize_weights(model, {{\n{choices}}}, calibration_batches)\n{code}"
+            f"quantize_weights(model, {{\n{choices}}}, calibration_batches{started})\n{code}"
         )
 
 

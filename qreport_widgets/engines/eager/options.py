@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..settings import ALGORITHMS, group_size_problem
+from ..settings import ALGORITHMS, GPTQ, RTN, group_size_problem
 from .formats import INT8_DYNAMIC, QUANTIZED_FORMATS, TARGETS, XNNPACK, XNNPACK_LINEAR
+
+LEARNED_STARTS = (RTN, GPTQ)  # what the learned rounding can start from (which is better differs by model: README)
 
 
 @dataclass(frozen=True)
@@ -24,12 +26,16 @@ class EagerOptions:
             Any algorithm can still be chosen per module by hand.
         target: ``"x86"`` (default), or ``"xnnpack"``: every run is an ExecuTorch program lowered to
             XNNPACK and measured in ExecuTorch's runtime; ``format`` then one of ``XNNPACK_LINEAR``.
+        learned_start: the values the ``"learned"`` rounding starts from on each block: ``"rtn"``
+            (round to nearest's, on the full-range grid where the kernels take it) or ``"gptq"``
+            (GPTQ's on the block's inputs); None: ``learned.LEARNED_START`` (``"rtn"``).
     """
 
     format: str | None = None
     group_size: int | None = None
     algorithms: tuple[str, ...] | None = None
     target: str | None = None
+    learned_start: str | None = None
 
     def __post_init__(self) -> None:
         if self.target is None:
@@ -49,6 +55,8 @@ class EagerOptions:
             if problem:
                 start = repr(self.format) if self.format else f"{INT8_DYNAMIC!r} (the default)"
                 raise ValueError(f"group_size={self.group_size!r} with format={start}: {problem}")
+        if self.learned_start is not None and self.learned_start not in LEARNED_STARTS:
+            raise ValueError(f"learned_start must be {' or '.join(map(repr, LEARNED_STARTS))}, got {self.learned_start!r}")
         if self.algorithms is not None:
             if isinstance(self.algorithms, str):
                 object.__setattr__(self, "algorithms", (self.algorithms,))

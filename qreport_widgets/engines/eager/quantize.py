@@ -17,10 +17,13 @@ from ...core.calibration import call_with
 from ...errors import InvalidSettingsError
 from ..settings import ALGORITHMS, DATA_ALGORITHMS, GROUPED_FORMATS
 from .algorithms import CompactWeight, Recipe, assign_weights, choose, weights_in_runs
-from .learned import learned_weights
+from .learned import LearnedRounding, learned_weights
+from .options import LEARNED_STARTS
 
 
-def quantize_weights(model: nn.Module, choices: Mapping[str, tuple], batches: Iterable[Any], target: str = "x86") -> nn.Module:
+def quantize_weights(
+    model: nn.Module, choices: Mapping[str, tuple], batches: Iterable[Any], target: str = "x86", learned_start: str | None = None
+) -> nn.Module:
     """Quantize the named Linears of ``model`` to int4 in place, each ``fqn: (algorithm, group_size)``
     with ``algorithm`` one of ``"rtn"``, ``"hqq"``, ``"gptq"``, ``"awq"``, ``"learned"`` (and a third element
     ``"int8-dynamic-int4-weight"`` for a Linear that quantizes its input to int8 per token as it
@@ -29,8 +32,12 @@ def quantize_weights(model: nn.Module, choices: Mapping[str, tuple], batches: It
     modules, ``gram_runs``) gathers what GPTQ and AWQ read of each module's input on the float
     model, then each module's weight is replaced. Returns ``model``.
 
+    ``learned_start``: the values the learned rounding starts from (``EagerOptions.learned_start``).
+
     What a session's settings as code call for the modules whose algorithm needs data.
     """
+    if learned_start is not None and learned_start not in LEARNED_STARTS:
+        raise InvalidSettingsError(f"learned_start must be {' or '.join(map(repr, LEARNED_STARTS))}, got {learned_start!r}")
     modules = dict(model.named_modules())
     formats = {fqn: chosen[2] if len(chosen) > 2 else GROUPED_FORMATS[0] for fqn, chosen in choices.items()}
     choices = {fqn: (chosen[0], chosen[1]) for fqn, chosen in choices.items()}
@@ -50,7 +57,8 @@ def quantize_weights(model: nn.Module, choices: Mapping[str, tuple], batches: It
     if data:
         batches = list(batches)
         everything = {fqn: (formats[fqn], group, algorithm) for fqn, (algorithm, group) in choices.items()}
-        passes = itertools.chain(weights_in_runs(model, data, found), learned_weights(model, everything, found, target=target))
+        learned = learned_weights(model, everything, found, target=target, options=LearnedRounding(start=learned_start))
+        passes = itertools.chain(weights_in_runs(model, data, found), learned)
         for _ in passes:  # assigned after every run: the inputs stay float
             with torch.no_grad():
                 for batch in batches:

@@ -40,7 +40,7 @@ from .algorithms import (
     recording,
 )
 from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, ao_config, fake_quantized_tokens, torchao_eager
-from .learned import learned_weights
+from .learned import LearnedRounding, learned_weights
 from .replay import BlockReplay
 
 FormatKey = tuple[str, int, str]  # (format, group size or 0, weight algorithm or "")
@@ -101,8 +101,10 @@ class EagerSimulation(WholePasses):
         modules: Sequence[TunableModule],
         calibrate: Callable[[nn.Module, dict[str, InputStatistics]], None] | None = None,
         target: str = X86,
+        learned: LearnedRounding | None = None,
     ) -> None:
         self.model = model.eval()
+        self._learned = learned or LearnedRounding()  # how the learned rounding runs (its start)
         self._target = target  # whose torchao configs the formats are (x86's int8 dynamic quantizes tokens symmetrically)
         self._calibrate = calibrate  # runs a model over the calibration batches (what GPTQ / AWQ read)
         self._start = {m.fqn: m.current for m in modules}
@@ -234,7 +236,7 @@ class EagerSimulation(WholePasses):
         for (name, group), modules in together.items():
             found: dict[str, CompactWeight | Recipe] = {}
             formats = {fqn: (name, group, LEARNED) for fqn in modules}
-            for gathered in learned_weights(self.model, formats, found, target=self._target):
+            for gathered in learned_weights(self.model, formats, found, target=self._target, options=self._learned):
                 with torch.no_grad():
                     self._calibrate(self.model, gathered)  # merged across ranks, if any
             for fqn in modules:
