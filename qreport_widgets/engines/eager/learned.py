@@ -54,6 +54,7 @@ from .formats import GROUPED_FORMATS, INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, XNNP
 LEARNED_STEPS = 50
 LEARNED_BATCHES = 2
 LEARNED_START = RTN
+LEARNED_STARTS = (RTN, GPTQ)  # what it can start from (which is better differs by model: README)
 CLIP_FLOOR = 0.5  # a group's range is at least half its largest weight
 CAPTURE = "learned: the first block's inputs"  # the calibration pass item's name
 KEPT = "learned rounding kept round to nearest: its values had no lower error on the block's output over the calibration batches"
@@ -290,6 +291,10 @@ class LearnedRounding:
     rate: float | None = None
     start: str | None = None
     full_range: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.start is not None and self.start not in LEARNED_STARTS:
+            raise ValueError(f"learned_start must be {' or '.join(map(repr, LEARNED_STARTS))}, got {self.start!r}")
 
     @property
     def step_count(self) -> int:

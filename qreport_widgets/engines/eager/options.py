@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..settings import ALGORITHMS, GPTQ, RTN, group_size_problem
+from ..settings import ALGORITHMS, group_size_problem
 from .formats import INT8_DYNAMIC, QUANTIZED_FORMATS, TARGETS, XNNPACK, XNNPACK_LINEAR
-
-LEARNED_STARTS = (RTN, GPTQ)  # what the learned rounding can start from (which is better differs by model: README)
 
 
 @dataclass(frozen=True)
@@ -28,7 +26,8 @@ class EagerOptions:
             XNNPACK and measured in ExecuTorch's runtime; ``format`` then one of ``XNNPACK_LINEAR``.
         learned_start: the values the ``"learned"`` rounding starts from on each block: ``"rtn"``
             (round to nearest's, on the full-range grid where the kernels take it) or ``"gptq"``
-            (GPTQ's on the block's inputs); None: ``learned.LEARNED_START`` (``"rtn"``).
+            (GPTQ's on the block's inputs); None: ``learned.LEARNED_START`` (``"rtn"``). Checked by
+            ``LearnedRounding``, which the engine makes of it.
     """
 
     format: str | None = None
@@ -55,8 +54,6 @@ class EagerOptions:
             if problem:
                 start = repr(self.format) if self.format else f"{INT8_DYNAMIC!r} (the default)"
                 raise ValueError(f"group_size={self.group_size!r} with format={start}: {problem}")
-        if self.learned_start is not None and self.learned_start not in LEARNED_STARTS:
-            raise ValueError(f"learned_start must be {' or '.join(map(repr, LEARNED_STARTS))}, got {self.learned_start!r}")
         if self.algorithms is not None:
             if isinstance(self.algorithms, str):
                 object.__setattr__(self, "algorithms", (self.algorithms,))

@@ -18,7 +18,6 @@ from ...errors import InvalidSettingsError
 from ..settings import ALGORITHMS, DATA_ALGORITHMS, GROUPED_FORMATS
 from .algorithms import CompactWeight, Recipe, assign_weights, choose, weights_in_runs
 from .learned import LearnedRounding, learned_weights
-from .options import LEARNED_STARTS
 
 
 def quantize_weights(
@@ -36,8 +35,7 @@ def quantize_weights(
 
     What a session's settings as code call for the modules whose algorithm needs data.
     """
-    if learned_start is not None and learned_start not in LEARNED_STARTS:
-        raise InvalidSettingsError(f"learned_start must be {' or '.join(map(repr, LEARNED_STARTS))}, got {learned_start!r}")
+    learning = LearnedRounding(start=learned_start)  # a start it does not take: the ValueError, before any work
     modules = dict(model.named_modules())
     formats = {fqn: chosen[2] if len(chosen) > 2 else GROUPED_FORMATS[0] for fqn, chosen in choices.items()}
     choices = {fqn: (chosen[0], chosen[1]) for fqn, chosen in choices.items()}
@@ -57,7 +55,7 @@ def quantize_weights(
     if data:
         batches = list(batches)
         everything = {fqn: (formats[fqn], group, algorithm) for fqn, (algorithm, group) in choices.items()}
-        learned = learned_weights(model, everything, found, target=target, options=LearnedRounding(start=learned_start))
+        learned = learned_weights(model, everything, found, target=target, options=learning)
         passes = itertools.chain(weights_in_runs(model, data, found), learned)
         for _ in passes:  # assigned after every run: the inputs stay float
             with torch.no_grad():
