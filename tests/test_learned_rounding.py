@@ -219,6 +219,9 @@ def test_through_the_session_in_both_layouts_and_rotated_at_round_to_nearests_pr
         assert results[target, "learned", False].output_sqnr_db > results[target, "rtn", False].output_sqnr_db
         # plain int4 values and scales: the program (and its .pte) is round to nearest's, byte for byte
         assert results[target, "learned", False].deployed_bytes == results[target, "rtn", False].deployed_bytes
+        # the whole-model stage says what it kept, with the divergence before and after
+        stage = [n for n in results[target, "learned", False].notes if n.startswith("learned rounding: ")]
+        assert len(stage) == 1 and "before" in stage[0] and "after" in stage[0], results[target, "learned", False].notes
     assert results["x86", "learned", True].output_sqnr_db > results["x86", "rtn", False].output_sqnr_db
     tensor = results["x86", "learned", False].quantized_model.get_submodule("model.layers.0.mlp.up_proj").weight
     assert int(tensor.qdata.min()) >= -8 and int(tensor.qdata.max()) <= 7
@@ -286,3 +289,43 @@ def test_the_size_front_leaves_it_out_unless_asked():
         model, batches[0], batches, engine="eager", format="int4-weight-only", algorithms=("rtn", "learned"), progress=False
     ).session
     assert "learned" in asked.engine.searched_algorithms
+
+
+def divergence(model: nn.Module, weights: dict[str, QuantizedWeight], batches) -> float:
+    """The quantized model's next-token divergence from float, summed over ``batches``."""
+    quantized = with_weights(model, weights)
+    with torch.no_grad():
+        return sum(
+            float(
+                torch.nn.functional.kl_div(
+                    torch.log_softmax(quantized(*b).logits, -1),
+                    torch.log_softmax(model(*b).logits, -1),
+                    log_target=True,
+                    reduction="none",
+                )
+                .sum(-1)
+                .mean()
+            )
+            for b in batches
+        )
+
+
+def test_the_whole_model_stage_tunes_the_scales_alone_and_keeps_them_only_where_they_lower_the_divergence(tiny):
+    model, batches, inputs = tiny
+    assert len(inputs.calls) == len(batches) and torch.equal(inputs.calls[0][0][0], batches[0][0])  # the model's own calls
+    names = block_linears(model)
+    blockwise = learned.learn_rounding(model, inputs, dict.fromkeys(names, 32), options=STEPS, progress=quiet)
+    tuned, note = learned.tune_scales(model, inputs.calls, blockwise, options=learned.LearnedRounding(epochs=3), progress=quiet)
+    assert note.startswith(learned.TUNED)
+    for fqn in names:  # the int4 values are the block-wise ones; only the group scales moved
+        assert torch.equal(tuned[fqn].tensor.qdata, blockwise[fqn].tensor.qdata), fqn
+        assert tuned[fqn].tensor.scale.shape == blockwise[fqn].tensor.scale.shape
+        assert not tuned[fqn].note
+    assert any(not torch.equal(tuned[f].tensor.scale, blockwise[f].tensor.scale) for f in names)
+    assert divergence(model, tuned, batches) < divergence(model, blockwise, batches)
+    # a step size that throws the scales far off ends worse than it started: the block-wise weights are kept
+    wild = learned.LearnedRounding(epochs=1, tuning_rate=50.0)
+    kept, note = learned.tune_scales(model, inputs.calls, blockwise, options=wild, progress=quiet)
+    assert note.startswith(learned.TUNING_KEPT) and all(kept[f] is blockwise[f] for f in names)
+    # none asked: nothing done
+    assert learned.tune_scales(model, inputs.calls, blockwise, options=learned.LearnedRounding(epochs=0)) == (blockwise, "")

@@ -167,6 +167,7 @@ class EagerEngine(Engine[EagerConfig]):
         self._found: weakref.WeakKeyDictionary[nn.Module, dict[str, CompactWeight | Recipe]] = weakref.WeakKeyDictionary()
         # per converted model, the modules where GPTQ / AWQ kept round to nearest, and why
         self._kept_rounding: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
+        self._learned_notes: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
         self._sizes: dict[tuple, int] = {}  # module_bytes, per module shape and choice
         self._folds: dict[str, Fold] | None = None  # where each Linear's AWQ scale folds, once a model is observed
 
@@ -258,8 +259,16 @@ class EagerEngine(Engine[EagerConfig]):
             return
         found = self._found.setdefault(prepared, {})
         yield from weights_in_runs(prepared, config.needs_data, found)
+        notes = self._learned_notes.setdefault(prepared, [])
         yield from learned_weights(
-            prepared, config.formats, found, target=self.target, quantize=self._quantized, options=self.learned, progress=progress
+            prepared,
+            config.formats,
+            found,
+            target=self.target,
+            quantize=self._quantized,
+            options=self.learned,
+            progress=progress,
+            notes=notes,
         )
 
     def _quantized(self, module: nn.Module, key: tuple[str, int, str]) -> QuantizedWeight:
@@ -433,6 +442,7 @@ class EagerEngine(Engine[EagerConfig]):
             notes += [INT8_DYNAMIC_NOTE] if INT8_DYNAMIC in used else []
         algorithms = {algorithm for _, _, algorithm in config.formats.values()}
         notes += [note for name, note in ALGORITHM_NOTES.items() if name in algorithms]
+        notes += self._learned_notes.get(quantized, [])
         kept = self._kept_rounding.get(quantized, {})
         if kept:
             notes.append(

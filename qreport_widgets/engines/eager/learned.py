@@ -19,6 +19,12 @@ the block's *output* is what is matched:
    is rounded to int8 per token as the kernel does, in the loop.
 3. The learned values are kept only where their output error on all calibration batches is lower
    than the start's (``c = 1``): a block never ends worse than where it started.
+4. Then the whole model (``tune_scales``): the learned Linears' group scales, their int4 values
+   kept, are tuned together by Adam on the divergence of the model's output distribution (a
+   decoder's next token: softmax over the output's last dimension) from the float model's, for
+   ``LEARNED_EPOCHS`` passes over the calibration batches (the model's own calls, recorded by the
+   same pass), every other quantized Linear as the run holds it. Kept only where the divergence
+   over all the batches is lower than before; the run's notes say which, with both figures.
 
 The result is torchao's plain int4 layout (values in [-8, 7], one scale per row and group, zero
 points 0): the program, its ops and its bytes are round to nearest's. Where the kernels take a
@@ -28,7 +34,9 @@ maximum over 8, negative where that weight is positive), so all 16 values span t
 round to nearest's leaves one half unused (``LearnedRounding.full_range``). Linears of the block quantized
 by another algorithm take their own weights in the loop; those left float stay float. One block's
 activations are held at a time (the float and the quantized inputs and the float outputs of every
-calibration batch, and the gradient of one batch through the block).
+calibration batch, and the gradient of one batch through the block); the whole-model stage holds
+every quantized Linear's float weight as the run holds it and the gradient of one batch through the
+model (its output twice: the float and the quantized).
 """
 
 from __future__ import annotations
@@ -55,10 +63,17 @@ LEARNED_STEPS = 50
 LEARNED_BATCHES = 2
 LEARNED_START = RTN
 LEARNED_STARTS = (RTN, GPTQ)  # what it can start from (which is better differs by model: README)
+# then the whole model: passes over the calibration batches tuning the learned Linears' group scales
+# together on the divergence of the model's output from float, Adam's step size (measured on SmolLM2:
+# ``benchmarks/peers.py``)
+LEARNED_EPOCHS = 4
+TUNING_RATE = 2e-3
 CLIP_FLOOR = 0.5  # a group's range is at least half its largest weight
 CAPTURE = "learned: the first block's inputs"  # the calibration pass item's name
 KEPT = "learned rounding kept round to nearest: its values had no lower error on the block's output over the calibration batches"
 _SCALE_FLOOR = torch.finfo(torch.float32).eps  # torchao's smallest int4 group scale
+TUNED = "learned rounding: its group scales tuned on the whole model's output"
+TUNING_KEPT = "learned rounding: the whole model's tuning of its group scales was not kept (no lower divergence)"
 DYNAMIC_FORMATS = (INT8_DYNAMIC, INT8_DYNAMIC_INT4)  # the kernel rounds the Linear's input to int8 per token
 
 
@@ -101,12 +116,16 @@ class BlockInputs:
         self.hidden: list[torch.Tensor] = []  # the first block's input, one tensor a batch
         self.arguments: list[list[dict[str, Any]]] = [[] for _ in blocks]  # block -> its keyword arguments a batch
         self.chained = True  # each block read what the one before it wrote (checked on the first batch)
+        self.calls: list[tuple[tuple, dict[str, Any]]] = []  # the model's own inputs a batch (the whole-model stage)
         self._last_output: torch.Tensor | None = None
-        self._handles = []
+        self._handles = [model.register_forward_pre_hook(self._called, with_kwargs=True)]
         for position, name in enumerate(blocks):
             module = model.get_submodule(name)
             self._handles.append(module.register_forward_pre_hook(self._before(position), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._after(position)))
+
+    def _called(self, _model: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.calls.append((args, {k: _kept_argument(v) for k, v in kwargs.items()}))
 
     def _before(self, position: int) -> Callable:
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -140,6 +159,7 @@ class BlockInputs:
     def merge_(self, other: BlockInputs) -> BlockInputs:
         """Add ``other``'s batches (another rank's) after these; returns self."""
         self.hidden.extend(other.hidden)
+        self.calls.extend(other.calls)
         for mine, theirs in zip(self.arguments, other.arguments, strict=True):
             mine.extend(theirs)
         self.chained = self.chained and other.chained
@@ -256,7 +276,7 @@ def _linears_as(
     rounding's gradient passed straight through."""
     replaced = []
     for fqn, weight_of in weights.items():
-        module = block.get_submodule(fqn[len(prefix) + 1 :])
+        module = block.get_submodule(fqn[len(prefix) + 1 :] if prefix else fqn)
 
         def forward(
             x: torch.Tensor,
@@ -283,14 +303,18 @@ class LearnedRounding:
     of ``batches`` calibration batches (the next ones in turn), the step size falling linearly from
     ``rate`` (None: ``1 / steps``) to 0, from ``start``'s values (``"rtn"``: round to nearest's,
     ``"gptq"``: GPTQ's on the block's inputs), on the full-range grid (``full_range``; None: where
-    the target's kernels take negative scales and the start is round to nearest's). None: the
-    module's defaults (``LEARNED_STEPS``, ``LEARNED_BATCHES``, ``LEARNED_START``), read when it runs."""
+    the target's kernels take negative scales and the start is round to nearest's); then ``epochs``
+    passes of the whole-model stage at Adam's step size ``tuning_rate`` (0 epochs: none). None: the
+    module's defaults (``LEARNED_STEPS``, ``LEARNED_BATCHES``, ``LEARNED_START``, ``LEARNED_EPOCHS``,
+    ``TUNING_RATE``), read when it runs."""
 
     steps: int | None = None
     batches: int | None = None
     rate: float | None = None
     start: str | None = None
     full_range: bool | None = None
+    epochs: int | None = None
+    tuning_rate: float | None = None
 
     def __post_init__(self) -> None:
         if self.start is not None and self.start not in LEARNED_STARTS:
@@ -303,6 +327,14 @@ class LearnedRounding:
     @property
     def batch_count(self) -> int:
         return self.batches if self.batches is not None else LEARNED_BATCHES
+
+    @property
+    def epoch_count(self) -> int:
+        return self.epochs if self.epochs is not None else LEARNED_EPOCHS
+
+    @property
+    def rate_of_tuning(self) -> float:
+        return self.tuning_rate if self.tuning_rate is not None else TUNING_RATE
 
     @property
     def starts_from(self) -> str:
@@ -476,6 +508,108 @@ def _block_error(
     return total
 
 
+@dataclass
+class _Scales:
+    """One Linear's int4 values, fixed, and its group scales, learnable: each the start's times
+    ``exp(log)`` (the sign kept: the full-range grid's negative scales stay negative)."""
+
+    values: torch.Tensor  # float32, rows x groups x group size
+    start: torch.Tensor  # rows x groups
+    log: torch.Tensor  # rows x groups, 0 to begin with
+
+    @classmethod
+    def of(cls, weight: QuantizedWeight) -> _Scales:
+        tensor = weight.tensor
+        rows, inputs = tensor.qdata.shape
+        scale = tensor.scale.detach().float()
+        values = tensor.qdata.float().reshape(rows, scale.shape[1], inputs // scale.shape[1])
+        return cls(values, scale, torch.zeros_like(scale, requires_grad=True))
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.values * (self.start * torch.exp(self.log))[..., None]).reshape(self.values.shape[0], -1)
+
+    def result(self, weight: QuantizedWeight, keep_start: bool) -> QuantizedWeight:
+        if keep_start:
+            return weight
+        tensor = weight.tensor
+        with torch.no_grad():
+            scale = self.start * torch.exp(self.log)
+        # tuned, not round to nearest's any more (a note would make ``compact`` rebuild it as such)
+        return replace(weight, tensor=int4_tensor(tensor.qdata, scale, tensor.block_size[1], tensor.dtype), note="")
+
+
+def _log_scores(output: Any) -> torch.Tensor:
+    """The model output's first tensor (a decoder's logits) as log-probabilities over its last dimension."""
+    return F.log_softmax(_hidden_of(output).float(), dim=-1)
+
+
+def tune_scales(
+    model: nn.Module,
+    calls: list[tuple[tuple, dict[str, Any]]],
+    learned: Mapping[str, QuantizedWeight],
+    fixed: Mapping[str, torch.Tensor] | None = None,
+    dynamic: Mapping[str, bool] | None = None,
+    *,
+    options: LearnedRounding = LearnedRounding(),
+    progress: Progress | None = None,
+) -> tuple[dict[str, QuantizedWeight], str]:
+    """The whole-model stage: the group scales of the ``learned`` int4 weights (their values kept)
+    tuned together so that ``model``'s output with them (``fixed``, ``dynamic`` as ``learn_rounding``
+    takes them) matches the float model's on the batches ``calls`` recorded: the divergence of its
+    output's distribution over the last dimension (a decoder's next token) from the float output's,
+    by Adam (``LearnedRounding.tuning_rate``, warmed up over the first epoch, then falling
+    linearly to 0), ``LearnedRounding.epoch_count`` passes over the batches. The tuned scales are
+    kept only where their divergence over all the batches is lower than the start's. Returns the
+    weights and a note saying which it kept."""
+    fixed, dynamic = dict(fixed or {}), dict(dynamic or {})
+    epochs = options.epoch_count
+    if not epochs or not calls or not learned:
+        return dict(learned), ""
+    tuned = {fqn: _Scales.of(weight) for fqn, weight in learned.items()}
+    weights: dict[str, Callable[[], torch.Tensor]] = {fqn: t.dequantized for fqn, t in tuned.items()}
+    weights.update({fqn: _constant(w) for fqn, w in fixed.items()})
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)  # only the scales learn
+    optimizer = torch.optim.Adam([t.log for t in tuned.values()], lr=options.rate_of_tuning)
+    warm, total = len(calls), epochs * len(calls)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: (k + 1) / (warm + 1) if k < warm else (total - k) / (total - warm + 1)
+    )
+
+    def divergence(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+        with torch.no_grad():
+            target = _log_scores(model(*args, **kwargs))
+        with _linears_as(model, "", weights, dynamic):
+            output = _log_scores(model(*args, **kwargs))
+        return F.kl_div(output, target, log_target=True, reduction="none").sum(-1).mean()
+
+    def over_all() -> float:
+        with torch.no_grad():
+            return sum(float(divergence(*call)) for call in calls)
+
+    try:
+        with steps(total + 2, "learned rounding: whole model", "batch", progress) as step:
+            before = over_all()
+            step()
+            for k in range(total):
+                loss = divergence(*calls[k % len(calls)])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                step()
+            after = over_all()
+            step()
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    keep = not after < before
+    found = {fqn: tuned[fqn].result(weight, keep) for fqn, weight in learned.items()}
+    words = f"the divergence of the model's output from float on the calibration batches: {before:.4g} before, {after:.4g} after"
+    return found, (TUNING_KEPT if keep else TUNED) + f" ({words})"
+
+
 def learned_weights(
     model: nn.Module,
     formats: Mapping[str, tuple[str, int, str]],
@@ -485,6 +619,7 @@ def learned_weights(
     quantize: Callable[[nn.Module, tuple[str, int, str]], QuantizedWeight] | None = None,
     options: LearnedRounding = LearnedRounding(),
     progress: Progress | None = None,
+    notes: list[str] | None = None,
 ) -> Iterator[dict[str, BlockInputs]]:
     """The learned weights of the modules ``formats`` (fqn -> (format, group size, algorithm)) asks
     ``learned`` of, into ``found`` (packed, ``QuantizedWeight.compact``): yields once, an item that
@@ -492,7 +627,9 @@ def learned_weights(
     ``model`` (float; the caller may replace the item by every rank's merged), then learns block by
     block (``learn_rounding``). The block's other quantized Linears take their own weights in the
     loop: from ``found`` (GPTQ / AWQ, found first), else their int4 values chosen here (round to
-    nearest, HQQ), else ``quantize(module, format)`` (int8 formats; without it they stay float there)."""
+    nearest, HQQ), else ``quantize(module, format)`` (int8 formats; without it they stay float there);
+    every quantized Linear outside them too for the whole-model stage (``tune_scales``), whose note
+    is appended to ``notes``."""
     learned = {fqn: group for fqn, (_, group, algorithm) in formats.items() if algorithm == LEARNED}
     if not learned:
         return
@@ -504,13 +641,16 @@ def learned_weights(
         yield gathered
     finally:
         gathered[CAPTURE].close()
+    whole = options.epoch_count > 0  # the whole-model stage reads every quantized Linear as the run holds it
     touched = {block_of(fqn) for fqn in learned}
     fixed, dynamic = {}, {}
     with torch.no_grad():
         for fqn, (name, group, algorithm) in formats.items():
             if name in DYNAMIC_FORMATS:
                 dynamic[fqn] = name == INT8_DYNAMIC and target == X86  # x86's int8 dynamic rounds tokens symmetrically
-            if fqn in learned or block_of(fqn) not in touched or not isinstance(model.get_submodule(fqn), nn.Linear):
+            if fqn in learned or not isinstance(model.get_submodule(fqn), nn.Linear):
+                continue
+            if block_of(fqn) not in touched and not whole:
                 continue
             module = model.get_submodule(fqn)
             if fqn in found:
@@ -519,5 +659,9 @@ def learned_weights(
                 fixed[fqn] = choose(algorithm, module.weight, group).dequantize(torch.float32)
             elif quantize is not None:
                 fixed[fqn] = quantize(module, (name, group, algorithm)).dequantize(torch.float32)
-    results = learn_rounding(model, gathered[CAPTURE], learned, fixed, dynamic, options=options, target=target, progress=progress)
+    inputs = gathered[CAPTURE]
+    results = learn_rounding(model, inputs, learned, fixed, dynamic, options=options, target=target, progress=progress)
+    results, note = tune_scales(model, inputs.calls, results, fixed, dynamic, options=options, progress=progress)
+    if notes is not None and note:
+        notes.append(note)
     found.update({fqn: weight.compact() for fqn, weight in results.items()})
