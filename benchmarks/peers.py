@@ -14,7 +14,7 @@ A second held-out text from another source, the docstrings of the standard libra
 not the model shows it there.
 
 Rows: round to nearest, GPTQ (with and without the rotations R1 + R2) and the learned rounding
-from round to nearest's values, from GPTQ's, and from GPTQ's on the rotated model (ours, each one
+(block by block, then ``--epochs`` passes tuning the whole model's scales) from round to nearest's values, from GPTQ's, and from GPTQ's on the rotated model (ours, each one
 ``session.apply``), and AutoRound (``auto-round`` 0.16.1, the same tokens, batch 4, no
 torch.compile, float32 scales) at 50 steps a block and at its default 200. AutoRound pins its own
 stack, so it runs in a virtual environment of its own made here once (``--autoround-python`` to
@@ -23,7 +23,8 @@ and are measured here as ours are. Columns: perplexity on both held-out texts, g
 share of round to nearest's gap recovered, output SQNR (logits against float on the held-out
 batches), the quantized model's bytes, wall seconds.
 
-    python benchmarks/peers.py [--models smollm2 decoder] [--steps 50] [--batches 2] [--autoround-steps 50 200]
+    python benchmarks/peers.py [--models smollm2 decoder] [--steps 50] [--batches 2] [--epochs 4] [--tuning-rate 2e-3]
+                               [--autoround-steps 50 200]
                                [--methods rtn gptq gptq-rotated learned learned-gptq learned-gptq-rotated]
 """
 
@@ -239,7 +240,7 @@ def table(case: dict, python: str, autoround_steps: list[int], chosen: list[str]
             flush=True,
         )
 
-    steps = f"{learned.LEARNED_STEPS} steps x {learned.LEARNED_BATCHES} batches"
+    steps = f"{learned.LEARNED_STEPS} steps x {learned.LEARNED_BATCHES} batches, {learned.LEARNED_EPOCHS} epochs whole model"
     methods = {
         "rtn": ("round to nearest", "rtn", None, "rtn"),
         "gptq": ("GPTQ", "gptq", None, "rtn"),
@@ -260,6 +261,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=("smollm2", "decoder"), default=["smollm2", "decoder"])
     parser.add_argument("--steps", type=int, default=learned.LEARNED_STEPS, help="the learned rounding's steps a block")
     parser.add_argument("--batches", type=int, default=learned.LEARNED_BATCHES, help="its calibration batches a step")
+    parser.add_argument(
+        "--epochs", type=int, default=learned.LEARNED_EPOCHS, help="its whole-model passes tuning the scales (0: none)"
+    )
+    parser.add_argument("--tuning-rate", type=float, default=learned.TUNING_RATE, help="Adam's step size in those passes")
     parser.add_argument("--autoround-steps", type=int, nargs="*", default=[50, 200])
     parser.add_argument(
         "--methods",
@@ -272,7 +277,8 @@ def main() -> None:
     parser.add_argument("--cache", help="where the trained byte decoder is kept")
     args = parser.parse_args()
     python = autoround_python(args.autoround_python) if args.autoround_steps else ""
-    learned.LEARNED_STEPS, learned.LEARNED_BATCHES = args.steps, args.batches
+    learned.LEARNED_STEPS, learned.LEARNED_BATCHES, learned.LEARNED_EPOCHS = args.steps, args.batches, args.epochs
+    learned.TUNING_RATE = args.tuning_rate
     for name in args.models:
         table(smollm2_case() if name == "smollm2" else decoder_case(args.cache), python, args.autoround_steps, args.methods)
 
