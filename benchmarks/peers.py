@@ -14,8 +14,9 @@ A second held-out text from another source, the docstrings of the standard libra
 not the model shows it there.
 
 Rows: round to nearest, GPTQ (with and without the rotations R1 + R2) and the learned rounding
-(block by block, then ``--epochs`` passes tuning the whole model's scales) from round to nearest's values, from GPTQ's, and from GPTQ's on the rotated model (ours, each one
-``session.apply``), and AutoRound (``auto-round`` 0.16.1, the same tokens, batch 4, no
+(block by block, then ``--epochs`` passes tuning the whole model's scales) from round to nearest's
+values, from GPTQ's, and from GPTQ's on the rotated model (ours, each one ``session.apply``),
+and AutoRound (``auto-round`` 0.16.1, the same tokens, batch 4, no
 torch.compile, float32 scales) at 50 steps a block and at its default 200. AutoRound pins its own
 stack, so it runs in a virtual environment of its own made here once (``--autoround-python`` to
 give one), on the float model saved with ``save_pretrained``; its int4 values and scales come back

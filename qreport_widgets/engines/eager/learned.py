@@ -297,6 +297,11 @@ def _linears_as(
             del module.forward
 
 
+def _or(given: Any, default: Any) -> Any:
+    """``given``, else the module's default (read when the rounding runs, so a changed default counts)."""
+    return default if given is None else given
+
+
 @dataclass(frozen=True)
 class LearnedRounding:
     """How the learned rounding runs: ``steps`` signed gradient steps a block, each on the gradient
@@ -322,23 +327,23 @@ class LearnedRounding:
 
     @property
     def step_count(self) -> int:
-        return self.steps if self.steps is not None else LEARNED_STEPS
+        return _or(self.steps, LEARNED_STEPS)
 
     @property
     def batch_count(self) -> int:
-        return self.batches if self.batches is not None else LEARNED_BATCHES
+        return _or(self.batches, LEARNED_BATCHES)
 
     @property
     def epoch_count(self) -> int:
-        return self.epochs if self.epochs is not None else LEARNED_EPOCHS
+        return _or(self.epochs, LEARNED_EPOCHS)
 
     @property
     def rate_of_tuning(self) -> float:
-        return self.tuning_rate if self.tuning_rate is not None else TUNING_RATE
+        return _or(self.tuning_rate, TUNING_RATE)
 
     @property
     def starts_from(self) -> str:
-        return self.start if self.start is not None else LEARNED_START
+        return _or(self.start, LEARNED_START)
 
     def signed(self, target: str) -> bool:
         """Whether the rounding is learned on the full-range grid for ``target``."""
