@@ -164,7 +164,9 @@ def ours(case: dict, session, algorithm: str, rotation: Rotation | None, start: 
     learned.LEARNED_START = "rtn"
     if not run.ok:
         raise RuntimeError(f"{algorithm}: {run.error}")
-    return measured(case, run.quantized_model, session, seconds)
+    row = measured(case, run.quantized_model, session, seconds)
+    row["notes"] = [note for note in run.notes if note.startswith("learned rounding")]  # the whole-model stage's
+    return row
 
 
 def autoround(case: dict, session, python: str, steps: int) -> dict:
@@ -227,7 +229,7 @@ def table(case: dict, python: str, autoround_steps: list[int], chosen: list[str]
     print(f"{floats['second']:.3f} (docstrings)")
     print("| method | perplexity | gap to float | RTN's gap recovered | docstrings ppl | its gap | SQNR (dB) | bytes | wall s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    rows = {}
+    rows, notes = {}, []
 
     def show(name: str, row: dict) -> None:
         rows[name] = row
@@ -240,6 +242,8 @@ def table(case: dict, python: str, autoround_steps: list[int], chosen: list[str]
             f"{100 * second_gap:+.1f}% | {row['sqnr']:.2f} | {row['bytes']:,} | {row['seconds']:.0f} |",
             flush=True,
         )
+        for note in row.get("notes", ()):
+            notes.append(f"{name}: {note}")
 
     steps = f"{learned.LEARNED_STEPS} steps x {learned.LEARNED_BATCHES} batches, {learned.LEARNED_EPOCHS} epochs whole model"
     methods = {
@@ -248,6 +252,7 @@ def table(case: dict, python: str, autoround_steps: list[int], chosen: list[str]
         "gptq-rotated": ("GPTQ + R1 + R2", "gptq", Rotation(), "rtn"),
         "learned": (f"learned ({steps})", "learned", None, "rtn"),
         "learned-gptq": (f"learned from GPTQ ({steps})", "learned", None, "gptq"),
+        "learned-rotated": (f"learned ({steps}) + R1 + R2", "learned", Rotation(), "rtn"),
         "learned-gptq-rotated": (f"learned from GPTQ ({steps}) + R1 + R2", "learned", Rotation(), "gptq"),
     }
     for key in ("rtn", *(m for m in chosen if m != "rtn")):  # round to nearest first: the gap's reference
@@ -255,6 +260,8 @@ def table(case: dict, python: str, autoround_steps: list[int], chosen: list[str]
         show(name, ours(case, session, algorithm, rotation, start))
     for count in autoround_steps:
         show(f"AutoRound ({count} steps, batch 4)", autoround(case, session, python, count))
+    for note in notes:  # the learned rows' whole-model stage: kept or not, its divergence before and after
+        print(f"- {note}")
 
 
 def main() -> None:
@@ -270,8 +277,8 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=["rtn", "gptq", "gptq-rotated", "learned", "learned-gptq", "learned-gptq-rotated"],
-        choices=["rtn", "gptq", "gptq-rotated", "learned", "learned-gptq", "learned-gptq-rotated"],
+        default=["rtn", "gptq", "gptq-rotated", "learned", "learned-gptq", "learned-rotated", "learned-gptq-rotated"],
+        choices=["rtn", "gptq", "gptq-rotated", "learned", "learned-gptq", "learned-rotated", "learned-gptq-rotated"],
         help="our rows (round to nearest always)",
     )
     parser.add_argument("--autoround-python", help="the Python of an environment with auto-round (default: one made here)")
