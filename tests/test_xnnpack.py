@@ -256,3 +256,29 @@ def test_a_crash_of_the_runtime_fails_the_call_and_leaves_the_session_and_its_pr
     assert torch.equal(program(images), program(images))
     assert worker.starts == starts + 1 and worker.pid != pid
     assert session.truth_check().real_db == session.baseline().output_sqnr_db  # the session answers as before
+
+
+def test_the_quantizers_patterns_traced_once_annotate_as_traced_each_time():
+    """XNNPACK's conv-batch-norm patterns (matched where batch norms are not folded: QAT) traced once
+    and copied: the same prepared graph as traced each time, the second time from the copies."""
+    from executorch.backends.xnnpack.quantizer import xnnpack_quantizer_utils as utils
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+    example = (torch.randn(2, 3, 8, 8),)
+    api = xnnpack.executorch_api()
+
+    def prepared() -> str:
+        quantizer = api.XNNPACKQuantizer().set_global(api.get_symmetric_quantization_config(is_per_channel=True, is_qat=True))
+        graph = prepare_qat_pt2e(torch.export.export(model.train(), example).module(), quantizer)
+        return graph.code
+
+    traced = utils._get_aten_graph_module_for_pattern
+    expected = prepared()
+    with xnnpack.patterns_traced_once():
+        assert utils._get_aten_graph_module_for_pattern is not traced
+        first, again = prepared(), prepared()
+    assert utils._get_aten_graph_module_for_pattern is traced  # put back
+    assert "activation_post_process_1 = self.activation_post_process_1(mul)" in expected  # the conv's weight, by the pattern
+    assert first == expected and again == expected

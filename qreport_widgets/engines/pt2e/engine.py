@@ -8,6 +8,7 @@ quantizer accepted but never carried out is said, per module, instead of trusted
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -40,7 +41,7 @@ from .numerics import (
 from .options import Pt2eOptions
 from .quantizer import Pt2eConfig, torchao_pt2e
 from .simulate import Pt2eSimulation
-from .xnnpack import DeployedProgram, executorch_api, lower
+from .xnnpack import DeployedProgram, executorch_api, lower, patterns_traced_once
 
 __all__ = ["Pt2eConfig", "Pt2eEngine"]
 
@@ -137,7 +138,8 @@ class Pt2eEngine(Engine[Pt2eConfig]):
         with pt2e_warnings_hidden(), models_forgotten():
             exported = copy.deepcopy(self.export(float_model, example_inputs))
             try:
-                prepared = ao.prepare_pt2e(exported, config.quantizer())
+                with patterns_traced_once() if self.target == "xnnpack" else contextlib.nullcontext():
+                    prepared = ao.prepare_pt2e(exported, config.quantizer())
             except Exception as error:  # inside torchao's quantizer: explained, never passed on raw
                 raise quantizer_failed("prepare_pt2e (its quantizer's annotate)", error) from error
         eval_only(prepared)  # calibration puts the model in eval mode
