@@ -18,6 +18,7 @@ from torch import nn
 from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
 from ...core.calibration import call_with, torch_warnings_hidden
+from ...core.histograms import searches_kept
 from ...core.memory import models_forgotten, shared_copy
 from ...core.metrics import sqnr_db
 
@@ -26,7 +27,7 @@ _KERNEL_NAMESPACES = ("torch.ao.nn.quantized.modules", "torch.ao.nn.intrinsic.qu
 
 def reference_model(prepared: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The reference quantized model of a calibrated ``prepare_fx`` model (which is not changed)."""
-    with torch_warnings_hidden(), models_forgotten():
+    with torch_warnings_hidden(), models_forgotten(), searches_kept():
         return convert_to_reference_fx(shared_copy(prepared))
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.ao.quantization.quantize_fx import convert_fx
 
 from ...core.calibration import torch_warnings_hidden
+from ...core.histograms import searches_kept
 from ...core.memory import models_forgotten
 
 __all__ = ["convert_fx_keeping_float", "float_by_mapping", "replace_submodule"]
@@ -56,7 +57,7 @@ def convert_fx_keeping_float(prepared: torch.fx.GraphModule, **kwargs: Any) -> t
     hidden = float_by_mapping(prepared)
     for name in hidden:
         replace_submodule(prepared, name, _KeptFloat(prepared.get_submodule(name)))
-    with torch_warnings_hidden(), models_forgotten():
+    with torch_warnings_hidden(), models_forgotten(), searches_kept():
         quantized = convert_fx(prepared, **kwargs)
     for model in {id(prepared): prepared, id(quantized): quantized}.values():  # convert_fx may return a new module
         for name in hidden:

@@ -35,6 +35,7 @@ from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
 from ...core.calibration import call_with, torch_warnings_hidden
 from ...core.devices import CPU, model_device
+from ...core.histograms import searches_kept
 from ...core.memory import models_forgotten, shared_copy
 from ...core.metrics import sqnr_db
 from ..contract import Reduce, Variant, WholePasses
@@ -164,7 +165,7 @@ class Simulator(WholePasses):
         calibrated_with: Callable[[Mapping[str, str]], torch.fx.GraphModule] | None = None,
         dynamic_reduce_range: bool = True,
     ) -> None:
-        with torch_warnings_hidden(), models_forgotten():
+        with torch_warnings_hidden(), models_forgotten(), searches_kept():
             reference = convert_to_reference_fx(shared_copy(prepared))
         self.model = reference
         self._points = _insert_points(reference)
@@ -314,7 +315,7 @@ class Simulator(WholePasses):
         return found
 
     def _read_overrides(self, observers: Mapping[str, str]) -> None:
-        with torch_warnings_hidden(), models_forgotten():
+        with torch_warnings_hidden(), models_forgotten(), searches_kept():
             other = convert_to_reference_fx(self._calibrated_with(observers))
         points = _insert_points(other)
         if [p.producer.name for p in points] != [p.producer.name for p in self._points]:

@@ -16,6 +16,7 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from ...core.calibration import call_with
+from ...core.histograms import searches_kept
 from ...core.memory import models_forgotten
 from ...observe.graph import leaf_module_name
 from ..settings import ModuleSettings
@@ -62,7 +63,7 @@ def convert(prepared: torch.nn.Module) -> torch.fx.GraphModule:
     """
     from torchao.quantization.pt2e import quantize_pt2e
 
-    with pt2e_warnings_hidden(), models_forgotten():
+    with pt2e_warnings_hidden(), models_forgotten(), searches_kept():
         if not callable(getattr(quantize_pt2e, "_fold_conv_bn_qat", None)):
             return torchao_pt2e().convert_pt2e(prepared)
         with mock.patch.object(quantize_pt2e, "_fold_conv_bn_qat", _unchanged):

@@ -1,0 +1,84 @@
+"""Histogram observers' range search done once per histogram.
+
+A histogram observer (torch's FX one, torchao's PT2E one: the x86 default for activations) chooses
+its range by a search over its histogram each time it is converted. The simulations convert a copy
+of the same calibrated observers once per variant (a sensitivity, a front, a verification), so the
+same search ran again for every module asked about: 92% of the searches in the PT2E engine's tests
+were repeats, 40% of their time. ``searches_kept()`` keeps each search's result by what it reads (the
+histogram, its range, its bins and the target's), so a repeat is a lookup and the result the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+import torch
+
+# results kept (two scalars each, a few hundred bytes with their keys); the oldest dropped beyond it
+KEPT = 8192
+_FOUND: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_depth = 0
+
+
+def _observer_classes() -> list[type]:
+    from torch.ao.quantization.observer import HistogramObserver
+
+    classes: list[type] = [HistogramObserver]
+    try:
+        from torchao.quantization.pt2e.observer import HistogramObserver as Pt2eHistogramObserver
+    except ImportError:  # torchao without PT2E: torch's observer alone
+        return classes
+    return [*classes, Pt2eHistogramObserver]
+
+
+@contextlib.contextmanager
+def searches_kept() -> Iterator[None]:
+    """While this lasts (re-entrant), a histogram observer's range search with the same histogram,
+    range and bins as one done before in the process returns that search's result."""
+    global _depth
+    if _depth:
+        _depth += 1
+        try:
+            yield
+        finally:
+            _depth -= 1
+        return
+    classes = _observer_classes()
+    searches = {cls: cls.__dict__["_non_linear_param_search"] for cls in classes if "_non_linear_param_search" in cls.__dict__}
+    for cls, search in searches.items():
+        cls._non_linear_param_search = _kept(search)
+    _depth = 1
+    try:
+        yield
+    finally:
+        _depth = 0
+        for cls, search in searches.items():
+            cls._non_linear_param_search = search
+
+
+def _kept(search: Callable[[torch.nn.Module], tuple[torch.Tensor, torch.Tensor]]) -> Callable:
+    def kept(observer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        key = _key(observer)
+        if key in _FOUND:
+            _FOUND.move_to_end(key)
+        else:
+            low, high = search(observer)
+            _FOUND[key] = (low.detach().clone(), high.detach().clone())
+            while len(_FOUND) > KEPT:
+                _FOUND.popitem(last=False)
+        low, high = _FOUND[key]
+        return low.clone(), high.clone()
+
+    return kept
+
+
+def _key(observer: torch.nn.Module) -> tuple:
+    digest = hashlib.sha1()
+    for tensor in (observer.histogram, observer.min_val, observer.max_val):
+        value = tensor.detach().cpu().contiguous()
+        digest.update(str((value.dtype, tuple(value.shape))).encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return (type(observer), observer.bins, observer.dst_nbins, str(observer.min_val.device), digest.hexdigest())
