@@ -13,14 +13,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
+
+from .kept import results_kept
 
 # results kept (two scalars each, a few hundred bytes with their keys); the oldest dropped beyond it
 KEPT = 8192
 _FOUND: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-_depth = 0
 
 
 def _observer_classes() -> list[type]:
@@ -38,41 +39,16 @@ def _observer_classes() -> list[type]:
 def searches_kept() -> Iterator[None]:
     """While this lasts (re-entrant), a histogram observer's range search with the same histogram,
     range and bins as one done before in the process returns that search's result."""
-    global _depth
-    if _depth:
-        _depth += 1
-        try:
-            yield
-        finally:
-            _depth -= 1
-        return
-    classes = _observer_classes()
-    searches = {cls: cls.__dict__["_non_linear_param_search"] for cls in classes if "_non_linear_param_search" in cls.__dict__}
-    for cls, search in searches.items():
-        cls._non_linear_param_search = _kept(search)
-    _depth = 1
-    try:
+    with contextlib.ExitStack() as stack:
+        for cls in _observer_classes():
+            if "_non_linear_param_search" in cls.__dict__:
+                stack.enter_context(results_kept(cls, "_non_linear_param_search", _key, _FOUND, copied=_cloned, limit=KEPT))
         yield
-    finally:
-        _depth = 0
-        for cls, search in searches.items():
-            cls._non_linear_param_search = search
 
 
-def _kept(search: Callable[[torch.nn.Module], tuple[torch.Tensor, torch.Tensor]]) -> Callable:
-    def kept(observer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        key = _key(observer)
-        if key in _FOUND:
-            _FOUND.move_to_end(key)
-        else:
-            low, high = search(observer)
-            _FOUND[key] = (low.detach().clone(), high.detach().clone())
-            while len(_FOUND) > KEPT:
-                _FOUND.popitem(last=False)
-        low, high = _FOUND[key]
-        return low.clone(), high.clone()
-
-    return kept
+def _cloned(found: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    low, high = found
+    return low.detach().clone(), high.detach().clone()
 
 
 def _key(observer: torch.nn.Module) -> tuple:

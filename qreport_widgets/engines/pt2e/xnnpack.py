@@ -5,16 +5,18 @@ converted graph is lowered, serialised and run by ``engines/executorch.py`` (a `
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import io
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.fx
 
+from ...core.kept import results_kept
 from ...errors import MissingExtraError
 from ..executorch import (
     INSTALL,
@@ -64,11 +66,10 @@ def executorch_api() -> types.SimpleNamespace:
 
 # the patterns XNNPACK's quantizer has traced in this process: (the pattern's code, what its closure
 # holds, its inputs' shapes and dtypes, on CUDA, keywords) -> the traced graph, copied for each use
-_TRACED: dict[tuple, torch.fx.GraphModule] = {}
+_TRACED: OrderedDict[tuple, torch.fx.GraphModule] = OrderedDict()
 
 
-@contextlib.contextmanager
-def patterns_traced_once() -> Iterator[None]:
+def patterns_traced_once() -> AbstractContextManager[None]:
     """XNNPACK's quantizer traces its conv-batch-norm patterns (``torch.export`` of a few ops) each
     time it annotates for a config, and once more for every module given a config of its own: a
     second or more a module, the same graphs each time. While this lasts, each pattern is traced
@@ -76,31 +77,10 @@ def patterns_traced_once() -> Iterator[None]:
     it is given), so annotations are the same, without the tracing."""
     from executorch.backends.xnnpack.quantizer import xnnpack_quantizer_utils as utils
 
-    trace = utils._get_aten_graph_module_for_pattern
-    if getattr(trace, "traced_once", False):  # already inside
-        yield
-        return
-    utils._get_aten_graph_module_for_pattern = _traced_once(trace)
-    try:
-        yield
-    finally:
-        utils._get_aten_graph_module_for_pattern = trace
+    return results_kept(utils, "_get_aten_graph_module_for_pattern", _pattern_key, _TRACED)
 
 
-def _traced_once(trace: Callable[..., torch.fx.GraphModule]) -> Callable[..., torch.fx.GraphModule]:
-    def traced(pattern: Any, example_inputs: tuple[Any, ...], is_cuda: bool = False, **kwargs: Any) -> torch.fx.GraphModule:
-        key = _pattern_key(pattern, example_inputs, is_cuda, kwargs)
-        if key is None:  # a pattern this cannot tell apart from another: traced as it asks
-            return trace(pattern, example_inputs, is_cuda, **kwargs)
-        if key not in _TRACED:
-            _TRACED[key] = trace(pattern, example_inputs, is_cuda, **kwargs)
-        return copy.deepcopy(_TRACED[key])
-
-    traced.traced_once = True  # type: ignore[attr-defined]
-    return traced
-
-
-def _pattern_key(pattern: Any, example_inputs: tuple[Any, ...], is_cuda: bool, kwargs: dict[str, Any]) -> tuple | None:
+def _pattern_key(pattern: Any, example_inputs: tuple[Any, ...], is_cuda: bool = False, **kwargs: Any) -> tuple | None:
     function = getattr(pattern, "fn", pattern)  # the pattern as a module wrapping its function
     code = getattr(function, "__code__", None)
     if code is None:
