@@ -41,3 +41,26 @@ def test_a_repeated_search_is_looked_up_and_gives_what_searching_gives(kind, mon
         kept = observers[0].calculate_qparams()
     assert torch.equal(kept[0], observers[0].calculate_qparams()[0])
     assert len(calls) == 4  # inside, and the plain call after
+
+
+def test_an_fx_sessions_conversion_does_not_import_torchao():
+    """torchao's observers are looked up only once torchao is imported: an FX session never pays
+    for importing it (seconds, in a notebook's first Accept all)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from torch.ao.quantization import get_default_qconfig_mapping\n"
+        "from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx\n"
+        "from qreport_widgets.core import histograms\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()\n"
+        "x = torch.randn(4, 8)\n"
+        "prepared = prepare_fx(model, get_default_qconfig_mapping('x86'), (x,))\n"
+        "prepared(x)\n"
+        "with histograms.searches_kept():\n"
+        "    convert_fx(prepared)(x)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchao'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -24,15 +25,19 @@ KEPT = 8192
 _FOUND: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
 
+# torchao's PT2E observers, looked up only once imported: no observer of theirs exists before, and
+# importing torchao for an FX session's first conversion cost seconds (more on a busy machine)
+_PT2E_OBSERVERS = "torchao.quantization.pt2e.observer"
+
+
 def _observer_classes() -> list[type]:
     from torch.ao.quantization.observer import HistogramObserver
 
     classes: list[type] = [HistogramObserver]
-    try:
-        from torchao.quantization.pt2e.observer import HistogramObserver as Pt2eHistogramObserver
-    except ImportError:  # torchao without PT2E: torch's observer alone
-        return classes
-    return [*classes, Pt2eHistogramObserver]
+    pt2e = sys.modules.get(_PT2E_OBSERVERS)
+    if pt2e is not None and isinstance(getattr(pt2e, "HistogramObserver", None), type):
+        classes.append(pt2e.HistogramObserver)
+    return classes
 
 
 @contextlib.contextmanager

@@ -235,6 +235,11 @@ def _cells_that_raised(page) -> list[str]:
 # the 54-layer notebook's widget (1,645 widget models) draws in about 15 s: its checks wait half as
 # long as the others for it
 WIDGET_54_MS = 90_000
+# Accept all on the 54-layer model measures its candidates (sensitivity, the truth check, eight real
+# runs: 30 s alone on two cores, from 25 to 65 s from run to run on the same machine); in `make test`
+# the kernel has one thread and shares two cores with the other workers, which made it 2-4x that and
+# passed 180 s once. The check is what the widget shows, not how fast: it waits up to 7 minutes.
+ACCEPT_ALL_54_MS = 420_000
 
 
 def test_the_54_layer_model_tune_accept_apply_and_its_graph_at_1024_and_1400(lab):
@@ -251,7 +256,7 @@ def test_the_54_layer_model_tune_accept_apply_and_its_graph_at_1024_and_1400(lab
         widget.get_by_text(re.compile(r"^(?!54 )\d+ of \d+ shown$")).first.wait_for(timeout=60_000)
         widget.locator("input[placeholder='filter: name or type']").first.fill("")
         widget.locator("button", has_text="Accept all suggestions").first.click()
-        widget.get_by_text("Accept all (measured)").first.wait_for(timeout=180_000)
+        widget.get_by_text("Accept all (measured)").first.wait_for(timeout=ACCEPT_ALL_54_MS)
         widget.locator("button", has_text="Apply").first.click()
         try:
             widget.get_by_text("apply 1: output SQNR").first.wait_for(timeout=180_000)
