@@ -101,7 +101,16 @@ def test_gptq_of_many_weights_solved_together_gives_each_the_values_it_gets_alon
             call_with(model, batch)
     problems = {fqn: (model.get_submodule(fqn).weight, inputs[fqn], 128) for fqn in names}
     assert len({tuple(w.shape) for w, _, _ in problems.values()}) < len(names)  # weights of one shape, solved together
+    factored = []
+    factor = algorithms._activation_order
+    monkeypatch.setattr(
+        algorithms, "_activation_order", lambda gram, damping: factored.append((gram, damping)) or factor(gram, damping)
+    )
     together = algorithms.gptq_many(problems)
+    # q, k and v (gate and up) read one input: its Gram matrix factored once at a damping, not once a Linear
+    assert len(factored) < 2 * len(names)
+    for i, (gram, damping) in enumerate(factored):
+        assert not any(d == damping and torch.equal(g, gram) for g, d in factored[i + 1 :])
     monkeypatch.setattr(algorithms, "GPTQ_BATCH_BYTES", 1)  # one weight at a time
     for fqn, (weight, statistics, group) in problems.items():
         alone = algorithms.gptq_many({fqn: problems[fqn]})[fqn]
