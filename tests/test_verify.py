@@ -92,6 +92,18 @@ def test_equalization_that_changes_the_float_model_is_not_tried(cache):
     assert verdict.measured == NOT_TRIED and not verdict.offered and "float model's output" in verdict.note
 
 
+def test_keep_float_measured_by_a_real_run_is_judged_on_its_gain_not_blamed_for_itself(cache):
+    """Where real runs measure a keep-float candidate (the simulation unreliable), the module it
+    keeps float is the setting itself, not a layer the run lost."""
+    report = digits_report("cnn", "per-tensor", cache)
+    session = report.session
+    parts = session.parts
+    verifier = Verifier(parts.runner, parts.real, parts.diagnosis, parts.migrations)
+    verdict = verifier._trial(Candidate("fc2", "keep_float", "search"), session.current_settings(), session.baseline())
+    assert verdict.measured == "real run" and verdict.gain_db > 7
+    assert "leaves fc2 float" not in verdict.note and "Accept all leaves it out" in verdict.text
+
+
 def test_equalization_is_refused_on_grouped_convs_and_nan_metrics():
     torch.manual_seed(0)
     model = zoo.MobileNetV2().eval()

@@ -372,11 +372,12 @@ class Verifier:
             if not error <= EXACT_FLOAT:  # torch's equalization must leave the float model's output as it was
                 why = f"torch's equalization here changes the float model's output ({error:.1%} relative error)"
                 return Verdict(candidate, math.nan, NOT_TRIED, False, why)
-        run = self._trial_run({fqn: candidate.applied_to(current[fqn])}, f"try {fqn}")
+        changed = {fqn: candidate.applied_to(current[fqn])}
+        run = self._trial_run(changed, f"try {fqn}")
         if not run.ok:
             return Verdict(candidate, math.nan, REAL_RUN, False, f"the run failed: {run.error}")
         gain = run.output_sqnr_db - baseline.output_sqnr_db
-        lost = _left_float(run, baseline)
+        lost = _left_float(run, baseline, changed)  # a keep-float candidate's own module is float on purpose
         if lost:  # e.g. a dynamic Linear's float output leaves the LayerNorm after it float
             return Verdict(candidate, gain, REAL_RUN, False, f"it leaves {', '.join(lost)} float, which the start quantizes")
         return self._judge(candidate, gain, REAL_RUN)
