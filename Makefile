@@ -29,12 +29,13 @@ NO_SIMD_LOG := $(VENV)/kernel-tests-no-simd.log
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file in one of them, so that
 # ExecuTorch's lowering (one core, in Python) and the notebooks' kernels and browser overlap with the
 # rest; each worker takes its share of the cores (tests/conftest.py). On 2 cores the main suite took
-# 1,214 s in one process (browser tests left out), 860 s in three. The wall time is printed last.
+# 1,214 s in one process (browser tests left out), 860 s in three. Files go out in collection order, the
+# longest first (tests/conftest.py, LONGEST_FIRST), not xdist's most-tests-first. The wall time is printed last.
 TEST_WORKERS ?= 3
 
 test: setup
 	@began=$$(date +%s); \
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=20; suite=$$?; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20; suite=$$?; \
 	env ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(KERNEL_TESTS) > $(NO_SIMD_LOG) 2>&1 & no_simd=$$!; \
 	env $(WITHOUT_AVX512) $(KERNEL_TESTS); without_avx512=$$?; \
 	wait $$no_simd; one_thread=$$?; \

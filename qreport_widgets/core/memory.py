@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import FloatModelChangedError, NotEnoughMemoryError
+from .experts import experts_in_place
 from .linears import linears_in_place
 
 # What a step allocates beyond what the session holds, as a multiple of the float weights of the
@@ -79,12 +80,14 @@ class WatchedCopy:
     module (``module.weight = ...``) leaves the copy as it was.
 
     Projections that are Linears stored transposed (transformers' ``Conv1D``) are ``nn.Linear`` in
-    the copy, over the same weights (``linears.py``); ``as_linears`` names them.
+    the copy, over the same weights (``linears.py``); ``as_linears`` names them. A mixture of experts'
+    3-d expert weights are one ``nn.Linear`` an expert there (``experts.py``); ``experts`` names them.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self._model = shared_copy(model).eval()
         self.as_linears = linears_in_place(self._model)
+        self.experts = experts_in_place(self._model)
         self._versions = {name: tensor._version for name, tensor in _weights(self._model)}
 
     @property

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..core.calibration import call_with
+from ..core.experts import ExpertLinears
 from ..core.linears import is_transposed_linear
 from ..core.metrics import FLOAT_ROUNDOFF_DB, is_float_output, output_tensor, sqnr_db
 from ..errors import InvalidSettingsError
@@ -350,7 +351,9 @@ def rotate(model: nn.Module, rotation: Rotation = Rotation(), example_inputs: An
             values = _value_projections(rotated)
             _rotate_values(values, random_rotation(values[0].head_dim, generator))
         if rotation.down:
-            if any(isinstance(written[-1], ExpertWeights) for written in decoder.writers):
+            if any(isinstance(written[-1], ExpertWeights) for written in decoder.writers) or any(
+                isinstance(m, ExpertLinears) for m in rotated.modules()
+            ):
                 raise InvalidSettingsError(
                     "R4 multiplies the input of each MLP's output projection as the model runs, and this model's MLPs are "
                     "experts (3-d weights): Rotation(down=False)"
@@ -429,13 +432,13 @@ def _blocks_in(layout: _Layout, blocks: list[nn.Module]) -> tuple[list[_NormRead
             for (_, choices), (_, r) in zip(layout.norms, read, strict=True)
             if r is None
         ]
-        written = [next(filter(None, (_stream_at(layer, path) for path in paths)), None) for paths in layout.writers]
+        written = [_linears(layer, tuple((path,) for path in paths)) for paths in layout.writers]
         missing += [" / ".join(paths) for paths, w in zip(layout.writers, written, strict=True) if w is None]
         if missing:
             return f"block {index} ({type(layer).__name__}) has no {'; no '.join(missing)}: not the {layout.name} layout"
         prefix = f"{layout.blocks}.{index}"
         norms.extend(_NormRead(layer, name, f"{prefix}.{name}", linears) for name, linears in read)
-        writers.append(written)
+        writers.append([w for each in written for w in each])  # type: ignore[union-attr]
     return norms, writers
 
 
@@ -454,11 +457,28 @@ def _stream_at(owner: nn.Module, path: str) -> _Stream | None:
 
 def _linears(owner: nn.Module | None, layouts: tuple[tuple[str, ...], ...]) -> list[_Stream] | None:
     """What the first of ``layouts`` (paths inside ``owner``) names, where ``owner`` has all of it; None where it has none."""
+    if owner is None:
+        return None
     for paths in layouts:
-        found = [_stream_at(owner, path) if owner is not None else None for path in paths]
-        if all(found):
-            return found  # type: ignore[return-value]
+        found: list[_Stream] = []
+        for path in paths:
+            each = _each_expert(owner, path)
+            stream = None if each else _stream_at(owner, path)
+            if not each and stream is None:
+                break
+            found.extend(each or [stream])
+        else:
+            return found
     return None
+
+
+def _each_expert(owner: nn.Module, path: str) -> list[nn.Linear] | None:
+    """The experts' Linears at ``path`` (``gate_up_proj`` or ``down_proj`` of an ``ExpertLinears``,
+    the session's copy of 3-d expert weights), each a reader or writer of its own; None elsewhere."""
+    parent, _, name = path.rpartition(".")
+    holder = _module_at(owner, parent) if parent else owner
+    each = getattr(holder, name, None) if isinstance(holder, ExpertLinears) else None
+    return list(each) if isinstance(each, nn.ModuleList) and len(each) else None
 
 
 def _norms(decoder: _Decoder) -> list[tuple[str, nn.Module]]:

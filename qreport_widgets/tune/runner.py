@@ -23,6 +23,7 @@ from torch import nn
 
 from ..core.calibration import CalibrationData, calibrate, call_with
 from ..core.devices import MovedBatches, copy_on, model_device, moved
+from ..core.experts import experts_words
 from ..core.linears import transposed_words
 from ..core.memory import WatchedCopy, WeightPool, ensure_room, give_back, tensors_bytes
 from ..core.metrics import Metric, output_tensor, power_terms, sqnr_db
@@ -353,6 +354,9 @@ class Runner:
         said = engine.run_notes(config, quantized)  # settings the quantized model did not carry out
         if self._watched.as_linears:
             notes.append(transposed_words(self._watched.as_linears))
+        if self._watched.experts:
+            first = self._watched.model.get_submodule(self._watched.experts[0])
+            notes.append(experts_words(self._watched.experts, first.num_experts))
         summary, conversions = engine.conversions(prepared, quantized)
         everything = torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs])
         return {

@@ -232,7 +232,9 @@ def simulated_layers(
     finally:
         for hook in hooks:
             hook.remove()
+    # a routed expert reads the tokens each run's router chose: compared only where both read the same number
     both = [n for n in names if n in found["float"] and n in found["simulated"]]
+    both = [n for n in both if found["float"][n].shape == found["simulated"][n].shape]
     return pd.Series({n: sqnr_db(found["float"][n], found["simulated"][n]) for n in both}, dtype=float)
 
 

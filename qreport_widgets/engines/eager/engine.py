@@ -308,8 +308,8 @@ class EagerEngine(Engine[EagerConfig]):
         quantized = _eager_model(quantized)
         names = [fqn for fqn, module in float_model.named_modules() if isinstance(module, WEIGHTED)]
         expected = module_outputs(float_model, names, batch)
-        values = module_outputs(quantized, list(expected), batch, lambda fqn, found: sqnr_db(expected.pop(fqn), found))
-        return pd.Series({fqn: values[fqn] for fqn in names if fqn in values}, name="SQNR (dB)", dtype=float)
+        values = module_outputs(quantized, list(expected), batch, lambda fqn, found: _layer_sqnr(expected.pop(fqn), found))
+        return pd.Series({fqn: values[fqn] for fqn in names if values.get(fqn) is not None}, name="SQNR (dB)", dtype=float)
 
     def inner_sqnr(self, float_model: nn.Module, quantized: nn.Module, batch: Any) -> pd.Series:
         """For an ExecuTorch program: each block's output SQNR as the runtime computes it
@@ -530,6 +530,12 @@ class EagerEngine(Engine[EagerConfig]):
                 )
             )
         return modules
+
+
+def _layer_sqnr(expected: torch.Tensor, found: torch.Tensor) -> float | None:
+    """``sqnr_db`` of a module's output; None where the two runs gave it different numbers of rows (a
+    mixture of experts' expert reads the tokens each run's router chose for it)."""
+    return sqnr_db(expected, found) if expected.shape == found.shape else None
 
 
 def module_outputs(
