@@ -56,10 +56,11 @@ def tiny_gpt2() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
     return GPT2LMHeadModel(config).eval(), [(ids,) for ids in _tokens(3)]
 
 
-def tiny_moe() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
-    """Qwen3-MoE at its config's defaults (``tiny_family``): its experts are 3-d parameters of one
-    module, not Linears."""
-    return tiny_family("Qwen3-MoE"), [(ids,) for ids in _tokens(4, count=3)]
+def tiny_moe(layers: int = 2) -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
+    """Qwen3-MoE at its config's defaults (``tiny_family``, ``layers`` blocks): its experts are 3-d
+    parameters of one module, not Linears."""
+    model = tiny_family("Qwen3-MoE", layers)
+    return model, [(ids,) for ids in _tokens(4, count=3)]
 
 
 def tiny_vit() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
@@ -98,16 +99,17 @@ def mean_pooled_bert() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor
 MODELS = {"bert": tiny_bert, "llama": tiny_llama, "vit": tiny_vit}
 
 
-def tiny_family(name: str) -> nn.Module:
+def tiny_family(name: str, layers: int = 2) -> nn.Module:
     """A decoder of family ``name`` (a key of ``FAMILIES``: the README's names) at its config's
-    defaults (``use_cache=True``) but for its sizes: 2 blocks of width 64, 4 heads."""
+    defaults (``use_cache=True``) but for its sizes: ``layers`` blocks of width 64, 4 heads (GPT-2: 2
+    blocks)."""
     import transformers as t
 
     sizes = {
         "vocab_size": VOCAB,
         "hidden_size": 64,
         "intermediate_size": 128,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": layers,
         "num_attention_heads": 4,
         "max_position_embeddings": 64,
     }

@@ -356,7 +356,7 @@ def rotate(model: nn.Module, rotation: Rotation = Rotation(), example_inputs: An
             ):
                 raise InvalidSettingsError(
                     "R4 multiplies the input of each MLP's output projection as the model runs, and this model's MLPs are "
-                    "experts (3-d weights): Rotation(down=False)"
+                    "a mixture of experts (no one projection to multiply): Rotation(down=False)"
                 )
             _rotate_down(decoder, generator)
     if example_inputs is not None:
