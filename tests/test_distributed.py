@@ -239,7 +239,8 @@ def test_the_torchrun_example_saves_a_report_a_notebook_opens(cache, tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
-    assert len(lines) == RANKS and len({line.split(": ", 1)[1] for line in lines}) == 1, lines  # same report, same SQNR
+    said = f"stdout: {done.stdout!r}\nstderr (end): {done.stderr[-3000:]}"  # all of it where a rank's line is missing
+    assert len(lines) == RANKS and len({line.split(": ", 1)[1] for line in lines}) == 1, said  # same report, same SQNR
     saved = qw.load_report(out)
     assert f"report on {saved.calibration_batches()} batches" in lines[0]
     assert saved.widget() is not None
