@@ -19,10 +19,10 @@ weights among those no tunable module holds.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
+
+from .linears import replaced_in_place
 
 CHECK_TOKENS = 6  # tokens of the random routing a module is checked on
 
@@ -62,6 +62,7 @@ class ExpertLinears(nn.Module):
     def _every_expert(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, weighted by its routing weight: no shape depends on the routing."""
         rows = hidden_states.shape[0]
+        # one column more for the index that routes nowhere (``num_experts``), left out of the sum
         weights = torch.zeros(rows, self.num_experts + 1, dtype=top_k_weights.dtype, device=hidden_states.device)
         weights = weights.scatter(1, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
@@ -118,12 +119,7 @@ def _same_outputs(module: nn.Module) -> bool:
 def experts_in_place(model: nn.Module) -> list[str]:
     """Replaces, in ``model`` (a copy: its modules are changed), every module ``is_expert_weights``
     takes by ``ExpertLinears`` over its weights; their paths, in order."""
-    found = [name for name, module in model.named_modules() if name and is_expert_weights(module)]
-    for name in found:
-        parent, _, child = name.rpartition(".")
-        holder: Any = model.get_submodule(parent) if parent else model
-        setattr(holder, child, ExpertLinears(holder.get_submodule(child)))
-    return found
+    return replaced_in_place(model, is_expert_weights, ExpertLinears)
 
 
 def experts_words(names: list[str], experts: int) -> str:

@@ -12,6 +12,8 @@ user's own: the same outputs, and the module path unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 
@@ -43,11 +45,17 @@ def as_linear(module: nn.Module) -> nn.Linear:
 def linears_in_place(model: nn.Module) -> list[str]:
     """Replaces, in ``model`` (a copy: its modules are changed), every transposed Linear by an
     ``nn.Linear`` sharing its weights; their paths, in order."""
-    found = [name for name, module in model.named_modules() if name and is_transposed_linear(module)]
+    return replaced_in_place(model, is_transposed_linear, as_linear)
+
+
+def replaced_in_place(model: nn.Module, takes: Callable[[nn.Module], bool], made: Callable[[nn.Module], nn.Module]) -> list[str]:
+    """Replaces, in ``model`` (a copy), every submodule ``takes`` accepts by ``made(submodule)``, at
+    the same path; those paths, in order."""
+    found = [name for name, module in model.named_modules() if name and takes(module)]
     for name in found:
         parent, _, child = name.rpartition(".")
         holder = model.get_submodule(parent) if parent else model
-        setattr(holder, child, as_linear(holder.get_submodule(child)))
+        setattr(holder, child, made(holder.get_submodule(child)))
     return found
 
 

@@ -26,6 +26,12 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
     return sqnr_of(*power_terms(reference, approximation))
 
 
+def layer_sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float | None:
+    """``sqnr_db`` of one module's output in two runs; None where the runs gave it different numbers
+    of rows (a mixture of experts' expert reads the tokens each run's router chose for it)."""
+    return sqnr_db(reference, approximation) if reference.shape == approximation.shape else None
+
+
 def is_float_output(sqnr: float) -> bool:
     """Whether an output SQNR (dB) is the float model's output: exact, or within float round-off."""
     return sqnr >= FLOAT_ROUNDOFF_DB

@@ -432,7 +432,7 @@ def _blocks_in(layout: _Layout, blocks: list[nn.Module]) -> tuple[list[_NormRead
             for (_, choices), (_, r) in zip(layout.norms, read, strict=True)
             if r is None
         ]
-        written = [_linears(layer, tuple((path,) for path in paths)) for paths in layout.writers]
+        written = [next(filter(None, (_streams_at(layer, path) for path in paths)), None) for paths in layout.writers]
         missing += [" / ".join(paths) for paths, w in zip(layout.writers, written, strict=True) if w is None]
         if missing:
             return f"block {index} ({type(layer).__name__}) has no {'; no '.join(missing)}: not the {layout.name} layout"
@@ -457,28 +457,23 @@ def _stream_at(owner: nn.Module, path: str) -> _Stream | None:
 
 def _linears(owner: nn.Module | None, layouts: tuple[tuple[str, ...], ...]) -> list[_Stream] | None:
     """What the first of ``layouts`` (paths inside ``owner``) names, where ``owner`` has all of it; None where it has none."""
-    if owner is None:
-        return None
     for paths in layouts:
-        found: list[_Stream] = []
-        for path in paths:
-            each = _each_expert(owner, path)
-            stream = None if each else _stream_at(owner, path)
-            if not each and stream is None:
-                break
-            found.extend(each or [stream])
-        else:
-            return found
+        found = [_streams_at(owner, path) if owner is not None else None for path in paths]
+        if all(found):
+            return [stream for each in found for stream in each]  # type: ignore[union-attr]
     return None
 
 
-def _each_expert(owner: nn.Module, path: str) -> list[nn.Linear] | None:
-    """The experts' Linears at ``path`` (``gate_up_proj`` or ``down_proj`` of an ``ExpertLinears``,
-    the session's copy of 3-d expert weights), each a reader or writer of its own; None elsewhere."""
+def _streams_at(owner: nn.Module, path: str) -> list[_Stream] | None:
+    """What reads or writes the stream at ``path``: one ``_stream_at``, or each expert's Linear where
+    ``path`` is the ``gate_up_proj`` / ``down_proj`` of an ``ExpertLinears`` (the session's copy of
+    3-d expert weights); None where there is nothing."""
     parent, _, name = path.rpartition(".")
     holder = _module_at(owner, parent) if parent else owner
-    each = getattr(holder, name, None) if isinstance(holder, ExpertLinears) else None
-    return list(each) if isinstance(each, nn.ModuleList) and len(each) else None
+    if isinstance(holder, ExpertLinears) and isinstance(getattr(holder, name, None), nn.ModuleList):
+        return list(getattr(holder, name))
+    found = _stream_at(owner, path)
+    return [found] if found is not None else None
 
 
 def _norms(decoder: _Decoder) -> list[tuple[str, nn.Module]]:

@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 
 from ..core.calibration import call_with
-from ..core.metrics import sqnr_apart, sqnr_db
+from ..core.metrics import layer_sqnr_db, sqnr_apart
 
 if TYPE_CHECKING:
     from ..engines.contract import Simulation
@@ -232,10 +232,9 @@ def simulated_layers(
     finally:
         for hook in hooks:
             hook.remove()
-    # a routed expert reads the tokens each run's router chose: compared only where both read the same number
     both = [n for n in names if n in found["float"] and n in found["simulated"]]
-    both = [n for n in both if found["float"][n].shape == found["simulated"][n].shape]
-    return pd.Series({n: sqnr_db(found["float"][n], found["simulated"][n]) for n in both}, dtype=float)
+    values = {n: layer_sqnr_db(found["float"][n], found["simulated"][n]) for n in both}
+    return pd.Series({n: value for n, value in values.items() if value is not None}, dtype=float)
 
 
 def _side_by_side(real: pd.Series, simulated: pd.Series) -> pd.DataFrame:

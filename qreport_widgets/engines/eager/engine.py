@@ -21,7 +21,7 @@ from torch import nn
 from ...core.calibration import call_with
 from ...core.devices import CPU, model_device, moved
 from ...core.memory import give_back, shared_copy
-from ...core.metrics import sqnr_db
+from ...core.metrics import layer_sqnr_db, sqnr_db
 from ...core.progress import Progress
 from ...errors import DecodeSpeedError, InvalidSettingsError, QReportError
 from ...observe.graph import OBSERVER_CONTAINER
@@ -308,7 +308,7 @@ class EagerEngine(Engine[EagerConfig]):
         quantized = _eager_model(quantized)
         names = [fqn for fqn, module in float_model.named_modules() if isinstance(module, WEIGHTED)]
         expected = module_outputs(float_model, names, batch)
-        values = module_outputs(quantized, list(expected), batch, lambda fqn, found: _layer_sqnr(expected.pop(fqn), found))
+        values = module_outputs(quantized, list(expected), batch, lambda fqn, found: layer_sqnr_db(expected.pop(fqn), found))
         return pd.Series({fqn: values[fqn] for fqn in names if values.get(fqn) is not None}, name="SQNR (dB)", dtype=float)
 
     def inner_sqnr(self, float_model: nn.Module, quantized: nn.Module, batch: Any) -> pd.Series:
@@ -530,12 +530,6 @@ class EagerEngine(Engine[EagerConfig]):
                 )
             )
         return modules
-
-
-def _layer_sqnr(expected: torch.Tensor, found: torch.Tensor) -> float | None:
-    """``sqnr_db`` of a module's output; None where the two runs gave it different numbers of rows (a
-    mixture of experts' expert reads the tokens each run's router chose for it)."""
-    return sqnr_db(expected, found) if expected.shape == found.shape else None
 
 
 def module_outputs(
