@@ -4,6 +4,8 @@ not commute with are refused naming why, and a session's run takes a rotation.""
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import pytest
 import torch
@@ -122,7 +124,8 @@ def test_architectures_the_rotations_do_not_commute_with_are_refused_naming_why(
     assert "mix LayerNorms (model.norm) and RMS norms" in qw.rotation_problems(layer_norm)["R1"]
     with pytest.raises(qw.InvalidSettingsError, match="R1 does not apply: the stream's norms mix"):
         qw.rotate(layer_norm)
-    assert "not a decoder in a layout the rotations are written for (Llama's" in qw.rotation_problems(nn.Linear(4, 4))["R1"]
+    said = qw.rotation_problems(nn.Linear(4, 4))["R1"]
+    assert "not a decoder in a layout the rotations are written for (" in said and "Llama's: model.layers, model.norm" in said
 
 
 def test_a_session_run_takes_a_rotation_and_measures_against_the_original_float_model():
@@ -408,15 +411,10 @@ def test_r2_applies_to_every_attention_with_value_and_output_projections_and_r1_
     model = _family(family)
     before = fingerprint(model)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    problems = qw.rotation_problems(model)
+    assert qw.rotation_problems(model) == {}
     if family == "phi3":  # fused projections read and write the stream as the separate ones do: R1 applies
-        assert problems == {}
         both = qw.rotate(model, qw.Rotation(), (ids,))  # checked by its own logits
         assert not torch.allclose(both.model.layers[0].mlp.gate_up_proj.weight, model.model.layers[0].mlp.gate_up_proj.weight)
-    else:  # sandwich / post norms: R1 is said not to apply, with why
-        assert set(problems) == {"R1"}
-        with pytest.raises(qw.InvalidSettingsError, match="R1 does not apply"):
-            qw.rotate(model, qw.Rotation(), (ids,))
     rotated = qw.rotate(model, qw.Rotation(residual=False), (ids,))  # its own logits check passed
     # what a run's notes say of it, read without the Llama layout R1 would need
     assert matrix_words(model, qw.Rotation(residual=False)) == "R2: a Hadamard matrix of order 16 with random signs"
@@ -429,3 +427,87 @@ def test_r2_applies_to_every_attention_with_value_and_output_projections_and_r1_
         assert torch.equal(turned.qkv_proj.weight[:-width], attention.qkv_proj.weight[:-width])
     assert not torch.allclose(turned.o_proj.weight, attention.o_proj.weight, atol=1e-3)
     assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "olmo2"])
+def test_r1_on_blocks_that_end_in_a_norm_turns_each_such_norms_output_as_the_model_runs(family):
+    """Gemma's sandwich norms and OLMo 2's post-norms normalise what a block adds to the stream, so
+    the writers keep their weights and each such norm's output is turned by Q as the model runs; the
+    readers take Q back (Gemma's ``1 + w`` scales folded in first); Gemma's tied head stays tied, its
+    embedding's output and the final norm's input turned as the model runs instead."""
+    from qreport_widgets.engines.rotation import ONLINE_ROTATION
+
+    model = _family(family)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # a trained model's norms: scales away from their start, so folding them matters
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.add_(0.5 * torch.randn(parameter.shape, generator=generator))
+    before = fingerprint(model)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    rotated = qw.rotate(model, qw.Rotation(values=False), (ids,))  # refused if the logits moved past float round-off
+    assert_unchanged(model, before)
+    for layer, turned in zip(model.model.layers, rotated.model.layers, strict=True):
+        assert torch.equal(turned.self_attn.o_proj.weight, layer.self_attn.o_proj.weight)  # writers kept
+        assert torch.equal(turned.mlp.down_proj.weight, layer.mlp.down_proj.weight)
+        assert not torch.allclose(turned.self_attn.q_proj.weight, layer.self_attn.q_proj.weight, atol=1e-3)  # readers turned
+        assert not torch.allclose(turned.mlp.up_proj.weight, layer.mlp.up_proj.weight, atol=1e-3)
+    online = [m for m in rotated.modules() if hasattr(m, ONLINE_ROTATION[0])]
+    for name in ONLINE_ROTATION:  # one set of Kronecker factors and signs, read by every product
+        assert len({id(getattr(m, name)) for m in online}) == 1
+    left, right, signs = (getattr(online[0], name).double() for name in ONLINE_ROTATION)
+    q = torch.kron(left, right) * signs  # orthogonal: a Hadamard matrix of order 8 x 8 with random signs
+    assert left.shape == right.shape == (8, 8) and torch.allclose(q @ q.T, torch.eye(64, dtype=torch.float64), atol=1e-6)
+    post = [
+        getattr(layer, name)
+        for layer in rotated.model.layers
+        for name in ("post_attention_layernorm", "post_feedforward_layernorm")
+    ]
+    assert all(any(norm is m for m in online) for norm in post)
+    head, embedding = rotated.get_output_embeddings(), rotated.get_input_embeddings()
+    if family == "gemma3":  # tied: the 262k-row head of a real Gemma 3 is not copied
+        assert head.weight is embedding.weight and torch.equal(embedding.weight, model.get_input_embeddings().weight)
+        assert len(online) == len(post) + 2 and embedding in online and rotated.model.norm in online
+        assert all(bool((layer.input_layernorm.weight == 0).all()) for layer in rotated.model.layers)  # 1 + 0: folded
+    else:  # untied: the final norm folds into the head and the embedding's rows turn, as on Llama
+        assert len(online) == len(post) and not torch.allclose(embedding.weight, model.get_input_embeddings().weight)
+    words = matrix_words(model, qw.Rotation(values=False))
+    assert f"at the output of each of the {len(post)} norms on a block's output" in words
+    assert "each 64 x (8 + 8) multiply-adds (its Kronecker factors of orders 8 and 8)" in words
+    assert ("(the head stays tied to the embedding)" in words) == (family == "gemma3")
+
+
+def test_r1_turned_as_the_model_runs_is_refused_on_fx_whose_convert_drops_a_modules_hooks():
+    # the fact: convert_fx puts a quantized Embedding in the float one's place, without its forward hook
+    from torch.ao.quantization import QConfigMapping, float_qparams_weight_only_qconfig
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    model = nn.Sequential(nn.Embedding(32, 16)).eval()
+    model[0].register_forward_hook(lambda _module, _args, output: output * 4.0)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    mapping = QConfigMapping().set_object_type(nn.Embedding, float_qparams_weight_only_qconfig)
+    prepared = prepare_fx(model, mapping, (ids,))
+    prepared(ids)
+    with torch.no_grad():
+        assert sqnr_db(model(ids) / 4.0, convert_fx(prepared)(ids)) > 25  # the hook's product is gone
+    # so a session on FX refuses R1 where it runs as hooks, before anything runs, and says what to use
+    session = qw.QuantizationSession(
+        _family("gemma3"), (torch.zeros(1, 8, dtype=torch.long),), [(torch.zeros(1, 8, dtype=torch.long),)]
+    )
+    with pytest.raises(qw.InvalidSettingsError, match="R1 on this model turns the stream .* convert_fx puts a new module"):
+        session.apply({}, rotation=qw.Rotation())  # refused before FX traces anything (it cannot trace Gemma 3)
+
+
+def test_a_gemma_run_on_x86_carries_r1s_products_and_keeps_their_kronecker_factors_once():
+    model = _family("gemma3")
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 256, (2, 16), generator=generator),) for _ in range(3)]
+    session = qw.analyze(model, batches[0], batches, engine="eager", format="int4-weight-only", progress=False).session
+    plain = session.apply({})
+    rotated = session.apply({}, rotation=qw.Rotation())
+    assert plain.ok and rotated.ok, rotated.error
+    # what every product reads: two float32 Kronecker factors of order 8 and the signs, not a 64 x 64 matrix
+    assert rotated.deployed_bytes - plain.deployed_bytes == (8 * 8 * 2 + 64) * 4
+    assert any("turned as the model runs" in note and "the head stays tied" in note for note in rotated.notes)
+    # the run is measured against the rotated float model, which computes the original's logits
+    assert rotated.output_sqnr_db > 5 and math.isfinite(rotated.output_sqnr_db)

@@ -87,7 +87,7 @@ def test_layer_norms_with_a_scale_and_bias_become_rms_norms_on_a_centred_stream_
         assert not any(isinstance(m, torch.nn.LayerNorm) for m in rotated.modules())
 
 
-def test_a_mixture_of_experts_rotates_its_router_and_every_expert_and_refuses_r4():
+def test_a_mixture_of_experts_rotates_its_router_and_every_expert_and_refuses_r4_on_3d_experts():
     model = tiny_family("Qwen3-MoE")
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     rotated = qw.rotate(model, qw.Rotation(values=False), (ids,))  # its logits checked: the same experts chosen
@@ -97,5 +97,5 @@ def test_a_mixture_of_experts_rotates_its_router_and_every_expert_and_refuses_r4
     assert not torch.allclose(mlp.gate.weight, turned.gate.weight, atol=1e-4)  # the router reads the stream too
     # each expert writes the rotated stream: an orthogonal turn of every column along the stream's axis
     assert torch.allclose(turned.experts.down_proj.norm(dim=-2), mlp.experts.down_proj.norm(dim=-2), atol=1e-5)
-    with pytest.raises(qw.InvalidSettingsError, match="R4 multiplies .* experts"):
+    with pytest.raises(qw.InvalidSettingsError, match="R4 multiplies .* a session's copy holds each expert as a Linear"):
         qw.rotate(model, qw.Rotation(down=True), (ids,))

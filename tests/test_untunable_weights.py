@@ -18,6 +18,7 @@ from hf_models import tiny_gpt2, tiny_moe
 import qreport_widgets as qw
 from qreport_widgets.core.experts import ExpertLinears, is_expert_weights
 from qreport_widgets.engines.eager import learned
+from qreport_widgets.engines.rotation import ONLINE_HADAMARD
 from qreport_widgets.engines.settings import ModuleSettings
 from qreport_widgets.errors import QReportWarning
 
@@ -83,10 +84,14 @@ def test_a_mixture_of_experts_experts_are_one_linear_an_expert_over_the_users_we
     rtn, ours = (r.quantized_model.get_submodule("model.layers.1.mlp.experts.gate_up_proj.4").weight for r in (baseline, taught))
     assert not torch.equal(rtn.qdata, ours.qdata)
 
-    # rotated first (the router and every expert read or write the stream): the same experts, still int4 each
-    rotated = session.apply(every_int4(session, "int4-weight-only", "gptq"), rotation=qw.Rotation(), label="rotated")
+    # rotated first (the router and every expert read or write the stream; R4 on each expert's down_proj
+    # input as the model runs, one matrix for all): the same experts, still int4 each
+    rotated = session.apply(every_int4(session, "int4-weight-only", "gptq"), rotation=qw.Rotation(down=True), label="rotated")
     assert rotated.ok, rotated.error
-    assert isinstance(rotated.quantized_model.get_submodule("model.layers.0.mlp.experts"), ExpertLinears)
+    experts = rotated.quantized_model.get_submodule("model.layers.0.mlp.experts")
+    assert isinstance(experts, ExpertLinears)
+    assert len({id(getattr(down, ONLINE_HADAMARD)) for down in experts.down_proj}) == 1
+    assert rotated.output_sqnr_db > baseline.output_sqnr_db - 3  # the same quality class as unrotated: nothing broke
     assert_unchanged(model, before)
 
 

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from conftest import text_decoder_report
-from hf_models import tiny_llama
+from hf_models import VOCAB, tiny_family, tiny_llama
 from torch import nn
 
 import qreport_widgets as qw
@@ -573,3 +573,22 @@ def test_fused_projections_fold_into_the_norm_they_read_and_take_awq_and_gptq():
     quantized = qw.quantize_weights(copy.deepcopy(model), chosen, [(ids,) for ids in _tokens(5)])
     for fqn in chosen:
         assert int(quantized.get_submodule(fqn).weight.qdata.abs().max()) <= 8
+
+
+@pytest.mark.parametrize("family", ["Gemma 3", "OLMo 2"])
+def test_awq_takes_every_linear_where_an_up_proj_writes_down_projs_input_and_no_norm_takes_its_scale(family):
+    """Gemma's `1 + w` norms and OLMo 2's bare stream give q / k / v and gate / up no norm to fold an
+    AWQ scale into, while up_proj still takes down_proj's: both inputs are searched, each its own."""
+    model = tiny_family(family)
+    folds = input_folds(model)
+    down, up = "model.layers.0.mlp.down_proj", "model.layers.0.mlp.up_proj"
+    assert folds[down].into == up and up not in folds
+    choices = {name: ("awq", 32) for name in (up, down)}
+    assert set(algorithms.awq_shares(choices, folds)) == {up, down}  # two inputs: neither taken for the other
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, VOCAB, (2, 16), generator=generator),) for _ in range(3)]
+    options = {"engine": "eager", "format": "int4-weight-only", "group_size": 32, "progress": False}
+    session = qw.analyze(model, batches[0], batches, **options).session
+    linears = [m.fqn for m in session.modules if m.type_name == "Linear"]
+    run = session.apply({fqn: ModuleSettings(format="int4-weight-only", group_size=32, algorithm="awq") for fqn in linears})
+    assert run.ok, run.error

@@ -126,8 +126,13 @@ class Engine(ABC, Generic[ConfigT]):
         )
 
     def online_transform_problem(self) -> str:
-        """Why a product computed as the model runs besides its modules (R4's Hadamard on a Linear's
-        input) cannot be measured by this engine's runs; "" where it can (default)."""
+        """Why a product computed as the model runs on a Linear's input (R4's Hadamard on
+        ``down_proj``'s) cannot be measured by this engine's runs; "" where it can (default)."""
+        return ""
+
+    def online_rotation_problem(self) -> str:
+        """Why a product computed as the model runs on a norm's output (R1 on a decoder whose blocks
+        end in a norm: Gemma, OLMo 2) cannot be measured by this engine's runs; "" where it can (default)."""
         return ""
 
     def kernel_words(self) -> str:

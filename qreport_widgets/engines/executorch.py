@@ -61,11 +61,13 @@ STAGES = 3  # of a lowering, each a step of its progress: export, lowering (or r
 FULL, DYNAMIC = "full", "dynamic"  # XNNPACK's partitioners: every op it takes, or dynamically quantized GEMMs only
 X86_HINT = "or quantize for x86 (analyze(...) without target=)"
 RUNTIME_WORDS = "XNNPACK in ExecuTorch's runtime on the CPU"  # where a target's real runs are measured
-# why a program cannot carry a product computed as the model runs (R4's online Hadamard), measured
+# why a program cannot carry R4's product on down_proj's input, measured: it lands in one XNNPACK partition with the
+# dynamically quantized down_proj and its reshapes, and the runtime sizes that partition's output as the product's
+# (a tensor bounded at 4,096 elements resized to 8,192). R1's products, between a norm and the residual add, run.
 ONLINE_PRODUCT_FAILS = (
-    "ExecuTorch's runtime fails to execute a program with a product computed as the model runs (error 0x10, "
-    "R4's Hadamard on down_proj's input): on the XNNPACK target use Rotation() (R1 + R2, folded into the "
-    "weights at no cost to the program)"
+    "ExecuTorch's runtime fails to execute the program R4 gives (error 0x10: its Hadamard product on down_proj's "
+    "input and down_proj fall in one XNNPACK partition whose output the runtime sizes wrongly): on the XNNPACK "
+    "target use Rotation() (R1 + R2)"
 )
 WORKER_SOCKET, WORKER_KEY = "QREPORT_WIDGETS_RUNTIME_SOCKET", "QREPORT_WIDGETS_RUNTIME_KEY"  # what the worker is started with
 

@@ -1,12 +1,16 @@
 """Rotations folded into a decoder's weights: the float model computes the same function, while its
 weights and the activations its Linears read lose their outlier channels (QuaRot, SpinQuant).
 
-- **R1**, the residual stream: every norm's scale folded into the Linears that read it, then the
-  stream rotated by an orthogonal ``Q`` (a Hadamard matrix with random signs): the embedding's rows
-  and every Linear that writes the stream (``o_proj``, ``down_proj``) produce ``h Q``, every Linear
-  that reads it (``q/k/v_proj``, ``gate/up_proj``, the head) takes ``Q`` back in its weight. An RMS
-  norm with unit scale commutes with ``Q``, so nothing between them changes. A head tied to the
-  embedding unties: the final norm's scale folds into the head alone.
+- **R1**, the residual stream: every norm's scale (``w``, or Gemma's ``1 + w``) folded into the
+  Linears that read it, then the stream rotated by an orthogonal ``Q`` (a Hadamard matrix with random
+  signs): the embedding's rows and every Linear that writes the stream (``o_proj``, ``down_proj``)
+  produce ``h Q``, every Linear that reads it (``q/k/v_proj``, ``gate/up_proj``, the head) takes
+  ``Q`` back in its weight. An RMS norm with unit scale commutes with ``Q``, so nothing between them
+  changes. A head tied to the embedding unties: the final norm's scale folds into the head alone.
+  Where a block's output passes a norm before the residual add (Gemma 2 / 3's sandwich norms, OLMo
+  2's post-norms), that norm's output is turned by ``Q`` as the model runs (a forward hook, the
+  matrix a buffer, ``ONLINE_ROTATION``, shared by every hook) and the writers keep their weights; a
+  tied head then stays tied, the embedding's output turned and the final norm's input turned back.
 - **R2**, each head's values: ``v_proj`` produces every head's values times ``R`` (head size),
   ``o_proj`` takes ``R`` back in that head's columns; attention mixes values linearly, so its
   output carries the same ``R``.
@@ -17,14 +21,14 @@ weights and the activations its Linears read lose their outlier channels (QuaRot
 
 R1 is written for the layouts of ``LAYOUTS``: Llama's (Mistral, Qwen2, SmolLM, StableLM and their
 kin, Phi-3's fused projections, Qwen3-MoE's router and 3-d experts), Phi's parallel blocks,
-GPT-NeoX's, LFM2's (convolution blocks too), OPT's and GPT-2's (``Conv1D``: ``TransposedLinear``):
-pre-norm blocks with RMS norms or LayerNorms (made RMS norms on a centred stream). R2 is written
-for any block whose attention has value and output projections (``v_proj``, or the value rows of a
-fused ``qkv_proj`` / ``c_attn`` or of each head in GPT-NeoX's interleaved ``query_key_value``, and
-``o_proj`` / ``out_proj`` / ``dense`` / ``c_proj``: Gemma 2 and 3 and OLMo 2 too).
-``rotation_problems`` says why a model does not take one (a norm after a block's output, LayerNorms
-mixed with RMS norms, a layout it does not know); ``rotate(..., example_inputs)`` checks the result
-by the outputs themselves (``check``).
+GPT-NeoX's, LFM2's (convolution blocks too), OPT's and GPT-2's (``Conv1D``: ``TransposedLinear``),
+Gemma's and OLMo 2's (norms on the blocks' outputs): RMS norms or LayerNorms (made RMS norms on a
+centred stream). R2 is written for any block whose attention has value and output projections
+(``v_proj``, or the value rows of a fused ``qkv_proj`` / ``c_attn`` or of each head in GPT-NeoX's
+interleaved ``query_key_value``, and ``o_proj`` / ``out_proj`` / ``dense`` / ``c_proj``).
+``rotation_problems`` says why a model does not take one (LayerNorms mixed with RMS norms, a norm
+on a block's output where its layout does not say so, a layout it does not know);
+``rotate(..., example_inputs)`` checks the result by the outputs themselves (``check``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from ..core.metrics import FLOAT_ROUNDOFF_DB, is_float_output, output_tensor, sq
 from ..errors import InvalidSettingsError
 
 ONLINE_HADAMARD = "online_hadamard"  # the buffer R4's pre-hook multiplies down_proj's input by
+# the buffers R1's hooks turn a norm's output (or the embedding's) by: Q = kron(left, right) * signs (``_rotation_parts``)
+ONLINE_ROTATION = ("online_rotation_left", "online_rotation_right", "online_rotation_signs")
 _PALEY_12 = 11  # a prime q = 3 mod 4 gives a Hadamard matrix of order q + 1 (Paley's first construction)
 _PALEY_20 = 19
 
@@ -72,6 +78,13 @@ def hadamard(n: int) -> torch.Tensor | None:
     """A Hadamard matrix of order ``n`` (entries +-1, rows orthogonal) in float64, built as a
     Kronecker product of Sylvester's order 2 and Paley's orders 12 and 20; None for an order that is
     not 2^a 12^b 20^c (576 = 4 x 12 x 12 is; 1,000 is not)."""
+    factors = _hadamard_factors(n)
+    return None if factors is None else _kron(factors)
+
+
+def _hadamard_factors(n: int) -> list[torch.Tensor] | None:
+    """The Kronecker factors of ``hadamard(n)`` in order: Paley's of orders 20 and 12, then
+    Sylvester's order 2 as often as it takes; None where ``n`` is not 2^a 12^b 20^c."""
     factors: list[torch.Tensor] = []
     rest = n
     for prime in (_PALEY_20, _PALEY_12):  # 5 and 3 divide n only through these orders
@@ -80,12 +93,14 @@ def hadamard(n: int) -> torch.Tensor | None:
             rest //= prime + 1
     if not _power_of_two(rest):
         return None
+    two = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    return factors + [two] * (rest.bit_length() - 1)
+
+
+def _kron(factors: list[torch.Tensor]) -> torch.Tensor:
     result = torch.ones(1, 1, dtype=torch.float64)
     for factor in factors:
         result = torch.kron(result, factor)
-    two = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
-    while result.shape[0] < n:
-        result = torch.kron(result, two)
     return result
 
 
@@ -108,12 +123,53 @@ def random_rotation(n: int, generator: torch.Generator) -> torch.Tensor:
     """An orthogonal n x n matrix in float64: a Hadamard matrix with random column signs, scaled by
     1 / sqrt(n) (QuaRot's), or where no Hadamard matrix of that order is built here, the Q of a
     Gaussian matrix's QR decomposition (SpinQuant's starting point)."""
-    found = hadamard(n)
-    if found is None:
+    left, right, signs = _rotation_parts(n, generator)
+    return torch.kron(left, right) * signs
+
+
+def _rotation_parts(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``random_rotation(n, generator)`` as ``kron(left, right) * signs``: the Hadamard matrix's
+    Kronecker factors split in two where the two orders add up least (640 = 20 x 32: a product with
+    it costs 640 x (20 + 32) multiply-adds a token instead of 640 x 640), the signs scaled by
+    1 / sqrt(n); a random orthogonal matrix, 1 and ones where there is no Hadamard matrix of that order."""
+    factors = _hadamard_factors(n)
+    if factors is None:
         q, r = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=generator))
-        return q * torch.sign(torch.diagonal(r))
+        return q * torch.sign(torch.diagonal(r)), torch.ones(1, 1, dtype=torch.float64), torch.ones(n, dtype=torch.float64)
     signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.float64) * 2 - 1
-    return found * signs / math.sqrt(n)
+    split = _split(factors)
+    return _kron(factors[:split]), _kron(factors[split:]), signs / math.sqrt(n)
+
+
+def _split(factors: list[torch.Tensor]) -> int:
+    """Where to cut the Kronecker factors in two so that the two orders add up least."""
+    orders = [int(f.shape[0]) for f in factors]
+    return min(range(len(factors) + 1), key=lambda t: math.prod(orders[:t]) + math.prod(orders[t:]))
+
+
+def turned_online(model: nn.Module, rotation: Rotation) -> bool:
+    """Whether R1 of ``rotation`` turns ``model``'s stream as it runs: a layout with norms on its
+    blocks' outputs (Gemma 2 / 3, OLMo 2), a product a token after each such norm."""
+    if not rotation.residual:
+        return False
+    try:
+        return bool(_decoder(model).post_norms)
+    except InvalidSettingsError:
+        return False
+
+
+def online_problem(engine: Any, model: nn.Module, rotation: Rotation) -> str:
+    """Why ``engine``'s runs cannot carry the products ``rotation`` computes on ``model`` as it runs
+    (R4's on ``down_proj``'s input: ``engine.online_transform_problem()``; R1's after the norms on a
+    block's output: ``engine.online_rotation_problem()``), said with what to ask instead; "" where they can."""
+    if rotation.down and engine.online_transform_problem():
+        return f"R4 (Rotation(down=True)) cannot be measured here: {engine.online_transform_problem()}"
+    if turned_online(model, rotation) and engine.online_rotation_problem():
+        return (
+            f"R1 on this model turns the stream after each norm on a block's output as the model runs, which cannot be "
+            f"measured here: {engine.online_rotation_problem()}"
+        )
+    return ""
 
 
 def matrix_words(model: nn.Module, rotation: Rotation) -> str:
@@ -139,7 +195,26 @@ def matrix_words(model: nn.Module, rotation: Rotation) -> str:
             )
         else:
             said.append(f"{name}: no Hadamard matrix of order {n} here: a random orthogonal one (folded: no cost at run time)")
+        if name == "R1" and turned_online(model, rotation):
+            said[-1] += f", {_online_words(_decoder(model), n)}"
     return "; ".join(said)
+
+
+def _online_words(decoder: _Decoder, n: int) -> str:
+    """What R1 computes as the model runs on a decoder with norms on its blocks' outputs."""
+    tied = decoder.head.weight is decoder.embedding.weight
+    count = len(decoder.post_norms) + (2 if tied else 0)
+    where = f"the output of each of the {len(decoder.post_norms)} norms on a block's output"
+    if tied:
+        where += ", the embedding's output and the final norm's input (the head stays tied to the embedding)"
+    factors = _hadamard_factors(n)
+    if factors is None:
+        each = f"{n:,} x {n:,} multiply-adds (a dense matrix: no Hadamard matrix of this order here)"
+    else:
+        split = _split(factors)
+        left, right = (math.prod(int(f.shape[0]) for f in part) for part in (factors[:split], factors[split:]))
+        each = f"{n:,} x ({left} + {right}) multiply-adds (its Kronecker factors of orders {left} and {right})"
+    return f"turned as the model runs at {where}: {count} products a token, each {each}"
 
 
 class ExpertWeights:
@@ -179,16 +254,17 @@ _Stream = nn.Linear | ExpertWeights | TransposedLinear  # what reads or writes t
 
 @dataclass
 class _NormRead:
-    """A norm that reads the residual stream (``owner.name``, at ``path``) and the Linears that read its output."""
+    """A norm that reads the residual stream (``owner.name``, at ``path``) and the Linears that read
+    its output; ``name`` None: Linears that read the stream as it is (OLMo 2's attention and MLP)."""
 
     owner: nn.Module
-    name: str
+    name: str | None
     path: str
     readers: list[_Stream]
 
     @property
-    def norm(self) -> nn.Module:
-        return getattr(self.owner, self.name)
+    def norm(self) -> nn.Module | None:
+        return getattr(self.owner, self.name) if self.name is not None else None
 
     def replace(self, module: nn.Module) -> None:
         setattr(self.owner, self.name, module)
@@ -202,6 +278,7 @@ class _Decoder:
     head: nn.Linear
     norms: list[_NormRead]  # each block's in order, the final norm last
     writers: list[list[_Stream]]  # each block's Linears (or experts) that write the stream, the MLP's last
+    post_norms: list[tuple[str, nn.Module]]  # norms on each block's output before the residual add (path, module)
 
     @property
     def embedding(self) -> nn.Embedding:
@@ -212,19 +289,41 @@ class _Decoder:
 class _Layout:
     """Where a decoder family keeps what R1 folds into: its blocks, the embeddings that start the
     stream, the final norm, each block's norms with the Linears that read them (alternatives, the
-    first a block has all of), and the Linears that write the stream (paths inside a block)."""
+    first a block has all of; a norm None: they read the stream as it is), the Linears that write the
+    stream (paths inside a block), and the norms on a block's output before the residual add."""
 
     name: str
     blocks: str
     embeddings: tuple[str, ...]
     final_norm: str
-    norms: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...]
+    norms: tuple[tuple[str | None, tuple[tuple[str, ...], ...]], ...]
     writers: tuple[tuple[str, ...], ...]  # each writer's paths, the first a block has
     absent: tuple[str, ...] = ()  # modules that change the stream's width where they exist
+    post_norms: tuple[str, ...] = ()  # where present, R1 turns their outputs as the model runs (``_rotate_residual``)
 
 
 _QKV = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.qkv_proj",))
+_GATE_UP = (("mlp.gate_proj", "mlp.up_proj"),)
+_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
 LAYOUTS = (
+    _Layout(  # Gemma 2, Gemma 3: sandwich norms, each a `1 + w` RMS norm (tried before Llama's, whose names it shares)
+        "Gemma",
+        "model.layers",
+        ("model.embed_tokens",),
+        "model.norm",
+        (("input_layernorm", _QKV[:1]), ("pre_feedforward_layernorm", _GATE_UP)),
+        (("self_attn.o_proj",), ("mlp.down_proj",)),
+        post_norms=_POST_NORMS,
+    ),
+    _Layout(  # OLMo 2: attention and MLP read the stream as it is, a norm follows each
+        "OLMo 2",
+        "model.layers",
+        ("model.embed_tokens",),
+        "model.norm",
+        ((None, _QKV[:1]), (None, _GATE_UP)),
+        (("self_attn.o_proj",), ("mlp.down_proj",)),
+        post_norms=_POST_NORMS,
+    ),
     _Layout(  # Llama, Mistral, Qwen, Granite, SmolLM, StableLM; Phi-3's fused projections
         "Llama",
         "model.layers",
@@ -306,7 +405,11 @@ def rotation_problems(model: nn.Module) -> dict[str, str]:
 def _residual_problem(decoder: _Decoder) -> str:
     for index, layer in enumerate(decoder.layers):
         extra = [name for name, child in layer.named_children() if _is_norm(child)]
-        extra = [name for name in extra if name not in {read.name for read in decoder.norms if read.owner is layer}]
+        known = {read.name for read in decoder.norms if read.owner is layer}
+        known |= {
+            path.rpartition(".")[2] for path, norm in decoder.post_norms if any(norm is child for child in layer.children())
+        }
+        extra = [name for name in extra if name not in known]
         if extra:
             return (
                 f"block {index} has a norm on a block's output before the residual add ({', '.join(extra)}): the stream "
@@ -314,10 +417,10 @@ def _residual_problem(decoder: _Decoder) -> str:
             )
     norms = _norms(decoder)
     for norm_name, norm in norms:
-        if not _is_rms_norm(norm) and not _is_layer_norm(norm):
+        if _rms_scale(norm) is None and not _is_layer_norm(norm):
             return (
-                f"{norm_name} ({type(norm).__name__}) is neither an RMS norm with a scale alone nor a LayerNorm with a "
-                "scale and bias: the rotation of the stream does not commute with what it computes"
+                f"{norm_name} ({type(norm).__name__}) is neither an RMS norm with a scale alone (w or 1 + w) nor a "
+                "LayerNorm with a scale and bias: the rotation of the stream does not commute with what it computes"
             )
     layer_norms = [name for name, norm in norms if _is_layer_norm(norm)]
     if layer_norms and len(layer_norms) < len(norms):  # centring the stream for the LayerNorms would move the RMS norms
@@ -343,20 +446,23 @@ def rotate(model: nn.Module, rotation: Rotation = Rotation(), example_inputs: An
     generator = torch.Generator().manual_seed(rotation.seed)
     with torch.no_grad():
         if rotation.residual:
-            _untie_head(rotated, decoder)
+            # a layout already turning its stream as it runs keeps a tied head tied (Gemma's: 262k rows)
+            tied = bool(decoder.post_norms) and decoder.head.weight is decoder.embedding.weight
+            if not tied:
+                _untie_head(rotated, decoder)
             _layer_norms_as_rms(decoder)
-            _fold_norms(decoder)
-            _rotate_residual(decoder, random_rotation(decoder.embedding.weight.shape[1], generator))
+            _fold_norms(decoder, final=not tied)
+            _rotate_residual(decoder, _rotation_parts(decoder.embedding.weight.shape[1], generator), tied)
         if rotation.values:
             values = _value_projections(rotated)
             _rotate_values(values, random_rotation(values[0].head_dim, generator))
         if rotation.down:
-            if any(isinstance(written[-1], ExpertWeights) for written in decoder.writers) or any(
-                isinstance(m, ExpertLinears) for m in rotated.modules()
-            ):
+            if any(isinstance(written[-1], ExpertWeights) for written in decoder.writers):
                 raise InvalidSettingsError(
-                    "R4 multiplies the input of each MLP's output projection as the model runs, and this model's MLPs are "
-                    "a mixture of experts (no one projection to multiply): Rotation(down=False)"
+                    "R4 multiplies the input of each MLP's output projection as the model runs, and this model's experts "
+                    "keep theirs in one 3-d parameter (no one projection an expert to multiply): a session's copy holds "
+                    "each expert as a Linear and takes R4 (session.apply(..., rotation=Rotation(down=True))), or "
+                    "Rotation(down=False)"
                 )
             _rotate_down(decoder, generator)
     if example_inputs is not None:
@@ -408,10 +514,10 @@ def _decoder(model: nn.Module) -> _Decoder:
         if isinstance(found, str):
             lacking = lacking or found
             continue
-        norms, writers = found
+        norms, writers, post_norms = found
         owner_path, _, name = layout.final_norm.rpartition(".")
         norms.append(_NormRead(_module_at(model, owner_path), name, layout.final_norm, [head]))
-        return _Decoder(layout.name, embeddings, list(blocks), head, norms, writers)
+        return _Decoder(layout.name, embeddings, list(blocks), head, norms, writers, post_norms)
     if lacking:
         raise InvalidSettingsError(lacking)
     known = "; ".join(f"{layout.name}'s: {layout.blocks}, {layout.final_norm}" for layout in LAYOUTS)
@@ -420,12 +526,15 @@ def _decoder(model: nn.Module) -> _Decoder:
     )
 
 
-def _blocks_in(layout: _Layout, blocks: list[nn.Module]) -> tuple[list[_NormRead], list[list[_Stream]]] | str:
-    """Each block's norms with their readers and its writers in ``layout``; what the first block
-    that does not fit lacks, said, where one does not."""
-    norms, writers = [], []
+def _blocks_in(
+    layout: _Layout, blocks: list[nn.Module]
+) -> tuple[list[_NormRead], list[list[_Stream]], list[tuple[str, nn.Module]]] | str:
+    """Each block's norms with their readers, its writers and its output norms in ``layout``; what
+    the first block that does not fit lacks, said, where one does not."""
+    norms, writers, post_norms = [], [], []
     for index, layer in enumerate(blocks):
-        missing = [name for name, _ in layout.norms if _module_at(layer, name) is None]
+        named = [name for name, _ in layout.norms if name is not None] + list(layout.post_norms)
+        missing = [name for name in named if _module_at(layer, name) is None]
         read = [(name, _linears(layer, choices)) for name, choices in layout.norms]
         missing += [
             " / ".join(", ".join(c) for c in choices)
@@ -437,9 +546,10 @@ def _blocks_in(layout: _Layout, blocks: list[nn.Module]) -> tuple[list[_NormRead
         if missing:
             return f"block {index} ({type(layer).__name__}) has no {'; no '.join(missing)}: not the {layout.name} layout"
         prefix = f"{layout.blocks}.{index}"
-        norms.extend(_NormRead(layer, name, f"{prefix}.{name}", linears) for name, linears in read)
+        norms.extend(_NormRead(layer, name, f"{prefix}.{name}" if name else prefix, linears) for name, linears in read)
         writers.append([w for each in written for w in each])  # type: ignore[union-attr]
-    return norms, writers
+        post_norms.extend((f"{prefix}.{name}", _module_at(layer, name)) for name in layout.post_norms)
+    return norms, writers, post_norms  # type: ignore[return-value]
 
 
 def _stream_at(owner: nn.Module, path: str) -> _Stream | None:
@@ -477,7 +587,8 @@ def _streams_at(owner: nn.Module, path: str) -> list[_Stream] | None:
 
 
 def _norms(decoder: _Decoder) -> list[tuple[str, nn.Module]]:
-    return [(read.path, read.norm) for read in decoder.norms]
+    """The norms that read the stream (a block whose Linears read it as it is has none), by path."""
+    return [(read.path, read.norm) for read in decoder.norms if read.norm is not None]
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -486,6 +597,21 @@ def _is_norm(module: nn.Module) -> bool:
 
 def _is_rms_norm(norm: nn.Module) -> bool:
     """Whether ``norm(x)`` is its scale times ``x / rms(x)``, checked on a probe with the scale as it is."""
+    return _scaled_rms(norm, offset=0.0)
+
+
+def _rms_scale(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """What an RMS norm multiplies ``x / rms(x)`` by, and the weight that makes that 1: its weight
+    and 1 (Llama's), or ``1 + weight`` and 0 (Gemma's); None for any other norm."""
+    if _is_rms_norm(norm):
+        return norm.weight.detach().double(), 1.0
+    if _scaled_rms(norm, offset=1.0):
+        return 1.0 + norm.weight.detach().double(), 0.0
+    return None
+
+
+def _scaled_rms(norm: nn.Module, offset: float) -> bool:
+    """Whether ``norm(x)`` is ``(offset + weight) * x / rms(x)``, on a probe with the weight as it is."""
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(norm, "bias", None) is not None:
         return False
@@ -493,7 +619,7 @@ def _is_rms_norm(norm: nn.Module) -> bool:
     probe = torch.randn(3, weight.shape[0], generator=generator, dtype=torch.float32, device="cpu").to(weight.device) * 3 + 1
     with torch.no_grad():
         found = norm(probe)
-    expected = weight * probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + _eps(norm))
+    expected = (offset + weight) * probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + _eps(norm))
     return bool(torch.allclose(found.float(), expected.float(), rtol=1e-4, atol=1e-5))
 
 
@@ -577,16 +703,28 @@ def _layer_norms_as_rms(decoder: _Decoder) -> None:
         read.replace(replacement)
 
 
-def _fold_norms(decoder: _Decoder) -> None:
-    """Each norm's scale into the Linears that read its output; the norm's scale becomes 1."""
+def _fold_norms(decoder: _Decoder, final: bool = True) -> None:
+    """Each norm's scale (``w``, or Gemma's ``1 + w``) into the Linears that read its output; the
+    norm then multiplies by 1. ``final=False``: the final norm left as it is (a tied head reads it)."""
     for read in decoder.norms:
-        scale = read.norm.weight.detach().double()
+        norm = read.norm
+        if norm is None or (not final and read.owner not in decoder.layers):
+            continue
+        scale, unit = _rms_scale(norm) or (norm.weight.detach().double(), 1.0)  # a LayerNorm made a UnitRMSNorm
         for linear in read.readers:
-            linear.weight.copy_((linear.weight.double() * scale[None, :]).to(linear.weight.dtype))
-        read.norm.weight.fill_(1.0)
+            linear.weight.copy_((linear.weight.double() * scale.to(linear.weight.device)[None, :]).to(linear.weight.dtype))
+        norm.weight.fill_(unit)
 
 
-def _rotate_residual(decoder: _Decoder, q: torch.Tensor) -> None:
+def _rotate_residual(decoder: _Decoder, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tied: bool = False) -> None:
+    """The stream turned by ``Q = kron(left, right) * signs`` (``parts``): what writes it writes
+    ``h Q``, what reads it takes ``Q`` back. A block whose output passes a norm before the residual
+    add (``post_norms``) keeps its writers; that norm's output is turned as the model runs (``_turned``:
+    a product by each Kronecker factor, ``n x (left + right)`` multiply-adds a token). ``tied``: the
+    head stays tied to the embedding, which keeps its rows: the embedding's output is turned as the
+    model runs, and the final norm's input turned back (``_turned_back``)."""
+    q = torch.kron(parts[0], parts[1]) * parts[2]
+
     def reads(linear: nn.Linear) -> None:  # y = x W^T with x -> x Q: W -> W Q
         linear.weight.copy_((linear.weight.double() @ q.to(linear.weight.device)).to(linear.weight.dtype))
 
@@ -596,15 +734,56 @@ def _rotate_residual(decoder: _Decoder, q: torch.Tensor) -> None:
         if linear.bias is not None:
             linear.bias.copy_((linear.bias.double() @ q_here).to(linear.bias.dtype))
 
+    shared: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # one set per device, read by every hook
+
+    def online(module: nn.Module, like: torch.Tensor) -> None:
+        found = shared.setdefault((like.device, like.dtype), [part.to(like.device, like.dtype) for part in parts])
+        for name, part in zip(ONLINE_ROTATION, found, strict=True):
+            module.register_buffer(name, part)
+
     for embedding in decoder.embeddings:
         rows = embedding.weight
-        rows.copy_((rows.double() @ q.to(rows.device)).to(rows.dtype))
-    for written in decoder.writers:
+        if tied:
+            online(embedding, rows)
+            embedding.register_forward_hook(_turned)
+        else:
+            rows.copy_((rows.double() @ q.to(rows.device)).to(rows.dtype))
+    for written in decoder.writers if not decoder.post_norms else []:
         for linear in written:
             writes(linear)
+    for _, norm in decoder.post_norms:
+        online(norm, norm.weight)
+        norm.register_forward_hook(_turned)
     for read in decoder.norms:  # the head among the final norm's readers
+        if tied and read.owner not in decoder.layers:
+            online(read.norm, read.norm.weight)
+            read.norm.register_forward_pre_hook(_turned_back)
+            continue
         for linear in read.readers:
             reads(linear)
+
+
+def _turned(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """``output Q``: each row of width a x b seen as an a x b matrix X, ``left^T X right``, times the signs."""
+    left, right, signs = (getattr(module, name).to(output.dtype) for name in ONLINE_ROTATION)
+    return _by_factors(output, left, right) * signs
+
+
+def _turned_back(module: nn.Module, args: tuple) -> tuple:
+    """``x Q^T``: the signs first, then ``left X right^T``."""
+    x = args[0]
+    left, right, signs = (getattr(module, name).to(x.dtype) for name in ONLINE_ROTATION)
+    return (_by_factors(x * signs, left.T, right.T), *args[1:])
+
+
+def _by_factors(x: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``x kron(left, right)`` row by row, as two plain matrix products over every row at once (a
+    batched product would broadcast the factors, which a program's constant folding then stores
+    once per row): ``X right`` on the rows of each a x b grid, then ``left^T`` on its columns."""
+    a, b = left.shape[0], right.shape[0]
+    rows = x.reshape(-1, b) @ right  # (rows x a) x b
+    columns = rows.reshape(-1, a, b).transpose(1, 2).reshape(-1, a) @ left  # (rows x b) x a
+    return columns.reshape(-1, b, a).transpose(1, 2).reshape(x.shape)
 
 
 @dataclass(frozen=True)
@@ -700,14 +879,14 @@ def _rotate_values(values: list[_Values], r: torch.Tensor) -> None:
 
 
 def _rotate_down(decoder: _Decoder, generator: torch.Generator) -> None:
-    """The MLP's output projection's input (``down_proj``'s) times a normalised Hadamard matrix H as
-    the model runs, its weight W H."""
-    size = decoder.writers[0][-1].weight.shape[1]
+    """The MLP's output projection's input (``down_proj``'s, or each expert's) times a normalised
+    Hadamard matrix H as the model runs, its weight W H."""
+    downs = [down for written in decoder.writers for down in written[1:]]  # after the attention's writer: the MLP's
+    size = downs[0].weight.shape[1]
     found = hadamard(size)
     h = found / math.sqrt(size) if found is not None else random_rotation(size, generator)
     shared: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # one matrix per device, read by every block
-    for written in decoder.writers:
-        down = written[-1]
+    for down in downs:
         weight = down.weight
         weight.copy_((weight.double() @ h.to(weight.device)).to(weight.dtype))
         online = shared.setdefault((weight.device, weight.dtype), h.to(weight.device, weight.dtype))

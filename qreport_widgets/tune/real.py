@@ -14,7 +14,7 @@ import torch
 
 from ..core.metrics import token_ids
 from ..core.progress import Progress, quiet
-from ..engines.rotation import Rotation, matrix_words, rotate
+from ..engines.rotation import Rotation, matrix_words, online_problem, rotate
 from ..engines.settings import ModuleSettings
 from ..errors import DecodeSpeedError, InvalidSettingsError, ModelReleasedError, QReportWarning
 from .history import History
@@ -131,9 +131,9 @@ class RealRuns:
         before anything runs for what the engine cannot apply. ``record=False``: a trial, measured at
         the output only and kept out of the history (its kernels checked too with ``check_kernels``).
         ``rotation``: folded into a copy of the float model first (the run's own, released with it)."""
-        problem = self.runner.engine.online_transform_problem() if rotation is not None and rotation.down else ""
+        problem = online_problem(self.runner.engine, self.runner.float_model, rotation) if rotation is not None else ""
         if problem:  # before anything is prepared
-            raise InvalidSettingsError(f"R4 (Rotation(down=True)) cannot be measured here: {problem}")
+            raise InvalidSettingsError(problem)
         config = self.runner.config_for(settings)
         source = self.migrations.model_for(settings)
         if rotation is not None:

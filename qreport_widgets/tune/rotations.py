@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 
 from ..core.progress import Progress
-from ..engines.rotation import Rotation, rotate, rotation_problems
+from ..engines.rotation import Rotation, online_problem, rotate, rotation_problems
 from ..engines.settings import ModuleSettings
 from ..errors import InvalidSettingsError
 from .mixed import MixedPrecision, fit, weighed_fit
@@ -87,9 +87,9 @@ class Rotations:
                 f"fit(rotation={rotation!r}) on a model the rotations do not apply to: "
                 + "; ".join(f"{name}: {why}" for name, why in problems.items())
             )
-        problem = engine.online_transform_problem() if rotation.down else ""
+        problem = online_problem(engine, self.runner.float_model, rotation)
         if problem:
-            raise InvalidSettingsError(f"R4 (Rotation(down=True)) cannot be measured here: {problem}")
+            raise InvalidSettingsError(problem)
 
     def fit(
         self,

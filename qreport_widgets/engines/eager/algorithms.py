@@ -746,10 +746,12 @@ def awq_shares(choices: Mapping[str, tuple[str, int]], folds: Mapping[str, Fold]
     module alone where it shares its input with none). The other readers asked AWQ at that group
     size take the weights found with it (``awq_group``)."""
     found: dict[str, tuple[str, ...]] = {}
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[str, str, int]] = set()
     for fqn, (algorithm, group_size) in choices.items():
         fold = folds.get(fqn)
-        key = (fold.into if fold else fqn, group_size)
+        # an input by the op that writes it, a module without one by its own name: never the same key where a
+        # module writes the input of another and has no fold itself (up_proj -> down_proj after a norm that takes none)
+        key = ("written by", fold.into, group_size) if fold else ("alone", fqn, group_size)
         if algorithm != AWQ or key in seen:
             continue
         seen.add(key)

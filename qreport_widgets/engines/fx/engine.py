@@ -37,6 +37,11 @@ ONLINE_PRODUCT_DROPPED = (
     "on down_proj's input would be lost from the quantized model: use Rotation() (R1 + R2, folded into the weights), "
     "or the eager or PT2E engine for R4"
 )
+ONLINE_ROTATION_DROPPED = (
+    "its products run as forward hooks on the embedding and on norms, and convert_fx puts a new module in the place "
+    "of each module it quantizes (an Embedding with a float_qparams qconfig) without its hooks: use the eager or "
+    "PT2E engine, or Rotation(residual=False) (R2 alone)"
+)
 
 
 class FxEngine(Engine[FxConfig]):
@@ -106,6 +111,9 @@ class FxEngine(Engine[FxConfig]):
 
     def online_transform_problem(self) -> str:
         return ONLINE_PRODUCT_DROPPED
+
+    def online_rotation_problem(self) -> str:
+        return ONLINE_ROTATION_DROPPED
 
     def prepare(self, float_model: torch.nn.Module, config: FxConfig, example_inputs: tuple[Any, ...]) -> torch.fx.GraphModule:
         extra: dict[str, Any] = {}
