@@ -576,15 +576,34 @@ def test_fused_projections_fold_into_the_norm_they_read_and_take_awq_and_gptq():
 
 
 @pytest.mark.parametrize("family", ["Gemma 3", "OLMo 2"])
-def test_awq_takes_every_linear_where_an_up_proj_writes_down_projs_input_and_no_norm_takes_its_scale(family):
-    """Gemma's `1 + w` norms and OLMo 2's bare stream give q / k / v and gate / up no norm to fold an
-    AWQ scale into, while up_proj still takes down_proj's: both inputs are searched, each its own."""
+def test_awq_takes_every_linear_of_gemma_and_olmo_2_and_folds_into_gemmas_1_plus_w_norms(family):
+    """OLMo 2's bare stream gives q / k / v and gate / up no norm to fold an AWQ scale into, while
+    up_proj still takes down_proj's: both inputs are searched, each its own. Gemma's `1 + w` norms
+    take the scale as ``w -> (1 + w) / s - 1``."""
+    from qreport_widgets.engines.folds import OFFSET_NORM, fold_scale
+
     model = tiny_family(family)
     folds = input_folds(model)
     down, up = "model.layers.0.mlp.down_proj", "model.layers.0.mlp.up_proj"
-    assert folds[down].into == up and up not in folds
-    choices = {name: ("awq", 32) for name in (up, down)}
-    assert set(algorithms.awq_shares(choices, folds)) == {up, down}  # two inputs: neither taken for the other
+    assert folds[down].into == up
+    if family == "OLMo 2":
+        assert up not in folds
+        choices = {name: ("awq", 32) for name in (up, down)}
+        assert set(algorithms.awq_shares(choices, folds)) == {up, down}  # two inputs: neither taken for the other
+    else:  # the pre-feedforward norm takes gate / up's scale, divided through its 1 + w
+        fold = folds[up]
+        assert fold.kind == OFFSET_NORM and fold.into == "model.layers.0.pre_feedforward_layernorm"
+        norm = model.get_submodule(fold.into)
+        with torch.no_grad():
+            norm.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+        scale = torch.rand(64, generator=torch.Generator().manual_seed(3)) + 0.5
+        folded = copy.deepcopy(model)
+        fold_scale(folded, fold, scale)
+        with torch.no_grad():
+            assert torch.allclose(folded.get_submodule(fold.into)(x), norm(x) / scale, rtol=1e-5, atol=1e-6)
+        linears = {fqn: ("awq", 32) for fqn in folds if fqn.startswith("model.layers.0.") and "o_proj" not in fqn}
+        assert algorithms.unfolded_awq(linears, folds) == {}  # every scale but o_proj's folds: XNNPACK takes them
     generator = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, VOCAB, (2, 16), generator=generator),) for _ in range(3)]
     options = {"engine": "eager", "format": "int4-weight-only", "group_size": 32, "progress": False}

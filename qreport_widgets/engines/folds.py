@@ -5,7 +5,8 @@ In a decoder of the Llama layout (``rotation``'s), every Linear's input is writt
 Linear whose output channels are its input channels:
 
 - ``input_layernorm`` feeds ``q/k/v_proj``, ``post_attention_layernorm`` feeds ``gate/up_proj`` and
-  the final norm feeds the head: an RMS norm's scale divided by ``s`` divides its output by ``s``;
+  the final norm feeds the head: an RMS norm's scale divided by ``s`` divides its output by ``s``
+  (Gemma's, which multiplies by ``1 + w``: ``w -> (1 + w) / s - 1``);
 - ``up_proj`` feeds ``down_proj`` through ``act(gate) * up``, linear in ``up``: its rows (and bias)
   divided by ``s`` divide ``down_proj``'s input by ``s``;
 - ``v_proj`` feeds ``o_proj`` through the attention's mix of values, linear in them, where every
@@ -23,9 +24,10 @@ import torch
 from torch import nn
 
 from ..errors import InvalidSettingsError
-from .rotation import _decoder, _is_rms_norm
+from .rotation import _decoder, _rms_scale
 
 NORM, ROWS = "norm", "rows"  # what a fold divides: a norm's scale, or a Linear's rows
+OFFSET_NORM = "offset norm"  # a norm whose scale is 1 + its weight (Gemma's)
 
 
 @dataclass(frozen=True)
@@ -48,9 +50,11 @@ def input_folds(model: nn.Module) -> dict[str, Fold]:
     names = {id(module): name for name, module in model.named_modules()}
     folds: list[Fold] = []
 
-    def norm(owner: nn.Module, readers: list[nn.Module]) -> None:
-        if _is_rms_norm(owner) and all(isinstance(r, nn.Linear) for r in readers):  # not a router and its experts
-            folds.append(Fold(names[id(owner)], NORM, tuple(names[id(r)] for r in readers)))
+    def norm(owner: nn.Module | None, readers: list[nn.Module]) -> None:
+        found = _rms_scale(owner) if owner is not None else None  # OLMo 2's Linears read the stream with no norm
+        if found is not None and all(isinstance(r, nn.Linear) for r in readers):  # not a router and its experts
+            kind = NORM if found[1] == 1.0 else OFFSET_NORM
+            folds.append(Fold(names[id(owner)], kind, tuple(names[id(r)] for r in readers)))
 
     finals = [read for read in decoder.norms if read.owner not in decoder.layers]
     for layer in decoder.layers:
@@ -75,6 +79,11 @@ def fold_scale(model: nn.Module, fold: Fold, scale: torch.Tensor) -> None:
     with torch.no_grad():
         if fold.kind == NORM:
             owner.weight = nn.Parameter(owner.weight.detach() / scale.to(owner.weight), requires_grad=False)
+            return
+        if fold.kind == OFFSET_NORM:  # (1 + w') = (1 + w) / s
+            weight = owner.weight.detach()
+            folded = (1 + weight.double()) / scale.to(weight.device).double() - 1
+            owner.weight = nn.Parameter(folded.to(weight.dtype), requires_grad=False)
             return
         weight = owner.weight
         if type(weight) is nn.Parameter or type(weight) is torch.Tensor:
