@@ -84,3 +84,9 @@ def model_arguments(description: str, models: list[str]) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=models)
     parser.add_argument("--cache-dir", default=None)
     return parser.parse_args()
+
+
+def run_cells(run, float_metric: float) -> str:
+    """A real run's markdown cells: its perplexity, its gap to float, its logits' SQNR and its deployed KB."""
+    gap = 100 * (run.eval_metric / float_metric - 1)
+    return f"{run.eval_metric:.4f} | {gap:+.2f}% | {run.output_sqnr_db:.2f} | {run.deployed_bytes / 1024:.1f}"

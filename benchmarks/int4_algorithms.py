@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import setup
+from common import run_cells, setup
 
 from qreport_widgets import ModuleSettings, Rotation, analyze
 from qreport_widgets.core.progress import quiet
@@ -121,12 +121,8 @@ def programs(cache: str) -> None:
                 print(f"| {algorithm} | {rotated} | failed: {run.error} |")
                 continue
             speed = session.decode_speed(run)
-            print(
-                f"| {algorithm} | {rotated} | {run.eval_metric:.4f} | {100 * (run.eval_metric / float_ppl - 1):+.2f}% | "
-                f"{run.output_sqnr_db:.2f} | {run.deployed_bytes / 1024:.1f} | {speed.prefill_ms:.2f} | {speed.decode_ms:.2f} | "
-                f"{seconds:.0f} |",
-                flush=True,
-            )
+            timings = f"{speed.prefill_ms:.2f} | {speed.decode_ms:.2f} | {seconds:.0f}"
+            print(f"| {algorithm} | {rotated} | {run_cells(run, float_ppl)} | {timings} |", flush=True)
 
 
 def decoder_timings(size: str) -> None:

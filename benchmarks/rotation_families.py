@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import setup
+from common import run_cells, setup
 
 from qreport_widgets import ModuleSettings, Rotation, analyze
 from qreport_widgets.core.progress import quiet
@@ -99,12 +99,7 @@ def measure(family: str, cache: str, group: int, program: bool) -> None:
                         speed = f"| {found.prefill_ms:.2f} | {found.decode_ms:.2f}"
                     except Exception as error:  # the static-cache export a family may not take: said, not hidden
                         speed = f"| decode speed failed: {type(error).__name__}: {str(error)[:120]} | -"
-                print(
-                    f"| {target} | {algorithm} | {rotated} | {run.eval_metric:.4f} | "
-                    f"{100 * (run.eval_metric / float_ppl - 1):+.2f}% | "
-                    f"{run.output_sqnr_db:.2f} | {run.deployed_bytes / 1024:.1f} {speed} | {seconds:.0f} |",
-                    flush=True,
-                )
+                print(f"| {target} | {algorithm} | {rotated} | {run_cells(run, float_ppl)} {speed} | {seconds:.0f} |", flush=True)
 
 
 def price(layers: int) -> None:

@@ -8,9 +8,10 @@ weights and the activations its Linears read lose their outlier channels (QuaRot
   ``Q`` back in its weight. An RMS norm with unit scale commutes with ``Q``, so nothing between them
   changes. A head tied to the embedding unties: the final norm's scale folds into the head alone.
   Where a block's output passes a norm before the residual add (Gemma 2 / 3's sandwich norms, OLMo
-  2's post-norms), that norm's output is turned by ``Q`` as the model runs (a forward hook, the
-  matrix a buffer, ``ONLINE_ROTATION``, shared by every hook) and the writers keep their weights; a
-  tied head then stays tied, the embedding's output turned and the final norm's input turned back.
+  2's post-norms), that norm's output is turned by ``Q`` as the model runs (a forward hook reading
+  ``Q``'s two Kronecker factors and signs, ``ONLINE_ROTATION``, buffers shared by every hook) and the
+  writers keep their weights; a tied head then stays tied, the embedding's output turned and the
+  final norm's input turned back.
 - **R2**, each head's values: ``v_proj`` produces every head's values times ``R`` (head size),
   ``o_proj`` takes ``R`` back in that head's columns; attention mixes values linearly, so its
   output carries the same ``R``.
@@ -137,14 +138,15 @@ def _rotation_parts(n: int, generator: torch.Generator) -> tuple[torch.Tensor, t
         q, r = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=generator))
         return q * torch.sign(torch.diagonal(r)), torch.ones(1, 1, dtype=torch.float64), torch.ones(n, dtype=torch.float64)
     signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.float64) * 2 - 1
-    split = _split(factors)
-    return _kron(factors[:split]), _kron(factors[split:]), signs / math.sqrt(n)
+    left, right = _halves(factors)
+    return _kron(left), _kron(right), signs / math.sqrt(n)
 
 
-def _split(factors: list[torch.Tensor]) -> int:
-    """Where to cut the Kronecker factors in two so that the two orders add up least."""
+def _halves(factors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The Kronecker factors cut in two where the two orders add up least."""
     orders = [int(f.shape[0]) for f in factors]
-    return min(range(len(factors) + 1), key=lambda t: math.prod(orders[:t]) + math.prod(orders[t:]))
+    split = min(range(len(factors) + 1), key=lambda t: math.prod(orders[:t]) + math.prod(orders[t:]))
+    return factors[:split], factors[split:]
 
 
 def turned_online(model: nn.Module, rotation: Rotation) -> bool:
@@ -162,12 +164,13 @@ def online_problem(engine: Any, model: nn.Module, rotation: Rotation) -> str:
     """Why ``engine``'s runs cannot carry the products ``rotation`` computes on ``model`` as it runs
     (R4's on ``down_proj``'s input: ``engine.online_transform_problem()``; R1's after the norms on a
     block's output: ``engine.online_rotation_problem()``), said with what to ask instead; "" where they can."""
-    if rotation.down and engine.online_transform_problem():
-        return f"R4 (Rotation(down=True)) cannot be measured here: {engine.online_transform_problem()}"
-    if turned_online(model, rotation) and engine.online_rotation_problem():
+    down, residual = engine.online_transform_problem(), engine.online_rotation_problem()
+    if rotation.down and down:
+        return f"R4 (Rotation(down=True)) cannot be measured here: {down}"
+    if residual and turned_online(model, rotation):
         return (
-            f"R1 on this model turns the stream after each norm on a block's output as the model runs, which cannot be "
-            f"measured here: {engine.online_rotation_problem()}"
+            "R1 on this model turns the stream after each norm on a block's output as the model runs, which cannot be "
+            f"measured here: {residual}"
         )
     return ""
 
@@ -211,8 +214,7 @@ def _online_words(decoder: _Decoder, n: int) -> str:
     if factors is None:
         each = f"{n:,} x {n:,} multiply-adds (a dense matrix: no Hadamard matrix of this order here)"
     else:
-        split = _split(factors)
-        left, right = (math.prod(int(f.shape[0]) for f in part) for part in (factors[:split], factors[split:]))
+        left, right = (math.prod(int(f.shape[0]) for f in half) for half in _halves(factors))
         each = f"{n:,} x ({left} + {right}) multiply-adds (its Kronecker factors of orders {left} and {right})"
     return f"turned as the model runs at {where}: {count} products a token, each {each}"
 
@@ -278,7 +280,7 @@ class _Decoder:
     head: nn.Linear
     norms: list[_NormRead]  # each block's in order, the final norm last
     writers: list[list[_Stream]]  # each block's Linears (or experts) that write the stream, the MLP's last
-    post_norms: list[tuple[str, nn.Module]]  # norms on each block's output before the residual add (path, module)
+    post_norms: list[_NormRead]  # norms on each block's output before the residual add (no Linear reads them)
 
     @property
     def embedding(self) -> nn.Embedding:
@@ -405,10 +407,7 @@ def rotation_problems(model: nn.Module) -> dict[str, str]:
 def _residual_problem(decoder: _Decoder) -> str:
     for index, layer in enumerate(decoder.layers):
         extra = [name for name, child in layer.named_children() if _is_norm(child)]
-        known = {read.name for read in decoder.norms if read.owner is layer}
-        known |= {
-            path.rpartition(".")[2] for path, norm in decoder.post_norms if any(norm is child for child in layer.children())
-        }
+        known = {read.name for read in decoder.norms + decoder.post_norms if read.owner is layer}
         extra = [name for name in extra if name not in known]
         if extra:
             return (
@@ -526,9 +525,7 @@ def _decoder(model: nn.Module) -> _Decoder:
     )
 
 
-def _blocks_in(
-    layout: _Layout, blocks: list[nn.Module]
-) -> tuple[list[_NormRead], list[list[_Stream]], list[tuple[str, nn.Module]]] | str:
+def _blocks_in(layout: _Layout, blocks: list[nn.Module]) -> tuple[list[_NormRead], list[list[_Stream]], list[_NormRead]] | str:
     """Each block's norms with their readers, its writers and its output norms in ``layout``; what
     the first block that does not fit lacks, said, where one does not."""
     norms, writers, post_norms = [], [], []
@@ -548,8 +545,8 @@ def _blocks_in(
         prefix = f"{layout.blocks}.{index}"
         norms.extend(_NormRead(layer, name, f"{prefix}.{name}" if name else prefix, linears) for name, linears in read)
         writers.append([w for each in written for w in each])  # type: ignore[union-attr]
-        post_norms.extend((f"{prefix}.{name}", _module_at(layer, name)) for name in layout.post_norms)
-    return norms, writers, post_norms  # type: ignore[return-value]
+        post_norms.extend(_NormRead(layer, name, f"{prefix}.{name}", []) for name in layout.post_norms)
+    return norms, writers, post_norms
 
 
 def _stream_at(owner: nn.Module, path: str) -> _Stream | None:
@@ -751,9 +748,9 @@ def _rotate_residual(decoder: _Decoder, parts: tuple[torch.Tensor, torch.Tensor,
     for written in decoder.writers if not decoder.post_norms else []:
         for linear in written:
             writes(linear)
-    for _, norm in decoder.post_norms:
-        online(norm, norm.weight)
-        norm.register_forward_hook(_turned)
+    for ending in decoder.post_norms:
+        online(ending.norm, ending.norm.weight)
+        ending.norm.register_forward_hook(_turned)
     for read in decoder.norms:  # the head among the final norm's readers
         if tied and read.owner not in decoder.layers:
             online(read.norm, read.norm.weight)
