@@ -262,6 +262,51 @@ def test_a_rotated_runs_kernels_are_never_taken_by_the_simulation_of_the_unrotat
     assert taken == [broken] and session.truth_check().real_kernels == (broken,)
 
 
+def test_a_kernel_a_rotated_fit_finds_is_taken_by_the_rotated_front_which_is_fitted_again(monkeypatch):
+    """The rotated front's fit does what the plain one does when its real run finds a kernel the
+    baseline hid: that front's simulation (the twin's) runs it from then on and the fit is made again
+    on the front simulated with it; the unrotated simulation never takes it. Stood in for as above: a
+    check that finds one broken kernel, on rotated runs made after the rotated baseline only."""
+    from qreport_widgets.engines.eager.engine import EagerEngine
+    from qreport_widgets.engines.eager.simulate import EagerSimulation
+
+    hidden = "model.layers.1.mlp.up_proj"
+    model = decoder(64, tied=False)
+    norm = model.model.norm.weight.detach().clone()  # R1 folds it into the head: a rotated run's is all ones
+    taken: dict[int, list[str]] = {}
+    after_baseline = {"now": False}
+
+    def kernel_sqnr(self, reference, quantized, batch):
+        rotated = not torch.equal(quantized.model.norm.weight, norm)
+        found = {hidden: 2.0} if rotated and after_baseline["now"] else {}
+        return pd.Series(found, name="kernel SQNR (dB)", dtype=float)
+
+    def run_real_kernels(self, quantized, names):
+        mine = taken.setdefault(id(self), [])
+        mine.extend(name for name in names if name not in mine)
+        return list(mine)
+
+    monkeypatch.setattr(EagerEngine, "reference_model", lambda self, prepared: prepared)
+    monkeypatch.setattr(EagerEngine, "kernel_sqnr", kernel_sqnr)
+    monkeypatch.setattr(EagerSimulation, "run_real_kernels", run_real_kernels)
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 256, (2, 32), generator=generator),) for _ in range(6)]
+    options = {"engine": "eager", "format": "int4-weight-only", "metric": "perplexity", "algorithms": ("rtn",)}
+    session = qw.analyze(model, batches[0], batches[:4], eval_data=batches[4:], progress=False, **options).session
+    twin = session.parts.rotations.twin(qw.Rotation())
+    assert twin.mixed.real.baseline().ok, twin.mixed.real.baseline(quiet).error
+    assert twin.mixed.real.truth(quiet).real_kernels == ()
+    after_baseline["now"] = True
+    budget = 0.9 * session.baseline().deployed_bytes
+    unreachable = session.float_metric() * 0.5  # both fits run
+    session.fit(max_size_bytes=budget, target_metric=unreachable, rotation=True, progress=quiet)
+    assert twin.mixed.real.truth(quiet).real_kernels == (hidden,)  # the rotated front's simulation runs it now
+    assert session.truth_check().real_kernels == ()  # the unrotated one does not
+    rotated = [run for run in session.history if run.rotation == qw.Rotation() and run.label.startswith("fit")]
+    said = [note for run in rotated for note in run.notes if "the front was simulated again with them" in note]
+    assert len(rotated) == 2 and said and f"{hidden} (2.0 dB)" in said[0], [run.notes for run in rotated]
+
+
 def test_fit_with_rotation_checks_its_arguments_before_any_front_is_built():
     model = decoder(64, tied=False)
     generator = torch.Generator().manual_seed(2)

@@ -141,17 +141,26 @@ class MixedPrecision:
         target_metric: float | None = None,
         progress: Progress | None = None,
         by_block: bool = False,
+        apply: Callable[..., RunResult] | None = None,
     ) -> RunResult:
-        """``fit()`` on the front, the run in its place in the history with the notes added."""
+        """``fit()`` on the front, the run in its place in the history with the notes added.
+        ``apply``: where the fit's real runs are made when not by ``real`` (a rotated twin's are the
+        session's, rotated): the kernels they find differing are handed to this front's simulation."""
         self.check_goal(max_size_bytes, target_sqnr_db, target_metric)
         kernels = self.real.truth(quiet).real_kernels  # a real run may find more (``RealRuns.adopt_kernels``)
         goal = (max_size_bytes, target_sqnr_db, target_metric, progress, self.runner.metric)
-        found = fit(self.real.apply, self.front(progress, by_block), *goal)
+
+        def fitted() -> RunResult:
+            found = fit(apply or self.real.apply, self.front(progress, by_block), *goal)
+            if apply is not None:  # ``real.apply`` adopts its runs' kernels itself
+                self.real.adopt_kernels(found)
+            return found
+
+        found = fitted()
         adopted = self.real.adopted_since(kernels)
         if adopted:  # a broken kernel the baseline's inputs hid: the front again, with it
             said = self.real.adopted_words("the first fit's real run", adopted)
-            again = fit(self.real.apply, self.front(progress, by_block), *goal)
-            found = again.noted(f"{said}; the front was simulated again with them and this is its fit")
+            found = fitted().noted(f"{said}; the front was simulated again with them and this is its fit")
         return self.real.annotated(found)
 
 

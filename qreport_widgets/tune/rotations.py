@@ -19,7 +19,7 @@ from ..core.progress import Progress
 from ..engines.rotation import Rotation, online_problem, rotate, rotation_problems
 from ..engines.settings import ModuleSettings
 from ..errors import InvalidSettingsError
-from .mixed import MixedPrecision, fit, weighed_fit
+from .mixed import MixedPrecision, weighed_fit
 from .real import RealRuns
 from .run import RunResult
 from .runner import Runner
@@ -112,8 +112,8 @@ class Rotations:
         def rotated_apply(settings: Mapping[str, ModuleSettings], **given: Any) -> RunResult:
             return self.real.apply(settings, rotation=rotation, **given)
 
-        def rotated_fit() -> RunResult:
-            return self.real.annotated(fit(rotated_apply, fronts[1], *goal, progress, metric))
+        def rotated_fit() -> RunResult:  # the twin's simulation takes the kernels its real runs find
+            return self.real.annotated(twin.mixed.fit(*goal, progress, by_block, apply=rotated_apply))
 
         def plain_fit() -> RunResult:
             return self.mixed.fit(*goal, progress, by_block)
