@@ -224,62 +224,17 @@ def test_r4_is_refused_on_fx_whose_convert_drops_the_online_product():
         session.apply({}, rotation=qw.Rotation(down=True))
 
 
-def test_a_rotated_runs_kernels_are_never_taken_by_the_simulation_of_the_unrotated_model(monkeypatch):
-    """A recorded run hands the kernels it finds computing something else than their reference to the
-    simulation, which runs them from then on (FX's broken PReLU: tests/test_search.py). A rotated run's
-    kernels compute the rotated weights, and the simulation runs the model unrotated: stood in for here
-    on the eager engine (whose kernels agree with their reference) by a check that finds two broken
-    kernels, one of them only on the rotated run, and a simulation that takes whatever it is given."""
+def stand_in_kernel_checks(monkeypatch, found) -> dict[int, list[str]]:
+    """The eager engine's kernels agree with their reference, so a broken one is stood in for: a
+    kernel check that finds ``found(quantized)`` (name -> dB) on each checked run, and a simulation
+    that takes whatever it is given. Returns the names each simulation took (by its id)."""
     from qreport_widgets.engines.eager.engine import EagerEngine
     from qreport_widgets.engines.eager.simulate import EagerSimulation
 
-    broken, hidden = "model.layers.0.mlp.down_proj", "model.layers.1.mlp.up_proj"
-    taken: list[str] = []
-    rotated = {"now": False}
-
-    def kernel_sqnr(self, reference, quantized, batch):
-        found = {broken: 1.0, **({hidden: 2.0} if rotated["now"] else {})}
-        return pd.Series(found, name="kernel SQNR (dB)")
-
-    def run_real_kernels(self, quantized, names):
-        taken.extend(name for name in names if name not in taken)
-        return list(taken)
-
-    monkeypatch.setattr(EagerEngine, "reference_model", lambda self, prepared: prepared)
-    monkeypatch.setattr(EagerEngine, "kernel_sqnr", kernel_sqnr)
-    monkeypatch.setattr(EagerSimulation, "run_real_kernels", run_real_kernels)
-    batches = [(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5)),) for _ in range(3)]
-    session = qw.QuantizationSession(decoder(64, tied=False), batches[0], batches[:2], batches[2:], engine="eager")
-    assert session.baseline().ok and session.truth_check().disagreeing == [broken]
-    rotated["now"] = True
-    run = session.apply({}, rotation=qw.Rotation(), label="rotated")
-    assert run.ok and run.rotation == qw.Rotation()
-    assert taken == [] and session.truth_check().real_kernels == ()  # the simulation of the unrotated model took none
-    said = [note for note in run.notes if "does not take them" in note]
-    assert said and f"{broken} (1.0 dB)" in said[0] and f"{hidden} (2.0 dB)" in said[0], run.notes
-    rotated["now"] = False
-    assert session.apply({}, label="plain").ok  # an unrotated run hands its broken kernel over
-    assert taken == [broken] and session.truth_check().real_kernels == (broken,)
-
-
-def test_a_kernel_a_rotated_fit_finds_is_taken_by_the_rotated_front_which_is_fitted_again(monkeypatch):
-    """The rotated front's fit does what the plain one does when its real run finds a kernel the
-    baseline hid: that front's simulation (the twin's) runs it from then on and the fit is made again
-    on the front simulated with it; the unrotated simulation never takes it. Stood in for as above: a
-    check that finds one broken kernel, on rotated runs made after the rotated baseline only."""
-    from qreport_widgets.engines.eager.engine import EagerEngine
-    from qreport_widgets.engines.eager.simulate import EagerSimulation
-
-    hidden = "model.layers.1.mlp.up_proj"
-    model = decoder(64, tied=False)
-    norm = model.model.norm.weight.detach().clone()  # R1 folds it into the head: a rotated run's is all ones
     taken: dict[int, list[str]] = {}
-    after_baseline = {"now": False}
 
     def kernel_sqnr(self, reference, quantized, batch):
-        rotated = not torch.equal(quantized.model.norm.weight, norm)
-        found = {hidden: 2.0} if rotated and after_baseline["now"] else {}
-        return pd.Series(found, name="kernel SQNR (dB)", dtype=float)
+        return pd.Series(found(quantized), name="kernel SQNR (dB)", dtype=float)
 
     def run_real_kernels(self, quantized, names):
         mine = taken.setdefault(id(self), [])
@@ -289,6 +244,47 @@ def test_a_kernel_a_rotated_fit_finds_is_taken_by_the_rotated_front_which_is_fit
     monkeypatch.setattr(EagerEngine, "reference_model", lambda self, prepared: prepared)
     monkeypatch.setattr(EagerEngine, "kernel_sqnr", kernel_sqnr)
     monkeypatch.setattr(EagerSimulation, "run_real_kernels", run_real_kernels)
+    return taken
+
+
+def test_a_rotated_runs_kernels_are_never_taken_by_the_simulation_of_the_unrotated_model(monkeypatch):
+    """A recorded run hands the kernels it finds computing something else than their reference to the
+    simulation, which runs them from then on (FX's broken PReLU: tests/test_search.py). A rotated run's
+    kernels compute the rotated weights, and the simulation runs the model unrotated: stood in for here
+    on the eager engine (whose kernels agree with their reference) by a check that finds two broken
+    kernels, one of them only on the rotated run, and a simulation that takes whatever it is given."""
+    broken, hidden = "model.layers.0.mlp.down_proj", "model.layers.1.mlp.up_proj"
+    rotated = {"now": False}
+    taken = stand_in_kernel_checks(monkeypatch, lambda _: {broken: 1.0, **({hidden: 2.0} if rotated["now"] else {})})
+    batches = [(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5)),) for _ in range(3)]
+    session = qw.QuantizationSession(decoder(64, tied=False), batches[0], batches[:2], batches[2:], engine="eager")
+    assert session.baseline().ok and session.truth_check().disagreeing == [broken]
+    rotated["now"] = True
+    run = session.apply({}, rotation=qw.Rotation(), label="rotated")
+    assert run.ok and run.rotation == qw.Rotation()
+    assert not any(taken.values()) and session.truth_check().real_kernels == ()  # the unrotated simulation took none
+    said = [note for note in run.notes if "does not take them" in note]
+    assert said and f"{broken} (1.0 dB)" in said[0] and f"{hidden} (2.0 dB)" in said[0], run.notes
+    rotated["now"] = False
+    assert session.apply({}, label="plain").ok  # an unrotated run hands its broken kernel over
+    assert list(taken.values()) == [[broken]] and session.truth_check().real_kernels == (broken,)
+
+
+def test_a_kernel_a_rotated_fit_finds_is_taken_by_the_rotated_front_which_is_fitted_again(monkeypatch):
+    """The rotated front's fit does what the plain one does when its real run finds a kernel the
+    baseline hid: that front's simulation (the twin's) runs it from then on and the fit is made again
+    on the front simulated with it; the unrotated simulation never takes it. Stood in for by
+    ``stand_in_kernel_checks``: one broken kernel, on rotated runs made after the rotated baseline only."""
+    hidden = "model.layers.1.mlp.up_proj"
+    model = decoder(64, tied=False)
+    norm = model.model.norm.weight.detach().clone()  # R1 folds it into the head: a rotated run's is all ones
+    after_baseline = {"now": False}
+
+    def found(quantized):
+        rotated = not torch.equal(quantized.model.norm.weight, norm)
+        return {hidden: 2.0} if rotated and after_baseline["now"] else {}
+
+    stand_in_kernel_checks(monkeypatch, found)
     generator = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, 256, (2, 32), generator=generator),) for _ in range(6)]
     options = {"engine": "eager", "format": "int4-weight-only", "metric": "perplexity", "algorithms": ("rtn",)}
