@@ -35,7 +35,7 @@ def lowered(model, example):
 
 
 def structure_of(model, example):
-    return program_reuse.structure(_exported(model, example), DYNAMIC, True)
+    return program_reuse.structure(_exported(model, example, free_batch=False), DYNAMIC, True)
 
 
 def with_weights(model, **changes):

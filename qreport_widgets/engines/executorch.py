@@ -91,9 +91,12 @@ def executorch_api() -> types.SimpleNamespace:
                 XnnpackPartitioner,
             )
             from executorch.backends.xnnpack.utils.configs import get_xnnpack_edge_compile_config
-            from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+            from executorch.exir import EdgeProgramManager, ExecutorchBackendConfig, to_edge_transform_and_lower
             from executorch.exir.backend.compile_spec_schema import CompileSpec
             from executorch.exir.backend.partitioner import DelegationSpec
+            from executorch.exir.dialects._ops import ops as edge_ops
+            from executorch.exir.passes.constant_prop_pass import _DEFAULT_SKIP_TARGETS, constant_prop_pass
+            from executorch.exir.passes.quant_fusion_pass import QuantFusionPass
             from executorch.runtime import Runtime  # noqa: F401  (the worker's; missing means no runtime)
     except ImportError as error:
         raise MissingExtraError(f"the XNNPACK target needs ExecuTorch ({error}); install it with: {INSTALL}") from error
@@ -101,7 +104,12 @@ def executorch_api() -> types.SimpleNamespace:
         XnnpackPartitioner=XnnpackPartitioner,
         XnnpackDynamicallyQuantizedPartitioner=XnnpackDynamicallyQuantizedPartitioner,
         ExecutorchBackendConfig=ExecutorchBackendConfig,
+        EdgeProgramManager=EdgeProgramManager,
         to_edge_transform_and_lower=to_edge_transform_and_lower,
+        QuantFusionPass=QuantFusionPass,
+        constant_prop_pass=constant_prop_pass,
+        not_folded=frozenset(_DEFAULT_SKIP_TARGETS),  # what its constant propagation leaves as ops by default
+        edge_ops=edge_ops.edge,
         edge_compile_config=get_xnnpack_edge_compile_config,
         CompileSpec=CompileSpec,
         DelegationSpec=DelegationSpec,
@@ -292,7 +300,8 @@ def lower(
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", UserWarning)
-            exported = exported or _exported(model, example_inputs)
+            fixed_rows = _batch_rows(list(example_inputs)) if exported is None and partitioner == DYNAMIC else None
+            exported = exported or _exported(model, example_inputs, free_batch=partitioner != DYNAMIC)
             step = "comparing the graph with the programs lowered before"
             shape = program_reuse.structure(exported, partitioner, fuse_quantized_ops)
             earlier = program_reuse.LOWERED.get(shape.key)
@@ -313,8 +322,7 @@ def lower(
                 delegation = _delegation(edge.exported_program().graph_module, reasons)
                 stage("lowering: serialising the program (to_executorch)")
                 step = "to_executorch (serialising the program)"
-                config = api.ExecutorchBackendConfig(do_quant_fusion_and_const_prop=fuse_quantized_ops)
-                pte = bytes(edge.to_executorch(config).buffer)
+                pte = _serialised(edge, fuse_quantized_ops, fixed_rows)
             stage()
     except Stopped:  # the caller stopped it between stages
         raise
@@ -405,12 +413,12 @@ def program_taps(program: DeployedProgram, names: Sequence[str]) -> ProgramTaps:
     try:
         with torch_warnings_hidden(), quiet_runtime(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            exported, specs = tap_intermediate_outputs_(_exported(program.reference, example_inputs), rules=[rule])
+            untapped = _exported(program.reference, example_inputs, free_batch=partitioner != DYNAMIC)
+            exported, specs = tap_intermediate_outputs_(untapped, rules=[rule])
             chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
             edge = api.to_edge_transform_and_lower(exported, partitioner=[chosen], compile_config=api.edge_compile_config())
             strip_taps_(edge)
-            config = api.ExecutorchBackendConfig(do_quant_fusion_and_const_prop=fuse)
-            pte = bytes(edge.to_executorch(config).buffer)
+            pte = _serialised(edge, fuse, _batch_rows(list(example_inputs)) if partitioner == DYNAMIC else None)
     except Exception as error:
         raise LoweringError(
             "the program could not be lowered again with its modules' outputs tapped "
@@ -502,19 +510,22 @@ def _exportable_experts(model: torch.nn.Module) -> Iterator[None]:
             module.config = config
 
 
-def _exported(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
+def _exported(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, free_batch: bool) -> torch.export.ExportedProgram:
     with _exportable_experts(model):
-        return _exported_as_is(model, example_inputs)
+        return _exported_as_is(model, example_inputs, free_batch=free_batch)
 
 
-def _exported_as_is(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
+def _exported_as_is(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, free_batch: bool) -> torch.export.ExportedProgram:
+    """``model`` exported for ``example_inputs``; with ``free_batch``, its batch size free up to the
+    example's where the model allows it. A decoder's program (the dynamically quantized partitioner)
+    keeps the example's batch, as ExecuTorch's LLM export keeps its shapes: its lowering takes half
+    the time (26.5 s against 52.5 s for the byte decoder's 8da4w program, 2 threads,
+    ``benchmarks/xnnpack_llm.py``), symbolic sizes being the other half; a smaller batch runs padded
+    (``DeployedProgram``), and ``_serialised`` leaves what the batch made constant as ops."""
     model = _ProgramOutputs(model)
     rows = _batch_rows(list(example_inputs))
-    if rows is not None and rows > 1:
-        # ExecuTorch plans the program's memory for the bound: the example's batch, stated (larger ones run in chunks).
-        # A fixed batch lowers a third faster (32 s against 49 s on the byte decoder), but with quantized-op fusion
-        # the constant propagation then folds what the fixed batch makes constant into the program: 888,448 bytes
-        # against 770,944 (without the fusion 733,440 against 742,144), no longer the program ExecuTorch's export ships
+    if free_batch and rows is not None and rows > 1:
+        # ExecuTorch plans the program's memory for the bound: the example's batch, stated (larger ones run in chunks)
         batch = torch.export.Dim("batch", min=1, max=rows)
         try:
             shapes = {"inputs": tuple({0: batch} for _ in example_inputs)}  # the wrapper takes them as *inputs
@@ -522,6 +533,76 @@ def _exported_as_is(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> 
         except Exception:  # the model fixes its batch size: exported as given
             pass
     return torch.export.export(model, example_inputs)
+
+
+def _serialised(edge: Any, fuse_quantized_ops: bool, rows: int | None) -> bytes:
+    """The ``.pte`` bytes of a lowered program (``to_executorch``). ``fuse_quantized_ops``: torchao's
+    quantize / dequantize ops outside XNNPACK fused into ExecuTorch's quantized kernels, then the
+    constants propagated, as ``do_quant_fusion_and_const_prop`` does. ``rows``: the batch the export
+    fixed (None: the batch is free, or was fixed by the caller's export). The propagation then stores
+    no value the batch introduced: an op whose result leads with the batch's rows while none of its
+    inputs does (transformers' attention mask broadcast to the batch, an ``arange`` over its rows)
+    stays an op, as a program whose batch is free computes it, and with it what is computed from it.
+    Folded, the byte decoder's mask is stored once per block at 4 x 1 x 128 x 128 bools (1,016,832
+    bytes of ``.pte``); left, 767,744, against the batch-free program's 770,944 (its size ops gone)."""
+    api = executorch_api()
+    if fuse_quantized_ops and rows is not None and rows > 1:
+        program = edge.exported_program()
+        api.QuantFusionPass(_fix_node_meta_val=True, node_value_dict=_stored_tensors(program))(program.graph_module)
+        with _unfolded(_batch_introduced(program.graph, rows)) as kept:
+            folded = api.constant_prop_pass(program, custom_skip_targets=set(api.not_folded) | kept)
+        edge = api.EdgeProgramManager(folded, compile_config=api.edge_compile_config())
+        fuse_quantized_ops = False  # done above
+    config = api.ExecutorchBackendConfig(do_quant_fusion_and_const_prop=fuse_quantized_ops)
+    return bytes(edge.to_executorch(config).buffer)
+
+
+def _batch_introduced(graph: torch.fx.Graph, rows: int) -> list[torch.fx.Node]:
+    """The ops of ``graph`` whose result leads with ``rows`` while none of their inputs' does."""
+
+    def leading(node: torch.fx.Node) -> bool:
+        value = node.meta.get("val")
+        return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
+
+    return [n for n in graph.nodes if n.op == "call_function" and leading(n) and not any(map(leading, n.all_input_nodes))]
+
+
+@contextlib.contextmanager
+def _unfolded(nodes: Sequence[torch.fx.Node]) -> Iterator[set[Any]]:
+    """Within: each of ``nodes`` calls its op through a function of its own, the set of which is
+    given, for ExecuTorch's constant propagation to skip (it skips by op, not by node); the ops are
+    put back after."""
+    kept: dict[Any, Any] = {}
+    for node in nodes:
+        op = node.target
+
+        def own(*args: Any, _op: Any = op, **kwargs: Any) -> Any:
+            return _op(*args, **kwargs)
+
+        own.__name__ = f"kept_{getattr(op, '__name__', 'op')}".replace(".", "_")
+        kept[own] = op
+        node.target = own
+    try:
+        yield set(kept)
+    finally:
+        for node in nodes:
+            if node.target in kept:
+                node.target = kept[node.target]
+        if nodes:
+            nodes[0].graph.owning_module.recompile()
+
+
+def _stored_tensors(program: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """The values of ``program``'s parameters and buffers, by the names of the graph inputs that
+    read them (what the quantized-op fusion's patterns check weights with)."""
+    from torch.export.graph_signature import InputKind, TensorArgument
+
+    stored = (InputKind.PARAMETER, InputKind.BUFFER)
+    return {
+        spec.arg.name: program.state_dict[spec.target]
+        for spec in program.graph_signature.input_specs
+        if spec.kind in stored and isinstance(spec.arg, TensorArgument) and spec.target in program.state_dict
+    }
 
 
 def _median_ms(seconds: Sequence[float]) -> float:
