@@ -519,7 +519,7 @@ def _exported_as_is(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, 
     """``model`` exported for ``example_inputs``; with ``free_batch``, its batch size free up to the
     example's where the model allows it. A decoder's program (the dynamically quantized partitioner)
     keeps the example's batch, as ExecuTorch's LLM export keeps its shapes: its lowering takes half
-    the time (26.5 s against 52.5 s for the byte decoder's 8da4w program, 2 threads,
+    the time (26.0 s against 52.5 s for the byte decoder's 8da4w program, 2 threads,
     ``benchmarks/xnnpack_llm.py``), symbolic sizes being the other half; a smaller batch runs padded
     (``DeployedProgram``), and ``_serialised`` leaves what the batch made constant as ops."""
     model = _ProgramOutputs(model)
@@ -543,8 +543,9 @@ def _serialised(edge: Any, fuse_quantized_ops: bool, rows: int | None) -> bytes:
     no value the batch introduced: an op whose result leads with the batch's rows while none of its
     inputs does (transformers' attention mask broadcast to the batch, an ``arange`` over its rows)
     stays an op, as a program whose batch is free computes it, and with it what is computed from it.
-    Folded, the byte decoder's mask is stored once per block at 4 x 1 x 128 x 128 bools (1,016,832
-    bytes of ``.pte``); left, 767,744, against the batch-free program's 770,944 (its size ops gone)."""
+    Folded, the byte decoder's mask (as ``from_pretrained`` gives it, ``use_cache=True``) is stored once
+    per block at 4 x 1 x 128 x 128 bools (1,016,832 bytes of ``.pte``); left, 772,096, against the
+    batch-free program's 780,800 (its size ops gone)."""
     api = executorch_api()
     if fuse_quantized_ops and rows is not None and rows > 1:
         program = edge.exported_program()
