@@ -169,7 +169,8 @@ class SizeFrontPane(w.VBox):
             self.figure.axes[1].label = label
             for mark in (self.points, self.uniform_marks, self.runs):
                 mark.tooltip.labels = ["size (KB)", label]
-            self.figure.title = f"Size front: {len(front)} points (simulated), {len(runs)} real run(s)"
+            # short enough to stay clear of the figure's toolbar at 1,024 px (the text above counts the points)
+            self.figure.title = f"Size front, {len(runs)} real run{'' if len(runs) == 1 else 's'}"
             self.uniform_text.value = _uniform_html(uniform, metric)
             if self.figure not in self.children:
                 self.children = (*self.children, self.figure, self.chosen, self.uniform_text)

@@ -415,7 +415,7 @@ def test_the_size_front_a_budget_and_apply_at_1400_and_1024(lab):
             widget.get_by_text("apply 1: output SQNR").first.wait_for(timeout=120_000)
         finally:
             page.screenshot(path=str(SCREENSHOTS / "size_front_after_apply.png"), full_page=False)
-        widget.get_by_text(re.compile(r"\d+ real run\(s\)")).first.wait_for(timeout=30_000)
+        widget.get_by_text(re.compile(r"Size front, \d+ real runs?")).first.wait_for(timeout=30_000)
         for width in (1400, 1024):
             page.set_viewport_size({"width": width, "height": 1100})
             page.wait_for_timeout(800)
