@@ -94,7 +94,6 @@ def executorch_api() -> types.SimpleNamespace:
             from executorch.exir import EdgeProgramManager, ExecutorchBackendConfig, to_edge_transform_and_lower
             from executorch.exir.backend.compile_spec_schema import CompileSpec
             from executorch.exir.backend.partitioner import DelegationSpec
-            from executorch.exir.dialects._ops import ops as edge_ops
             from executorch.exir.passes.constant_prop_pass import _DEFAULT_SKIP_TARGETS, constant_prop_pass
             from executorch.exir.passes.quant_fusion_pass import QuantFusionPass
             from executorch.runtime import Runtime  # noqa: F401  (the worker's; missing means no runtime)
@@ -109,7 +108,6 @@ def executorch_api() -> types.SimpleNamespace:
         QuantFusionPass=QuantFusionPass,
         constant_prop_pass=constant_prop_pass,
         not_folded=frozenset(_DEFAULT_SKIP_TARGETS),  # what its constant propagation leaves as ops by default
-        edge_ops=edge_ops.edge,
         edge_compile_config=get_xnnpack_edge_compile_config,
         CompileSpec=CompileSpec,
         DelegationSpec=DelegationSpec,
@@ -300,8 +298,8 @@ def lower(
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", UserWarning)
-            fixed_rows = _batch_rows(list(example_inputs)) if exported is None and partitioner == DYNAMIC else None
-            exported = exported or _exported(model, example_inputs, free_batch=partitioner != DYNAMIC)
+            fixed_rows = None if exported is not None else _fixed_batch(partitioner, example_inputs)
+            exported = exported or _exported(model, example_inputs, free_batch=fixed_rows is None)
             step = "comparing the graph with the programs lowered before"
             shape = program_reuse.structure(exported, partitioner, fuse_quantized_ops)
             earlier = program_reuse.LOWERED.get(shape.key)
@@ -413,12 +411,13 @@ def program_taps(program: DeployedProgram, names: Sequence[str]) -> ProgramTaps:
     try:
         with torch_warnings_hidden(), quiet_runtime(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            untapped = _exported(program.reference, example_inputs, free_batch=partitioner != DYNAMIC)
+            fixed_rows = _fixed_batch(partitioner, example_inputs)
+            untapped = _exported(program.reference, example_inputs, free_batch=fixed_rows is None)
             exported, specs = tap_intermediate_outputs_(untapped, rules=[rule])
             chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
             edge = api.to_edge_transform_and_lower(exported, partitioner=[chosen], compile_config=api.edge_compile_config())
             strip_taps_(edge)
-            pte = _serialised(edge, fuse, _batch_rows(list(example_inputs)) if partitioner == DYNAMIC else None)
+            pte = _serialised(edge, fuse, fixed_rows)
     except Exception as error:
         raise LoweringError(
             "the program could not be lowered again with its modules' outputs tapped "
@@ -508,6 +507,12 @@ def _exportable_experts(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, config in held:
             module.config = config
+
+
+def _fixed_batch(partitioner: str, example_inputs: tuple[Any, ...]) -> int | None:
+    """The batch a program lowered with ``partitioner`` is exported at (a decoder's, ``DYNAMIC``: the
+    example's rows, ``_exported_as_is``); None where the batch is left free."""
+    return _batch_rows(list(example_inputs)) if partitioner == DYNAMIC else None
 
 
 def _exported(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, free_batch: bool) -> torch.export.ExportedProgram:
