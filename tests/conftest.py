@@ -75,15 +75,27 @@ def pytest_configure(config):
     (they inherit the environment): each model is trained once (seeded, so every test sees the
     same weights) and loaded from there after; the weights in ``tests/weights`` are put there
     first. A ``QREPORT_WIDGETS_CACHE`` already set is kept (a developer's repeated runs skip the
-    training); else a fresh folder per run."""
+    training); else a fresh folder per run, removed when it ends."""
     _threads_per_worker()
     if not os.environ.get(CACHE_VARIABLE):
         os.environ[CACHE_VARIABLE] = tempfile.mkdtemp(prefix="qreport-demo-weights-")
+        config.stash[_MADE_CACHE] = Path(os.environ[CACHE_VARIABLE])
     folder = Path(os.environ[CACHE_VARIABLE])
     folder.mkdir(parents=True, exist_ok=True)
     for weights in COMMITTED_WEIGHTS.glob("*.pt"):
         if not (folder / weights.name).exists():
             shutil.copyfile(weights, folder / weights.name)
+
+
+def pytest_unconfigure(config):
+    """The run's own weights folder (made in ``pytest_configure``) removed when the run ends."""
+    made = config.stash.get(_MADE_CACHE, None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
+        os.environ.pop(CACHE_VARIABLE, None)
+
+
+_MADE_CACHE = pytest.StashKey[Path]()
 
 
 def _threads_per_worker() -> None:
