@@ -13,6 +13,7 @@ import qreport_widgets as qw
 from qreport_widgets.core.metrics import perplexity
 from qreport_widgets.demo.text import HELD_OUT, TOKENS, decoder_weights_name, text_bytes, trained_text_decoder
 from qreport_widgets.engines.settings import ModuleSettings
+from qreport_widgets.tune import runner
 
 
 def test_the_held_out_text_is_never_trained_on(text_decoder):
@@ -122,3 +123,33 @@ def test_a_metric_that_cannot_be_is_refused_with_the_way_out(text_decoder):
         perplexity(torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Flatten()), batches)
     with pytest.raises(ValueError, match="batches of token ids"):
         perplexity(model, [(torch.randn(2, 8),)])
+
+
+def test_a_metric_read_off_the_outputs_costs_a_real_run_no_call_of_the_model(text_decoder, monkeypatch):
+    """Perplexity (a ``Metric`` read off the outputs) comes from the real run's evaluation pass: the run
+    calls the model as often as the same run without a metric, and its value is what ``eval_fn`` gives."""
+    model, data = text_decoder
+    evaluation = data.evaluation[:3]
+    monkeypatch.setattr(runner, "LATENCY_CALLS", (len(evaluation), len(evaluation)))  # no timing-dependent calls
+    calls = []
+    forward = type(model).forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return forward(self, *args, **kwargs)
+
+    def a_run(**metric):
+        options = {"engine": "eager", "format": "int4-weight-only", "progress": False, **metric}
+        session = qw.analyze(model, data.calibration[0], data.calibration[:2], eval_data=evaluation, **options).session
+        session.baseline(), session.float_metric()  # the float model's outputs and metric: computed once, first
+        calls.clear()
+        with monkeypatch.context() as patched:
+            patched.setattr(type(model), "forward", counted)
+            run = session.apply({"model.layers.0.mlp.down_proj": ModuleSettings(keep_float=True)})
+        assert run.ok, run.error
+        return len(calls), run
+
+    plain, _ = a_run()
+    with_metric, run = a_run(metric="perplexity")
+    assert with_metric == plain > len(evaluation)
+    assert run.eval_metric == pytest.approx(perplexity(run.quantized_model, evaluation), rel=1e-6)

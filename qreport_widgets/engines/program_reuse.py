@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import re
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 # one leaf of a constant: its path inside the constant ("" for a plain tensor) and the tensor
@@ -136,14 +136,27 @@ Keys = dict[bytes, list[int]]  # each named-data key in the program, and where i
 
 
 def _keys_in(pte: bytes) -> Keys:
-    """Where each named-data key (64 hex digits, alone) occurs in the program."""
+    """Where each named-data key (64 hex digits, alone) occurs in the program: the runs of exactly 64
+    lowercase hex digits, found a window at a time (a decoder's program is hundreds of MB)."""
     found: Keys = {}
-    for match in _KEY.finditer(pte):
-        found.setdefault(match.group(), []).append(match.start())
+    data = np.frombuffer(pte, dtype=np.uint8)
+    for start in range(0, len(data), _WINDOW):
+        # a byte before the window (a run must not start earlier) and a key's length plus one after it
+        low, high = max(start - 1, 0), min(start + _WINDOW + _KEY_LENGTH + 1, len(data))
+        hex_digit = _HEX_DIGIT[data[low:high]].view(np.int8)
+        edges = np.diff(hex_digit, prepend=np.int8(0), append=np.int8(0))
+        begins, ends = np.flatnonzero(edges == 1) + low, np.flatnonzero(edges == -1) + low
+        ours = (begins >= start) & (begins < start + _WINDOW)
+        closed = (ends < high) | (high == len(data))  # the byte after it seen, or the program's end
+        for at in begins[ours & closed & (ends - begins == _KEY_LENGTH)].tolist():
+            found.setdefault(pte[at : at + _KEY_LENGTH], []).append(at)
     return found
 
 
-_KEY = re.compile(rb"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
+_KEY_LENGTH = 64
+_WINDOW = 1 << 24
+_HEX_DIGIT = np.zeros(256, dtype=bool)
+_HEX_DIGIT[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = True
 
 
 def _stored(keys: Keys, tensor: torch.Tensor) -> tuple[Callable[[torch.Tensor], bytes | None] | None, bytes | None]:

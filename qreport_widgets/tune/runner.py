@@ -117,6 +117,12 @@ class Runner:
         self._float_metric: float | None = None
 
     @property
+    def metric_from_outputs(self) -> bool:
+        """Whether the session's metric is read off the outputs on the evaluation batches
+        (``Metric.from_outputs``: perplexity), so the pass that gives the output SQNR gives it too."""
+        return self.eval_fn is not None and self.metric is not None and self.metric.from_outputs
+
+    @property
     def float_model(self) -> torch.nn.Module:
         """The float model, after checking its weights were not changed in place."""
         return self._watched.model
@@ -332,10 +338,13 @@ class Runner:
         batch = batches[0]
         reference = self.reference_outputs()
         outputs: list[torch.Tensor] = []
+        terms: list[tuple[float, ...]] = []  # the metric's, where the evaluation pass's outputs give it
+        metric = self.metric if self.metric_from_outputs else None
+        each = None if metric is None else lambda b, output: terms.append(tuple(metric.batch_terms(b, output)))
         with torch.no_grad():
             try:
                 call_with(quantized, batch)  # warm-up: first calls pay for allocations and packing
-                seconds = _timed_calls(quantized, batches, outputs, self.output_of)
+                seconds = _timed_calls(quantized, batches, outputs, self.output_of, each)
             except Exception as error:
                 raise CalibrationError(f"{label}: the quantized model failed on the evaluation data: {error}") from error
         notes, layers = [], pd.Series(dtype=float, name="SQNR (dB)")
@@ -369,7 +378,7 @@ class Runner:
             "latency_spread_ms": float((max(seconds) - min(seconds)) * 1000),
             "mean_batch_sqnr_db": float(np.mean([sqnr_db(r, o) for r, o in zip(reference, outputs, strict=True)])),
             "quantized_layers": int(conversions["quantized"].sum()) if len(conversions) else 0,
-            "eval_metric": float(self.eval_fn(quantized)) if self.eval_fn is not None else None,
+            "eval_metric": self._metric_of(quantized, terms),
             "eval_batches": self.batches.eval_description,
             "summary": summary,
             "conversions": conversions,
@@ -377,6 +386,15 @@ class Runner:
             "module_notes": _with_kernel_notes(said.module_notes, kernels),
             "kernel_sqnr_db": kernels,
         }
+
+    def _metric_of(self, quantized: torch.nn.Module, terms: Sequence[tuple[float, ...]]) -> float | None:
+        """The run's metric: combined from the evaluation pass's ``terms`` where the metric is read off
+        the outputs (no second pass over the evaluation batches), else ``eval_fn`` on ``quantized``."""
+        if self.eval_fn is None:
+            return None
+        if self.metric_from_outputs and terms:
+            return float(self.metric.combine(terms))  # type: ignore[union-attr, misc]
+        return float(self.eval_fn(quantized))
 
 
 _IDENTITIES = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -409,10 +427,15 @@ def _require_float32(model: torch.nn.Module) -> None:
 
 
 def _timed_calls(
-    model: torch.nn.Module, batches: Iterable[Any], outputs: list[torch.Tensor], output_of: Callable[[Any], torch.Tensor]
+    model: torch.nn.Module,
+    batches: Iterable[Any],
+    outputs: list[torch.Tensor],
+    output_of: Callable[[Any], torch.Tensor],
+    each: Callable[[Any, Any], None] | None = None,
 ) -> list[float]:
     """Seconds per call of ``model`` on one thread: each evaluation batch once (its output appended
-    to ``outputs``), then more calls cycling through them while LATENCY_CALLS asks for them.
+    to ``outputs``, and ``each(batch, output)`` called with the model's own output), then more calls
+    cycling through them while LATENCY_CALLS asks for them.
 
     One thread: on a busy machine (a browser drawing the notebook beside the kernel) torch's
     thread pool waits on the other threads and a 1 ms model measured 150 ms; one thread measures
@@ -432,6 +455,8 @@ def _timed_calls(
         for batch in batches:  # the evaluation pass: its outputs and its times
             output, took = timed(batch)
             outputs.append(output_of(output))
+            if each is not None:
+                each(batch, output)
             seconds.append(took)
         fewest, most = LATENCY_CALLS
         for batch in itertools.cycle(batches):  # more calls while the figure needs them

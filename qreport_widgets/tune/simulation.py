@@ -62,16 +62,12 @@ class Simulated:
         simulation, runner = self.simulation(), self.runner
         outputs = simulation.outputs(runner.eval_data, variant)
         sqnr, metric = runner.output_sqnr(outputs), None
-        if self._reads_outputs():  # the same pass gives both
+        if runner.metric_from_outputs:  # the same pass gives both
             metric = runner.metric.of_outputs(runner.eval_data, outputs)  # type: ignore[union-attr]
         elif runner.eval_fn is not None:
             with torch.no_grad():
                 metric = float(runner.eval_fn(simulation.model))
         return sqnr, metric
-
-    def _reads_outputs(self) -> bool:
-        """Whether the session's metric is computed from the outputs on the evaluation batches."""
-        return self.runner.eval_fn is not None and self.runner.metric is not None and self.runner.metric.from_outputs
 
     def simulate_each(
         self,
@@ -92,10 +88,10 @@ class Simulated:
         that needs the whole model costs a whole pass more per variant (one step per variant)."""
         simulation, runner = self.simulation(), self.runner
         with_metric = metric and runner.eval_fn is not None
-        if batches is not None and with_metric and not self._reads_outputs():
+        if batches is not None and with_metric and not self.runner.metric_from_outputs:
             raise ValueError("an eval_fn that reads the whole model cannot be simulated on some evaluation batches")
         data = runner.eval_data if batches is None else runner.eval_data[:batches]
-        if with_metric and not self._reads_outputs():
+        if with_metric and not self.runner.metric_from_outputs:
             try:
                 with steps(len(variants), desc, "step", progress) as step:
                     found = []
