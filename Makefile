@@ -27,6 +27,7 @@ WITHOUT_AVX512 := $(shell grep -v '^\#' tools/without-avx512.env)
 HAS_AVX512 := $(shell grep -q -m1 avx512f /proc/cpuinfo 2>/dev/null && echo yes)
 KERNEL_FILES := $(shell grep -l 'mark.kernels' tests/*.py)
 KERNEL_TESTS := $(BIN)/python -m pytest -m 'kernels and not slow' -p no:cacheprovider $(KERNEL_FILES)
+NO_SIMD_TESTS := env ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(KERNEL_TESTS)
 NO_SIMD_LOG := $(VENV)/kernel-tests-no-simd.log
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file in one of them, so that
@@ -40,7 +41,7 @@ test: setup
 	@began=$$(date +%s); \
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20; suite=$$?; \
 	if [ "$(HAS_AVX512)" = yes ]; then \
-		env ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(KERNEL_TESTS) > $(NO_SIMD_LOG) 2>&1 & no_simd=$$!; \
+		$(NO_SIMD_TESTS) > $(NO_SIMD_LOG) 2>&1 & no_simd=$$!; \
 		env $(WITHOUT_AVX512) $(KERNEL_TESTS); without_avx512=$$?; \
 		wait $$no_simd; one_thread=$$?; \
 		echo "--- the same tests on one thread, torch's no-SIMD kernels:"; cat $(NO_SIMD_LOG); \
@@ -48,7 +49,7 @@ test: setup
 		echo "--- the tests marked kernels: this CPU has no AVX-512, so the suite above ran them as such a CPU does"; \
 		without_avx512=0; \
 		echo "--- the same tests on one thread, torch's no-SIMD kernels:"; \
-		env ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(KERNEL_TESTS); one_thread=$$?; \
+		$(NO_SIMD_TESTS); one_thread=$$?; \
 	fi; \
 	echo "--- make test: $$(( $$(date +%s) - began )) s wall (suite exit $$suite, kernels $$without_avx512 / $$one_thread)"; \
 	test $$suite -eq 0 && test $$without_avx512 -eq 0 && test $$one_thread -eq 0

@@ -86,7 +86,7 @@ def independent_program(model, example, evaluation):
     def logits(ids):
         return torch.cat([method.execute([piece])[0] for piece in ids.split(rows)])
 
-    return perplexity(lambda ids: logits(ids), evaluation), len(pte)
+    return perplexity(logits, evaluation), len(pte)
 
 
 def test_the_baseline_is_the_program_executorch_ships_its_perplexity_and_size_an_independent_programs():

@@ -338,8 +338,9 @@ class Runner:
         batch = batches[0]
         reference = self.reference_outputs()
         outputs: list[torch.Tensor] = []
-        terms: list[tuple[float, ...]] = []  # the metric's, where the evaluation pass's outputs give it
+        # a metric read off the outputs (perplexity) is added up over this pass, not called for again
         metric = self.metric if self.metric_from_outputs else None
+        terms: list[tuple[float, ...]] = []
         each = None if metric is None else lambda b, output: terms.append(tuple(metric.batch_terms(b, output)))
         with torch.no_grad():
             try:
@@ -367,6 +368,10 @@ class Runner:
             first = self._watched.model.get_submodule(self._watched.experts[0])
             notes.append(experts_words(self._watched.experts, first.num_experts))
         summary, conversions = engine.conversions(prepared, quantized)
+        if metric is not None:
+            value: float | None = float(metric.combine(terms))  # type: ignore[misc]
+        else:
+            value = float(self.eval_fn(quantized)) if self.eval_fn is not None else None
         everything = torch.cat([r.flatten() for r in reference]), torch.cat([o.flatten() for o in outputs])
         return {
             "quantized_model": quantized,
@@ -378,7 +383,7 @@ class Runner:
             "latency_spread_ms": float((max(seconds) - min(seconds)) * 1000),
             "mean_batch_sqnr_db": float(np.mean([sqnr_db(r, o) for r, o in zip(reference, outputs, strict=True)])),
             "quantized_layers": int(conversions["quantized"].sum()) if len(conversions) else 0,
-            "eval_metric": self._metric_of(quantized, terms),
+            "eval_metric": value,
             "eval_batches": self.batches.eval_description,
             "summary": summary,
             "conversions": conversions,
@@ -386,15 +391,6 @@ class Runner:
             "module_notes": _with_kernel_notes(said.module_notes, kernels),
             "kernel_sqnr_db": kernels,
         }
-
-    def _metric_of(self, quantized: torch.nn.Module, terms: Sequence[tuple[float, ...]]) -> float | None:
-        """The run's metric: combined from the evaluation pass's ``terms`` where the metric is read off
-        the outputs (no second pass over the evaluation batches), else ``eval_fn`` on ``quantized``."""
-        if self.eval_fn is None:
-            return None
-        if self.metric_from_outputs and terms:
-            return float(self.metric.combine(terms))  # type: ignore[union-attr, misc]
-        return float(self.eval_fn(quantized))
 
 
 _IDENTITIES = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)

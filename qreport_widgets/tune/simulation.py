@@ -88,10 +88,10 @@ class Simulated:
         that needs the whole model costs a whole pass more per variant (one step per variant)."""
         simulation, runner = self.simulation(), self.runner
         with_metric = metric and runner.eval_fn is not None
-        if batches is not None and with_metric and not self.runner.metric_from_outputs:
+        if batches is not None and with_metric and not runner.metric_from_outputs:
             raise ValueError("an eval_fn that reads the whole model cannot be simulated on some evaluation batches")
         data = runner.eval_data if batches is None else runner.eval_data[:batches]
-        if with_metric and not self.runner.metric_from_outputs:
+        if with_metric and not runner.metric_from_outputs:
             try:
                 with steps(len(variants), desc, "step", progress) as step:
                     found = []
