@@ -11,6 +11,7 @@ same steps on a real one are ``test_gpu.py``, ``make test-gpu``):
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
 from collections import namedtuple
 from pathlib import Path
@@ -169,3 +170,34 @@ def test_inputs_on_another_device_than_the_model_are_refused_naming_both(engine)
     on_meta = (torch.ones(2, 8, device=META),)
     with pytest.raises(qw.CalibrationError, match="Batch 1 is on cpu but the model is on meta"):
         qw.analyze(model, on_meta, [on_meta, *batches], progress=False, engine=engine)
+
+
+def test_an_eager_model_calibrated_where_it_lives_converts_as_a_copy_with_every_weight_it_found():
+    # on a GPU, GPTQ / AWQ / the learned rounding compute where the model is and the calibrated model
+    # then moves to the kernels' device (``relocated``); here both are the CPU, so the copy's weights
+    # must be exactly the ones the model calibrated in place converts to
+    model, batches = tiny_llama()
+    report = qw.analyze(model, batches[0], batches[:4], progress=False, engine="eager", format="int4-weight-only")
+    session, runner = report.session, report.session.parts.runner
+    linears = [m.fqn for m in session.modules if m.current.format == "int4-weight-only" and m.algorithm_allowed("learned")]
+    algorithms = {fqn: ("gptq", "awq", "learned")[i % 3] for i, fqn in enumerate(linears)}  # a module of each
+    settings = {fqn: ModuleSettings(format="int4-weight-only", group_size=32, algorithm=a) for fqn, a in algorithms.items()}
+    config = runner.config_for(settings)
+    engine = session.engine
+    assert engine.computes_where_the_model_is(config)
+    converted = []
+    for move in (False, True):
+        prepared = runner.prepare(session.float_model, config)
+        with contextlib.closing(engine.calibration_passes(prepared)) as passes:
+            for statistics in passes:
+                runner.calibrate(prepared, "calibrating", statistics=statistics)
+        if move:
+            relocated = engine.relocated(prepared, CPU)
+            assert relocated is not prepared
+            prepared = relocated
+        converted.append(engine.convert(prepared))
+    in_place, moved_copy = ({fqn: m.get_submodule(fqn).weight.dequantize() for fqn in algorithms} for m in converted)
+    for fqn in algorithms:
+        assert torch.equal(in_place[fqn], moved_copy[fqn]), fqn
+    assert engine.run_notes(config, converted[1]).notes == engine.run_notes(config, converted[0]).notes  # the learned notes too
+    assert not engine.computes_where_the_model_is(runner.config_for({linears[0]: ModuleSettings(format="int4-weight-only")}))

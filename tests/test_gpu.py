@@ -74,6 +74,9 @@ def test_an_eager_decoder_on_the_gpu_runs_each_weight_algorithm_as_the_cpu_does(
     here, there = (r.session.apply(dict.fromkeys(linears, chosen)) for r in (report, on_cpu))
     assert here.ok, here.error
     assert here.eval_metric == pytest.approx(there.eval_metric, rel=1e-3 if algorithm != "learned" else 2e-2)
+    # the weights computed from the calibration batches are computed on the GPU, the run converted on the CPU
+    computed = any("computed on cuda" in note for note in here.notes)
+    assert computed == (algorithm in ("gptq", "awq", "learned")), here.notes
     assert len(report.session.block_sensitivity())
     # each block's SQNR of a run whose copy is on the CPU, against the float model on the GPU
     assert report.session.block_sqnr(here).to_numpy() == pytest.approx(on_cpu.session.block_sqnr(there).to_numpy(), abs=0.5)

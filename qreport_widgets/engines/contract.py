@@ -159,6 +159,20 @@ class Engine(ABC, Generic[ConfigT]):
         True (static activations observe it); an engine whose formats need none says False."""
         return True
 
+    def computes_where_the_model_is(self, config: ConfigT) -> bool:
+        """Whether a run with ``config`` whose model lives on another device than ``kernel_device``
+        (a GPU) calibrates there, on the model's own weights and batches, and only then moves to
+        the kernels' device (``relocated``): its calibration computes weights (GPTQ, the learned
+        rounding) that are many times faster on the GPU and move as plain tensors. Default: False
+        (observers are calibrated on a copy where the kernels are)."""
+        return False
+
+    def relocated(self, prepared: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """A calibrated ``prepared`` model as a copy on ``device``, with what its calibration found,
+        ready for ``convert`` (``prepared`` is left as it is); for an engine that
+        ``computes_where_the_model_is``."""
+        raise NotImplementedError(f"the {self.name} engine calibrates where its kernels are")
+
     def calibration_passes(
         self, prepared: torch.nn.Module, progress: Progress | None = None
     ) -> Iterator[MutableMapping[str, Any] | None]:

@@ -285,13 +285,22 @@ class Runner:
             self.ensure_room("run", f"the run {label!r}", settings)
             lives, place = model_device(source), engine.kernel_device
             moved_to = place if place is not None and lives != place else None
+            calibrates = engine.calibrates(config)
+            # weights computed from the calibration batches (GPTQ, the learned rounding) are computed
+            # where the model and its batches are, then the calibrated model moves to its kernels
+            computed_there = moved_to is not None and calibrates and engine.computes_where_the_model_is(config)
+            prepared = self.prepare(source, config) if computed_there else None
             if moved_to is not None:  # the run's own copy where its kernels are, released with the run
                 source = copy_on(source, moved_to)
-            prepared = self.prepare(source, config)
-            if engine.calibrates(config):
+            if prepared is None:
+                prepared = self.prepare(source, config)
+            if calibrates:
+                device = None if computed_there else moved_to
                 with contextlib.closing(engine.calibration_passes(prepared, progress)) as passes:
                     for statistics in passes:
-                        self.calibrate(prepared, f"{label}: calibrating", progress is None, progress, statistics, moved_to)
+                        self.calibrate(prepared, f"{label}: calibrating", progress is None, progress, statistics, device)
+            if computed_there:
+                prepared = engine.relocated(prepared, moved_to)
             # before convert changes prepared
             checks = check_kernels(prepared) if callable(check_kernels) else bool(check_kernels)
             reference = engine.reference_model(prepared) if checks else None
@@ -299,6 +308,8 @@ class Runner:
             measured = self._measure(quantized, prepared, config, label, per_layer, source, reference, moved_to)
             if moved_to is not None:
                 said = f"measured on {engine.kernel_words()}: the model is on {lives}, so the run converted a copy of it there"
+                if computed_there:
+                    said += f"; the weights it computes from the calibration batches were computed on {lives}"
                 measured["notes"] = (said, *measured["notes"])
             del prepared, reference, source
             give_back()  # what converting and measuring freed

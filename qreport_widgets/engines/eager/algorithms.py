@@ -343,6 +343,11 @@ class CompactWeight:
         extra = 0 if self.input_scale is None else self.input_scale.numel() * 4
         return self.packed.numel() + self.scale.numel() * self.scale.element_size() + extra
 
+    def to(self, device: torch.device) -> CompactWeight:
+        """The same weight with its tensors on ``device``."""
+        scale = None if self.input_scale is None else self.input_scale.to(device)
+        return replace(self, packed=self.packed.to(device), scale=self.scale.to(device), input_scale=scale)
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -358,6 +363,9 @@ class Recipe:
     @property
     def nbytes(self) -> int:
         return 0
+
+    def to(self, _device: torch.device) -> Recipe:
+        return self  # no tensors: rebuilt from the weight where it is
 
 
 def _divide_input(module: nn.Module, args: tuple) -> tuple | None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ...core.calibration import call_with
-from ...core.devices import CPU, model_device, moved
+from ...core.devices import CPU, copy_on, model_device, moved
 from ...core.memory import give_back, shared_copy
 from ...core.metrics import layer_sqnr_db, sqnr_db
 from ...core.progress import Progress
@@ -270,6 +270,18 @@ class EagerEngine(Engine[EagerConfig]):
             progress=progress,
             notes=notes,
         )
+
+    def computes_where_the_model_is(self, config: EagerConfig) -> bool:
+        return bool(config.needs_data)  # GPTQ, AWQ and the learned rounding: weights from the calibration batches
+
+    def relocated(self, prepared: nn.Module, device: torch.device) -> nn.Module:
+        moved_model = copy_on(prepared, device)
+        self._configs[moved_model] = self._configs[prepared]
+        if prepared in self._found:
+            self._found[moved_model] = {fqn: weight.to(device) for fqn, weight in self._found[prepared].items()}
+        if prepared in self._learned_notes:
+            self._learned_notes[moved_model] = list(self._learned_notes[prepared])
+        return moved_model
 
     def _quantized(self, module: nn.Module, key: tuple[str, int, str]) -> QuantizedWeight:
         return quantized_weight(module, key, target=self.target)
