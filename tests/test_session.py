@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import html
 import math
 
 import numpy as np
@@ -149,6 +150,10 @@ def test_tuning_panel_apply_accept_reset_and_errors(analyzed):
     assert tuning.layers.bars.scales["y"].min <= min(0.0, float(np.nanmin(tuning.layers.bars.y)))
     tuning.layers.view.value = "SQNR per run"
     assert tuning.layers.bars.y.shape[0] == min(4, layers.shape[1]) and tuning.layers.bars.labels[0] == "baseline"
+    # each run named with its colour in HTML above the figure (it wraps), not in a box inside the plot
+    assert not tuning.layers.bars.display_legend
+    for label, color in zip(tuning.layers.bars.labels, tuning.layers.bars.colors, strict=True):
+        assert f"background:{color}'></span>{html.escape(label)}</span>" in tuning.layers.legend.value
     # the caller's float model is bit-identical after analyze, the widget and three Applies
     assert_unchanged(model, before)
 

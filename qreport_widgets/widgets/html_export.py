@@ -270,6 +270,7 @@ class _Page:
         return (
             f"<h2>Runs ({len(session.history)})</h2>"
             + table.value
+            + chart.legend.value
             + self.embed(chart.figure, "figure wide")
             + "<details><summary>Per-layer SQNR of every run (dB)</summary>"
             + _table(per_layer.reset_index(), tall=True)

@@ -64,9 +64,12 @@ class LayersChart(w.VBox):
             tooltips=["each run's SQNR per layer", "each run minus the baseline, per layer: where a change helped or hurt"],
         )
         self.figure, self.bars, self.x_scale = _sqnr_figure()
+        # the runs named above the chart, in HTML that wraps: bqplot's legend is a box inside the plot
+        # that grows with the longest name and is cut at the figure's edge ("fit <= ... perplexity <= ...")
+        self.legend = w.HTML(layout=w.Layout(margin="4px 0 0 60px"))
         self._layers = pd.DataFrame()
         self._kernels: pd.Series | None = None
-        super().__init__([self.view, self.figure])
+        super().__init__([self.view, self.legend, self.figure])
         self.view.observe(self._on_view_change, "value")
 
     def _on_view_change(self, _change: dict) -> None:
@@ -100,18 +103,30 @@ class LayersChart(w.VBox):
             colors = [*colors, KERNEL_COLOR]
             title += " · red: kernels that differ"
         low, high, span = bar_range(layers.to_numpy(dtype=np.float64).ravel())
-        legend_share = min(0.6, (20 * layers.shape[1] + 25) / 220)  # room above the bars for the legend, a line per run
+        labels = [f"{c} - baseline" if delta else str(c) for c in layers.columns]
+        self.legend.value = legend_html(labels, colors)
         with self.figure.hold_sync():
             self.figure.title = title
             self.x_scale.domain = list(layers.index)
-            self.bars.scales["y"].min, self.bars.scales["y"].max = low, high + span * legend_share / (1 - legend_share)
+            self.bars.scales["y"].min, self.bars.scales["y"].max = low, high + 0.05 * span  # the tallest bar clear of the title
             self.figure.axes[1].label = "change (dB)" if delta else "SQNR (dB)"
             self.bars.tooltip.labels = ["layer", "change (dB)" if delta else "SQNR (dB)"]
             with self.bars.hold_sync():
                 self.bars.x = list(layers.index)
                 self.bars.y = layers.T.to_numpy(dtype=np.float32, na_value=0.0)
-                self.bars.labels = [f"{c} - baseline" if delta else c for c in layers.columns]
+                self.bars.labels = labels
                 self.bars.colors = colors
+
+
+def legend_html(labels: Sequence[str], colors: Sequence[str]) -> str:
+    """Each series' colour and name, the names wrapping onto more lines as the width asks."""
+    items = "".join(
+        "<span style='display:inline-flex;align-items:center;max-width:100%;overflow-wrap:anywhere'>"
+        f"<span style='flex:none;width:10px;height:10px;margin-right:5px;background:{color}'></span>"
+        f"{html.escape(label)}</span>"
+        for label, color in zip(labels, colors, strict=True)
+    )
+    return f"<div class='qr-legend' style='display:flex;flex-wrap:wrap;gap:2px 16px;font-size:12px;line-height:1.4'>{items}</div>"
 
 
 def run_changes(session: TuningSession) -> list[tuple[Change, ...] | None]:
@@ -153,7 +168,7 @@ def _sqnr_figure() -> tuple[bq.Figure, bq.Bars, bq.OrdinalScale]:
         y=np.zeros((0, 0), np.float32),
         scales={"x": x_scale, "y": y_scale},
         type="grouped",
-        display_legend=True,
+        display_legend=False,  # the runs are named in HTML above the figure (LayersChart.legend)
         labels=[],
         colors=SERIES_COLORS[:1],
         padding=0.15,
@@ -168,7 +183,6 @@ def _sqnr_figure() -> tuple[bq.Figure, bq.Bars, bq.OrdinalScale]:
         marks=[bars],
         axes=axes,
         title="Per-layer SQNR",
-        legend_location="top-right",
         fig_margin={"top": 50, "bottom": 110, "left": 60, "right": 20},
         layout={"width": "100%", "height": "380px"},
     )
