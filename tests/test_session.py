@@ -377,6 +377,22 @@ def test_tune_rows_at_scale_filter_bulk_and_refuse_on_the_row():
     assert "color:#b00" not in row.why.value
 
 
+def test_a_second_widget_of_the_session_labels_its_applies_after_the_runs_there_and_restores_its_own(analyzed):
+    _, _, report = analyzed
+    first = report.widget().tuning
+    first.apply.click()
+    second = report.widget().tuning  # the cell run again: a new widget over the same session
+    second.reset.click()
+    second.rows["meta_fc"].activation.value = "dynamic"
+    second.apply.click()
+    labels = [run.label for run in report.session.history]
+    assert len(labels) == len(set(labels)), labels
+    second.reset.click()
+    second.restore_from.value = labels[-1]
+    second.restore.click()
+    assert second.rows["meta_fc"].settings.dynamic
+
+
 def test_a_run_can_be_restored_into_the_rows(analyzed):
     _, _, report = analyzed
     tuning = report.widget().tuning

@@ -331,7 +331,12 @@ class TuneController(HasTraits):
                 if not self.session.history:
                     self.session.baseline(progress=self._reporter("baseline", "calibrating"))
                 self._show_truth()
+                # numbered after every run the session holds: another widget of the same session
+                # (the cell run again) applies too, and a run is restored by its label
+                taken = {run.label for run in self.session.history}
                 self._applied += 1
+                while f"apply {self._applied}" in taken:
+                    self._applied += 1
                 label = f"apply {self._applied}"
                 reporter = self._reporter(label, "calibrating")
                 result = self.session.apply(settings, label=label, progress=reporter, rotation=self.rotate or None)
