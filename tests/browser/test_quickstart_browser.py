@@ -359,7 +359,9 @@ def test_the_tune_tab_says_where_the_real_model_and_its_simulation_disagree(lab)
         assert "prelu1, prelu2, prelu3, prelu4" in truth.inner_text()
         assert "rgb(187, 0, 0)" in truth.evaluate("e => getComputedStyle(e.closest('div')).color")
         _assert_bars_drawn(widget, "red: kernels that differ")
-        chart = widget.locator(".bqplot", has_text="kernel check (baseline)").first
+        # the kernel check is a series of its own, named beside the runs above the chart
+        widget.locator(".qr-legend", has_text="kernel check (baseline)").first.wait_for(timeout=30_000)
+        chart = widget.locator(".bqplot", has_text="red: kernels that differ").first
         chart.screenshot(path=str(SCREENSHOTS / "kernel_truth_layers.png"))
         _assert_nothing_spills(widget)
         _assert_looks_right(widget)
