@@ -6,6 +6,7 @@ import collections
 
 import bqplot as bq
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import traitlets
@@ -363,3 +364,19 @@ def test_a_module_that_started_float_and_runs_quantized_says_it_was_float():
     start = {"fc1": ModuleSettings(keep_float=True), "fc2": ModuleSettings(format="int8-weight-only")}
     run = RunResult(None, None, 30.0, pd.Series(dtype=float), 0, 1.0, 0.1, settings=settings)
     assert run.changes(start) == "fc1: format=int8-weight-only, was float; fc2: keep_float"
+
+
+def test_the_per_layer_chart_leaves_room_for_a_decoders_long_first_names_and_names_its_runs_above():
+    from qreport_widgets.widgets.runs import LayersChart
+
+    names = ["model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj", "lm_head"]
+    layers = pd.DataFrame(
+        {"baseline": [20.0, 25.0, 30.0], "fit <= 621.2 KB and perplexity <= 5.34809": [22.0, 26.0, 31.0]}, names
+    )
+    chart = LayersChart()
+    chart.draw(layers)
+    # the first tick's name, rotated and ending at its tick, reaches about 4 px a character to the left
+    assert chart.figure.fig_margin["left"] >= 4 * len(names[0]) - 10
+    assert "fit &lt;= 621.2 KB and perplexity &lt;= 5.34809" in chart.legend.value and not chart.bars.display_legend
+    chart.draw(pd.DataFrame({"baseline": [20.0, 25.0]}, ["conv1", "fc"]))
+    assert chart.figure.fig_margin["left"] == 60  # short names: the y axis's room only

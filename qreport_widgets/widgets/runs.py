@@ -107,6 +107,7 @@ class LayersChart(w.VBox):
         self.legend.value = legend_html(labels, colors)
         with self.figure.hold_sync():
             self.figure.title = title
+            self.figure.fig_margin = {**self.figure.fig_margin, "left": _left_margin(list(layers.index))}
             self.x_scale.domain = list(layers.index)
             self.bars.scales["y"].min, self.bars.scales["y"].max = low, high + 0.05 * span  # the tallest bar clear of the title
             self.figure.axes[1].label = "change (dB)" if delta else "SQNR (dB)"
@@ -116,6 +117,18 @@ class LayersChart(w.VBox):
                 self.bars.y = layers.T.to_numpy(dtype=np.float32, na_value=0.0)
                 self.bars.labels = labels
                 self.bars.colors = colors
+
+
+# the rotated tick labels (9 px, at -35 degrees, ending at their tick) reach this far left of it per
+# character; the first few ticks sit about this far apart on a narrow screen
+_TICK_PX_PER_CHAR, _NARROW_BAND_PX, _LEFT_PX = 4.2, 20, 60
+
+
+def _left_margin(layers: Sequence[str]) -> int:
+    """Room left of the plot for the y axis and for the first ticks' rotated names (a decoder's
+    ``model.layers.0.self_attn.v_proj`` reaches 130 px left of its tick), so none is cut at the edge."""
+    reach = (_TICK_PX_PER_CHAR * len(str(name)) - _NARROW_BAND_PX * (i + 0.5) for i, name in enumerate(layers[:4]))
+    return int(max(_LEFT_PX, *reach, 0) + 0.5)
 
 
 def legend_html(labels: Sequence[str], colors: Sequence[str]) -> str:
