@@ -289,11 +289,10 @@ class Runner:
             # weights computed from the calibration batches (GPTQ, the learned rounding) are computed
             # where the model and its batches are, then the calibrated model moves to its kernels
             computed_there = moved_to is not None and calibrates and engine.computes_where_the_model_is(config)
-            prepared = self.prepare(source, config) if computed_there else None
+            where_it_lives = source
             if moved_to is not None:  # the run's own copy where its kernels are, released with the run
                 source = copy_on(source, moved_to)
-            if prepared is None:
-                prepared = self.prepare(source, config)
+            prepared = self.prepare(where_it_lives if computed_there else source, config)
             if calibrates:
                 device = None if computed_there else moved_to
                 with contextlib.closing(engine.calibration_passes(prepared, progress)) as passes:
