@@ -409,3 +409,13 @@ def test_a_run_can_be_restored_into_the_rows(analyzed):
     tuning.restore_from.value = "baseline"
     tuning.restore.click()
     assert not tuning.rows["meta_fc"].settings.dynamic
+
+
+def test_runs_given_one_label_are_each_named_once_in_the_history_and_the_per_layer_table(analyzed):
+    _, _, report = analyzed
+    session = report.session
+    settings = {"meta_fc": ModuleSettings(dynamic=True)}
+    first, second = (session.apply(settings, label="same label") for _ in range(2))
+    assert (first.label, second.label) == ("same label", "same label (2)")
+    _, layers = session.compare()
+    assert {"same label", "same label (2)"} <= set(layers.columns) and layers.columns.is_unique

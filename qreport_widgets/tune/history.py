@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import replace
@@ -40,6 +41,13 @@ class History:
 
     def next_label(self) -> str:
         return f"run {len(self.runs) + 1}"
+
+    def unique_label(self, label: str) -> str:
+        """``label``, or ``label (2)``, ``(3)``... where a recorded run has it: the runs table, the
+        per-layer columns and every lookup by label name one run each."""
+        taken = {run.label for run in self.runs}
+        candidates = itertools.chain([label], (f"{label} ({n})" for n in itertools.count(2)))
+        return next(candidate for candidate in candidates if candidate not in taken)
 
     def record(self, run: RunResult) -> RunResult:
         """Add a successful run and release the models of every run but it and the pinned ones."""

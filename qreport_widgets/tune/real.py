@@ -209,7 +209,7 @@ class RealRuns:
         checks: bool | Callable[[torch.nn.Module], bool] | None = None,
         rotation: Rotation | None = None,
     ) -> RunResult:
-        label = label or self.history.next_label()
+        label = self.history.unique_label(label or self.history.next_label())
         checks = checks if checks is not None else self._checks_kernels if record else None
         self.simulated.rest()  # a real run's peak on top of what the simulation can rebuild
         result = self.runner.run(

@@ -157,7 +157,8 @@ class QuantizationSession(SimulatedQuestions):
         quantizes the float model with ``Rotation()``'s orthogonal rotations folded into its weights
         (the same logits, fewer outlier channels; ``engines/rotation.py``), its per-layer SQNR read
         against that rotated float model; InvalidSettingsError names why a model does not take it.
-        ``rotation=True`` is ``Rotation()``.
+        ``rotation=True`` is ``Rotation()``. ``label``: the run's name (None: ``run N``); a name a
+        recorded run already has gets `` (2)``, `` (3)``... so that each names one run.
         """
         chosen = Rotation() if rotation is True else rotation or None
         return self.parts.real.apply(settings, label=label, progress=shown(progress), record=record, rotation=chosen)

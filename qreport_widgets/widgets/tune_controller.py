@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import html
+import itertools
 import math
 import threading
 import time
@@ -83,7 +84,6 @@ class TuneController(HasTraits):
         self._cancel = False
         self._final_status = ""
         self._last_run: tuple[datetime.datetime | None, float] = (None, 0.0)
-        self._applied = 0
         self._show_truth()  # a session with runs already: its verdict from the start
         self.observe(self._on_unit_change, "by_block")
 
@@ -331,13 +331,10 @@ class TuneController(HasTraits):
                 if not self.session.history:
                     self.session.baseline(progress=self._reporter("baseline", "calibrating"))
                 self._show_truth()
-                # numbered after every run the session holds: another widget of the same session
+                # the first number no run of the session holds: another widget of the same session
                 # (the cell run again) applies too, and a run is restored by its label
                 taken = {run.label for run in self.session.history}
-                self._applied += 1
-                while f"apply {self._applied}" in taken:
-                    self._applied += 1
-                label = f"apply {self._applied}"
+                label = next(f"apply {n}" for n in itertools.count(1) if f"apply {n}" not in taken)
                 reporter = self._reporter(label, "calibrating")
                 result = self.session.apply(settings, label=label, progress=reporter, rotation=self.rotate or None)
             if result.ok:
