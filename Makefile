@@ -11,11 +11,14 @@ EXTRAS ?= dev,executorch,explorer
 
 setup: $(STAMP)
 
-# torch is installed first and pinned, so nothing later can pull a CUDA build from the index.
+# torch is installed first and pinned, with pip (which finds a CPU wheel in the find-links a machine's
+# pip.conf names), so nothing later can pull a CUDA build from the index. The rest, pinned by
+# constraints.txt beside the installed torch, goes in with uv (pinned there too): its parallel
+# downloads, unpacking and bytecode compilation took 35 s where pip took about 150 s on 2 cores.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0 uv
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 # The tests whose outcome rests on the real kernels' arithmetic (marked `kernels`) run again: on one

@@ -185,6 +185,25 @@ def test_odd_documents_are_refused_not_crashed_on(saved, tmp_path):
         qw.load_report(other)
 
 
+@pytest.mark.parametrize(
+    ("offset", "value", "raised"),
+    [(10, 99, "NotImplementedError"), (8, 1, "RuntimeError")],
+    ids=["unknown compression", "encrypted flag"],
+)
+def test_a_damaged_central_directory_entry_is_a_report_file_error(saved, tmp_path, offset, value, raised):
+    """One byte of report.json's central directory entry changed: its compression method (offset 10)
+    made one zipfile cannot read, or its flags (offset 8) marking it encrypted; zipfile raises
+    NotImplementedError / RuntimeError there, not BadZipFile."""
+    damaged = bytearray(saved.read_bytes())
+    entry = damaged.rindex(b"report.json") - 46  # its central directory entry: the name's last mention, 46 bytes in
+    assert damaged[entry : entry + 4] == b"PK\x01\x02"
+    damaged[entry + offset] = value
+    path = tmp_path / "damaged.qreport"
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(qw.ReportFileError, match=f"not a readable report file \\({raised}"):
+        qw.load_report(path)
+
+
 @pytest.fixture(scope="module")
 def pristine(report, tmp_path_factory):
     return report.save(tmp_path_factory.mktemp("fuzz") / "demo.qreport")  # saved once: compression varies

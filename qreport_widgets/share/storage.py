@@ -151,7 +151,9 @@ def _read_members(path: Path) -> tuple[bytes, bytes]:
             members = [archive.read(name) for name in (_JSON, _ARRAYS) if name in names]
     except FileNotFoundError:
         raise ReportFileError(f"{path} does not exist") from None
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error) as error:  # ValueError: CRC failures
+    # ValueError: CRC failures; NotImplementedError: a damaged header naming an unknown compression;
+    # RuntimeError: a damaged header flagging a member encrypted
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error, NotImplementedError, RuntimeError) as error:
         raise ReportFileError(
             f"{path} is not a readable report file ({type(error).__name__}: {error}); it may be truncated - save it again"
         ) from error
