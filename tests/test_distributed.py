@@ -54,10 +54,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_main(rank: int, port: int, cache: str, case: str, out: str) -> None:
+def rank_main(rank: int, port: int, cache: str, cases: tuple[str, ...], out: str) -> None:
+    """Each of ``cases`` in turn in one process group (every rank stops at the same collective when one
+    fails, so the next case starts together); what each found saved as ``{case}-rank{rank}.pt``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    try:
+        for case in cases:
+            torch.save(rank_case(rank, cache, case, out), os.path.join(out, f"{case}-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_case(rank: int, cache: str, case: str, out: str) -> dict:
     try:
         model, data = trained_digits_model("cnn", cache)
         shard = six_batches(data)[SHARDS[case][rank]]
@@ -66,12 +76,9 @@ def rank_main(rank: int, port: int, cache: str, case: str, out: str) -> None:
         assert baseline.ok, baseline.error
         if rank == 0:
             report.save(os.path.join(out, "report.qreport"))
-        found = {"values": flat(report.generate_model_report()), "sqnr": baseline.output_sqnr_db}
+        return {"values": flat(report.generate_model_report()), "sqnr": baseline.output_sqnr_db}
     except Exception as error:
-        found = {"error": type(error).__name__, "message": str(error), "trace": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    torch.save(found, os.path.join(out, f"rank{rank}.pt"))
+        return {"error": type(error).__name__, "message": str(error), "trace": traceback.format_exc()}
 
 
 def flat(reports: dict) -> dict[str, float]:
@@ -99,9 +106,11 @@ def run_ranks(main, args: tuple, what: str) -> None:
             pytest.fail(f"{what}: the ranks did not finish within {DEADLINE_S} s (a rank is waiting in a collective)")
 
 
-def spawn(case: str, cache, tmp_path) -> list[dict]:
-    run_ranks(rank_main, (free_port(), str(cache), case, str(tmp_path)), case)
-    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
+def spawn(cases: tuple[str, ...], cache, tmp_path) -> dict[str, list[dict]]:
+    """Each case's answer from every rank, the cases run one after another by the same ranks (one
+    spawn: each rank's imports are most of its time)."""
+    run_ranks(rank_main, (free_port(), str(cache), cases, str(tmp_path)), " then ".join(cases))
+    return {case: [torch.load(tmp_path / f"{case}-rank{rank}.pt", weights_only=False) for rank in range(RANKS)] for case in cases}
 
 
 def test_two_ranks_with_half_the_batches_each_make_one_process_report(cache, tmp_path):
@@ -109,7 +118,7 @@ def test_two_ranks_with_half_the_batches_each_make_one_process_report(cache, tmp
     whole = six_batches(data)
     alone = qw.analyze(model, whole[0], whole, eval_data=data.evaluation, progress=False)
     expected, expected_sqnr = flat(alone.generate_model_report()), alone.session.baseline().output_sqnr_db
-    ranks = spawn("halves", cache, tmp_path)
+    ranks = spawn(("halves",), cache, tmp_path)["halves"]
     for rank, found in enumerate(ranks):
         assert "error" not in found, found.get("trace")
         assert found["values"].keys() == expected.keys()
@@ -207,16 +216,15 @@ def test_gptq_and_awq_from_two_ranks_inputs_are_one_processs(text_decoder, digit
     assert awq_scaled > 0  # AWQ chose input scales somewhere, folded into norms, and they match too
 
 
-@pytest.mark.parametrize(
-    ("case", "said"),
-    [("uneven", r"different numbers of batches \(rank 0: 1, rank 1: 5\)"), ("empty", r"rank 1: NotCalibratedError")],
-)
-def test_uneven_or_empty_shards_stop_every_rank_with_a_clear_error(cache, tmp_path, case, said):
+def test_uneven_or_empty_shards_stop_every_rank_with_a_clear_error(cache, tmp_path):
+    """Uneven shards, then a rank with none, in the same ranks: each stops every rank with its reason."""
     trained_digits_model("cnn", cache)  # trained once here, loaded by the ranks
-    for rank, found in enumerate(spawn(case, cache, tmp_path)):
-        assert found.get("error") == "DistributedCalibrationError", f"rank {rank}: {found}"
-        assert "every rank stops here" in found["message"]
-        assert re.search(said, found["message"]), found["message"]
+    said = {"uneven": r"different numbers of batches \(rank 0: 1, rank 1: 5\)", "empty": r"rank 1: NotCalibratedError"}
+    for case, ranks in spawn(tuple(said), cache, tmp_path).items():
+        for rank, found in enumerate(ranks):
+            assert found.get("error") == "DistributedCalibrationError", f"{case}, rank {rank}: {found}"
+            assert "every rank stops here" in found["message"]
+            assert re.search(said[case], found["message"]), found["message"]
 
 
 def test_the_torchrun_example_saves_a_report_a_notebook_opens(cache, tmp_path):
