@@ -11,10 +11,11 @@ import math
 import pandas as pd
 import pytest
 import torch
-from hf_models import tiny_llama
+from hf_models import VOCAB, tiny_llama
 
 from qreport_widgets import ModuleSettings, QuantizationSession
 from qreport_widgets.demo.digits import trained_digits_model
+from qreport_widgets.engines.eager import simulate
 from qreport_widgets.engines.eager.simulate import dequantized_weight, format_key
 from qreport_widgets.engines.settings import DEFAULT_GROUP_SIZE
 from qreport_widgets.tune import mixed
@@ -160,7 +161,13 @@ def test_estimated_single_choices_read_each_modules_own_error_and_land_near_whol
 
     monkeypatch.setattr(mixed, "ESTIMATED_BEYOND", 0)
     monkeypatch.setattr(mixed, "_estimated_alone", kept)
-    session.pareto(progress=quiet)
+    monkeypatch.setattr(simulate, "HEAD_ROWS", VOCAB // 4)  # the head's choices ranked on half its rows
+    monkeypatch.setattr(simulate, "SAMPLED_ROWS", VOCAB // 2)
+    front = session.pareto(progress=quiet)
+    said = f"the size front ranked lm_head's choices on {VOCAB // 2} of its {VOCAB} rows"
+    assert [note for note in session.parts.mixed.front(quiet).notes if note.startswith(said)]
+    fitted = session.fit(max_size_bytes=front["size_bytes"].median(), progress=quiet)
+    assert [note for note in fitted.notes if note.startswith(said)], fitted.notes
     # what only ranks read the first evaluation batch, the front's points every batch
     assert {batches for batches, _ in session.parts.simulated._known} == {mixed.RANKED_ON, None}
     start = {m.fqn: m.current for m in session.modules}
@@ -170,6 +177,34 @@ def test_estimated_single_choices_read_each_modules_own_error_and_land_near_whol
     gaps = sorted(abs(found[single][0] - sqnr) for single, (sqnr, _) in zip(singles, whole, strict=True))
     assert gaps[len(gaps) // 2] < 0.2 and gaps[int(0.9 * len(gaps))] < 1.0  # median, 90th percentile (dB)
     assert DEFAULT_GROUP_SIZE in {c.group_size for _, c in singles}
+
+
+def test_a_heads_choices_are_measured_on_a_sample_of_its_rows_each_quantized_as_the_whole_head_would_be(monkeypatch):
+    """A Linear of more than HEAD_ROWS rows (a decoder's head over a vocabulary) has each choice's own
+    noise measured on SAMPLED_ROWS of its rows and scaled to every row: every row sampled, it is the
+    whole head's, to round-off, for every format and algorithm; half of them, near it, in its order."""
+    model, batches = tiny_llama()
+    session = QuantizationSession(model, batches[0], batches[:4], eval_data=batches[4:], engine="eager")
+    simulation, batch = session.simulation(), session.eval_data[0]
+    int4 = [ModuleSettings(format="int4-weight-only", group_size=32, algorithm=a) for a in ("", "hqq", "gptq", "awq")]
+    others = [ModuleSettings(format="int8-weight-only"), ModuleSettings(format="int8-dynamic"), ModuleSettings(keep_float=True)]
+    options = {"lm_head": int4 + others}
+    whole = simulation.local_noise(batch, options)
+    assert simulation.sampled == {}
+    monkeypatch.setattr(simulate, "HEAD_ROWS", VOCAB // 4)
+    monkeypatch.setattr(simulate, "SAMPLED_ROWS", VOCAB)
+    every = simulation.local_noise(batch, options)
+    assert simulation.sampled == {"lm_head": (VOCAB, VOCAB)}
+    for choice in options["lm_head"]:
+        assert every["lm_head", choice] == pytest.approx(whole["lm_head", choice], rel=1e-4), choice
+    monkeypatch.setattr(simulate, "SAMPLED_ROWS", VOCAB // 2)
+    half = simulation.local_noise(batch, options)
+    assert simulation.sampled == {"lm_head": (VOCAB // 2, VOCAB)}
+    for choice in options["lm_head"]:
+        assert half["lm_head", choice] == pytest.approx(whole["lm_head", choice], rel=0.2), choice
+    ranked = sorted(options["lm_head"], key=lambda choice: whole["lm_head", choice])
+    assert sorted(options["lm_head"], key=lambda choice: half["lm_head", choice])[:2] == ranked[:2]  # float, int8
+    assert whole["lm_head", int4[0]] > whole["lm_head", others[0]] > 0
 
 
 def test_the_size_pane_draws_the_front_puts_a_point_in_the_rows_and_a_budget_selects_the_best_under_it(cache):

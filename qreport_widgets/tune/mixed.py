@@ -75,6 +75,7 @@ class SizeFront:
 
     points: pd.DataFrame
     uniform: pd.DataFrame
+    notes: tuple[str, ...] = ()  # how it was measured where a fit's run should say so (a head's rows sampled)
 
 
 def choice_words(choice: ModuleSettings) -> str:
@@ -151,7 +152,8 @@ class MixedPrecision:
         goal = (max_size_bytes, target_sqnr_db, target_metric, progress, self.runner.metric)
 
         def fitted() -> RunResult:
-            found = fit(apply or self.real.apply, self.front(progress, by_block), *goal)
+            front = self.front(progress, by_block)
+            found = fit(apply or self.real.apply, front, *goal).noted(*front.notes)
             if apply is not None:  # ``real.apply`` adopts its runs' kernels itself
                 self.real.adopt_kernels(found)
             return found
@@ -196,8 +198,14 @@ def size_front(
     each_alone = simulated.simulate_each(variants, progress, "size front: each choice alone", metric=False, batches=ranked_on)
     (start_db, _), *measured = each_alone
     each = dict(zip(whole, measured, strict=True))
+    notes: tuple[str, ...] = ()
     if estimate:  # the units are the modules
         each |= _estimated_alone(runner, simulated, choices, start, each, start_db, progress, ranked_on)
+        notes = tuple(
+            f"the size front ranked {fqn}'s choices on {measured:,} of its {rows:,} rows (each row's error is its own: "
+            "the sample's, scaled to every row); the choices it points to were simulated whole"
+            for fqn, (measured, rows) in getattr(simulated.simulation(), "sampled", {}).items()
+        )
     alone = [each[single] for single in singles]
     start_noise = _noise(start_db)
     float_model = runner.float_model
@@ -239,7 +247,7 @@ def size_front(
     uniform_rows = rows[len(picked_points) :]
     table = pd.DataFrame(uniform_rows, index=pd.Index(list(uniform), name="choice"))
     quantized = [r for r in rows if not all(c.keep_float for c in r["settings"].values())]  # the float model is no point
-    return SizeFront(_front(quantized), table)
+    return SizeFront(_front(quantized), table, notes)
 
 
 def _block_units(choices: Mapping[str, list[ModuleSettings]]) -> dict[str, list[str]]:

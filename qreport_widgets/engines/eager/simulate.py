@@ -52,6 +52,13 @@ OTHER_FORMATS_SHARE = 0.5
 # the blocks' outputs kept for the next pass: up to the float weights' size, at least this much (a
 # small model's activations outweigh its weights), at most a quarter of the memory free
 REPLAY_ROOM = 64 << 20
+# A Linear of more rows than HEAD_ROWS (a decoder's head over a vocabulary: Gemma 3's 262,144 rows
+# are 168M of its 270M parameters) has its choices' own noise (``local_noise``) measured on
+# SAMPLED_ROWS of its rows, the same rows for every choice, and scaled up by rows / SAMPLED_ROWS. A
+# row's output error is its own for round to nearest, HQQ and GPTQ (they quantize rows apart), so
+# the sum over a uniform sample estimates the whole; AWQ's one input scale is chosen on the sample
+HEAD_ROWS = 32_768
+SAMPLED_ROWS = 8_192
 
 
 def format_key(choice: ModuleSettings) -> FormatKey | None:
@@ -75,6 +82,31 @@ def quantized_weight(
     holder = nn.Sequential(copy.deepcopy(module))
     ao.quantize_(holder, ao.FqnToConfig({"0": ao_config(*key, target=target)}), filter_fn=None)
     return QuantizedWeight(holder[0].weight.detach())
+
+
+def _input_symmetry(key: FormatKey | None, target: str) -> bool | None:
+    """Whether format ``key`` quantizes a module's input symmetrically; None: it leaves it float."""
+    if key is None or key[0] not in (INT8_DYNAMIC, INT8_DYNAMIC_INT4):
+        return None
+    return key[0] == INT8_DYNAMIC and target == X86  # x86's int8 dynamic quantizes tokens symmetrically
+
+
+def _input_quantized(x: torch.Tensor, symmetric: bool | None, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x`` as a dynamic format quantizes it, dequantized (``x`` where ``symmetric`` is None).
+    With an AWQ weight the kernel quantizes ``x / s`` (``s`` folded into the op before, or divided
+    by a pre-hook) and its weight carries ``s``: here ``quantized(x / s) * s`` meets the weight
+    ``W_q / s`` the simulation holds."""
+    if symmetric is None:
+        return x
+    if scale is None:
+        return fake_quantized_tokens(x, symmetric)
+    scale = scale.to(x)
+    return fake_quantized_tokens(x / scale, symmetric) * scale
+
+
+def _reads_data(choice: ModuleSettings) -> bool:
+    key = format_key(choice)
+    return key is not None and key[2] in DATA_ALGORITHMS
 
 
 def dequantized_weight(module: nn.Module, key: FormatKey) -> torch.Tensor:
@@ -110,6 +142,7 @@ class EagerSimulation(WholePasses):
         self._start = {m.fqn: m.current for m in modules}
         self.tunable = [m.fqn for m in modules if not m.current.keep_float]
         self.others: list[str] = []  # every quantized module is ranked
+        self.sampled: dict[str, tuple[int, int]] = {}  # module -> (rows, of rows) the last local_noise measured
         self._modules = {fqn: model.get_submodule(fqn) for fqn in self._start}
         self._float = {fqn: module.weight.detach() for fqn, module in self._modules.items()}  # the shared float weights
         # quantized weights, dequantized when a module takes them (the model holds one float weight
@@ -143,18 +176,8 @@ class EagerSimulation(WholePasses):
         return hook
 
     def _quantized_input(self, fqn: str, x: torch.Tensor) -> torch.Tensor:
-        """``x`` as module ``fqn``'s dynamic format quantizes it, dequantized (``x`` for a float input).
-        With an AWQ weight the kernel quantizes ``x / s`` (``s`` folded into the op before, or divided
-        by a pre-hook) and its weight carries ``s``: here ``quantized(x / s) * s`` meets the weight
-        ``W_q / s`` the simulation holds."""
-        symmetric = self._inputs[fqn]
-        if symmetric is None:
-            return x
-        scale = self._input_scales[fqn]
-        if scale is None:
-            return fake_quantized_tokens(x, symmetric)
-        scale = scale.to(x)
-        return fake_quantized_tokens(x / scale, symmetric) * scale
+        """``x`` as module ``fqn``'s dynamic format quantizes it, dequantized (``_input_quantized``)."""
+        return _input_quantized(x, self._inputs[fqn], self._input_scales[fqn])
 
     def weight(self, fqn: str, key: FormatKey | None) -> torch.Tensor:
         """Module ``fqn``'s weight in format ``key`` (float for None), dequantized from its quantized form."""
@@ -308,8 +331,19 @@ class EagerSimulation(WholePasses):
     def local_noise(self, batch: Any, choices: Mapping[str, Sequence[ModuleSettings]]) -> dict[tuple[str, ModuleSettings], float]:
         """Per module and choice, the noise power the choice puts on the module's own output (the
         squared difference to its float output, summed), on the float model's input to it in one
-        pass over ``batch``; computed inside the pass, so no module's input is kept."""
+        pass over ``batch``; computed inside the pass, so no module's input is kept but a head's
+        (``_row_sampled``): its choices are measured on a sample of its rows after the pass
+        (``HEAD_ROWS``), and ``self.sampled`` says which (module -> (rows measured, rows))."""
         found: dict[tuple[str, ModuleSettings], float] = {}
+        sampled = [fqn for fqn in choices if self._row_sampled(fqn, choices[fqn])]
+        heads_inputs: dict[str, torch.Tensor] = {}
+
+        def keep_input(fqn: str) -> Callable:
+            def hook(_module: nn.Module, args: tuple, _output: Any) -> None:
+                if args and isinstance(args[0], torch.Tensor):
+                    heads_inputs[fqn] = args[0].detach()
+
+            return hook
 
         def measure(fqn: str) -> Callable:
             def hook(module: nn.Module, args: tuple, output: Any) -> None:
@@ -329,14 +363,75 @@ class EagerSimulation(WholePasses):
 
             return hook
 
-        self.find_data_weights((fqn, format_key(c)) for fqn, options in choices.items() for c in options)
+        whole = {fqn: options for fqn, options in choices.items() if fqn not in sampled}
+        self.find_data_weights((fqn, format_key(c)) for fqn, options in whole.items() for c in options)
+        statistics = self._head_statistics([fqn for fqn in sampled if any(_reads_data(c) for c in choices[fqn])])
         self._keeping = False  # every choice of every module taken once: none kept for later (half the weights' size)
         try:
-            self._float_pass(batch, {fqn: measure(fqn) for fqn in choices})
+            self._float_pass(batch, {fqn: keep_input(fqn) if fqn in sampled else measure(fqn) for fqn in choices})
+            for fqn in sampled:
+                if fqn in heads_inputs:
+                    found |= self._sampled_noise(fqn, heads_inputs.pop(fqn), choices[fqn], statistics.get(fqn))
         finally:
             self._keeping = True
             self.configure(())
             give_back()
+        self.sampled = {fqn: (min(SAMPLED_ROWS, self._float[fqn].shape[0]), self._float[fqn].shape[0]) for fqn in sampled}
+        return found
+
+    def _row_sampled(self, fqn: str, options: Sequence[ModuleSettings] = ()) -> bool:
+        """Whether ``local_noise`` measures module ``fqn``'s ``options`` on a sample of its rows: a
+        Linear of more than ``HEAD_ROWS`` rows, none of its options learned on its block's output."""
+        module = self._modules[fqn]
+        return (
+            type(module) is nn.Linear
+            and self._float[fqn].shape[0] > HEAD_ROWS
+            and not any(format_key(c) is not None and format_key(c)[2] == LEARNED for c in options)
+        )
+
+    def _head_statistics(self, heads: Sequence[str]) -> dict[str, InputStatistics]:
+        """The calibration batches' inputs to ``heads`` (GPTQ / AWQ read them), the model float."""
+        if not heads:
+            return {}
+        if self._calibrate is None:
+            raise ValueError("this simulation was built without calibration data: GPTQ and AWQ cannot be simulated")
+        before = dict(self._configured or {})
+        self.configure(Variant(frozenset(self._modules)))
+        try:
+            with torch.no_grad(), recording(self.model, heads) as gathered:
+                self._calibrate(self.model, gathered)  # merged across ranks, if any
+            return dict(gathered)
+        finally:
+            self._apply(before)
+
+    def _sampled_noise(
+        self, fqn: str, given: torch.Tensor, options: Sequence[ModuleSettings], statistics: InputStatistics | None
+    ) -> dict[tuple[str, ModuleSettings], float]:
+        """``local_noise`` of module ``fqn``'s ``options`` on ``SAMPLED_ROWS`` of its rows (a fixed
+        uniform sample, sorted), each quantized as the whole module would be, scaled to every row."""
+        weight = self._float[fqn]
+        rows = weight.shape[0]
+        picked = torch.randperm(rows, generator=torch.Generator().manual_seed(0))[:SAMPLED_ROWS].sort().values
+        picked = picked.to(weight.device)
+        bias = self._modules[fqn].bias
+        sample = nn.Linear(weight.shape[1], len(picked), bias=bias is not None, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            sample.weight = nn.Parameter(weight[picked], requires_grad=False)
+            if bias is not None:
+                sample.bias = nn.Parameter(bias.detach()[picked], requires_grad=False)
+            expected = sample(given)
+        share = rows / len(picked)
+        found: dict[tuple[str, ModuleSettings], float] = {}
+        for choice in options:
+            key = format_key(choice)
+            if key is None:
+                found[fqn, choice] = 0.0
+                continue
+            with torch.no_grad():
+                quantized = quantized_weight(sample, key, statistics, target=self._target)
+                x = _input_quantized(given, _input_symmetry(key, self._target), quantized.input_scale)
+                output = nn.functional.linear(x, quantized.dequantize(weight.dtype), sample.bias)
+                found[fqn, choice] = share * float(output.sub_(expected).pow_(2).sum(dtype=torch.float64))
         return found
 
     def _float_pass(self, batch: Any, hooks: Mapping[str, Callable]) -> None:
@@ -366,8 +461,7 @@ class EagerSimulation(WholePasses):
                 # a new Parameter, never written into: the model's float weights may be the session's own
                 self._input_scales[fqn] = None  # until an AWQ weight sets it
                 self._modules[fqn].weight = nn.Parameter(self.weight(fqn, key), requires_grad=False)
-                dynamic = key is not None and key[0] in (INT8_DYNAMIC, INT8_DYNAMIC_INT4)
-                self._inputs[fqn] = (key[0] == INT8_DYNAMIC and self._target == X86) if dynamic else None
+                self._inputs[fqn] = _input_symmetry(key, self._target)
         self._configured = {**(self._configured or {}), **chosen}
 
     def run_real_kernels(self, quantized: nn.Module, names: Iterable[str]) -> list[str]:
