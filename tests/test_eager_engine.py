@@ -22,6 +22,7 @@ from qreport_widgets.core.metrics import output_tensor, sqnr_db
 from qreport_widgets.demo.digits import trained_digits_model
 from qreport_widgets.engines.contract import Variant
 from qreport_widgets.engines.eager import EagerConfig, EagerEngine, FormatError
+from qreport_widgets.engines.eager import engine as eager_engine
 from qreport_widgets.engines.eager.formats import ao_config, deployed_bytes, torchao_eager
 from qreport_widgets.engines.settings import FORMATS, ModuleSettings
 from qreport_widgets.errors import InvalidSettingsError, UntraceableModelError
@@ -201,23 +202,44 @@ def test_embeddings_are_tunable_weight_only():
     assert run.ok and run.per_layer_sqnr_db["embeddings.word_embeddings"] < 60
 
 
+class _ScaledEmbedding(nn.Embedding):
+    """An Embedding subclass with a scale its state dict leaves out, as Gemma's embedding has."""
+
+    def __init__(self, rows: int, columns: int) -> None:
+        super().__init__(rows, columns)
+        self.scale = nn.Buffer(torch.tensor(columns**0.5), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.scale
+
+
 class _ManyRows(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(500, 64)
+        self.scaled = _ScaledEmbedding(500, 64)
         self.up = nn.Linear(64, 256)
         self.down = nn.Linear(256, 136, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(self.embed(ids))))
+        return self.down(torch.relu(self.up(self.embed(ids) + self.scaled(ids))))
 
 
-def test_a_modules_size_read_off_two_few_row_copies_is_its_whole_quantized_size():
+def test_a_modules_size_read_off_two_few_row_copies_is_its_whole_quantized_size(monkeypatch):
+    """Of a Linear's or an Embedding's (or a subclass's, Gemma's scaled embedding) first rows only:
+    a decoder's head or embedding is never quantized whole for its size."""
     torch.manual_seed(0)
     batches = [torch.randint(0, 500, (2, 16)) for _ in range(2)]
     model = _ManyRows().eval()
     session = eager(model, batches).session
     engine, checked = session.engine, 0
+    counted_rows, counted = [], eager_engine._quantized_bytes
+
+    def counting(module, *args):
+        counted_rows.append(module.weight.shape[0])
+        return counted(module, *args)
+
+    monkeypatch.setattr(eager_engine, "_quantized_bytes", counting)
     for module in session.modules:
         float_module = model.get_submodule(module.fqn)
         for choice in engine.size_choices(module):
@@ -228,7 +250,8 @@ def test_a_modules_size_read_off_two_few_row_copies_is_its_whole_quantized_size(
                 torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}).fqn_to_config(), filter_fn=None)
             assert engine.module_bytes(float_module, choice) == deployed_bytes(holder), (module.fqn, choice)
             checked += 1
-    assert checked >= 20
+    assert checked >= 30 and "scaled" in {m.fqn for m in session.modules}
+    assert counted_rows and max(counted_rows) <= 2 * eager_engine.SIZE_ROWS
 
 
 def test_a_decoders_activations_are_observed_per_hidden_feature():

@@ -423,11 +423,11 @@ class EagerEngine(Engine[EagerConfig]):
             counted = replace(choice, algorithm="") if choice.algorithm in DATA_ALGORITHMS else choice
             extra = weight.shape[1] * weight.element_size() if choice.algorithm == AWQ and self.target != XNNPACK else 0
             rows = weight.shape[0]
-            if type(float_module) in (nn.Linear, nn.Embedding) and rows > 2 * SIZE_ROWS:
+            if isinstance(float_module, (nn.Linear, nn.Embedding)) and rows > 2 * SIZE_ROWS:
                 few, more = (
                     _quantized_bytes(_first_rows(float_module, n), counted, self.target) for n in (SIZE_ROWS, 2 * SIZE_ROWS)
                 )
-                self._sizes[key] = few + (more - few) * (rows - SIZE_ROWS) // SIZE_ROWS + extra
+                self._sizes[key] = few + (more - few) * (rows - SIZE_ROWS) // SIZE_ROWS + extra + _besides_rows(float_module)
             else:
                 self._sizes[key] = _quantized_bytes(copy.deepcopy(float_module), counted, self.target) + extra
                 give_back()
@@ -631,6 +631,13 @@ def _quantized_bytes(module: nn.Module, choice: ModuleSettings, target: str = X8
     if not choice.keep_float:
         torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}, target).fqn_to_config(), filter_fn=None)
     return deployed_bytes(holder)
+
+
+def _besides_rows(module: nn.Module) -> int:
+    """The bytes of what a Linear or Embedding subclass holds besides its weight and bias (Gemma's
+    scaled embedding: its scale), which no format quantizes: stored as they are."""
+    held = (*module.named_parameters(), *module.named_buffers())
+    return sum(tensor.numel() * tensor.element_size() for name, tensor in held if name not in ("weight", "bias"))
 
 
 def _first_rows(module: nn.Linear | nn.Embedding, rows: int) -> nn.Module:
