@@ -202,9 +202,9 @@ def size_front(
     if estimate:  # the units are the modules
         each |= _estimated_alone(runner, simulated, choices, start, each, start_db, progress, ranked_on)
         notes = tuple(
-            f"the size front ranked {fqn}'s choices on {measured:,} of its {rows:,} rows (each row's error is its own: "
+            f"the size front ranked {fqn}'s choices on {sample:,} of its {rows:,} rows (each row's error is its own: "
             "the sample's, scaled to every row); the choices it points to were simulated whole"
-            for fqn, (measured, rows) in getattr(simulated.simulation(), "sampled", {}).items()
+            for fqn, (sample, rows) in getattr(simulated.simulation(), "sampled", {}).items()
         )
     alone = [each[single] for single in singles]
     start_noise = _noise(start_db)

@@ -65,6 +65,7 @@ from .formats import (
     deployed_bytes,
     is_quantized_weight,
     offered,
+    rows_of,
     torchao_eager,
 )
 from .learned import BlockInputs, LearnedRounding, block_of, learned_weights
@@ -425,7 +426,7 @@ class EagerEngine(Engine[EagerConfig]):
             rows = weight.shape[0]
             if isinstance(float_module, (nn.Linear, nn.Embedding)) and rows > 2 * SIZE_ROWS:
                 few, more = (
-                    _quantized_bytes(_first_rows(float_module, n), counted, self.target) for n in (SIZE_ROWS, 2 * SIZE_ROWS)
+                    _quantized_bytes(rows_of(float_module, slice(n)), counted, self.target) for n in (SIZE_ROWS, 2 * SIZE_ROWS)
                 )
                 self._sizes[key] = few + (more - few) * (rows - SIZE_ROWS) // SIZE_ROWS + extra + _besides_rows(float_module)
             else:
@@ -638,17 +639,3 @@ def _besides_rows(module: nn.Module) -> int:
     scaled embedding: its scale), which no format quantizes: stored as they are."""
     held = (*module.named_parameters(), *module.named_buffers())
     return sum(tensor.numel() * tensor.element_size() for name, tensor in held if name not in ("weight", "bias"))
-
-
-def _first_rows(module: nn.Linear | nn.Embedding, rows: int) -> nn.Module:
-    """A module of ``module``'s type and columns with its first ``rows`` weight rows (and bias)."""
-    weight, bias = module.weight, getattr(module, "bias", None)
-    if isinstance(module, nn.Embedding):
-        small: nn.Module = nn.Embedding(rows, weight.shape[1], dtype=weight.dtype)
-    else:
-        small = nn.Linear(weight.shape[1], rows, bias=bias is not None, dtype=weight.dtype)
-    with torch.no_grad():
-        small.weight.copy_(weight[:rows])
-        if bias is not None:
-            small.bias.copy_(bias[:rows])
-    return small

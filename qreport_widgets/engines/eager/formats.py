@@ -374,6 +374,22 @@ def _takes(module: nn.Module, name: str, group: int, target: str = X86) -> bool:
     return formats.get(name) == "" and (not group or group in groups)
 
 
+def rows_of(module: nn.Linear | nn.Embedding, rows: slice | torch.Tensor) -> nn.Linear | nn.Embedding:
+    """A plain Linear or Embedding (``module``'s kind, columns, dtype and device) holding ``rows`` of
+    its weight (and bias): a few rows quantized for a size, or a head's sample for its noise."""
+    weight, bias = module.weight.detach(), getattr(module, "bias", None)
+    kept = weight[rows]
+    if isinstance(module, nn.Embedding):
+        copied: nn.Linear | nn.Embedding = nn.Embedding(kept.shape[0], kept.shape[1], dtype=kept.dtype, device=kept.device)
+    else:
+        copied = nn.Linear(kept.shape[1], kept.shape[0], bias=bias is not None, dtype=kept.dtype, device=kept.device)
+    with torch.no_grad():
+        copied.weight.copy_(kept)
+        if bias is not None:
+            copied.bias.copy_(bias.detach()[rows])
+    return copied.requires_grad_(False)
+
+
 def deployed_bytes(model: nn.Module) -> int:
     """The model's weights as a packed layout stores them: int8 one byte per value, int4 half a
     byte, plus each scale and zero point in its own dtype; float tensors as they are."""

@@ -39,7 +39,7 @@ from .algorithms import (
     gram_runs,
     recording,
 )
-from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, ao_config, fake_quantized_tokens, torchao_eager
+from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, ao_config, fake_quantized_tokens, rows_of, torchao_eager
 from .learned import LearnedRounding, learned_weights
 from .replay import BlockReplay
 
@@ -216,8 +216,7 @@ class EagerSimulation(WholePasses):
         missing = [pair for pair in missing if pair not in self._found]
         if not missing:
             return
-        if self._calibrate is None:
-            raise ValueError("this simulation was built without calibration data: GPTQ and AWQ cannot be simulated")
+        self._calibrator()  # refused before anything is configured
         before = dict(self._configured or {})
         self.configure(Variant(frozenset(self._modules)))
         try:
@@ -230,8 +229,7 @@ class EagerSimulation(WholePasses):
             held = sum(tensor_bytes(w) for w in self._float.values())
             free = device_free_bytes(model_device(self.model))
             for modules in gram_runs(features, held, free) if features else ():
-                with torch.no_grad(), recording(self.model, modules) as gathered:
-                    self._calibrate(self.model, gathered)  # merged across ranks, if any
+                gathered = self._float_statistics(modules)
                 solved = [(fqn, key) for fqn, key in recorded if fqn in modules and key[2] != AWQ]
                 problems = {(fqn, key): (self._float[fqn], gathered[fqn], key[1]) for fqn, key in solved}
                 with torch.no_grad():  # GPTQ: the weights of one shape solved together
@@ -261,7 +259,7 @@ class EagerSimulation(WholePasses):
             formats = {fqn: (name, group, LEARNED) for fqn in modules}
             for gathered in learned_weights(self.model, formats, found, target=self._target, options=self._learned):
                 with torch.no_grad():
-                    self._calibrate(self.model, gathered)  # merged across ranks, if any
+                    self._calibrator()(self.model, gathered)  # merged across ranks, if any
             for fqn in modules:
                 self._found[fqn, (name, group, LEARNED)] = found[fqn]
             give_back()
@@ -365,9 +363,10 @@ class EagerSimulation(WholePasses):
 
         whole = {fqn: options for fqn, options in choices.items() if fqn not in sampled}
         self.find_data_weights((fqn, format_key(c)) for fqn, options in whole.items() for c in options)
-        statistics = self._head_statistics([fqn for fqn in sampled if any(_reads_data(c) for c in choices[fqn])])
         self._keeping = False  # every choice of every module taken once: none kept for later (half the weights' size)
         try:
+            self.configure(Variant(frozenset(self._modules)))  # the heads' inputs to GPTQ / AWQ, every module float
+            statistics = self._float_statistics([fqn for fqn in sampled if any(_reads_data(c) for c in choices[fqn])])
             self._float_pass(batch, {fqn: keep_input(fqn) if fqn in sampled else measure(fqn) for fqn in choices})
             for fqn in sampled:
                 if fqn in heads_inputs:
@@ -386,39 +385,33 @@ class EagerSimulation(WholePasses):
         return (
             type(module) is nn.Linear
             and self._float[fqn].shape[0] > HEAD_ROWS
-            and not any(format_key(c) is not None and format_key(c)[2] == LEARNED for c in options)
+            and not any(c.algorithm == LEARNED and format_key(c) is not None for c in options)
         )
 
-    def _head_statistics(self, heads: Sequence[str]) -> dict[str, InputStatistics]:
-        """The calibration batches' inputs to ``heads`` (GPTQ / AWQ read them), the model float."""
-        if not heads:
+    def _float_statistics(self, modules: Sequence[str]) -> dict[str, InputStatistics]:
+        """The calibration batches' inputs to ``modules`` (what GPTQ and AWQ read), in passes of the
+        model as it is configured (float, where they are asked)."""
+        if not modules:
             return {}
+        with torch.no_grad(), recording(self.model, modules) as gathered:
+            self._calibrator()(self.model, gathered)  # merged across ranks, if any
+        return gathered
+
+    def _calibrator(self) -> Callable[[nn.Module, dict[str, InputStatistics]], None]:
+        """What runs a model over the calibration batches; a clear error where there are none."""
         if self._calibrate is None:
             raise ValueError("this simulation was built without calibration data: GPTQ and AWQ cannot be simulated")
-        before = dict(self._configured or {})
-        self.configure(Variant(frozenset(self._modules)))
-        try:
-            with torch.no_grad(), recording(self.model, heads) as gathered:
-                self._calibrate(self.model, gathered)  # merged across ranks, if any
-            return dict(gathered)
-        finally:
-            self._apply(before)
+        return self._calibrate
 
     def _sampled_noise(
         self, fqn: str, given: torch.Tensor, options: Sequence[ModuleSettings], statistics: InputStatistics | None
     ) -> dict[tuple[str, ModuleSettings], float]:
         """``local_noise`` of module ``fqn``'s ``options`` on ``SAMPLED_ROWS`` of its rows (a fixed
         uniform sample, sorted), each quantized as the whole module would be, scaled to every row."""
-        weight = self._float[fqn]
-        rows = weight.shape[0]
+        rows = self._float[fqn].shape[0]
         picked = torch.randperm(rows, generator=torch.Generator().manual_seed(0))[:SAMPLED_ROWS].sort().values
-        picked = picked.to(weight.device)
-        bias = self._modules[fqn].bias
-        sample = nn.Linear(weight.shape[1], len(picked), bias=bias is not None, device=weight.device, dtype=weight.dtype)
+        sample = rows_of(self._float_module(fqn), picked.to(self._float[fqn].device))
         with torch.no_grad():
-            sample.weight = nn.Parameter(weight[picked], requires_grad=False)
-            if bias is not None:
-                sample.bias = nn.Parameter(bias.detach()[picked], requires_grad=False)
             expected = sample(given)
         share = rows / len(picked)
         found: dict[tuple[str, ModuleSettings], float] = {}
@@ -430,7 +423,7 @@ class EagerSimulation(WholePasses):
             with torch.no_grad():
                 quantized = quantized_weight(sample, key, statistics, target=self._target)
                 x = _input_quantized(given, _input_symmetry(key, self._target), quantized.input_scale)
-                output = nn.functional.linear(x, quantized.dequantize(weight.dtype), sample.bias)
+                output = nn.functional.linear(x, quantized.dequantize(sample.weight.dtype), sample.bias)
                 found[fqn, choice] = share * float(output.sub_(expected).pow_(2).sum(dtype=torch.float64))
         return found
 
