@@ -18,7 +18,7 @@ from qreport_widgets.demo.digits import trained_digits_model
 from qreport_widgets.engines.eager import simulate
 from qreport_widgets.engines.eager.simulate import dequantized_weight, format_key
 from qreport_widgets.engines.settings import DEFAULT_GROUP_SIZE
-from qreport_widgets.tune import mixed
+from qreport_widgets.tune import mixed, simulation
 
 quiet = lambda done, total: None  # noqa: E731
 AGREEMENT_DB = 0.5  # a front point's simulated output SQNR and a real run of its settings
@@ -168,13 +168,22 @@ def test_estimated_single_choices_read_each_modules_own_error_and_land_near_whol
     assert [note for note in session.parts.mixed.front(quiet).notes if note.startswith(said)]
     fitted = session.fit(max_size_bytes=front["size_bytes"].median(), progress=quiet)
     assert [note for note in fitted.notes if note.startswith(said)], fitted.notes
-    # what only ranks read the first evaluation batch, the front's points every batch
-    assert {batches for batches, _ in session.parts.simulated._known} == {mixed.RANKED_ON, None}
+    # what only ranks read the first evaluation batch (the head's sampled rows: ``head_sample``), the points every batch
+    assert {batches for batches, _ in session.parts.simulated._known} == {(mixed.RANKED_ON, VOCAB // 2), None}
+    said = f"the size front ranked single choices and steps on {VOCAB // 2} of the output's {VOCAB} columns (lm_head's rows"
+    assert [note for note in fitted.notes if note.startswith(said)], fitted.notes
     start = {m.fqn: m.current for m in session.modules}
     singles = list(found)
     assert len(singles) > 4 * len(session.modules)  # every format and group size of every module
     whole = session.simulate_each([mixed.variant_of({fqn: c}, start) for fqn, c in singles], metric=False)
-    gaps = sorted(abs(found[single][0] - sqnr) for single, (sqnr, _) in zip(singles, whole, strict=True))
+    # each measured from the start as its measure reads it (the ranking's: one batch, half the output's columns)
+    ((ranked_start, _),) = session.parts.simulated.simulate_each(
+        [mixed.Variant()], quiet, metric=False, batches=1, sampled_columns=True
+    )
+    ((whole_start, _),) = session.simulate_each([mixed.Variant()], metric=False)
+    gaps = sorted(
+        abs((found[single][0] - ranked_start) - (sqnr - whole_start)) for single, (sqnr, _) in zip(singles, whole, strict=True)
+    )
     assert gaps[len(gaps) // 2] < 0.2 and gaps[int(0.9 * len(gaps))] < 1.0  # median, 90th percentile (dB)
     assert DEFAULT_GROUP_SIZE in {c.group_size for _, c in singles}
 
@@ -205,6 +214,109 @@ def test_a_heads_choices_are_measured_on_a_sample_of_its_rows_each_quantized_as_
     ranked = sorted(options["lm_head"], key=lambda choice: whole["lm_head", choice])
     assert sorted(options["lm_head"], key=lambda choice: half["lm_head", choice])[:2] == ranked[:2]  # float, int8
     assert whole["lm_head", int4[0]] > whole["lm_head", others[0]] > 0
+
+
+def test_costly_algorithms_are_measured_at_one_group_size_and_read_off_round_to_nearest_at_the_others():
+    """HQQ, GPTQ and AWQ are measured at one group size a module (the start's, else the default); at
+    the others a choice's own noise is round to nearest's there times the algorithm's ratio to it
+    where measured: exact where measured, near the measured noise where read off."""
+    model, batches = tiny_llama()
+    session = QuantizationSession(model, batches[0], batches[:4], eval_data=batches[4:], engine="eager")
+    simulation, batch, name = session.simulation(), session.eval_data[0], "model.layers.1.mlp.down_proj"
+    choice = lambda algorithm, group: ModuleSettings(format="int4-weight-only", group_size=group, algorithm=algorithm)  # noqa: E731
+    options = [choice(a, g) for a in ("rtn", "hqq", "gptq", "awq") for g in (32, 64, 128)] + [ModuleSettings(keep_float=True)]
+    start = ModuleSettings(format="int8-weight-only")
+    assert set(simulate.one_group_estimates(options, start)) == {choice(a, g) for a in ("hqq", "gptq", "awq") for g in (64, 128)}
+    assert {c.group_size for c in simulate.one_group_estimates(options, choice("gptq", 64))} == {32, 128}
+    found = simulation.local_noise(batch, {name: options})
+    assert simulation.read_off == 6
+    for algorithm in ("hqq", "gptq", "awq"):
+        alone = {
+            g: simulation.local_noise(batch, {name: [choice(algorithm, g)]})[name, choice(algorithm, g)] for g in (32, 64, 128)
+        }
+        assert simulation.read_off == 0
+        assert found[name, choice(algorithm, 32)] == pytest.approx(alone[32], rel=1e-6)
+        for group in (64, 128):
+            read = found[name, choice("rtn", group)] * found[name, choice(algorithm, 32)] / found[name, choice("rtn", 32)]
+            assert found[name, choice(algorithm, group)] == pytest.approx(read, rel=1e-9)
+            assert found[name, choice(algorithm, group)] == pytest.approx(alone[group], rel=0.15), (algorithm, group)
+
+
+def test_the_gptq_and_awq_weights_of_many_variants_are_found_in_one_calibration_run():
+    """Variants that each take GPTQ / AWQ weights not found yet (a front's points) have them all
+    found before the passes, in one run over the calibration batches, not one a variant; each
+    variant's output is what it is simulated alone."""
+    model, batches = tiny_llama()
+    session = QuantizationSession(model, batches[0], batches[:4], eval_data=batches[4:], engine="eager")
+    simulation = session.simulation()
+    runs = []
+    calibrate = simulation._calibrate
+    simulation._calibrate = lambda model, gathered: (runs.append(1), calibrate(model, gathered))
+    start = {m.fqn: m.current for m in session.modules}
+    names = ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.up_proj"]
+    variants = [
+        mixed.variant_of({name: ModuleSettings(format="int4-weight-only", group_size=32, algorithm=algorithm)}, start)
+        for name in names
+        for algorithm in ("gptq", "awq")
+    ]
+    together = session.parts.simulated.simulate_each(variants, quiet, metric=False)
+    assert len(runs) == 1
+    apart = [simulation.outputs(session.eval_data, variant) for variant in variants]
+    assert [sqnr for sqnr, _ in together] == pytest.approx(
+        [session.parts.simulated.runner.output_sqnr(o) for o in apart], abs=1e-6
+    )
+    assert len(runs) == 1  # found once, kept
+
+
+class _Probabilities(torch.nn.Module):
+    """A decoder whose output is its logits' softmax: a column of it is not one row of the head."""
+
+    def __init__(self, decoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder(ids).logits.softmax(-1)
+
+
+def test_ranking_passes_compute_a_sample_of_a_large_heads_rows_and_read_those_output_columns(monkeypatch):
+    """Where the output is a head's rows (a decoder's logits over a vocabulary of more than HEAD_ROWS),
+    a pass that only ranks may compute SAMPLED_ROWS of them: every row sampled, each variant's
+    output SQNR is the whole output's; half of them, near it and in the same order. An output that
+    is not the head's rows as they are (a softmax after it) is never sampled."""
+    monkeypatch.setattr(simulate, "HEAD_ROWS", VOCAB // 4)
+    monkeypatch.setattr(simulate, "SAMPLED_ROWS", VOCAB)
+    model, batches = tiny_llama()
+    session = QuantizationSession(model, batches[0], batches[:4], eval_data=batches[4:], engine="eager")
+    variants = [mixed.Variant(), *(mixed.Variant(frozenset([m.fqn])) for m in session.modules)]
+    simulated = session.parts.simulated
+    whole = [sqnr for sqnr, _ in simulated.simulate_each(variants, quiet, metric=False, batches=1)]
+    every = [sqnr for sqnr, _ in simulated.simulate_each(variants, quiet, metric=False, batches=1, sampled_columns=True)]
+    head, columns = simulated.head_sample()
+    assert head == "lm_head" and columns.tolist() == list(range(VOCAB))
+    assert every == pytest.approx(whole, abs=1e-4)
+    monkeypatch.setattr(simulate, "SAMPLED_ROWS", VOCAB // 2)
+    simulated._head = simulation._UNCHECKED
+    half = [sqnr for sqnr, _ in simulated.simulate_each(variants, quiet, metric=False, batches=1, sampled_columns=True)]
+    assert len(simulated.head_sample()[1]) == VOCAB // 2
+    assert half == pytest.approx(whole, abs=0.5)
+    gains = lambda found: [sqnr - found[0] for sqnr in found[1:]]  # noqa: E731  # what keeping each float gains
+    assert gains(half) == pytest.approx(gains(whole), abs=0.15)
+    assert max(range(len(variants) - 1), key=gains(half).__getitem__) == max(
+        range(len(variants) - 1), key=gains(whole).__getitem__
+    )
+    # the simulation's head is the float model's again: whole passes are what they were
+    assert [sqnr for sqnr, _ in simulated.simulate_each(variants[1:3], quiet, metric=False)] == [
+        sqnr for sqnr, _ in session.simulate_each(variants[1:3], metric=False)
+    ]
+    probabilities = QuantizationSession(
+        _Probabilities(tiny_llama()[0]), batches[0], batches[:4], eval_data=batches[4:], engine="eager"
+    )
+    simulated = probabilities.parts.simulated
+    assert simulated.head_sample() is None
+    assert simulated.simulate_each(variants[:1], quiet, metric=False, batches=1, sampled_columns=True) == simulated.simulate_each(
+        variants[:1], quiet, metric=False, batches=1
+    )
 
 
 def test_the_size_pane_draws_the_front_puts_a_point_in_the_rows_and_a_budget_selects_the_best_under_it(cache):

@@ -58,10 +58,13 @@ def power_terms(reference: torch.Tensor, approximation: torch.Tensor) -> tuple[f
         raise ValueError(f"cannot compare {reference.numel()} values with {approximation.numel()}")
     signal = torch.zeros((), dtype=torch.float64, device=reference.device)
     noise = torch.zeros((), dtype=torch.float64, device=reference.device)
+    # squared in the values' precision (float32 at least), summed into float64: a float64 copy of each
+    # chunk cost twice as long for the same sums to 1e-9 (a 262k-vocabulary decoder's logits: 0.4 s)
+    wide = reference.dtype if reference.dtype in (torch.float32, torch.float64) else torch.float32
     for start in range(0, reference.numel(), _CHUNK):
-        part = reference[start : start + _CHUNK].double()
-        signal += part.square().sum()
-        noise += part.sub_(approximation[start : start + _CHUNK].to(part)).square_().sum()
+        part = reference[start : start + _CHUNK].to(wide)
+        signal += part.square().sum(dtype=torch.float64)
+        noise += approximation[start : start + _CHUNK].to(wide).sub_(part).square_().sum(dtype=torch.float64)
     return float(signal), float(noise)
 
 

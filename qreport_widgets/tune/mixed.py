@@ -49,7 +49,9 @@ if TYPE_CHECKING:
 ESTIMATED_BEYOND = 240
 # on such a front the single choices and the in-context search, which only rank steps, are simulated on
 # this many evaluation batches (the points of the front on all of them): a 135M decoder's front
-# simulates about 700 variants to rank, each a whole model's pass per batch
+# simulates about 700 variants to rank, each a whole model's pass per batch; where the output is a
+# large vocabulary's logits, those passes compute a sample of them (``Simulated.head_sample``): Gemma
+# 3's 262,144-row head is three quarters of a pass
 RANKED_ON = 1
 MAX_SIMULATED = 40  # points of the chain simulated whole (evenly spread over its sizes)
 # fronts of at most this many units (a decoder's blocks, a small model's modules) walk their chain
@@ -195,7 +197,9 @@ def size_front(
     ranked_on = RANKED_ON if estimate else None  # evaluation batches the ranking reads (None: all)
     whole = [(unit, c) for unit, c in singles if c.keep_float or not estimate]
     variants = [Variant(), *(variant_of(spread({unit: c}), start) for unit, c in whole)]
-    each_alone = simulated.simulate_each(variants, progress, "size front: each choice alone", metric=False, batches=ranked_on)
+    each_alone = simulated.simulate_each(
+        variants, progress, "size front: each choice alone", metric=False, batches=ranked_on, sampled_columns=estimate
+    )
     (start_db, _), *measured = each_alone
     each = dict(zip(whole, measured, strict=True))
     notes: tuple[str, ...] = ()
@@ -206,6 +210,21 @@ def size_front(
             "the sample's, scaled to every row); the choices it points to were simulated whole"
             for fqn, (sample, rows) in getattr(simulated.simulation(), "sampled", {}).items()
         )
+        read_off = getattr(simulated.simulation(), "read_off", 0)
+        if read_off:
+            notes += (
+                f"the size front measured HQQ, GPTQ and AWQ at one group size a module and ranked their {read_off} choices at "
+                "the other sizes by round to nearest's there, times their ratio to it where measured; the choices it points "
+                "to were simulated whole",
+            )
+        head = simulated.head_sample()
+        if head is not None:
+            fqn, columns = head
+            notes += (
+                f"the size front ranked single choices and steps on {len(columns):,} of the output's "
+                f"{simulated.runner.reference_outputs()[0].shape[-1]:,} columns ({fqn}'s rows, computed alone); "
+                "its points were simulated whole",
+            )
     alone = [each[single] for single in singles]
     start_noise = _noise(start_db)
     float_model = runner.float_model
@@ -300,6 +319,7 @@ def _estimated_alone(
         "size front: each module's coarsest choice",
         metric=False,
         batches=ranked_on,
+        sampled_columns=ranked_on is not None,
     )
     found = dict(zip(whole, measured, strict=True))
     for fqn, anchor in anchors:
@@ -317,7 +337,9 @@ def _estimated_alone(
     missing = [(fqn, c) for fqn, options in quantized.items() for c in options if (fqn, c) not in found]
     if missing:
         variants = [variant_of({fqn: c}, start) for fqn, c in missing]
-        measured = simulated.simulate_each(variants, progress, metric=False, batches=ranked_on)
+        measured = simulated.simulate_each(
+            variants, progress, metric=False, batches=ranked_on, sampled_columns=ranked_on is not None
+        )
         found |= dict(zip(missing, measured, strict=True))
     return found
 
@@ -354,7 +376,14 @@ def _searched_points(
 
     def measure(sets: Sequence[frozenset[str]]) -> list[tuple[float, float | None]]:
         variants = [Variant(float_modules=frozenset(fqn for unit in s for fqn in units[unit])) for s in sets]
-        return simulated.simulate_each(variants, quiet, "size front: in-context search", metric=False, batches=ranked_on)
+        return simulated.simulate_each(
+            variants,
+            quiet,
+            "size front: in-context search",
+            metric=False,
+            batches=ranked_on,
+            sampled_columns=ranked_on is not None,
+        )
 
     truth = real.truth(quiet)
     neighbours = unit_neighbours(runner.float_model, {unit: units[unit] for unit in ranking})

@@ -236,10 +236,11 @@ class Runner:
         reference = torch.cat([r.flatten() for r in self.reference_outputs()])
         return sqnr_db(reference, torch.cat([self.output_of(o).flatten() for o in outputs]))
 
-    def output_terms(self, index: int, output: Any) -> tuple[float, float]:
+    def output_terms(self, index: int, output: Any, reference: torch.Tensor | None = None) -> tuple[float, float]:
         """(signal, noise) power of a model's output on evaluation batch ``index`` against the float
-        model's: what the output SQNR adds over batches (``core.metrics.sqnr_of``)."""
-        return power_terms(self.reference_outputs()[index], self.output_of(output))
+        model's (or ``reference``, a part of it the output is): what the output SQNR adds over
+        batches (``core.metrics.sqnr_of``)."""
+        return power_terms(self.reference_outputs()[index] if reference is None else reference, self.output_of(output))
 
     def ensure_room(self, step: str, doing: str, settings: Mapping[str, ModuleSettings] | None = None) -> None:
         """Refuses ``doing`` when the machine has not the memory it is estimated to need

@@ -8,6 +8,8 @@ and costs forward passes, no calibration.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
+from typing import Any
 
 import torch
 
@@ -15,6 +17,10 @@ from ..core.metrics import sqnr_of
 from ..core.progress import Progress, steps
 from ..engines.contract import Simulation, Variant
 from .runner import Runner
+
+# a pass computing the head's sample of rows alone gives the float model's output there to float round-off
+SAMPLED_AGREEMENT_DB = 60.0
+_UNCHECKED: Any = object()
 
 
 class Simulated:
@@ -27,8 +33,10 @@ class Simulated:
         self.version = 0  # counts the changes made to the simulation after it was built (real kernels adopted)
         # output SQNR and (None when not asked) metric of each variant simulated at this version, per
         # number of evaluation batches it was simulated on (None: all)
-        self._known: dict[tuple[int | None, Variant], tuple[float, float | None]] = {}
+        # (and, where ranking passes read a sample of the output's columns, that sample's size)
+        self._known: dict[tuple[Any, Variant], tuple[float, float | None]] = {}
         self._known_version = 0
+        self._head: tuple[str, torch.Tensor] | None = _UNCHECKED  # what ``head_sample`` found
 
     def simulation(self, progress: Progress | None = None) -> Simulation:
         runner = self.runner
@@ -69,6 +77,38 @@ class Simulated:
                 metric = float(runner.eval_fn(simulation.model))
         return sqnr, metric
 
+    def head_sample(self) -> tuple[str, torch.Tensor] | None:
+        """A decoder head whose rows are the model output's columns, and the sample of its rows a
+        ranking pass may compute alone (``Simulation.head_sample``); None where the simulation offers
+        none, or where the output is not that sample of columns as it is: checked once, on the first
+        evaluation batch, the simulated model float but for its head's rows sampled, against the
+        float model's output there (a softmax after the head, for one, would not agree)."""
+        if self._head is not _UNCHECKED:
+            return self._head
+        self._head = None
+        simulation, runner = self.simulation(), self.runner
+        reference = runner.reference_outputs()[0]
+        offer = getattr(simulation, "head_sample", None)
+        found = offer(int(reference.shape[-1])) if offer is not None and reference.dim() else None
+        if found is None:
+            return None
+        head, columns = found
+        part = reference[..., columns.to(reference.device)]
+        try:
+            with simulation.rows_sampled(head, columns):  # type: ignore[attr-defined]
+                ((terms,),) = simulation.outputs_each(
+                    runner.eval_data[:1],
+                    [Variant(frozenset(simulation.tunable))],
+                    reduce=lambda i, out: runner.output_terms(i, out, part),
+                )
+        except ValueError:  # the output has other columns than the head's sampled rows
+            return None
+        finally:
+            simulation.configure(())
+        if sqnr_of(*terms) >= SAMPLED_AGREEMENT_DB:
+            self._head = (head, columns)
+        return self._head
+
     def simulate_each(
         self,
         variants: Sequence[Variant | Iterable[str]],
@@ -76,10 +116,14 @@ class Simulated:
         desc: str = "simulating",
         metric: bool = True,
         batches: int | None = None,
+        sampled_columns: bool = False,
     ) -> list[tuple[float, float | None]]:
         """``simulate(v)`` for each ``v`` in ``variants``, without the metric unless ``metric``.
         ``batches``: on the first ``batches`` evaluation batches only (a ranking among many variants,
         at a fraction of the cost; the output SQNR and a metric read from the outputs).
+        ``sampled_columns`` (without the metric): where the output is a decoder head's rows
+        (``head_sample``), the output SQNR of that head's sample of them, which the head computes
+        alone: a ranking at a fraction of a large vocabulary's cost.
 
         Each variant recomputes only what it changes (one step per variant and batch), for its
         output SQNR and for a metric computed from the outputs (perplexity; ``Metric.from_outputs``),
@@ -103,17 +147,27 @@ class Simulated:
                 simulation.configure(())
         if self._known_version != self.version:
             self._known, self._known_version = {}, self.version
-        keys = [(batches, Variant.of(variant)) for variant in variants]
+        head = self.head_sample() if sampled_columns and not with_metric else None
+        read = batches if head is None else (batches, len(head[1]))
+        keys = [(read, Variant.of(variant)) for variant in variants]
         # each once, those not known yet (or known without the metric now asked for)
         new = list(dict.fromkeys(k for k in keys if k not in self._known or (with_metric and self._known[k][1] is None)))
         reads = runner.metric if with_metric else None
 
+        parts: dict[int, torch.Tensor] = {}  # batch -> the reference's sampled columns
+
         def reduce(index: int, output: object) -> tuple[tuple[float, float], tuple[float, ...] | None]:
             terms = None if reads is None else tuple(reads.batch_terms(data[index], output))  # type: ignore[misc]
-            return runner.output_terms(index, output), terms
+            if head is None:
+                return runner.output_terms(index, output), terms
+            if index not in parts:
+                reference = runner.reference_outputs()[index]
+                parts[index] = reference[..., head[1].to(reference.device)]
+            return runner.output_terms(index, output, parts[index]), terms
 
+        sampling = simulation.rows_sampled(*head) if head is not None and new else nullcontext()  # type: ignore[attr-defined]
         try:
-            with steps(len(new) * len(data), desc, "step", progress) as step:
+            with sampling, steps(len(new) * len(data), desc, "step", progress) as step:
                 found = simulation.outputs_each(data, [variant for _, variant in new], step, reduce)
         finally:
             simulation.configure(())

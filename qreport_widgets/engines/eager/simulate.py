@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -24,9 +24,20 @@ from ...core.calibration import call_with
 from ...core.devices import model_device
 from ...core.memory import device_free_bytes, free_bytes, give_back, tensors_bytes
 from ...core.metrics import sqnr_db
-from ..contract import Variant, WholePasses
+from ..contract import Reduce, Variant, WholePasses
 from ..folds import input_folds
-from ..settings import AWQ, DATA_ALGORITHMS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, LEARNED, ModuleSettings, TunableModule
+from ..settings import (
+    AWQ,
+    DATA_ALGORITHMS,
+    DEFAULT_GROUP_SIZE,
+    GPTQ,
+    GROUPED_FORMATS,
+    HQQ,
+    LEARNED,
+    RTN,
+    ModuleSettings,
+    TunableModule,
+)
 from .algorithms import (
     CompactWeight,
     InputStatistics,
@@ -56,9 +67,21 @@ REPLAY_ROOM = 64 << 20
 # are 168M of its 270M parameters) has its choices' own noise (``local_noise``) measured on
 # SAMPLED_ROWS of its rows, the same rows for every choice, and scaled up by rows / SAMPLED_ROWS. A
 # row's output error is its own for round to nearest, HQQ and GPTQ (they quantize rows apart), so
-# the sum over a uniform sample estimates the whole; AWQ's one input scale is chosen on the sample
+# the sum over a uniform sample estimates the whole; AWQ's one input scale is chosen on the sample.
+# Passes that only rank variants may compute such a head's sample of rows alone (``rows_sampled``):
+# its output is then the same sample of the model's output columns (a decoder's logits)
 HEAD_ROWS = 32_768
 SAMPLED_ROWS = 8_192
+# The weight algorithms that cost more than round to nearest (HQQ's iterations, GPTQ's and AWQ's
+# solves over the calibration inputs): ``local_noise`` measures each at one group size a module and
+# reads its noise at the other sizes off round to nearest's there, times its ratio to round to
+# nearest at the size measured (the choices the front points to are simulated whole)
+ONE_GROUP_ALGORITHMS = (HQQ, GPTQ, AWQ)
+
+
+def sampled_rows(rows: int) -> torch.Tensor:
+    """The fixed uniform sample of ``SAMPLED_ROWS`` of ``rows`` (all of them where fewer), sorted."""
+    return torch.randperm(rows, generator=torch.Generator().manual_seed(0))[:SAMPLED_ROWS].sort().values
 
 
 def format_key(choice: ModuleSettings) -> FormatKey | None:
@@ -104,6 +127,13 @@ def _input_quantized(x: torch.Tensor, symmetric: bool | None, scale: torch.Tenso
     return fake_quantized_tokens(x / scale, symmetric) * scale
 
 
+def _packable(quantized: QuantizedWeight) -> bool:
+    """Whether ``quantized`` is int4 values and group scales alone (no zero points), which
+    ``QuantizedWeight.compact`` packs and ``expand`` gives back as they were."""
+    zero_point = getattr(quantized.tensor, "zero_point", None)
+    return zero_point is not None and not bool(zero_point.any()) and getattr(quantized.tensor, "qdata", None) is not None
+
+
 def _reads_data(choice: ModuleSettings) -> bool:
     key = format_key(choice)
     return key is not None and key[2] in DATA_ALGORITHMS
@@ -121,6 +151,37 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size()
     names, _ = tensor.__tensor_flatten__()
     return sum(tensor_bytes(getattr(tensor, name)) for name in names)
+
+
+def one_group_estimates(
+    options: Sequence[ModuleSettings], start: ModuleSettings
+) -> dict[ModuleSettings, tuple[ModuleSettings, ModuleSettings, ModuleSettings]]:
+    """The choices of ``options`` whose own noise ``local_noise`` reads off others: a costly
+    algorithm (``ONE_GROUP_ALGORITHMS``) at a group size other than the one it is measured at (the
+    start's where it is offered, else the default, else the middle one), each -> (round to nearest
+    at its size, the algorithm at the size measured, round to nearest there). Only where those are
+    offered too."""
+    found: dict[ModuleSettings, tuple[ModuleSettings, ModuleSettings, ModuleSettings]] = {}
+    costly: dict[tuple[str, str], dict[int, ModuleSettings]] = {}
+    rounded: dict[str, dict[int, ModuleSettings]] = {}
+    for choice in options:
+        if choice.keep_float or choice.format not in GROUPED_FORMATS:
+            continue
+        group = choice.group_size or DEFAULT_GROUP_SIZE
+        if choice.algorithm in ONE_GROUP_ALGORITHMS:
+            costly.setdefault((choice.format, choice.algorithm), {})[group] = choice
+        elif choice.algorithm in ("", RTN):
+            rounded.setdefault(choice.format, {}).setdefault(group, choice)
+    for (name, _), offered in costly.items():
+        groups = sorted(g for g in offered if g in rounded.get(name, {}))
+        if len(groups) < 2:
+            continue
+        started = (start.group_size or DEFAULT_GROUP_SIZE) if start.format == name else None
+        at = started if started in groups else DEFAULT_GROUP_SIZE if DEFAULT_GROUP_SIZE in groups else groups[len(groups) // 2]
+        for group in groups:
+            if group != at:
+                found[offered[group]] = (rounded[name][group], offered[at], rounded[name][at])
+    return found
 
 
 class EagerSimulation(WholePasses):
@@ -143,6 +204,7 @@ class EagerSimulation(WholePasses):
         self.tunable = [m.fqn for m in modules if not m.current.keep_float]
         self.others: list[str] = []  # every quantized module is ranked
         self.sampled: dict[str, tuple[int, int]] = {}  # module -> (rows, of rows) the last local_noise measured
+        self.read_off = 0  # choices the last local_noise read off others (``one_group_estimates``)
         self._modules = {fqn: model.get_submodule(fqn) for fqn in self._start}
         self._float = {fqn: module.weight.detach() for fqn, module in self._modules.items()}  # the shared float weights
         # quantized weights, dequantized when a module takes them (the model holds one float weight
@@ -150,7 +212,7 @@ class EagerSimulation(WholePasses):
         self._starting: dict[str, QuantizedWeight] = {}
         self._others: OrderedDict[tuple[str, FormatKey], QuantizedWeight] = OrderedDict()  # ... other formats', a few
         self._others_held = 0
-        # GPTQ / AWQ results, packed: computing one again takes seconds a module and its inputs' statistics
+        # GPTQ, AWQ and HQQ results, packed: seconds a module to compute again (GPTQ and AWQ: from its inputs' statistics)
         self._found: dict[tuple[str, FormatKey], CompactWeight | Recipe] = {}
         self._others_room = OTHER_FORMATS_SHARE * sum(tensor_bytes(w) for w in self._float.values())
         self._keeping = True  # whether other formats' weights are kept for the next pass
@@ -162,6 +224,7 @@ class EagerSimulation(WholePasses):
         for fqn, module in self._modules.items():
             module.register_forward_pre_hook(self._input_hook(fqn))
         self._configured: dict[str, FormatKey | None] | None = None
+        self._rows: dict[str, torch.Tensor] = {}  # module -> the rows it computes alone (``rows_sampled``)
         self.configure(())
         # each pass starts at the block where its formats first differ from the pass before
         room = min(max(tensors_bytes(list(self._float.values())), REPLAY_ROOM), free_bytes() // 4)
@@ -192,6 +255,14 @@ class EagerSimulation(WholePasses):
             if fqn not in self._starting:
                 self._starting[fqn] = self._quantized(fqn, key)
             return self._starting[fqn].dequantize(dtype)
+        if key[2] == HQQ:  # seconds a module (a decoder head's: half a minute): kept packed, as GPTQ's are
+            kept = self._found.get((fqn, key))
+            if kept is None:
+                quantized = self._quantized(fqn, key)
+                if not _packable(quantized):
+                    return quantized.dequantize(dtype)
+                kept = self._found[fqn, key] = quantized.compact()
+            return kept.expand(self._float[fqn]).dequantize(dtype)
         quantized = self._others.pop((fqn, key), None)
         if quantized is None:
             quantized = self._quantized(fqn, key)
@@ -286,6 +357,18 @@ class EagerSimulation(WholePasses):
             raise KeyError("the eager simulation takes formats (Variant.settings) and float modules only")
         self._apply(self.formats_of(variant))
 
+    def outputs_each(
+        self,
+        batches: Sequence[Any],
+        variants: Sequence[Variant | Iterable[str]],
+        step: Callable[[], None] | None = None,
+        reduce: Reduce | None = None,
+    ) -> list[list[Any]]:
+        """``WholePasses.outputs_each``, the GPTQ / AWQ / learned weights every variant takes found
+        first, together (``find_data_weights``: one calibration run for all, not one a variant)."""
+        self.find_data_weights((fqn, key) for variant in variants for fqn, key in self.formats_of(variant).items())
+        return super().outputs_each(batches, variants, step, reduce)
+
     def pass_order(self, variants: Sequence[Variant | Iterable[str]]) -> list[int]:
         """The variants sorted so that neighbours share the longest unchanged prefix (``BlockReplay.order``)."""
         return self._replay.order([self.formats_of(variant) for variant in variants])
@@ -326,6 +409,44 @@ class EagerSimulation(WholePasses):
         self._apply(dict.fromkeys(self._modules))
         give_back()
 
+    def head_sample(self, columns: int) -> tuple[str, torch.Tensor] | None:
+        """The one module that may give a model output of ``columns`` columns from as many rows, a
+        Linear of more than ``HEAD_ROWS`` rows (a decoder's head), and the rows (``sampled_rows``)
+        a pass that only ranks variants may compute alone (``rows_sampled``); None where there is
+        no such module, or more than one."""
+        found = [
+            fqn
+            for fqn, module in self._modules.items()
+            if type(module) is nn.Linear and self._float[fqn].shape[0] == columns > HEAD_ROWS
+        ]
+        return (found[0], sampled_rows(columns)) if len(found) == 1 else None
+
+    @contextmanager
+    def rows_sampled(self, fqn: str, rows: torch.Tensor) -> Iterator[None]:
+        """Within: Linear ``fqn`` computes ``rows`` of its output alone, its weight (in whatever format
+        a variant gives it) and bias sliced alike; every row's output is its own, so each is what the
+        whole module gives there."""
+        module = self._modules[fqn]
+        bias = module.bias
+        rows = rows.to(self._float[fqn].device)
+        self._rows[fqn] = rows
+        try:
+            if bias is not None:
+                module.bias = nn.Parameter(bias.detach()[rows], requires_grad=False)
+            self._apply_again(fqn)
+            yield
+        finally:
+            del self._rows[fqn]
+            module.bias = bias
+            self._apply_again(fqn)
+
+    def _apply_again(self, fqn: str) -> None:
+        """Module ``fqn``'s weight set again in the format it has (its rows changed)."""
+        configured = dict(self._configured or {})
+        key = configured.get(fqn)
+        self._configured = {**configured, fqn: ("again",)}  # type: ignore[dict-item]
+        self._apply({fqn: key})
+
     def local_noise(self, batch: Any, choices: Mapping[str, Sequence[ModuleSettings]]) -> dict[tuple[str, ModuleSettings], float]:
         """Per module and choice, the noise power the choice puts on the module's own output (the
         squared difference to its float output, summed), on the float model's input to it in one
@@ -333,6 +454,8 @@ class EagerSimulation(WholePasses):
         (``_row_sampled``): its choices are measured on a sample of its rows after the pass
         (``HEAD_ROWS``), and ``self.sampled`` says which (module -> (rows measured, rows))."""
         found: dict[tuple[str, ModuleSettings], float] = {}
+        read_off = {fqn: one_group_estimates(options, self._start[fqn]) for fqn, options in choices.items()}
+        choices = {fqn: [c for c in options if c not in read_off[fqn]] for fqn, options in choices.items()}
         sampled = [fqn for fqn in choices if self._row_sampled(fqn, choices[fqn])]
         heads_inputs: dict[str, torch.Tensor] = {}
 
@@ -376,6 +499,14 @@ class EagerSimulation(WholePasses):
             self.configure(())
             give_back()
         self.sampled = {fqn: (min(SAMPLED_ROWS, self._float[fqn].shape[0]), self._float[fqn].shape[0]) for fqn in sampled}
+        self.read_off = 0
+        for fqn, estimates in read_off.items():
+            for choice, (rounded, measured, rounded_there) in estimates.items():
+                known = [found.get((fqn, c)) for c in (rounded, measured, rounded_there)]
+                if None not in known:
+                    here, ratio = known[0], (known[1] / known[2] if known[2] else 1.0)
+                    found[fqn, choice] = here * ratio
+                    self.read_off += 1
         return found
 
     def _row_sampled(self, fqn: str, options: Sequence[ModuleSettings] = ()) -> bool:
@@ -409,7 +540,7 @@ class EagerSimulation(WholePasses):
         """``local_noise`` of module ``fqn``'s ``options`` on ``SAMPLED_ROWS`` of its rows (a fixed
         uniform sample, sorted), each quantized as the whole module would be, scaled to every row."""
         rows = self._float[fqn].shape[0]
-        picked = torch.randperm(rows, generator=torch.Generator().manual_seed(0))[:SAMPLED_ROWS].sort().values
+        picked = sampled_rows(rows)
         sample = rows_of(self._float_module(fqn), picked.to(self._float[fqn].device))
         with torch.no_grad():
             expected = sample(given)
@@ -453,7 +584,10 @@ class EagerSimulation(WholePasses):
                     replaced = 0
                 # a new Parameter, never written into: the model's float weights may be the session's own
                 self._input_scales[fqn] = None  # until an AWQ weight sets it
-                self._modules[fqn].weight = nn.Parameter(self.weight(fqn, key), requires_grad=False)
+                weight = self.weight(fqn, key)
+                if fqn in self._rows:
+                    weight = weight[self._rows[fqn]]
+                self._modules[fqn].weight = nn.Parameter(weight, requires_grad=False)
                 self._inputs[fqn] = _input_symmetry(key, self._target)
         self._configured = {**(self._configured or {}), **chosen}
 
