@@ -348,6 +348,7 @@ class WholePasses:
         reduce: Reduce | None = None,
     ) -> list[list[Any]]:
         found: list[list[Any]] = [[] for _ in variants]
+        self.before_passes(variants)
         for position in self.pass_order(variants):
             self.configure(variants[position])
             outputs = []
@@ -361,6 +362,9 @@ class WholePasses:
             found[position] = outputs
             give_back()  # the variant's freed weights and activations
         return found
+
+    def before_passes(self, variants: Sequence[Variant | Iterable[str]]) -> None:
+        """What ``outputs_each`` readies for all of ``variants`` before their passes (here nothing)."""
 
     def pass_order(self, variants: Sequence[Variant | Iterable[str]]) -> list[int]:
         """The order to run ``variants`` in (positions); ``outputs_each`` returns them in theirs."""

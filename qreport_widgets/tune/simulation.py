@@ -37,6 +37,7 @@ class Simulated:
         self._known: dict[tuple[Any, Variant], tuple[float, float | None]] = {}
         self._known_version = 0
         self._head: tuple[str, torch.Tensor] | None = _UNCHECKED  # what ``head_sample`` found
+        self._parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # batch -> (columns, its reference there)
 
     def simulation(self, progress: Progress | None = None) -> Simulation:
         runner = self.runner
@@ -93,13 +94,12 @@ class Simulated:
         if found is None:
             return None
         head, columns = found
-        part = reference[..., columns.to(reference.device)]
         try:
             with simulation.rows_sampled(head, columns):  # type: ignore[attr-defined]
                 ((terms,),) = simulation.outputs_each(
                     runner.eval_data[:1],
                     [Variant(frozenset(simulation.tunable))],
-                    reduce=lambda i, out: runner.output_terms(i, out, part),
+                    reduce=lambda i, out: runner.output_terms(i, out, self._reference_part(i, columns)),
                 )
         except ValueError:  # the output has other columns than the head's sampled rows
             return None
@@ -108,6 +108,14 @@ class Simulated:
         if sqnr_of(*terms) >= SAMPLED_AGREEMENT_DB:
             self._head = (head, columns)
         return self._head
+
+    def _reference_part(self, index: int, columns: torch.Tensor) -> torch.Tensor:
+        """The float model's output on evaluation batch ``index`` at ``columns`` (the head's sample), kept."""
+        kept = self._parts.get(index)
+        if kept is None or kept[0] is not columns:
+            reference = self.runner.reference_outputs()[index]
+            kept = self._parts[index] = (columns, reference[..., columns.to(reference.device)])
+        return kept[1]
 
     def simulate_each(
         self,
@@ -154,16 +162,10 @@ class Simulated:
         new = list(dict.fromkeys(k for k in keys if k not in self._known or (with_metric and self._known[k][1] is None)))
         reads = runner.metric if with_metric else None
 
-        parts: dict[int, torch.Tensor] = {}  # batch -> the reference's sampled columns
-
         def reduce(index: int, output: object) -> tuple[tuple[float, float], tuple[float, ...] | None]:
             terms = None if reads is None else tuple(reads.batch_terms(data[index], output))  # type: ignore[misc]
-            if head is None:
-                return runner.output_terms(index, output), terms
-            if index not in parts:
-                reference = runner.reference_outputs()[index]
-                parts[index] = reference[..., head[1].to(reference.device)]
-            return runner.output_terms(index, output, parts[index]), terms
+            part = None if head is None else self._reference_part(index, head[1])
+            return runner.output_terms(index, output, part), terms
 
         sampling = simulation.rows_sampled(*head) if head is not None and new else nullcontext()  # type: ignore[attr-defined]
         try:

@@ -24,7 +24,7 @@ from ...core.calibration import call_with
 from ...core.devices import model_device
 from ...core.memory import device_free_bytes, free_bytes, give_back, tensors_bytes
 from ...core.metrics import sqnr_db
-from ..contract import Reduce, Variant, WholePasses
+from ..contract import Variant, WholePasses
 from ..folds import input_folds
 from ..settings import (
     AWQ,
@@ -357,17 +357,10 @@ class EagerSimulation(WholePasses):
             raise KeyError("the eager simulation takes formats (Variant.settings) and float modules only")
         self._apply(self.formats_of(variant))
 
-    def outputs_each(
-        self,
-        batches: Sequence[Any],
-        variants: Sequence[Variant | Iterable[str]],
-        step: Callable[[], None] | None = None,
-        reduce: Reduce | None = None,
-    ) -> list[list[Any]]:
-        """``WholePasses.outputs_each``, the GPTQ / AWQ / learned weights every variant takes found
-        first, together (``find_data_weights``: one calibration run for all, not one a variant)."""
+    def before_passes(self, variants: Sequence[Variant | Iterable[str]]) -> None:
+        """The GPTQ / AWQ / learned weights every variant takes, found together (``find_data_weights``:
+        one calibration run for all of them, not one a variant)."""
         self.find_data_weights((fqn, key) for variant in variants for fqn, key in self.formats_of(variant).items())
-        return super().outputs_each(batches, variants, step, reduce)
 
     def pass_order(self, variants: Sequence[Variant | Iterable[str]]) -> list[int]:
         """The variants sorted so that neighbours share the longest unchanged prefix (``BlockReplay.order``)."""
@@ -442,9 +435,7 @@ class EagerSimulation(WholePasses):
 
     def _apply_again(self, fqn: str) -> None:
         """Module ``fqn``'s weight set again in the format it has (its rows changed)."""
-        configured = dict(self._configured or {})
-        key = configured.get(fqn)
-        self._configured = {**configured, fqn: ("again",)}  # type: ignore[dict-item]
+        key = (self._configured or {}).pop(fqn, None)  # forgotten, so that _apply sets it
         self._apply({fqn: key})
 
     def local_noise(self, batch: Any, choices: Mapping[str, Sequence[ModuleSettings]]) -> dict[tuple[str, ModuleSettings], float]:
