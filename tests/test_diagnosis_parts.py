@@ -98,8 +98,8 @@ class FakeRunner:
     def output_sqnr(self, outputs) -> float:
         return sqnr_db(torch.cat([b.flatten() for b in BATCHES]), torch.cat([o.flatten() for o in outputs]))
 
-    def output_terms(self, index, output) -> tuple[float, float]:
-        return power_terms(BATCHES[index], output)
+    def output_terms(self, index, output, reference=None) -> tuple[float, float]:
+        return power_terms(BATCHES[index] if reference is None else reference, output)
 
     def equalization_float_error(self, settings) -> float:
         return math.nan
