@@ -188,6 +188,45 @@ def test_estimated_single_choices_read_each_modules_own_error_and_land_near_whol
     assert DEFAULT_GROUP_SIZE in {c.group_size for _, c in singles}
 
 
+def test_a_fit_under_a_budget_simulates_whole_only_the_points_that_can_be_its_answer(monkeypatch):
+    """A size budget without a target: the best point within it is the answer, so a large front
+    (estimated single choices) simulates whole only the largest points within the budget, the
+    smallest and the uniform choices within it, and skips the in-context search where the start
+    does not fit (its points keep modules float); the run is the whole front's fit's."""
+    monkeypatch.setattr(mixed, "ESTIMATED_BEYOND", 0)
+    model, batches = tiny_llama()
+
+    def session() -> QuantizationSession:
+        return QuantizationSession(model, batches[0], batches[:4], eval_data=batches[4:], engine="eager")
+
+    whole = session()
+    front = whole.pareto(progress=quiet)
+    labels: list[tuple[str, int]] = []
+    each = simulation.Simulated.simulate_each
+
+    def counted(self, variants, progress=None, label="", **given):
+        labels.append((label, len(variants)))
+        return each(self, variants, progress, label, **given)
+
+    monkeypatch.setattr(simulation.Simulated, "simulate_each", counted)
+    baseline, cut = whole.baseline().deployed_bytes, session()
+    for budget, searched in ((baseline, False), (front["size_bytes"].quantile(0.8), True)):
+        assert budget > front["size_bytes"].iloc[0]
+        expected = whole.fit(max_size_bytes=budget, progress=quiet)
+        labels.clear()
+        fitted = cut.fit(max_size_bytes=budget, progress=quiet)
+        assert fitted.deployed_bytes == expected.deployed_bytes <= budget
+        assert fitted.output_sqnr_db == pytest.approx(expected.output_sqnr_db, abs=1e-6)
+        points = sum(count for label, count in labels if label == "size front: points")
+        assert 0 < points <= 2 * mixed.FIT_POINTS + len(whole.uniform_points()) < len(front)
+        assert any(label == "size front: in-context search" for label, _ in labels) == searched
+        said = [note for note in fitted.notes if note.startswith(f"for a budget of {budget / 1024:,.1f} KB, the size front")]
+        assert said and ("in-context search was not run" in said[0]) != searched, fitted.notes
+    # a target asks for the smallest point meeting it, anywhere within the budget: the whole front
+    assert mixed.fit_budget(baseline, None, None) == baseline
+    assert mixed.fit_budget(baseline, 30.0, None) is None and mixed.fit_budget(baseline, None, 2.0) is None
+
+
 def test_a_heads_choices_are_measured_on_a_sample_of_its_rows_each_quantized_as_the_whole_head_would_be(monkeypatch):
     """A Linear of more than HEAD_ROWS rows (a decoder's head over a vocabulary) has each choice's own
     noise measured on SAMPLED_ROWS of its rows and scaled to every row: every row sampled, it is the

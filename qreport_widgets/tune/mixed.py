@@ -14,7 +14,9 @@ most ``IN_CONTEXT_UNITS`` units the chain is walked again with every step re-mea
 steps before (``_walked_in_context``), and its points join the others. The front is the simulated
 points each better than every smaller one, every module float aside (that is the float model, not a
 quantization of it).
-``fit`` confirms a point with a real run, and steps along the front when it misses.
+``fit`` confirms a point with a real run, and steps along the front when it misses. A fit under a
+size budget without a target takes the best point within it, so on a front whose single choices are
+estimated it simulates whole only the points that can be that answer (``size_front(budget=)``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ ESTIMATED_BEYOND = 240
 # 3's 262,144-row head is three quarters of a pass
 RANKED_ON = 1
 MAX_SIMULATED = 40  # points of the chain simulated whole (evenly spread over its sizes)
+# a fit under a size budget alone, on such a front, simulates whole only the largest of those points within
+# the budget (and the smallest point, its answer when none fits) beside the uniform choices within it: the
+# fit runs the best of them, and the front's other points cannot be its answer (``size_front(budget=)``)
+FIT_POINTS = 6
 # fronts of at most this many units (a decoder's blocks, a small model's modules) walk their chain
 # again with each step measured in context (``_walked_in_context``), in at most this many simulations a step
 IN_CONTEXT_UNITS = 24
@@ -110,21 +116,27 @@ class MixedPrecision:
 
     def __init__(self, runner: Runner, simulated: Simulated, real: RealRuns) -> None:
         self.runner, self.simulated, self.real = runner, simulated, real
-        self._fronts: dict[bool, SizeFront] = {}  # per module, per block
+        # (per block, budget) -> front: the whole front (budget None), or a fit's within its budget
+        self._fronts: dict[tuple[bool, float | None], SizeFront] = {}
         self._simulation_version = simulated.version
 
-    def front(self, progress: Progress | None = None, by_block: bool = False) -> SizeFront:
+    def front(self, progress: Progress | None = None, by_block: bool = False, budget: float | None = None) -> SizeFront:
+        """The size front (per module, else per block), built once per simulation. ``budget``: a
+        fit's under that size alone, which may simulate whole only the points that can be its
+        answer (``size_front``); the whole front where it was built already."""
         if self._simulation_version != self.simulated.version:  # built once per simulation
             self._simulation_version = self.simulated.version
             self._fronts.clear()
-        if by_block not in self._fronts:
-            self._fronts[by_block] = size_front(self.runner, self.simulated, self.real, progress, by_block=by_block)
-        return self._fronts[by_block]
+        key = (by_block, None) if (by_block, None) in self._fronts else (by_block, budget)
+        if key not in self._fronts:
+            self._fronts[key] = size_front(self.runner, self.simulated, self.real, progress, by_block=by_block, budget=budget)
+        return self._fronts[key]
 
     def computed(self) -> dict[str, pd.DataFrame]:
-        """The front's table where it was asked for (per module, else per block), nothing computed."""
-        front = self._fronts.get(False, self._fronts.get(True))
-        return {} if front is None else {"size_front": front.points.copy()}
+        """The front's table where it was asked for (per module, else per block; the whole front
+        before a fit's), nothing computed."""
+        ordered = sorted(self._fronts, key=lambda key: (key[0], key[1] is not None))
+        return {"size_front": self._fronts[ordered[0]].points.copy()} if ordered else {}
 
     def check_goal(self, max_size_bytes: float | None, target_sqnr_db: float | None, target_metric: float | None) -> None:
         """A fit's goal refused before any front is built: none given, or one only the float model meets
@@ -154,7 +166,7 @@ class MixedPrecision:
         goal = (max_size_bytes, target_sqnr_db, target_metric, progress, self.runner.metric)
 
         def fitted() -> RunResult:
-            front = self.front(progress, by_block)
+            front = self.front(progress, by_block, fit_budget(max_size_bytes, target_sqnr_db, target_metric))
             found = fit(apply or self.real.apply, front, *goal).noted(*front.notes)
             if apply is not None:  # ``real.apply`` adopts its runs' kernels itself
                 self.real.adopt_kernels(found)
@@ -168,12 +180,29 @@ class MixedPrecision:
         return self.real.annotated(found)
 
 
+def fit_budget(max_size_bytes: float | None, target_sqnr_db: float | None, target_metric: float | None) -> float | None:
+    """The budget a fit's front may be cut to (``size_front(budget=)``): a size budget without a
+    target, whose answer is the best point within it; None where a target asks for the smallest
+    point meeting it, which may lie anywhere below the budget."""
+    return max_size_bytes if target_sqnr_db is None and target_metric is None else None
+
+
 def size_front(
-    runner: Runner, simulated: Simulated, real: RealRuns, progress: Progress | None = None, by_block: bool = False
+    runner: Runner,
+    simulated: Simulated,
+    real: RealRuns,
+    progress: Progress | None = None,
+    by_block: bool = False,
+    budget: float | None = None,
 ) -> SizeFront:
     """The size front of ``runner``'s modules, anchored to the baseline's real size; see the module's
     docstring. ``by_block``: every module of a block (``module_blocks``) takes the same choice, so the
-    units chosen for are the blocks (a block whose modules start differently is split by start)."""
+    units chosen for are the blocks (a block whose modules start differently is split by start).
+    ``budget``: for a fit under that size (``fit_budget``) on a front whose single choices are
+    estimated, only the points that can be its answer are simulated whole: the ``FIT_POINTS``
+    largest of the chain's and the in-context search's within the budget, the chain's smallest (the
+    answer when none fits) and the uniform choices within it; the search is not run where the start
+    is no smaller than the budget (its points keep modules float from the start); the notes say so."""
     engine, modules = runner.engine, runner.modules
     broken = set(real.truth(quiet).disagreeing)
     choices = {m.fqn: engine.size_choices(m) or _kernel_fix(m, broken) for m in modules}
@@ -229,6 +258,12 @@ def size_front(
     start_noise = _noise(start_db)
     float_model = runner.float_model
     sizes = {fqn: {c: engine.module_bytes(float_model.get_submodule(fqn), c) for c in found} for fqn, found in choices.items()}
+    start_model = baseline.deployed_bytes - sum(sizes[fqn][c] for fqn, c in start.items())
+
+    def size_of(point: Mapping[str, ModuleSettings]) -> int:
+        return int(start_model + sum(sizes[fqn][c] for fqn, c in point.items()))
+
+    cut = budget is not None and estimate
     unit_sizes = {unit: {c: sum(sizes[fqn][c] for fqn in units[unit]) for c in found} for unit, found in offered.items()}
     options = {unit: [Option(found[0], unit_sizes[unit][found[0]], 0.0)] for unit, found in offered.items()}
     for (unit, c), (sqnr, _) in zip(singles, alone, strict=True):
@@ -237,7 +272,11 @@ def size_front(
     hulls = {unit: _hull(found) for unit, found in options.items()}
     chain = _chain(hulls)
     picked = _spread(chain, MAX_SIMULATED)
-    searched = _searched_points(runner, simulated, real, start_units, offered, units, alone=each, ranked_on=ranked_on)
+    unsearched = cut and size_of(start) >= budget  # type: ignore[operator]
+    if unsearched:
+        searched = []  # every point of the search keeps a module float from the start: none fits
+    else:
+        searched = _searched_points(runner, simulated, real, start_units, offered, units, alone=each, ranked_on=ranked_on)
 
     def measure(points: Sequence[Mapping[str, ModuleSettings]]) -> list[float]:
         variants = [variant_of(spread(p), start) for p in points]
@@ -245,17 +284,32 @@ def size_front(
 
     walked = _walked_in_context(hulls, measure) if len(hulls) <= IN_CONTEXT_UNITS else []
     extra = [p for p in searched + walked if p not in chain]
-    picked_points = [spread(chain[i]) for i in picked] + [spread(dict(p)) for p in dict.fromkeys(tuple(p.items()) for p in extra)]
+    chain_points = [spread(chain[i]) for i in picked]
+    extra_points = [spread(dict(p)) for p in dict.fromkeys(tuple(p.items()) for p in extra)]
     uniform = _uniform(choices)
+    if cut:
+        offered_count = len(chain_points) + len(extra_points) + len(uniform)
+        within = [spread(p) for p in chain if size_of(spread(p)) <= budget]  # type: ignore[operator]
+        largest = _largest_within([within[i] for i in _spread(within, MAX_SIMULATED)], size_of, FIT_POINTS)
+        chain_points = [spread(chain[0]), *(p for p in largest if p != spread(chain[0]))]
+        extra_points = _largest_within([p for p in extra_points if size_of(p) <= budget], size_of, FIT_POINTS)  # type: ignore[operator]
+        uniform = {label: p for label, p in uniform.items() if size_of(p) <= budget}  # type: ignore[operator]
+        kept = len(chain_points) + len(extra_points) + len(uniform)
+        notes += (
+            f"for a budget of {_kb(budget)}, the size front simulated whole the {kept} points that can be the fit's answer "
+            f"(the largest within it, the smallest, and the uniform choices within it), not all {offered_count} of the chain "
+            "and the uniform choices as pareto() does"
+            + ("; the in-context search was not run: its points, which keep modules float, are all larger" if unsearched else ""),
+        )
+    picked_points = chain_points + extra_points
     pool = picked_points + list(uniform.values())
     metric = runner.eval_fn is not None
     simulated = simulated.simulate_each([variant_of(p, start) for p in pool], progress, "size front: points", metric=metric)
-    start_model = baseline.deployed_bytes - sum(sizes[fqn][c] for fqn, c in start.items())
 
     def row(point: Mapping[str, ModuleSettings], result: tuple[float, float | None]) -> dict[str, Any]:
         sqnr, value = result
         return {
-            "size_bytes": int(start_model + sum(sizes[fqn][c] for fqn, c in point.items())),
+            "size_bytes": size_of(point),
             "simulated_output_sqnr_db": sqnr,
             **({"simulated_metric": value} if metric else {}),
             "formats": _formats(point),
@@ -719,6 +773,14 @@ def _spread(chain: Sequence[Any], most: int) -> list[int]:
     if len(chain) <= most:
         return list(range(len(chain)))
     return sorted({int(round(i)) for i in np.linspace(0, len(chain) - 1, most)})
+
+
+def _largest_within(
+    points: Sequence[dict[str, ModuleSettings]], size_of: Callable[[Mapping[str, ModuleSettings]], int], most: int
+) -> list[dict[str, ModuleSettings]]:
+    """The ``most`` largest of ``points`` (all within a budget already), largest first, each once."""
+    unique = {tuple(p.items()): p for p in points}
+    return sorted(unique.values(), key=size_of, reverse=True)[:most]
 
 
 def _uniform(choices: Mapping[str, list[ModuleSettings]]) -> dict[str, dict[str, ModuleSettings]]:

@@ -19,7 +19,7 @@ from ..core.progress import Progress
 from ..engines.rotation import Rotation, online_problem, rotate, rotation_problems
 from ..engines.settings import ModuleSettings
 from ..errors import InvalidSettingsError
-from .mixed import MixedPrecision, weighed_fit
+from .mixed import MixedPrecision, fit_budget, weighed_fit
 from .real import RealRuns
 from .run import RunResult
 from .runner import Runner
@@ -106,7 +106,8 @@ class Rotations:
         self.check(rotation)
         self.mixed.check_goal(*goal)
         twin = self.twin(rotation)
-        fronts = (self.mixed.front(progress, by_block), twin.mixed.front(progress, by_block))
+        budget = fit_budget(*goal)
+        fronts = (self.mixed.front(progress, by_block, budget), twin.mixed.front(progress, by_block, budget))
         metric = self.runner.metric
 
         def rotated_apply(settings: Mapping[str, ModuleSettings], **given: Any) -> RunResult:
