@@ -93,6 +93,18 @@ def _column_by_column(weight: torch.Tensor, gram: torch.Tensor, group: int, damp
     return values[:, torch.argsort(order)].to(torch.int8)
 
 
+@pytest.mark.parametrize("features", [96, 577, 1536])  # one solve; uneven halves; SmolLM2's MLP input
+def test_the_inverse_gram_factor_from_one_factorization_is_the_upper_cholesky_factor_of_the_inverse(features):
+    generator = torch.Generator().manual_seed(features)
+    inputs = torch.randn(2 * features, features, generator=generator, dtype=torch.float64)
+    hessian = inputs.T @ inputs + 0.01 * features * torch.eye(features, dtype=torch.float64)
+    factor = algorithms._inverse_factor(hessian)
+    assert torch.equal(factor, factor.triu()) and bool((factor.diagonal() > 0).all())
+    expected = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian)), upper=True)
+    assert float((factor - expected).abs().max() / expected.abs().max()) < 1e-12
+    assert torch.allclose(factor.T @ factor @ hessian, torch.eye(features, dtype=torch.float64), atol=1e-9)
+
+
 def test_gptq_of_many_weights_solved_together_gives_each_the_values_it_gets_alone(text_decoder, monkeypatch):
     model, data = text_decoder
     names = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
