@@ -202,7 +202,8 @@ def size_front(
     estimated, only the points that can be its answer are simulated whole: the ``FIT_POINTS``
     largest of the chain's and the in-context search's within the budget, the chain's smallest (the
     answer when none fits) and the uniform choices within it; the search is not run where the start
-    is no smaller than the budget (its points keep modules float from the start); the notes say so."""
+    is no smaller than the budget (its points keep modules float from the start), and the walk in
+    context stops at the budget; the notes say so."""
     engine, modules = runner.engine, runner.modules
     broken = set(real.truth(quiet).disagreeing)
     choices = {m.fqn: engine.size_choices(m) or _kernel_fix(m, broken) for m in modules}
@@ -263,7 +264,7 @@ def size_front(
     def size_of(point: Mapping[str, ModuleSettings]) -> int:
         return int(start_model + sum(sizes[fqn][c] for fqn, c in point.items()))
 
-    cut = budget is not None and estimate
+    limit = budget if budget is not None and estimate else math.inf  # the fit's budget the points are cut to
     unit_sizes = {unit: {c: sum(sizes[fqn][c] for fqn in units[unit]) for c in found} for unit, found in offered.items()}
     options = {unit: [Option(found[0], unit_sizes[unit][found[0]], 0.0)] for unit, found in offered.items()}
     for (unit, c), (sqnr, _) in zip(singles, alone, strict=True):
@@ -272,7 +273,7 @@ def size_front(
     hulls = {unit: _hull(found) for unit, found in options.items()}
     chain = _chain(hulls)
     picked = _spread(chain, MAX_SIMULATED)
-    unsearched = cut and size_of(start) >= budget  # type: ignore[operator]
+    unsearched = size_of(start) >= limit
     if unsearched:
         searched = []  # every point of the search keeps a module float from the start: none fits
     else:
@@ -282,26 +283,31 @@ def size_front(
         variants = [variant_of(spread(p), start) for p in points]
         return [sqnr for sqnr, _ in simulated.simulate_each(variants, quiet, "size front: formats in context", metric=False)]
 
-    walked = _walked_in_context(hulls, measure) if len(hulls) <= IN_CONTEXT_UNITS else []
+    walked = (
+        _walked_in_context(hulls, measure, lambda point: size_of(spread(point)) <= limit)
+        if len(hulls) <= IN_CONTEXT_UNITS
+        else []
+    )
     extra = [p for p in searched + walked if p not in chain]
-    chain_points = [spread(chain[i]) for i in picked]
     extra_points = [spread(dict(p)) for p in dict.fromkeys(tuple(p.items()) for p in extra)]
     uniform = _uniform(choices)
-    if cut:
-        offered_count = len(chain_points) + len(extra_points) + len(uniform)
-        within = [spread(p) for p in chain if size_of(spread(p)) <= budget]  # type: ignore[operator]
-        largest = _largest_within([within[i] for i in _spread(within, MAX_SIMULATED)], size_of, FIT_POINTS)
-        chain_points = [spread(chain[0]), *(p for p in largest if p != spread(chain[0]))]
-        extra_points = _largest_within([p for p in extra_points if size_of(p) <= budget], size_of, FIT_POINTS)  # type: ignore[operator]
-        uniform = {label: p for label, p in uniform.items() if size_of(p) <= budget}  # type: ignore[operator]
-        kept = len(chain_points) + len(extra_points) + len(uniform)
+    if math.isinf(limit):
+        picked_points = [spread(chain[i]) for i in picked] + extra_points
+    else:
+        within = [point for point in map(spread, chain) if size_of(point) <= limit]
+        chain_largest = _largest_within([within[i] for i in _spread(within, MAX_SIMULATED)], size_of, FIT_POINTS)
+        extra_largest = _largest_within([p for p in extra_points if size_of(p) <= limit], size_of, FIT_POINTS)
+        smallest = spread(chain[0])
+        picked_points = [smallest, *(p for p in chain_largest + extra_largest if p != smallest)]
+        kept_uniform = {label: p for label, p in uniform.items() if size_of(p) <= limit}
         notes += (
-            f"for a budget of {_kb(budget)}, the size front simulated whole the {kept} points that can be the fit's answer "
-            f"(the largest within it, the smallest, and the uniform choices within it), not all {offered_count} of the chain "
-            "and the uniform choices as pareto() does"
+            f"for a budget of {_kb(limit)}, the size front simulated whole the {len(picked_points) + len(kept_uniform)} "
+            "points that can be the fit's answer (the largest within it, the smallest, and the uniform choices within it), "
+            "not every point pareto() simulates"
+            + ("; the walk in context stopped at the budget" if len(hulls) <= IN_CONTEXT_UNITS else "")
             + ("; the in-context search was not run: its points, which keep modules float, are all larger" if unsearched else ""),
         )
-    picked_points = chain_points + extra_points
+        uniform = kept_uniform
     pool = picked_points + list(uniform.values())
     metric = runner.eval_fn is not None
     simulated = simulated.simulate_each([variant_of(p, start) for p in pool], progress, "size front: points", metric=metric)
@@ -729,14 +735,17 @@ def _chain(hulls: Mapping[str, list[Option]]) -> list[dict[str, ModuleSettings]]
 
 
 def _walked_in_context(
-    hulls: Mapping[str, list[Option]], measure: Callable[[Sequence[Mapping[str, ModuleSettings]]], list[float]]
+    hulls: Mapping[str, list[Option]],
+    measure: Callable[[Sequence[Mapping[str, ModuleSettings]]], list[float]],
+    fits: Callable[[Mapping[str, ModuleSettings]], bool] = lambda _point: True,
 ) -> list[dict[str, ModuleSettings]]:
     """The chain walked again with every step measured in context: from every unit at its smallest,
     each step moves the unit whose next hull choice removes the most output noise per byte with the
     others as chosen so far (simulated whole), not as it did alone. Lazily: the candidate ahead by its
     last known gain is re-measured in the current point, and taken when it stays ahead of every other
     candidate's last known gain (which starts as its gain alone); errors that compound across blocks
-    thus reorder the steps. Costs about two simulations a step, at most ``IN_CONTEXT_PER_STEP``."""
+    thus reorder the steps. Costs about two simulations a step, at most ``IN_CONTEXT_PER_STEP``.
+    Every step adds bytes: the walk stops at the first point ``fits`` refuses (a fit's budget)."""
     position = dict.fromkeys(hulls, 0)
     point = {unit: hull[0].choice for unit, hull in hulls.items()}
     (noise,) = [_noise(db) for db in measure([point])]
@@ -758,6 +767,8 @@ def _walked_in_context(
         unit = max(measured_here, key=lambda u: known[u])
         position[unit] += 1
         point = {**point, unit: hulls[unit][position[unit]].choice}
+        if not fits(point):
+            break
         (noise,) = [_noise(db) for db in measure([point])]  # known already: the step's own simulation
         walked.append(dict(point))
         hull, here = hulls[unit], position[unit]
