@@ -14,7 +14,7 @@ from hf_models import VOCAB, tiny_family, tiny_llama
 from torch import nn
 
 import qreport_widgets as qw
-from qreport_widgets.core.calibration import call_with
+from qreport_widgets.core.calibration import call_with, gather_with
 from qreport_widgets.core.metrics import output_tensor, perplexity, sqnr_db
 from qreport_widgets.engines.contract import Variant
 from qreport_widgets.engines.eager import algorithms, quantize
@@ -155,6 +155,47 @@ def test_linears_that_read_one_input_record_the_statistics_each_would_alone(text
     before = second.fit_sum.clone()
     first.merge_(copy.deepcopy(first))
     assert torch.equal(second.fit_sum, before) and not torch.equal(first.fit_sum, before)
+
+
+def test_a_calibration_pass_ends_each_batch_once_its_linears_have_read_their_inputs(text_decoder):
+    model, data = text_decoder
+    names = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    early = names[: len(names) // 2]  # the first blocks' Linears: everything after them need not run
+    blocks_called = []
+    handles = [m.register_forward_hook(lambda *_: blocks_called.append(1)) for m in model.modules() if isinstance(m, nn.Linear)]
+    try:
+        with torch.no_grad(), algorithms.recording(model, early) as ended:
+            for batch in data.calibration:
+                gather_with(model, batch)
+        called_when_ended = len(blocks_called)
+        blocks_called.clear()
+        with torch.no_grad(), algorithms.recording(model, early) as whole:
+            for batch in data.calibration:
+                call_with(model, batch)  # not a calibration pass: every batch runs whole
+    finally:
+        for handle in handles:
+            handle.remove()
+    batches = len(data.calibration)
+    # the first batch runs whole (it finds which Linear reads its input last), the others stop there
+    assert called_when_ended == len(names) + (batches - 1) * (len(early) - 1)
+    assert len(blocks_called) == batches * len(names)
+    for fqn in early:
+        assert torch.equal(ended[fqn].fit_sum, whole[fqn].fit_sum) and torch.equal(ended[fqn].gram, whole[fqn].gram), fqn
+        assert ended[fqn].tokens == whole[fqn].tokens == batches * 4 * 128
+
+    class Twice(nn.Module):  # a Linear called twice a batch: the batch runs whole
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.again = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.again(self.first(self.again(x)))
+
+    twice = Twice()
+    with torch.no_grad(), algorithms.recording(twice, ["first", "again"]) as inputs:
+        for _ in range(3):
+            gather_with(twice, torch.randn(2, 8))
+    assert inputs["again"].tokens == 3 * 2 * 2 and inputs["first"].tokens == 3 * 2
 
 
 def test_the_output_error_is_the_layers_squared_output_error_on_its_inputs():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -32,6 +33,32 @@ def call_with(model: torch.nn.Module, batch: Any) -> Any:
     if isinstance(batch, Mapping):
         return model(**batch)
     return model(batch)
+
+
+class InputsGathered(Exception):
+    """Raised from a hook once a calibration pass has recorded everything it reads of a batch: the
+    rest of that batch's forward (a decoder's head, say) is not run. Only inside ``gather_with``."""
+
+
+_GATHERING = contextvars.ContextVar("gathering", default=False)
+
+
+def gathering() -> bool:
+    """Whether the forward running now is a calibration pass's (``gather_with``), whose output nobody
+    reads: a hook may then end it early with ``InputsGathered``."""
+    return _GATHERING.get()
+
+
+def gather_with(model: torch.nn.Module, batch: Any) -> None:
+    """``call_with`` for a calibration pass: its output is dropped, and a recording hook may end the
+    forward once it has all it needs (``InputsGathered``)."""
+    token = _GATHERING.set(True)
+    try:
+        call_with(model, batch)
+    except InputsGathered:
+        pass
+    finally:
+        _GATHERING.reset(token)
 
 
 def calibrate(
@@ -78,7 +105,7 @@ def calibrate(
                         f"batch {count}: {error}"
                     ) from error
                 try:
-                    call_with(model, batch)
+                    gather_with(model, batch)
                 except Exception as error:
                     index = first + count
                     hints = _labels_hint(batch, index) + _non_finite_hint(batch, index) + _device_hint(model, batch, index)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...core.calibration import InputsGathered, gathering
 from ...core.devices import float64_on, model_device
 from ...core.memory import device_free_bytes, give_back
 from ...errors import QReportError
@@ -76,6 +77,16 @@ class BatchTerms:
     fitted_tokens: int
     fitted_gram: torch.Tensor | None  # the fitted tokens' x^T x, None where every unit is held out
     held: torch.Tensor | None  # the held-out units' tokens (tokens x features), None where none is
+    _widened: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def widened(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """``fitted_gram`` (``name="fitted"``) or the held-out tokens' x^T x (``"held"``) in the sums'
+        ``dtype``, worked out once for all the Linears that read this input (q, k and v)."""
+        key = (name, dtype)
+        if key not in self._widened:
+            gram = self.fitted_gram if name == "fitted" else self.held.T @ self.held  # type: ignore[union-attr]
+            self._widened[key] = gram.to(dtype)  # type: ignore[union-attr]
+        return self._widened[key]
 
 
 def batch_terms(x: torch.Tensor) -> BatchTerms:
@@ -138,8 +149,10 @@ class InputStatistics:
         self.abs_sum.add_(terms.abs_sum.to(self.abs_sum.dtype))
         self.fitted_tokens += terms.fitted_tokens
         if terms.fitted_gram is not None:
-            self.fit_sum.add_(terms.fitted_gram)  # widened as it is added
-        if terms.held is not None:
+            self.fit_sum.add_(terms.widened("fitted", self.fit_sum.dtype))
+        if terms.held is not None and self.held_gram is not None:
+            self.held_gram.add_(terms.widened("held", self.held_gram.dtype))
+        elif terms.held is not None:
             self._hold([terms.held])  # read only: Linears that read one input share it
 
     def _hold(self, batches: list[torch.Tensor]) -> None:
@@ -221,16 +234,34 @@ def held_out(units: torch.Tensor) -> torch.Tensor:
 
 class InputRecorder:
     """Forward pre-hooks gathering ``InputStatistics`` for the named Linears of a model while it
-    runs (a calibration pass); ``close()`` removes them and returns what they gathered."""
+    runs (a calibration pass); ``close()`` removes them and returns what they gathered.
+
+    In a calibration pass (``gather_with``) a batch's forward ends once the last of the Linears has
+    read its input (``InputsGathered``): what runs after it (a decoder's head, a block's tail) is not
+    needed. That last Linear is the one the first batch, run whole, called last; a batch ends there
+    only where every Linear was called exactly once by then, as on the first batch (a model whose
+    Linears run a varying number of times, a mixture of experts', is run whole)."""
 
     def __init__(self, model: nn.Module, names: Iterable[str]) -> None:
         self.statistics: dict[str, InputStatistics] = {}
         self._handles = []
         self._last: tuple[torch.Tensor, int, BatchTerms] | None = None  # the input last seen, and its terms
+        self._batches = 0
+        self._called: list[str] = []  # this batch's Linears, in the order they were called
+        self._final: str | None = None  # the Linear after which a batch may end
         for fqn in names:
             module = model.get_submodule(fqn)
             self.statistics[fqn] = InputStatistics.empty(int(module.weight.shape[1]), module.weight.device)
             self._handles.append(module.register_forward_pre_hook(self._hook(fqn)))
+        self._handles.append(model.register_forward_pre_hook(self._batch_begins, prepend=True))
+
+    def _batch_begins(self, _model: nn.Module, _args: tuple) -> None:
+        if self._batches == 1:  # the first batch ran whole
+            once = len(self._called) == len(self.statistics) == len(set(self._called))
+            self._final = self._called[-1] if once else None
+        self._batches += 1
+        self._called = []
+        self._last = None
 
     def _hook(self, fqn: str) -> Callable:
         statistics = self.statistics[fqn]
@@ -241,6 +272,10 @@ class InputRecorder:
                 if self._last is None or self._last[0] is not x or self._last[1] != x._version:
                     self._last = (x, x._version, batch_terms(x))  # q, k and v read one tensor: its terms once
                 statistics.add_terms(self._last[2])
+            self._called.append(fqn)
+            if fqn == self._final and len(self._called) == len(self.statistics) and gathering():
+                if len(set(self._called)) == len(self._called):
+                    raise InputsGathered
 
         return hook
 
@@ -630,6 +665,7 @@ def _gptq_rows(work: torch.Tensor, scales: torch.Tensor, group_of: torch.Tensor,
     count, rows, inputs = work.shape
     values = torch.empty(count, inputs, rows, dtype=torch.int8, device=work.device)
     spread = torch.empty(count, min(GPTQ_BLOCK, inputs), rows, dtype=work.dtype, device=work.device)  # one column's update
+    rounded = torch.empty_like(spread)  # a block's values
     for start in range(0, inputs, GPTQ_BLOCK):
         stop = min(start + GPTQ_BLOCK, inputs)
         # the block's columns as rows (weights x block columns x rows): each column's update runs
@@ -641,14 +677,14 @@ def _gptq_rows(work: torch.Tensor, scales: torch.Tensor, group_of: torch.Tensor,
         block_scale = scales.gather(2, group_of[:, None, start:stop].expand(count, rows, stop - start))
         block_scale = block_scale.transpose(1, 2).contiguous()
         for i in range(stop - start):
-            column, scale = block[:, i], block_scale[:, i]
-            q = torch.clamp(torch.round(column / scale), QMIN, QMAX)
-            values[:, start + i] = q.to(torch.int8)
-            error = (column - q * scale) / diagonal[:, i]
-            update = spread[:, : stop - start - i]  # written in place: a new one each column cost a fresh allocation
+            column, scale, error = block[:, i], block_scale[:, i], errors[:, i]
+            # each step written into a buffer kept for the loop: the same arithmetic as fresh tensors, no allocations
+            q = torch.div(column, scale, out=rounded[:, i]).round_().clamp_(QMIN, QMAX)
+            torch.sub(column, torch.mul(q, scale, out=error), out=error).div_(diagonal[:, i])
+            update = spread[:, : stop - start - i]
             torch.mul(block_inverse[:, i, i:, None], error[:, None, :], out=update)
             block[:, i:].sub_(update)
-            errors[:, i] = error
+        values[:, start:stop] = rounded[:, : stop - start]
         for weight in range(count):  # one product a weight, as it would run alone
             work[weight, :, stop:].sub_(errors[weight].T.contiguous() @ inverse[weight, start:stop, stop:])
     return values.transpose(1, 2)

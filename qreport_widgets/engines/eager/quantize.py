@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.calibration import call_with
+from ...core.calibration import gather_with
 from ...errors import InvalidSettingsError
 from ..settings import ALGORITHMS, DATA_ALGORITHMS, GROUPED_FORMATS
 from .algorithms import CompactWeight, Recipe, assign_weights, choose, weights_in_runs
@@ -60,7 +60,7 @@ def quantize_weights(
         for _ in passes:  # assigned after every run: the inputs stay float
             with torch.no_grad():
                 for batch in batches:
-                    call_with(model, batch)
+                    gather_with(model, batch)
     with torch.no_grad():
         chosen = {
             fqn: found.pop(fqn).expand(modules[fqn].weight) if fqn in found else choose(algorithm, modules[fqn].weight, group)
