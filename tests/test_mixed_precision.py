@@ -189,18 +189,18 @@ def test_estimated_single_choices_read_each_modules_own_error_and_land_near_whol
 
 
 def test_a_fit_under_a_budget_simulates_whole_only_the_points_that_can_be_its_answer(monkeypatch):
-    """A size budget without a target: the best point within it is the answer, so a large front
-    (estimated single choices) simulates whole only the largest points within the budget, the
-    smallest and the uniform choices within it, and skips the in-context search where the start
-    does not fit (its points keep modules float) and only there; the run is the whole front's fit's."""
+    """A size budget: no point above it is the answer, so a large front (estimated single choices)
+    simulates whole only points within it, the smallest (the answer when none fits) and the uniform
+    choices within it, and skips the in-context search where the start does not fit (its points keep
+    modules float) and only there. Without a target the best point within the budget is the answer:
+    only the largest points are simulated; with one, the smallest meeting it: every point within the
+    budget the whole front simulates. Either way the run is the whole front's fit's."""
     monkeypatch.setattr(mixed, "ESTIMATED_BEYOND", 0)
     model, batches = tiny_llama()
 
     def session() -> QuantizationSession:
         return QuantizationSession(model, batches[0], batches[:4], eval_data=batches[4:], engine="eager")
 
-    whole = session()
-    front = whole.pareto(progress=quiet)
     labels: list[tuple[str, int]] = []
     each = simulation.Simulated.simulate_each
 
@@ -208,24 +208,41 @@ def test_a_fit_under_a_budget_simulates_whole_only_the_points_that_can_be_its_an
         labels.append((label, len(variants)))
         return each(self, variants, progress, label, **given)
 
+    def simulated_points() -> int:
+        return sum(count for label, count in labels if label == "size front: points")
+
     monkeypatch.setattr(simulation.Simulated, "simulate_each", counted)
+    whole = session()
+    front = whole.pareto(progress=quiet)
+    every_point = simulated_points()
     baseline, cut = whole.baseline().deployed_bytes, session()
+    halfway = (baseline + front["size_bytes"].max()) / 2
     # the baseline's bytes: the start takes the whole budget; halfway to the front's largest point: it leaves room
-    for budget, searched in ((baseline, False), ((baseline + front["size_bytes"].max()) / 2, True)):
+    for budget, searched in ((baseline, False), (halfway, True)):
         assert front["size_bytes"].iloc[0] < budget < front["size_bytes"].max()
         expected = whole.fit(max_size_bytes=budget, progress=quiet)
         labels.clear()
         fitted = cut.fit(max_size_bytes=budget, progress=quiet)
         assert fitted.deployed_bytes == expected.deployed_bytes <= budget
         assert fitted.output_sqnr_db == pytest.approx(expected.output_sqnr_db, abs=1e-6)
-        points = sum(count for label, count in labels if label == "size front: points")
-        assert 0 < points <= 2 * mixed.FIT_POINTS + len(whole.uniform_points()) < len(front)
+        assert 0 < simulated_points() <= 2 * mixed.FIT_POINTS + len(whole.uniform_points()) < len(front)
         assert any(label == "size front: in-context search" for label, _ in labels) == searched
         said = [note for note in fitted.notes if note.startswith(f"for a budget of {budget / 1024:,.1f} KB, the size front")]
         assert said and ("in-context search was not run" in said[0]) != searched, fitted.notes
-    # a target asks for the smallest point meeting it, anywhere within the budget: the whole front
-    assert mixed.fit_budget(baseline, None, None) == baseline
-    assert mixed.fit_budget(baseline, 30.0, None) is None and mixed.fit_budget(baseline, None, 2.0) is None
+    # a target within the budget: the smallest point meeting it, which any point within the budget can be
+    within = front[front["size_bytes"] <= halfway]
+    target = float(within["simulated_output_sqnr_db"].iloc[len(within) // 2])
+    expected = whole.fit(max_size_bytes=halfway, target_sqnr_db=target, progress=quiet)
+    labels.clear()
+    fitted = session().fit(max_size_bytes=halfway, target_sqnr_db=target, progress=quiet)
+    assert fitted.deployed_bytes == expected.deployed_bytes <= halfway
+    assert fitted.output_sqnr_db == pytest.approx(expected.output_sqnr_db, abs=1e-6)
+    assert 0 < simulated_points() < every_point
+    assert any("every point within it that pareto() simulates" in note for note in fitted.notes), fitted.notes
+    # a target alone: the smallest point meeting it may lie anywhere, the whole front
+    assert mixed.fit_budget(baseline, None, None) == mixed.Budget(baseline, targeted=False)
+    assert mixed.fit_budget(baseline, 30.0, None) == mixed.fit_budget(baseline, None, 2.0) == mixed.Budget(baseline, targeted=True)
+    assert mixed.fit_budget(None, 30.0, None) is None
 
 
 def test_a_heads_choices_are_measured_on_a_sample_of_its_rows_each_quantized_as_the_whole_head_would_be(monkeypatch):

@@ -15,8 +15,9 @@ steps before (``_walked_in_context``), and its points join the others. The front
 points each better than every smaller one, every module float aside (that is the float model, not a
 quantization of it).
 ``fit`` confirms a point with a real run, and steps along the front when it misses. A fit under a
-size budget without a target takes the best point within it, so on a front whose single choices are
-estimated it simulates whole only the points that can be that answer (``size_front(budget=)``).
+size budget never answers with a point above it, so on a front whose single choices are estimated it
+simulates whole only the points within the budget (and the smallest, its answer when none fits); one
+without a target takes the best point within it, so only the largest of those (``size_front(budget=)``).
 """
 
 from __future__ import annotations
@@ -56,10 +57,21 @@ ESTIMATED_BEYOND = 240
 # 3's 262,144-row head is three quarters of a pass
 RANKED_ON = 1
 MAX_SIMULATED = 40  # points of the chain simulated whole (evenly spread over its sizes)
-# a fit under a size budget alone, on such a front, simulates whole only the largest of those points within
-# the budget (and the smallest point, its answer when none fits) beside the uniform choices within it: the
-# fit runs the best of them, and the front's other points cannot be its answer (``size_front(budget=)``)
+# a fit under a size budget, on such a front, simulates whole only the points within the budget (and the
+# smallest point, its answer when none fits); one without a target, only this many of the largest of them
+# beside the uniform choices within it: the fit runs the best of them, and the front's other points cannot be
+# its answer (``size_front(budget=)``)
 FIT_POINTS = 6
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a fit's front may be cut to (``fit_budget``): the size budget, and whether a target asks for
+    the smallest point meeting it within the budget (every point within it can be the answer) rather
+    than the best point within it (only the largest can)."""
+
+    max_size_bytes: float
+    targeted: bool
 # fronts of at most this many units (a decoder's blocks, a small model's modules) walk their chain
 # again with each step measured in context (``_walked_in_context``), in at most this many simulations a step
 IN_CONTEXT_UNITS = 24
@@ -117,10 +129,10 @@ class MixedPrecision:
     def __init__(self, runner: Runner, simulated: Simulated, real: RealRuns) -> None:
         self.runner, self.simulated, self.real = runner, simulated, real
         # (per block, budget) -> front: the whole front (budget None), or a fit's within its budget
-        self._fronts: dict[tuple[bool, float | None], SizeFront] = {}
+        self._fronts: dict[tuple[bool, Budget | None], SizeFront] = {}
         self._simulation_version = simulated.version
 
-    def front(self, progress: Progress | None = None, by_block: bool = False, budget: float | None = None) -> SizeFront:
+    def front(self, progress: Progress | None = None, by_block: bool = False, budget: Budget | None = None) -> SizeFront:
         """The size front (per module, else per block), built once per simulation. ``budget``: a
         fit's under that size alone, which may simulate whole only the points that can be its
         answer (``size_front``); the whole front where it was built already."""
@@ -180,11 +192,12 @@ class MixedPrecision:
         return self.real.annotated(found)
 
 
-def fit_budget(max_size_bytes: float | None, target_sqnr_db: float | None, target_metric: float | None) -> float | None:
-    """The budget a fit's front may be cut to (``size_front(budget=)``): a size budget without a
-    target, whose answer is the best point within it; None where a target asks for the smallest
-    point meeting it, which may lie anywhere below the budget."""
-    return max_size_bytes if target_sqnr_db is None and target_metric is None else None
+def fit_budget(max_size_bytes: float | None, target_sqnr_db: float | None, target_metric: float | None) -> Budget | None:
+    """The ``Budget`` a fit's front may be cut to (``size_front(budget=)``); None without a size budget
+    (a target alone: the smallest point meeting it may lie anywhere on the front)."""
+    if max_size_bytes is None:
+        return None
+    return Budget(max_size_bytes, targeted=target_sqnr_db is not None or target_metric is not None)
 
 
 def size_front(
@@ -193,17 +206,19 @@ def size_front(
     real: RealRuns,
     progress: Progress | None = None,
     by_block: bool = False,
-    budget: float | None = None,
+    budget: Budget | None = None,
 ) -> SizeFront:
     """The size front of ``runner``'s modules, anchored to the baseline's real size; see the module's
     docstring. ``by_block``: every module of a block (``module_blocks``) takes the same choice, so the
     units chosen for are the blocks (a block whose modules start differently is split by start).
     ``budget``: for a fit under that size (``fit_budget``) on a front whose single choices are
-    estimated, only the points that can be its answer are simulated whole: the ``FIT_POINTS``
-    largest of the chain's and the in-context search's within the budget, the chain's smallest (the
-    answer when none fits) and the uniform choices within it; the search is not run where the start
-    is no smaller than the budget (its points keep modules float from the start), and the walk in
-    context stops at the budget; the notes say so."""
+    estimated, only the points that can be its answer are simulated whole: with a target, every
+    point ``pareto()`` simulates that lies within the budget (the whole front's fit, the same
+    answer); without one, the ``FIT_POINTS`` largest of the chain's and the in-context search's
+    within it; in both, the chain's smallest (the answer when none fits) and the uniform choices
+    within the budget. The search is not run where the start is no smaller than the budget (its
+    points keep modules float from the start), and the walk in context stops at the budget; the
+    notes say so."""
     engine, modules = runner.engine, runner.modules
     broken = set(real.truth(quiet).disagreeing)
     choices = {m.fqn: engine.size_choices(m) or _kernel_fix(m, broken) for m in modules}
@@ -264,7 +279,7 @@ def size_front(
     def size_of(point: Mapping[str, ModuleSettings]) -> int:
         return int(start_model + sum(sizes[fqn][c] for fqn, c in point.items()))
 
-    limit = budget if budget is not None and estimate else math.inf  # the fit's budget the points are cut to
+    limit = budget.max_size_bytes if budget is not None and estimate else math.inf  # the fit's budget the points are cut to
     unit_sizes = {unit: {c: sum(sizes[fqn][c] for fqn in units[unit]) for c in found} for unit, found in offered.items()}
     options = {unit: [Option(found[0], unit_sizes[unit][found[0]], 0.0)] for unit, found in offered.items()}
     for (unit, c), (sqnr, _) in zip(singles, alone, strict=True):
@@ -294,15 +309,21 @@ def size_front(
     if math.isinf(limit):
         picked_points = [spread(chain[i]) for i in picked] + extra_points
     else:
-        within = [point for point in map(spread, chain) if size_of(point) <= limit]
-        chain_largest = _largest_within([within[i] for i in _spread(within, MAX_SIMULATED)], size_of, FIT_POINTS)
-        extra_largest = _largest_within([p for p in extra_points if size_of(p) <= limit], size_of, FIT_POINTS)
         smallest = spread(chain[0])
-        picked_points = [smallest, *(p for p in chain_largest + extra_largest if p != smallest)]
+        extra_within = [p for p in extra_points if size_of(p) <= limit]
+        if budget.targeted:  # the smallest point meeting the target within the budget: any point within it
+            within = [spread(chain[i]) for i in picked if size_of(spread(chain[i])) <= limit] + extra_within
+            kind = "every point within it that pareto() simulates, the smallest"
+        else:  # the best point within the budget: the largest within it
+            chain_within = [point for point in map(spread, chain) if size_of(point) <= limit]
+            chain_largest = _largest_within([chain_within[i] for i in _spread(chain_within, MAX_SIMULATED)], size_of, FIT_POINTS)
+            within = chain_largest + _largest_within(extra_within, size_of, FIT_POINTS)
+            kind = "the largest within it, the smallest"
+        picked_points = [smallest, *(p for p in within if p != smallest)]
         kept_uniform = {label: p for label, p in uniform.items() if size_of(p) <= limit}
         notes += (
             f"for a budget of {_kb(limit)}, the size front simulated whole the {len(picked_points) + len(kept_uniform)} "
-            "points that can be the fit's answer (the largest within it, the smallest, and the uniform choices within it), "
+            f"points that can be the fit's answer ({kind}, and the uniform choices within it), "
             "not every point pareto() simulates"
             + ("; the walk in context stopped at the budget" if len(hulls) <= IN_CONTEXT_UNITS else "")
             + ("; the in-context search was not run: its points, which keep modules float, are all larger" if unsearched else ""),

@@ -165,11 +165,11 @@ class SimulatedQuestions:
         point along the front is run, up to three more runs; the notes say met, not met or out of
         reach, and by how far. ``by_block=True``: on the front where every module of a block
         (``blocks()``) takes the same choice. ``max_metric_loss`` / ``max_metric_gap``: a metric
-        target relative to the float model's, as in ``reach``. Under a size budget without a
-        target, on a front whose single choices are estimated (a decoder's), only the points that
-        can be the answer are simulated whole: the largest within the budget, the smallest, the
-        uniform choices within it (the notes say how many); ``pareto()`` simulates them all, and a
-        fit after it takes that front.
+        target relative to the float model's, as in ``reach``. Under a size budget, on a front whose
+        single choices are estimated (a decoder's), only the points that can be the answer are
+        simulated whole: those within the budget (without a target, only the largest of them), the
+        smallest, the uniform choices within it (the notes say how many); ``pareto()`` simulates
+        them all, and a fit after it takes that front.
 
         ``rotation``: weigh the float model rotated (``Rotation()``, or True for R1 + R2) against
         not, as one more choice: the rotated model's own front is simulated on a session of its own
