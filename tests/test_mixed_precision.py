@@ -241,7 +241,8 @@ def test_a_fit_under_a_budget_simulates_whole_only_the_points_that_can_be_its_an
     assert any("every point within it that pareto() simulates" in note for note in fitted.notes), fitted.notes
     # a target alone: the smallest point meeting it may lie anywhere, the whole front
     assert mixed.fit_budget(baseline, None, None) == mixed.Budget(baseline, targeted=False)
-    assert mixed.fit_budget(baseline, 30.0, None) == mixed.fit_budget(baseline, None, 2.0) == mixed.Budget(baseline, targeted=True)
+    targeted = mixed.Budget(baseline, targeted=True)
+    assert mixed.fit_budget(baseline, 30.0, None) == mixed.fit_budget(baseline, None, 2.0) == targeted
     assert mixed.fit_budget(None, 30.0, None) is None
 
 

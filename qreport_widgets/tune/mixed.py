@@ -62,16 +62,6 @@ MAX_SIMULATED = 40  # points of the chain simulated whole (evenly spread over it
 # beside the uniform choices within it: the fit runs the best of them, and the front's other points cannot be
 # its answer (``size_front(budget=)``)
 FIT_POINTS = 6
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What a fit's front may be cut to (``fit_budget``): the size budget, and whether a target asks for
-    the smallest point meeting it within the budget (every point within it can be the answer) rather
-    than the best point within it (only the largest can)."""
-
-    max_size_bytes: float
-    targeted: bool
 # fronts of at most this many units (a decoder's blocks, a small model's modules) walk their chain
 # again with each step measured in context (``_walked_in_context``), in at most this many simulations a step
 IN_CONTEXT_UNITS = 24
@@ -134,8 +124,8 @@ class MixedPrecision:
 
     def front(self, progress: Progress | None = None, by_block: bool = False, budget: Budget | None = None) -> SizeFront:
         """The size front (per module, else per block), built once per simulation. ``budget``: a
-        fit's under that size alone, which may simulate whole only the points that can be its
-        answer (``size_front``); the whole front where it was built already."""
+        fit's (``fit_budget``), which may simulate whole only the points that can be its answer
+        (``size_front``); the whole front where it was built already."""
         if self._simulation_version != self.simulated.version:  # built once per simulation
             self._simulation_version = self.simulated.version
             self._fronts.clear()
@@ -190,6 +180,16 @@ class MixedPrecision:
             said = self.real.adopted_words("the first fit's real run", adopted)
             found = fitted().noted(f"{said}; the front was simulated again with them and this is its fit")
         return self.real.annotated(found)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a fit's front may be cut to (``fit_budget``): the size budget, and whether a target asks for
+    the smallest point meeting it within the budget (every point within it can be the answer) rather
+    than the best point within it (only the largest can)."""
+
+    max_size_bytes: float
+    targeted: bool
 
 
 def fit_budget(max_size_bytes: float | None, target_sqnr_db: float | None, target_metric: float | None) -> Budget | None:
@@ -312,7 +312,7 @@ def size_front(
         smallest = spread(chain[0])
         extra_within = [p for p in extra_points if size_of(p) <= limit]
         if budget.targeted:  # the smallest point meeting the target within the budget: any point within it
-            within = [spread(chain[i]) for i in picked if size_of(spread(chain[i])) <= limit] + extra_within
+            within = [p for p in (spread(chain[i]) for i in picked) if size_of(p) <= limit] + extra_within
             kind = "every point within it that pareto() simulates, the smallest"
         else:  # the best point within the budget: the largest within it
             chain_within = [point for point in map(spread, chain) if size_of(point) <= limit]

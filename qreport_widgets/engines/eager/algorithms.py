@@ -150,10 +150,11 @@ class InputStatistics:
         self.fitted_tokens += terms.fitted_tokens
         if terms.fitted_gram is not None:
             self.fit_sum.add_(terms.widened("fitted", self.fit_sum.dtype))
-        if terms.held is not None and self.held_gram is not None:
-            self.held_gram.add_(terms.widened("held", self.held_gram.dtype))
-        elif terms.held is not None:
-            self._hold([terms.held])  # read only: Linears that read one input share it
+        if terms.held is not None:
+            if self.held_gram is None:
+                self._hold([terms.held])  # read only: Linears that read one input share it
+            else:
+                self.held_gram.add_(terms.widened("held", self.held_gram.dtype))
 
     def _hold(self, batches: list[torch.Tensor]) -> None:
         if self.held_gram is not None:
@@ -255,10 +256,12 @@ class InputRecorder:
             self._handles.append(module.register_forward_pre_hook(self._hook(fqn)))
         self._handles.append(model.register_forward_pre_hook(self._batch_begins, prepend=True))
 
+    def _each_called_once(self) -> bool:
+        return len(self._called) == len(self.statistics) == len(set(self._called))
+
     def _batch_begins(self, _model: nn.Module, _args: tuple) -> None:
         if self._batches == 1:  # the first batch ran whole
-            once = len(self._called) == len(self.statistics) == len(set(self._called))
-            self._final = self._called[-1] if once else None
+            self._final = self._called[-1] if self._each_called_once() else None
         self._batches += 1
         self._called = []
         self._last = None
@@ -273,9 +276,8 @@ class InputRecorder:
                     self._last = (x, x._version, batch_terms(x))  # q, k and v read one tensor: its terms once
                 statistics.add_terms(self._last[2])
             self._called.append(fqn)
-            if fqn == self._final and len(self._called) == len(self.statistics) and gathering():
-                if len(set(self._called)) == len(self._called):
-                    raise InputsGathered
+            if fqn == self._final and gathering() and self._each_called_once():
+                raise InputsGathered
 
         return hook
 
