@@ -444,15 +444,15 @@ def fake_quantized_tokens(x: torch.Tensor, symmetric: bool) -> torch.Tensor:
     zero point 0; asymmetric: scale = (high - low) / 255, zero point = -128 - round(low / scale),
     clamped to [-128, 127]; the scale at least float32's eps; q = clamp(round(x * (1 / scale)) +
     zero point, -128, 127); back as (q - zero point) * scale. Other dtypes go through torchao."""
-    if x.dtype == torch.float32:
-        low = torch.clamp(x.amin(dim=-1, keepdim=True), max=0.0)
-        high = torch.clamp(x.amax(dim=-1, keepdim=True), min=0.0)
+    if x.dtype == torch.float32:  # one pass for the range, one tensor made, the rest in place
+        low, high = torch.aminmax(x, dim=-1, keepdim=True)
+        low, high = low.clamp_(max=0.0), high.clamp_(min=0.0)
         if symmetric:
             scale = torch.clamp(torch.maximum(-low, high) / 127.5, min=_SCALE_FLOOR)
-            return torch.clamp(torch.round(x * (1.0 / scale)), -128, 127).mul_(scale)
+            return torch.mul(x, 1.0 / scale).round_().clamp_(-128, 127).mul_(scale)
         scale = torch.clamp((high - low) / 255.0, min=_SCALE_FLOOR)
         zero = torch.clamp(-128 - torch.round(low / scale), -128, 127)
-        return torch.clamp(torch.round(x * (1.0 / scale)).add_(zero), -128, 127).sub_(zero).mul_(scale)
+        return torch.mul(x, 1.0 / scale).round_().add_(zero).clamp_(-128, 127).sub_(zero).mul_(scale)
     ao = torchao_eager()
     mapping = ao.MappingType.SYMMETRIC if symmetric else ao.MappingType.ASYMMETRIC
     return ao.Int8Tensor.from_hp(x, ao.PerRow(), mapping_type=mapping).dequantize().to(x.dtype)

@@ -220,6 +220,8 @@ class EagerSimulation(WholePasses):
         self._inputs: dict[str, bool | None] = dict.fromkeys(self._modules)  # fqn -> symmetric, or None: float input
         # fqn -> the AWQ scale its weight's input channels were multiplied by: a dynamic format quantizes x / s
         self._input_scales: dict[str, torch.Tensor | None] = dict.fromkeys(self._modules)
+        # the last input quantized, its version, symmetry and scale, and the result (``_quantized_input``)
+        self._last_input: tuple[torch.Tensor, int, bool | None, torch.Tensor | None, torch.Tensor] | None = None
         self._folds = input_folds(model)
         for fqn, module in self._modules.items():
             module.register_forward_pre_hook(self._input_hook(fqn))
@@ -239,8 +241,16 @@ class EagerSimulation(WholePasses):
         return hook
 
     def _quantized_input(self, fqn: str, x: torch.Tensor) -> torch.Tensor:
-        """``x`` as module ``fqn``'s dynamic format quantizes it, dequantized (``_input_quantized``)."""
-        return _input_quantized(x, self._inputs[fqn], self._input_scales[fqn])
+        """``x`` as module ``fqn``'s dynamic format quantizes it, dequantized (``_input_quantized``).
+        The Linears that read one input (q / k / v, gate / up) take the first one's result while the
+        input is the same tensor, unchanged since, quantized the same way."""
+        symmetric, scale = self._inputs[fqn], self._input_scales[fqn]
+        last = self._last_input
+        if last is not None and last[0] is x and last[1] == x._version and last[2] is symmetric and last[3] is scale:
+            return last[4]
+        found = _input_quantized(x, symmetric, scale)
+        self._last_input = (x, x._version, symmetric, scale, found)
+        return found
 
     def weight(self, fqn: str, key: FormatKey | None) -> torch.Tensor:
         """Module ``fqn``'s weight in format ``key`` (float for None), dequantized from its quantized form."""
