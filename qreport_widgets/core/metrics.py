@@ -50,9 +50,10 @@ def sqnr_of(signal: float, noise: float) -> float:
     return 10 * math.log10(signal / noise) if signal > 0 else math.nan
 
 
-def power_terms(reference: torch.Tensor, approximation: torch.Tensor) -> tuple[float, float]:
+def power_terms(reference: torch.Tensor, approximation: torch.Tensor, signal_power: float | None = None) -> tuple[float, float]:
     """(signal power, noise power) summed over the values, in float64: the parts of one SQNR, which
-    add over batches, so that an output can be dropped once its terms are taken."""
+    add over batches, so that an output can be dropped once its terms are taken. ``signal_power``:
+    the reference's, known from before (a reference read against many outputs), not summed again."""
     reference, approximation = reference.detach().reshape(-1), approximation.detach().reshape(-1)
     if reference.shape != approximation.shape:
         raise ValueError(f"cannot compare {reference.numel()} values with {approximation.numel()}")
@@ -63,9 +64,10 @@ def power_terms(reference: torch.Tensor, approximation: torch.Tensor) -> tuple[f
     wide = reference.dtype if reference.dtype in (torch.float32, torch.float64) else torch.float32
     for start in range(0, reference.numel(), _CHUNK):
         part = reference[start : start + _CHUNK].to(wide)
-        signal += part.square().sum(dtype=torch.float64)
+        if signal_power is None:
+            signal += part.square().sum(dtype=torch.float64)
         noise += approximation[start : start + _CHUNK].to(wide).sub_(part).square_().sum(dtype=torch.float64)
-    return float(signal), float(noise)
+    return float(signal) if signal_power is None else signal_power, float(noise)
 
 
 def output_tensor(output: Any) -> torch.Tensor:

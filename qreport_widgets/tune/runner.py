@@ -114,6 +114,7 @@ class Runner:
         self._modules = None if modules is None else list(modules)
         self._weights = weights or WeightPool()
         self._reference: list[torch.Tensor] | None = None
+        self._signal_powers: dict[int, float] = {}  # evaluation batch -> its reference output's signal power
         self._float_metric: float | None = None
 
     @property
@@ -240,7 +241,11 @@ class Runner:
         """(signal, noise) power of a model's output on evaluation batch ``index`` against the float
         model's (or ``reference``, a part of it the output is): what the output SQNR adds over
         batches (``core.metrics.sqnr_of``)."""
-        return power_terms(self.reference_outputs()[index] if reference is None else reference, self.output_of(output))
+        if reference is not None:
+            return power_terms(reference, self.output_of(output))
+        terms = power_terms(self.reference_outputs()[index], self.output_of(output), self._signal_powers.get(index))
+        self._signal_powers[index] = terms[0]  # the float output's, the same for every output read against it
+        return terms
 
     def ensure_room(self, step: str, doing: str, settings: Mapping[str, ModuleSettings] | None = None) -> None:
         """Refuses ``doing`` when the machine has not the memory it is estimated to need
