@@ -238,12 +238,36 @@ def test_a_fit_under_a_budget_simulates_whole_only_the_points_that_can_be_its_an
     assert fitted.deployed_bytes == expected.deployed_bytes <= halfway
     assert fitted.output_sqnr_db == pytest.approx(expected.output_sqnr_db, abs=1e-6)
     assert 0 < simulated_points() < every_point
-    assert any("every point within it that pareto() simulates" in note for note in fitted.notes), fitted.notes
+    assert any("halving towards the smallest meeting the target" in note for note in fitted.notes), fitted.notes
     # a target alone: the smallest point meeting it may lie anywhere, the whole front
-    assert mixed.fit_budget(baseline, None, None) == mixed.Budget(baseline, targeted=False)
-    targeted = mixed.Budget(baseline, targeted=True)
-    assert mixed.fit_budget(baseline, 30.0, None) == mixed.fit_budget(baseline, None, 2.0) == targeted
+    assert not mixed.fit_budget(baseline, None, None).targeted
+    assert mixed.fit_budget(baseline, 30.0, None) == mixed.Budget(baseline, target_sqnr_db=30.0)
+    assert mixed.fit_budget(baseline, None, 2.0).targeted
     assert mixed.fit_budget(None, 30.0, None) is None
+
+
+def test_halving_along_a_chain_finds_its_smallest_point_meeting_the_target_in_few_simulations():
+    """``_halved`` simulates the chain's largest point first (none meets the target where it misses),
+    then halves: on a chain whose quality rises with its size, the smallest point meeting the target,
+    found in about log2 of the points' simulations."""
+    points = [{"m": ModuleSettings(format="int4-weight-only", group_size=32, keep_float=False)} for _ in range(40)]
+    quality = [10.0 + at for at in range(len(points))]
+    asked: list[int] = []
+
+    def simulate(point):
+        at = next(at for at, p in enumerate(points) if p is point)
+        asked.append(at)
+        return quality[at], None
+
+    for target in (10.0, 23.5, 49.0, 49.5):
+        asked.clear()
+        probed = mixed._halved(points, simulate, lambda sqnr, _value, target=target: sqnr >= target)
+        meeting = [at for at in probed if quality[at] >= target]
+        expected = next((at for at, q in enumerate(quality) if q >= target), None)
+        assert (min(meeting) if meeting else None) == expected
+        assert asked[0] == len(points) - 1 and len(asked) == len(set(asked)) <= 7
+        assert all(probed[at] == (quality[at], None) for at in asked)
+    assert mixed._halved([], simulate, lambda *_: True) == {}
 
 
 def test_a_heads_choices_are_measured_on_a_sample_of_its_rows_each_quantized_as_the_whole_head_would_be(monkeypatch):

@@ -184,12 +184,17 @@ class MixedPrecision:
 
 @dataclass(frozen=True)
 class Budget:
-    """What a fit's front may be cut to (``fit_budget``): the size budget, and whether a target asks for
-    the smallest point meeting it within the budget (every point within it can be the answer) rather
-    than the best point within it (only the largest can)."""
+    """What a fit's front may be cut to (``fit_budget``): the size budget, and the fit's target where it
+    gives one. With a target, the answer is the smallest point meeting it within the budget (any point
+    within it can be); without, the best point within it (only the largest can be)."""
 
     max_size_bytes: float
-    targeted: bool
+    target_sqnr_db: float | None = None
+    target_metric: float | None = None
+
+    @property
+    def targeted(self) -> bool:
+        return self.target_sqnr_db is not None or self.target_metric is not None
 
 
 def fit_budget(max_size_bytes: float | None, target_sqnr_db: float | None, target_metric: float | None) -> Budget | None:
@@ -197,7 +202,7 @@ def fit_budget(max_size_bytes: float | None, target_sqnr_db: float | None, targe
     (a target alone: the smallest point meeting it may lie anywhere on the front)."""
     if max_size_bytes is None:
         return None
-    return Budget(max_size_bytes, targeted=target_sqnr_db is not None or target_metric is not None)
+    return Budget(max_size_bytes, target_sqnr_db, target_metric)
 
 
 def size_front(
@@ -306,32 +311,51 @@ def size_front(
     extra = [p for p in searched + walked if p not in chain]
     extra_points = [spread(dict(p)) for p in dict.fromkeys(tuple(p.items()) for p in extra)]
     uniform = _uniform(choices)
+    halved: list[dict[str, ModuleSettings]] = []  # with a target: the chain's points within the budget, halved
     if math.isinf(limit):
         picked_points = [spread(chain[i]) for i in picked] + extra_points
     else:
         smallest = spread(chain[0])
         extra_within = [p for p in extra_points if size_of(p) <= limit]
-        if budget.targeted:  # the smallest point meeting the target within the budget: any point within it
-            within = [p for p in (spread(chain[i]) for i in picked) if size_of(p) <= limit] + extra_within
-            kind = "every point within it that pareto() simulates, the smallest"
+        if budget.targeted:  # the smallest point meeting the target within the budget
+            halved = [p for p in (spread(chain[i]) for i in picked) if size_of(p) <= limit]
+            within = extra_within
         else:  # the best point within the budget: the largest within it
             chain_within = [point for point in map(spread, chain) if size_of(point) <= limit]
             chain_largest = _largest_within([chain_within[i] for i in _spread(chain_within, MAX_SIMULATED)], size_of, FIT_POINTS)
             within = chain_largest + _largest_within(extra_within, size_of, FIT_POINTS)
-            kind = "the largest within it, the smallest"
         picked_points = [smallest, *(p for p in within if p != smallest)]
-        kept_uniform = {label: p for label, p in uniform.items() if size_of(p) <= limit}
+        uniform = {label: p for label, p in uniform.items() if size_of(p) <= limit}
+    metric = runner.eval_fn is not None
+    pool = picked_points + list(uniform.values())
+    results = simulated.simulate_each([variant_of(p, start) for p in pool], progress, "size front: points", metric=metric)
+    probed: dict[int, tuple[float, float | None]] = {}
+    if halved:
+        goal = (budget.target_sqnr_db, budget.target_metric) if budget is not None else (None, None)
+        probed = _halved(
+            halved,
+            lambda point: simulated.simulate_each([variant_of(point, start)], progress, "size front: halving", metric=metric)[0],
+            lambda sqnr, value: meets_target(sqnr, value, *goal, runner.metric),
+        )
+        new = {at: found for at, found in probed.items() if halved[at] not in picked_points}
+        kept = len(picked_points)
+        picked_points += [halved[at] for at in new]
+        pool = picked_points + list(uniform.values())
+        results = [*results[:kept], *new.values(), *results[kept:]]
+    if budget is not None and not math.isinf(limit):
+        if budget.targeted:
+            kind = (
+                f"the smallest, {len(probed)} of the {len(halved)} chain points within it that pareto() simulates, halving "
+                "towards the smallest meeting the target (the chain's quality rising with its size)"
+            )
+        else:
+            kind = "the largest within it, the smallest"
         notes += (
-            f"for a budget of {_kb(limit)}, the size front simulated whole the {len(picked_points) + len(kept_uniform)} "
-            f"points that can be the fit's answer ({kind}, and the uniform choices within it), "
-            "not every point pareto() simulates"
+            f"for a budget of {_kb(limit)}, the size front simulated whole the {len(pool)} points that can be the fit's "
+            f"answer ({kind}, and the uniform choices within it), not every point pareto() simulates"
             + ("; the walk in context stopped at the budget" if len(hulls) <= IN_CONTEXT_UNITS else "")
             + ("; the in-context search was not run: its points, which keep modules float, are all larger" if unsearched else ""),
         )
-        uniform = kept_uniform
-    pool = picked_points + list(uniform.values())
-    metric = runner.eval_fn is not None
-    simulated = simulated.simulate_each([variant_of(p, start) for p in pool], progress, "size front: points", metric=metric)
 
     def row(point: Mapping[str, ModuleSettings], result: tuple[float, float | None]) -> dict[str, Any]:
         sqnr, value = result
@@ -343,11 +367,39 @@ def size_front(
             "settings": dict(point),
         }
 
-    rows = [row(p, r) for p, r in zip(pool, simulated, strict=True)]
+    rows = [row(p, r) for p, r in zip(pool, results, strict=True)]
     uniform_rows = rows[len(picked_points) :]
     table = pd.DataFrame(uniform_rows, index=pd.Index(list(uniform), name="choice"))
     quantized = [r for r in rows if not all(c.keep_float for c in r["settings"].values())]  # the float model is no point
     return SizeFront(_front(quantized), table, notes)
+
+
+def _halved(
+    points: Sequence[Mapping[str, ModuleSettings]],
+    simulate: Callable[[Mapping[str, ModuleSettings]], tuple[float, float | None]],
+    meets: Callable[[float, float | None], bool],
+) -> dict[int, tuple[float, float | None]]:
+    """The positions of ``points`` (smallest first) simulated to find the smallest that ``meets`` the
+    target, and their results: the largest first (where it misses, none of the smaller is taken to
+    meet it), then halving the stretch between the largest point known to miss and the smallest known
+    to meet it. The points' quality is taken to rise with their size, as a chain's does: about
+    ``log2(len(points))`` simulated of them."""
+    probed: dict[int, tuple[float, float | None]] = {}
+
+    def met(at: int) -> bool:
+        probed[at] = simulate(points[at])
+        return meets(*probed[at])
+
+    low, high = 0, len(points) - 1
+    if high < 0 or not met(high):
+        return probed
+    while low < high:
+        middle = (low + high) // 2
+        if met(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return probed
 
 
 def _block_units(choices: Mapping[str, list[ModuleSettings]]) -> dict[str, list[str]]:
