@@ -17,7 +17,8 @@ quantization of it).
 ``fit`` confirms a point with a real run, and steps along the front when it misses. A fit under a
 size budget never answers with a point above it, so on a front whose single choices are estimated it
 simulates whole only the points within the budget (and the smallest, its answer when none fits); one
-without a target takes the best point within it, so only the largest of those (``size_front(budget=)``).
+without a target takes the best point within it, so only the largest of those; one with a target the
+smallest meeting it, found by halving along the chain's points within it (``size_front(budget=)``).
 """
 
 from __future__ import annotations
@@ -217,9 +218,10 @@ def size_front(
     docstring. ``by_block``: every module of a block (``module_blocks``) takes the same choice, so the
     units chosen for are the blocks (a block whose modules start differently is split by start).
     ``budget``: for a fit under that size (``fit_budget``) on a front whose single choices are
-    estimated, only the points that can be its answer are simulated whole: with a target, every
-    point ``pareto()`` simulates that lies within the budget (the whole front's fit, the same
-    answer); without one, the ``FIT_POINTS`` largest of the chain's and the in-context search's
+    estimated, only the points that can be its answer are simulated whole: with a target, those
+    ``_halved`` asks for among the chain's points ``pareto()`` simulates within the budget (the
+    whole front's answer where the chain's quality rises with its size), and the in-context
+    search's within it; without one, the ``FIT_POINTS`` largest of the chain's and the search's
     within it; in both, the chain's smallest (the answer when none fits) and the uniform choices
     within the budget. The search is not run where the start is no smaller than the budget (its
     points keep modules float from the start), and the walk in context stops at the budget; the

@@ -167,8 +167,9 @@ class SimulatedQuestions:
         (``blocks()``) takes the same choice. ``max_metric_loss`` / ``max_metric_gap``: a metric
         target relative to the float model's, as in ``reach``. Under a size budget, on a front whose
         single choices are estimated (a decoder's), only the points that can be the answer are
-        simulated whole: those within the budget (without a target, only the largest of them), the
-        smallest, the uniform choices within it (the notes say how many); ``pareto()`` simulates
+        simulated whole: with a target, the chain's points within the budget that halving towards the
+        smallest meeting it asks for; without one, the largest within it; the smallest, the uniform
+        choices within it (the notes say how many); ``pareto()`` simulates
         them all, and a fit after it takes that front.
 
         ``rotation``: weigh the float model rotated (``Rotation()``, or True for R1 + R2) against
