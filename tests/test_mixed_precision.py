@@ -191,10 +191,11 @@ def test_estimated_single_choices_read_each_modules_own_error_and_land_near_whol
 def test_a_fit_under_a_budget_simulates_whole_only_the_points_that_can_be_its_answer(monkeypatch):
     """A size budget: no point above it is the answer, so a large front (estimated single choices)
     simulates whole only points within it, the smallest (the answer when none fits) and the uniform
-    choices within it, and skips the in-context search where the start does not fit (its points keep
-    modules float) and only there. Without a target the best point within the budget is the answer:
-    only the largest points are simulated; with one, the smallest meeting it: every point within the
-    budget the whole front simulates. Either way the run is the whole front's fit's."""
+    choices within it, and skips the in-context search where the start with its cheapest module kept
+    float does not fit (the search's points keep modules float) and only there. Without a target the
+    best point within the budget is the answer: only the largest points are simulated; with one, the
+    smallest meeting it: the chain's points within the budget halved towards it. Either way the run is
+    the whole front's fit's."""
     monkeypatch.setattr(mixed, "ESTIMATED_BEYOND", 0)
     model, batches = tiny_llama()
 
@@ -217,8 +218,9 @@ def test_a_fit_under_a_budget_simulates_whole_only_the_points_that_can_be_its_an
     every_point = simulated_points()
     baseline, cut = whole.baseline().deployed_bytes, session()
     halfway = (baseline + front["size_bytes"].max()) / 2
-    # the baseline's bytes: the start takes the whole budget; halfway to the front's largest point: it leaves room
-    for budget, searched in ((baseline, False), (halfway, True)):
+    # a byte above the baseline's: the start fits, keeping any module float does not; halfway to the front's
+    # largest point: it leaves room
+    for budget, searched in ((baseline + 1, False), (halfway, True)):
         assert front["size_bytes"].iloc[0] < budget < front["size_bytes"].max()
         expected = whole.fit(max_size_bytes=budget, progress=quiet)
         labels.clear()

@@ -223,8 +223,8 @@ def size_front(
     whole front's answer where the chain's quality rises with its size), and the in-context
     search's within it; without one, the ``FIT_POINTS`` largest of the chain's and the search's
     within it; in both, the chain's smallest (the answer when none fits) and the uniform choices
-    within the budget. The search is not run where the start is no smaller than the budget (its
-    points keep modules float from the start), and the walk in context stops at the budget; the
+    within the budget. The search is not run where the start with its cheapest unit kept float
+    does not fit the budget (its points keep units float from the start), and the walk in context stops at the budget; the
     notes say so."""
     engine, modules = runner.engine, runner.modules
     broken = set(real.truth(quiet).disagreeing)
@@ -295,9 +295,14 @@ def size_front(
     hulls = {unit: _hull(found) for unit, found in options.items()}
     chain = _chain(hulls)
     picked = _spread(chain, MAX_SIMULATED)
-    unsearched = size_of(start) >= limit
+    # every point of the in-context search keeps a unit float from the start: the smallest, the cheapest float unit
+    cheapest_float = min(
+        (unit_sizes[unit][c] - unit_sizes[unit][found[0]] for unit, found in offered.items() for c in found[1:] if c.keep_float),
+        default=0,
+    )
+    unsearched = size_of(start) + cheapest_float > limit
     if unsearched:
-        searched = []  # every point of the search keeps a module float from the start: none fits
+        searched = []  # none of the search's points fits
     else:
         searched = _searched_points(runner, simulated, real, start_units, offered, units, alone=each, ranked_on=ranked_on)
 
