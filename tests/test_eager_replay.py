@@ -11,7 +11,7 @@ from torch import nn
 
 from qreport_widgets.core.calibration import call_with
 from qreport_widgets.engines.contract import Variant
-from qreport_widgets.engines.eager import EagerConfig, EagerEngine
+from qreport_widgets.engines.eager import EagerConfig, EagerEngine, simulate
 from qreport_widgets.engines.eager.formats import torchao_eager
 from qreport_widgets.engines.eager.simulate import EagerSimulation, fake_quantized_tokens
 from qreport_widgets.engines.settings import ModuleSettings
@@ -123,3 +123,37 @@ def test_tokens_fake_quantized_are_torchaos_int8_tokens_bit_for_bit(symmetric):
         assert torch.equal(fake_quantized_tokens(x, symmetric), _torchaos(x, symmetric)), x.shape
     half = torch.randn(4, 32, generator=g).to(torch.bfloat16)  # other dtypes go through torchao itself
     assert torch.equal(fake_quantized_tokens(half, symmetric), _torchaos(half, symmetric))
+
+
+def test_the_linears_that_read_one_input_quantize_it_once_and_give_what_each_quantizing_it_gives(monkeypatch):
+    """q / k / v and gate / up read one tensor: a dynamic format's simulation quantizes it once for
+    them (4 quantizations a Llama block, not 7), the outputs equal bit for bit to each Linear
+    quantizing its own input; an input written into since is quantized again."""
+    model, batches = tiny_llama()
+    sim = simulation(model, batches)
+    calls = []
+    quantized = simulate._input_quantized
+    monkeypatch.setattr(simulate, "_input_quantized", lambda *given: calls.append(1) or quantized(*given))
+    with torch.no_grad():
+        shared = call_with(sim.model, batches[0]).logits
+    shared_calls = len(calls)
+    each = sim._quantized_input
+
+    def fresh(fqn: str, x: torch.Tensor) -> torch.Tensor:
+        sim._last_input = None
+        return each(fqn, x)
+
+    monkeypatch.setattr(sim, "_quantized_input", fresh)
+    calls.clear()
+    with torch.no_grad():
+        own = call_with(sim.model, batches[0]).logits
+    assert torch.equal(shared, own)
+    blocks = model.config.num_hidden_layers
+    assert len(calls) - shared_calls == 3 * blocks and shared_calls == 4 * blocks + 1  # and the head
+    monkeypatch.undo()
+    q, k = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"
+    x = torch.randn(2, 8, model.config.hidden_size)
+    first = sim._quantized_input(q, x)
+    assert sim._quantized_input(k, x) is first
+    x.add_(1.0)
+    assert torch.equal(sim._quantized_input(k, x), simulate._input_quantized(x, sim._inputs[k], sim._input_scales[k]))
