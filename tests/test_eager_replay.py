@@ -140,7 +140,7 @@ def test_the_linears_that_read_one_input_quantize_it_once_and_give_what_each_qua
     each = sim._quantized_input
 
     def fresh(fqn: str, x: torch.Tensor) -> torch.Tensor:
-        sim._last_input = None
+        sim._last_input.forget()
         return each(fqn, x)
 
     monkeypatch.setattr(sim, "_quantized_input", fresh)

@@ -1,5 +1,6 @@
 """An upstream function's results kept while a context lasts: a call it has answered before (by a
-key of its arguments) returns a copy of that answer instead of doing the work again."""
+key of its arguments) returns a copy of that answer instead of doing the work again; and what was
+worked out of the tensor a hook was last given (``SameInput``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import contextlib
 import copy
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 from unittest import mock
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -45,3 +48,26 @@ def results_kept(
     kept.kept_in = store  # type: ignore[attr-defined]
     with mock.patch.object(owner, name, kept):
         yield
+
+
+class SameInput:
+    """What was worked out of the tensor last given, given back while it is that tensor, unchanged
+    since (its version), asked the same way (``how``, compared by identity): the Linears that read
+    one input (q / k / v, gate / up) work it out once a pass."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, int, tuple[Any, ...], Any] | None = None
+
+    def of(self, x: Any, work: Callable[[], T], *how: Any) -> T:
+        """``work()``'s answer for ``x`` asked ``how``, worked out only where ``x`` is not the last tensor."""
+        last = self._last
+        if last is not None and last[0] is x and last[1] == x._version and len(last[2]) == len(how):
+            if all(a is b for a, b in zip(last[2], how, strict=True)):
+                return last[3]
+        found = work()
+        self._last = (x, x._version, how, found)
+        return found
+
+    def forget(self) -> None:
+        """Drop the last tensor and its answer."""
+        self._last = None

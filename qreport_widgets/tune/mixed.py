@@ -224,8 +224,8 @@ def size_front(
     search's within it; without one, the ``FIT_POINTS`` largest of the chain's and the search's
     within it; in both, the chain's smallest (the answer when none fits) and the uniform choices
     within the budget. The search is not run where the start with its cheapest unit kept float
-    does not fit the budget (its points keep units float from the start), and the walk in context stops at the budget; the
-    notes say so."""
+    does not fit the budget (its points keep units float from the start), and the walk in context
+    stops at the budget; the notes say so."""
     engine, modules = runner.engine, runner.modules
     broken = set(real.truth(quiet).disagreeing)
     choices = {m.fqn: engine.size_choices(m) or _kernel_fix(m, broken) for m in modules}
@@ -318,51 +318,40 @@ def size_front(
     extra = [p for p in searched + walked if p not in chain]
     extra_points = [spread(dict(p)) for p in dict.fromkeys(tuple(p.items()) for p in extra)]
     uniform = _uniform(choices)
-    halved: list[dict[str, ModuleSettings]] = []  # with a target: the chain's points within the budget, halved
+    metric = runner.eval_fn is not None
     if math.isinf(limit):
         picked_points = [spread(chain[i]) for i in picked] + extra_points
     else:
         smallest = spread(chain[0])
         extra_within = [p for p in extra_points if size_of(p) <= limit]
-        if budget.targeted:  # the smallest point meeting the target within the budget
-            halved = [p for p in (spread(chain[i]) for i in picked) if size_of(p) <= limit]
-            within = extra_within
+        if budget.targeted:  # the smallest point meeting the target within the budget, halving along the chain
+            chain_within = [p for p in (spread(chain[i]) for i in picked) if size_of(p) <= limit]
+            goal = (budget.target_sqnr_db, budget.target_metric, runner.metric)
+            probed = _halved(
+                chain_within,
+                lambda p: simulated.simulate_each([variant_of(p, start)], progress, "size front: halving", metric=metric)[0],
+                lambda sqnr, value: meets_target(sqnr, value, *goal),
+            )
+            within = [chain_within[at] for at in sorted(probed)] + extra_within
+            kind = (
+                f"the smallest, {len(probed)} of the {len(chain_within)} chain points within it that pareto() simulates, "
+                "halving towards the smallest meeting the target (the chain's quality rising with its size)"
+            )
         else:  # the best point within the budget: the largest within it
             chain_within = [point for point in map(spread, chain) if size_of(point) <= limit]
             chain_largest = _largest_within([chain_within[i] for i in _spread(chain_within, MAX_SIMULATED)], size_of, FIT_POINTS)
             within = chain_largest + _largest_within(extra_within, size_of, FIT_POINTS)
+            kind = "the largest within it, the smallest"
         picked_points = [smallest, *(p for p in within if p != smallest)]
         uniform = {label: p for label, p in uniform.items() if size_of(p) <= limit}
-    metric = runner.eval_fn is not None
-    pool = picked_points + list(uniform.values())
-    results = simulated.simulate_each([variant_of(p, start) for p in pool], progress, "size front: points", metric=metric)
-    probed: dict[int, tuple[float, float | None]] = {}
-    if halved:
-        goal = (budget.target_sqnr_db, budget.target_metric) if budget is not None else (None, None)
-        probed = _halved(
-            halved,
-            lambda point: simulated.simulate_each([variant_of(point, start)], progress, "size front: halving", metric=metric)[0],
-            lambda sqnr, value: meets_target(sqnr, value, *goal, runner.metric),
-        )
-        new = {at: found for at, found in probed.items() if halved[at] not in picked_points}
-        kept = len(picked_points)
-        picked_points += [halved[at] for at in new]
-        pool = picked_points + list(uniform.values())
-        results = [*results[:kept], *new.values(), *results[kept:]]
-    if budget is not None and not math.isinf(limit):
-        if budget.targeted:
-            kind = (
-                f"the smallest, {len(probed)} of the {len(halved)} chain points within it that pareto() simulates, halving "
-                "towards the smallest meeting the target (the chain's quality rising with its size)"
-            )
-        else:
-            kind = "the largest within it, the smallest"
         notes += (
-            f"for a budget of {_kb(limit)}, the size front simulated whole the {len(pool)} points that can be the fit's "
-            f"answer ({kind}, and the uniform choices within it), not every point pareto() simulates"
+            f"for a budget of {_kb(limit)}, the size front simulated whole the {len(picked_points) + len(uniform)} points "
+            f"that can be the fit's answer ({kind}, and the uniform choices within it), not every point pareto() simulates"
             + ("; the walk in context stopped at the budget" if len(hulls) <= IN_CONTEXT_UNITS else "")
             + ("; the in-context search was not run: its points, which keep modules float, are all larger" if unsearched else ""),
         )
+    pool = picked_points + list(uniform.values())  # the halving's points are known: not simulated again
+    results = simulated.simulate_each([variant_of(p, start) for p in pool], progress, "size front: points", metric=metric)
 
     def row(point: Mapping[str, ModuleSettings], result: tuple[float, float | None]) -> dict[str, Any]:
         sqnr, value = result

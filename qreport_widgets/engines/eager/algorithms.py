@@ -42,6 +42,7 @@ from torch import nn
 
 from ...core.calibration import InputsGathered, gathering
 from ...core.devices import float64_on, model_device
+from ...core.kept import SameInput
 from ...core.memory import device_free_bytes, give_back
 from ...errors import QReportError
 from ..folds import ROWS, Fold, fold_scale, input_folds, rows_divided
@@ -246,7 +247,7 @@ class InputRecorder:
     def __init__(self, model: nn.Module, names: Iterable[str]) -> None:
         self.statistics: dict[str, InputStatistics] = {}
         self._handles = []
-        self._last: tuple[torch.Tensor, int, BatchTerms] | None = None  # the input last seen, and its terms
+        self._last = SameInput()  # the input last seen, and its terms
         self._batches = 0
         self._called: list[str] = []  # this batch's Linears, in the order they were called
         self._final: str | None = None  # the Linear after which a batch may end
@@ -264,7 +265,7 @@ class InputRecorder:
             self._final = self._called[-1] if self._each_called_once() else None
         self._batches += 1
         self._called = []
-        self._last = None
+        self._last.forget()
 
     def _hook(self, fqn: str) -> Callable:
         statistics = self.statistics[fqn]
@@ -272,9 +273,7 @@ class InputRecorder:
         def hook(_module: nn.Module, args: tuple) -> None:
             if args and isinstance(args[0], torch.Tensor):
                 x = args[0]
-                if self._last is None or self._last[0] is not x or self._last[1] != x._version:
-                    self._last = (x, x._version, batch_terms(x))  # q, k and v read one tensor: its terms once
-                statistics.add_terms(self._last[2])
+                statistics.add_terms(self._last.of(x, lambda: batch_terms(x)))  # q, k and v read one tensor: its terms once
             self._called.append(fqn)
             if fqn == self._final and gathering() and self._each_called_once():
                 raise InputsGathered
@@ -285,7 +284,7 @@ class InputRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._last = None
+        self._last.forget()
         return self.statistics
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from ...core.calibration import call_with
 from ...core.devices import model_device
+from ...core.kept import SameInput
 from ...core.memory import device_free_bytes, free_bytes, give_back, tensors_bytes
 from ...core.metrics import sqnr_db
 from ..contract import Variant, WholePasses
@@ -220,8 +221,7 @@ class EagerSimulation(WholePasses):
         self._inputs: dict[str, bool | None] = dict.fromkeys(self._modules)  # fqn -> symmetric, or None: float input
         # fqn -> the AWQ scale its weight's input channels were multiplied by: a dynamic format quantizes x / s
         self._input_scales: dict[str, torch.Tensor | None] = dict.fromkeys(self._modules)
-        # the last input quantized, its version, symmetry and scale, and the result (``_quantized_input``)
-        self._last_input: tuple[torch.Tensor, int, bool | None, torch.Tensor | None, torch.Tensor] | None = None
+        self._last_input = SameInput()  # the input last quantized, and how (``_quantized_input``)
         self._folds = input_folds(model)
         for fqn, module in self._modules.items():
             module.register_forward_pre_hook(self._input_hook(fqn))
@@ -245,12 +245,7 @@ class EagerSimulation(WholePasses):
         The Linears that read one input (q / k / v, gate / up) take the first one's result while the
         input is the same tensor, unchanged since, quantized the same way."""
         symmetric, scale = self._inputs[fqn], self._input_scales[fqn]
-        last = self._last_input
-        if last is not None and last[0] is x and last[1] == x._version and last[2] is symmetric and last[3] is scale:
-            return last[4]
-        found = _input_quantized(x, symmetric, scale)
-        self._last_input = (x, x._version, symmetric, scale, found)
-        return found
+        return self._last_input.of(x, lambda: _input_quantized(x, symmetric, scale), symmetric, scale)
 
     def weight(self, fqn: str, key: FormatKey | None) -> torch.Tensor:
         """Module ``fqn``'s weight in format ``key`` (float for None), dequantized from its quantized form."""
