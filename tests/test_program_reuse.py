@@ -91,6 +91,29 @@ def test_other_int4_values_are_written_into_the_earlier_program_and_it_runs(deco
     assert fresh.reused == "" and fresh.pte == program.pte
 
 
+def test_constants_outside_the_delegates_are_written_into_the_earlier_edge_program_and_serialised_again(decoder):
+    model, example, first = decoder
+    program_reuse.LOWERED[first.structure.key] = first
+    assert first.edge is not None  # a decoder's edge program kept beside its program
+    other = with_weights(model, proj=1.03, input_layernorm=1.5, post_attention_layernorm=0.7)
+    with torch.no_grad():
+        other.model.norm.weight.mul_(1.2)  # three norms alike (all 1: one blob) now apart: three blobs
+        other.model.embed_tokens.weight.mul_(0.9)  # the embedding ExecuTorch's own kernel reads
+    other = quantized(other)
+    program = lowered(other, example)
+    assert "serialised again" in program.reused and "4 changed constants that ExecuTorch's own kernels read" in program.reused
+    assert program.saved_s > 0 and program.edge is first.edge  # the earlier edge program stays as lowered, for the next
+    held = dict(program_reuse.LOWERED)
+    program_reuse.LOWERED.clear()
+    try:
+        fresh = lowered(other, example)
+    finally:
+        program_reuse.LOWERED.update(held)
+    assert fresh.reused == "" and fresh.pte == program.pte and len(program.pte) > len(first.pte)  # the bytes of a lowering
+    logits, eager = program(*example).logits, other(*example).logits
+    assert torch.nn.functional.cosine_similarity(logits.flatten(), eager.flatten(), dim=0) > 0.99
+
+
 def test_the_same_weights_reuse_the_program_as_it_is(decoder):
     model, example, first = decoder
     program_reuse.LOWERED[first.structure.key] = first

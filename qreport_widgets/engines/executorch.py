@@ -173,6 +173,7 @@ class DeployedProgram(torch.nn.Module):
         # what the lowering depended on, and, where an earlier program of the same graph was reused, how
         # (in words) and the seconds that saved ("" and 0: lowered in full)
         self.structure: program_reuse.Structure | None = None
+        self.edge: Any = None  # a decoder's edge program, lowered and not serialised (``program_reuse.edge_with``)
         self.reused = ""
         self.saved_s = 0.0
         self.input_shapes: tuple[tuple[int, ...], ...] | None = None  # set when the program fixes its input shapes
@@ -304,23 +305,39 @@ def lower(
             shape = program_reuse.structure(exported, partitioner, fuse_quantized_ops)
             earlier = program_reuse.LOWERED.get(shape.key)
             reused = None if earlier is None else program_reuse.rewritten(earlier.pte, earlier.structure, shape)
+            written = None  # constants outside the delegates changed: the earlier edge program with them written in
+            if reused is None and earlier is not None and earlier.edge is not None:
+                written = program_reuse.edge_with(earlier.edge, earlier.structure, shape)
+            kept = earlier.edge if earlier is not None else None  # the edge program a later lowering may write into
             if reused is not None:  # the graph lowered before: only its changed constants written in
                 pte, delegation = reused.pte, earlier.delegation
                 stage("lowering: the changed weights written into the program lowered before")
                 stage()
             else:
-                stage("lowering: decompositions, edge passes, XNNPACK (to_edge_transform_and_lower)")
-                step = "to_edge_transform_and_lower with XNNPACK's partitioner"
-                chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
-                with _reasons() as reasons:
-                    # XNNPACK's own edge config: the edge IR is not validated again over fake tensors
-                    edge = api.to_edge_transform_and_lower(
-                        exported, partitioner=[chosen], compile_config=api.edge_compile_config()
-                    )
-                delegation = _delegation(edge.exported_program().graph_module, reasons)
-                stage("lowering: serialising the program (to_executorch)")
-                step = "to_executorch (serialising the program)"
-                pte = _serialised(edge, fuse_quantized_ops, fixed_rows)
+                if written is not None:
+                    stage("lowering: the changed constants written into the edge program lowered before, serialised again")
+                    step = "to_executorch of the edge program lowered before, with the changed constants written in"
+                    reused = program_reuse.rewritten(_serialised(written[0], fuse_quantized_ops, fixed_rows), written[1], shape)
+                    written = written if reused is not None else None
+                if reused is not None:
+                    pte, delegation = reused.pte, earlier.delegation
+                    stage()
+                else:
+                    if written is None:  # else the stage was counted above
+                        stage("lowering: decompositions, edge passes, XNNPACK (to_edge_transform_and_lower)")
+                    step = "to_edge_transform_and_lower with XNNPACK's partitioner"
+                    chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
+                    with _reasons() as reasons:
+                        # XNNPACK's own edge config: the edge IR is not validated again over fake tensors
+                        edge = api.to_edge_transform_and_lower(
+                            exported, partitioner=[chosen], compile_config=api.edge_compile_config()
+                        )
+                    delegation = _delegation(edge.exported_program().graph_module, reasons)
+                    stage("lowering: serialising the program (to_executorch)")
+                    step = "to_executorch (serialising the program)"
+                    # a decoder's edge program kept unserialised (serialising changes it) for a later edge_with
+                    kept = copy.deepcopy(edge) if partitioner == DYNAMIC else None
+                    pte = _serialised(edge, fuse_quantized_ops, fixed_rows)
             stage()
     except Stopped:  # the caller stopped it between stages
         raise
@@ -334,6 +351,7 @@ def lower(
         program.lowered_as = (example_inputs, partitioner, fuse_quantized_ops)
     program.lowering_s = time.perf_counter() - start
     program.structure = shape
+    program.edge = kept
     if reused is not None:
         full_s = earlier.lowering_s + earlier.saved_s  # what lowering that graph in full took
         before = f"the program's graph is one lowered before ({full_s:.1f} s)"
@@ -343,6 +361,13 @@ def lower(
             if reused.constants
             else f"{before}, and its weights are the same: that program reused"
         )
+        if written is not None:
+            program.reused = (
+                f"{before}: its {written[2]} changed constants that ExecuTorch's own kernels read (a norm's weight, an "
+                f"embedding) were written into that lowering's edge program, serialised again (to_executorch), and its "
+                f"{reused.constants} changed delegated weights and scales written into that program as XNNPACK stores "
+                "them, the bytes a lowering gives"
+            )
         program.saved_s = max(full_s - program.lowering_s, 0.0)
     program_reuse.LOWERED[shape.key] = program
     program.batch_limit = _batch_rows(list(example_inputs))

@@ -15,15 +15,25 @@ group scales as bfloat16; other floats as float32; else as they are), must be st
 and found exactly once in the ``.pte``, and the new bytes be as long. No blob may be stored once for a
 changed constant and an unchanged one, or for two constants that change apart, and no new key be one
 the program has: a fresh lowering would store two blobs where the earlier program has one, or one
-where it has two. A constant that is not delegated (a norm's weight, an embedding ExecuTorch's own
-kernels read, a constant folded into another), or anything else this does not find as expected,
-sends the run to a full lowering.
+where it has two.
+
+A constant that is not delegated (a norm's weight, an embedding ExecuTorch's own kernels read) is the
+program's own: the emitter stores it once per distinct value, so a change can merge or split blobs (a
+rotation sets every RMSNorm's weight to 1: one blob where there were 61). For those, ``edge_with``
+takes the earlier lowering's edge program (kept, unserialised, beside its program), writes the new
+values of the constants ExecuTorch's own kernels read into a copy, and serialises it again
+(``to_executorch``: seconds, where the lowering before it took minutes); ``rewritten`` then writes the
+delegated ones into that program as above. It proves first that every constant of the edge program
+is one the export had, under its name and with the earlier value (none folded from others by the
+lowering), or a scalar the lowering lifted from the graph's literals. Anything else this does not
+find as expected sends the run to a full lowering.
 
 May import: ``core``.
 """
 
 from __future__ import annotations
 
+import copy
 import enum
 import hashlib
 import weakref
@@ -130,6 +140,49 @@ def rewritten(pte: bytes, before: Structure, after: Structure) -> Rewritten | No
     if any(_key(stored) in kept for stored in writes):
         return None  # stored once for a changed constant and an unchanged one: a lowering now stores two
     return _written(pte, keys, {stored: now for stored, now in writes.items() if now != stored}, changed)
+
+
+def edge_with(edge: Any, before: Structure, after: Structure) -> tuple[Any, Structure, int] | None:
+    """A copy of ``edge`` (the earlier program's edge program, lowered, not serialised, from constants
+    ``before``) with ``after``'s new values of the constants outside the delegates written in, and the
+    constants the program it serialises to holds (``before``'s, those replaced), and how many were
+    written: ``rewritten`` of that program writes the delegated ones. None where none of the changed constants is outside the
+    delegates, or where the edge program holds a constant the export did not have (but a scalar: the
+    lowering lifts the graph's literals, as ``_lifted_tensor_constant``), or had with another value
+    (one the lowering folded from others, which the new values would not reach)."""
+    if before.key != after.key:
+        return None
+    program = edge.exported_program()
+    held = {**program.state_dict, **program.constants}
+    tensors = {name: value for name, value in held.items() if isinstance(value, torch.Tensor)}
+    for name, value in tensors.items():
+        earlier = before.leaves.get(name)
+        if earlier is None and value.dim() == 0:  # a scalar the lowering lifted from the graph's literals
+            continue
+        if earlier is None or len(earlier) != 1 or not _is_plain(value) or not _equal(value, earlier[0][1]):
+            return None
+    changed = [
+        name
+        for name, leaves in after.leaves.items()
+        if any(not _equal(a, b) for (_, a), (_, b) in zip(before.leaves[name], leaves, strict=True))
+    ]
+    outside = [name for name in changed if name in tensors]
+    if not outside:
+        return None
+    copied = copy.deepcopy(edge)
+    written = copied.exported_program()
+    for name in outside:
+        place = written.state_dict if name in written.state_dict else written.constants
+        value = after.leaves[name][0][1].detach().to(tensors[name].device).clone()
+        if isinstance(place[name], torch.nn.Parameter):
+            value = torch.nn.Parameter(value, requires_grad=place[name].requires_grad)
+        place[name] = value
+    leaves = {**before.leaves, **{name: after.leaves[name] for name in outside}}
+    return copied, Structure(before.key, leaves), len(outside)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.detach().cpu(), b.detach().cpu())
 
 
 Keys = dict[bytes, list[int]]  # each named-data key in the program, and where it occurs
