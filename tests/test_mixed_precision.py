@@ -298,6 +298,14 @@ def test_a_heads_choices_are_measured_on_a_sample_of_its_rows_each_quantized_as_
     ranked = sorted(options["lm_head"], key=lambda choice: whole["lm_head", choice])
     assert sorted(options["lm_head"], key=lambda choice: half["lm_head", choice])[:2] == ranked[:2]  # float, int8
     assert whole["lm_head", int4[0]] > whole["lm_head", others[0]] > 0
+    # another module's GPTQ weight found in the same call: the head's inputs gathered in its pass, one in all
+    runs = []
+    calibrate = simulation._calibrate
+    simulation._calibrate = lambda model, gathered: (runs.append(1), calibrate(model, gathered))
+    both = simulation.local_noise(batch, {**options, "model.layers.0.mlp.down_proj": [int4[2]]})
+    assert len(runs) == 1 and ("model.layers.0.mlp.down_proj", int4[2]) in both
+    for choice in options["lm_head"]:
+        assert both["lm_head", choice] == pytest.approx(half["lm_head", choice], rel=1e-6), choice
 
 
 def test_costly_algorithms_are_measured_at_one_group_size_and_read_off_round_to_nearest_at_the_others():

@@ -19,6 +19,7 @@ from qreport_widgets.core.metrics import output_tensor, perplexity, sqnr_db
 from qreport_widgets.engines.contract import Variant
 from qreport_widgets.engines.eager import algorithms, quantize
 from qreport_widgets.engines.eager.formats import ao_config, torchao_eager
+from qreport_widgets.engines.eager.found import FoundWeights
 from qreport_widgets.engines.folds import input_folds
 from qreport_widgets.engines.settings import ModuleSettings
 from qreport_widgets.errors import InvalidSettingsError
@@ -483,6 +484,7 @@ def test_a_real_run_gathers_gptq_inputs_in_runs_of_modules_and_gets_the_same_mod
     assert together.ok and passes == ["run 2: calibrating"]
     monkeypatch.setattr(algorithms, "GRAM_SHARE", 1e-9)  # one module a run, whatever memory is free
     monkeypatch.setattr(algorithms, "GRAM_FREE_SHARE", 0.0)
+    monkeypatch.setattr(session.engine, "found_before", FoundWeights())  # the first run's GPTQ weights computed again
     passes.clear()
     apart = session.apply(settings)
     # one pass per module, but one for q/k/v: the Linears asked AWQ that read one input share its statistics
@@ -492,6 +494,46 @@ def test_a_real_run_gathers_gptq_inputs_in_runs_of_modules_and_gets_the_same_mod
         assert torch.equal(
             output_tensor(call_with(together.quantized_model, batch)), output_tensor(call_with(apart.quantized_model, batch))
         )
+
+
+def test_a_real_run_takes_the_gptq_weights_the_simulation_found_and_gets_the_model_it_computes_itself(monkeypatch):
+    import qreport_widgets.tune.runner as runner
+
+    model, batches = tiny_llama()
+    session = qw.analyze(model, batches[0], batches, eval_data=batches[:2], engine="eager", format=INT4, progress=False).session
+    settings = {fqn: int4(32, "gptq") for fqn in linear_names(session)}
+    session.simulate(Variant(settings=tuple(settings.items())))  # the simulation finds every weight
+    passes = []
+    calibrate = runner.calibrate
+    monkeypatch.setattr(runner, "calibrate", lambda *args, **kwargs: passes.append(kwargs["desc"]) or calibrate(*args, **kwargs))
+    taken = session.apply(settings)
+    assert taken.ok and passes == []  # no calibration pass: every weight was found before
+    assert any(f"gptq: {len(settings)} modules' weights taken as found before" in note for note in taken.notes)
+    monkeypatch.setattr(session.engine, "found_before", FoundWeights())  # nothing found before: the run computes them
+    computed = session.apply(settings)
+    assert computed.ok and passes and not any("taken as found before" in note for note in computed.notes)
+    for batch in batches:
+        assert torch.equal(
+            output_tensor(call_with(taken.quantized_model, batch)), output_tensor(call_with(computed.quantized_model, batch))
+        )
+
+
+def test_gptq_weights_found_on_one_float_model_are_not_taken_for_another():
+    store = FoundWeights()
+    model, _ = tiny_llama()
+    same = copy.deepcopy(model)  # another object, the same weights: the same fingerprint
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.norm.weight[0] += 1e-3  # a weight no Linear holds: the inputs GPTQ reads change
+    key = ("model.layers.0.mlp.up_proj", (INT4, 32, "gptq"))
+    store.keep(model, {key: "found"})
+    assert store.taken_for(same, [key]) == {key: "found"} and store.taken_for(other, [key]) == {}
+    rotated, third = copy.deepcopy(other), copy.deepcopy(model)
+    with torch.no_grad():
+        third.lm_head.weight.mul_(2)
+    store.keep(other, {key: "other's"})
+    store.keep(third, {key: "third's"})  # MODELS_KEPT float models: the first one asked is let go
+    assert store.taken_for(model, [key]) == {} and store.taken_for(rotated, [key]) == {key: "other's"}
 
 
 def test_a_report_with_algorithm_runs_saves_reloads_and_exports_them(tmp_path):

@@ -68,6 +68,7 @@ from .formats import (
     rows_of,
     torchao_eager,
 )
+from .found import FoundWeights
 from .learned import BlockInputs, LearnedRounding, block_of, learned_weights
 from .options import EagerOptions
 from .simulate import EagerSimulation, quantized_weight
@@ -170,6 +171,10 @@ class EagerEngine(Engine[EagerConfig]):
         self._kept_rounding: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
         self._learned_notes: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
         self._sizes: dict[tuple, int] = {}  # module_bytes, per module shape and choice
+        # GPTQ weights found before, by float model: shared with the engines renewed from this one
+        self.found_before = FoundWeights()
+        self._sources: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()  # prepared -> float model
+        self._taken: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()  # prepared -> GPTQ weights taken
         self._folds: dict[str, Fold] | None = None  # where each Linear's AWQ scale folds, once a model is observed
 
     @classmethod
@@ -177,9 +182,11 @@ class EagerEngine(Engine[EagerConfig]):
         return cls(options.format or INT8_DYNAMIC, options.group_size, options.algorithms, options.target, options.learned_start)
 
     def renewed(self) -> EagerEngine:
-        return EagerEngine(
+        engine = EagerEngine(
             self.start_format, self.start_group_size or None, self.searched_algorithms, self.target, self.learned.start
         )
+        engine.found_before = self.found_before  # the same calibration batches: the weights found on them hold
+        return engine
 
     # ---- observation ----------------------------------------------------------------------------
     def observe(self, float_model: nn.Module, example_inputs: tuple[Any, ...], *, record: bool = False) -> Observation:
@@ -241,6 +248,7 @@ class EagerEngine(Engine[EagerConfig]):
         made without ``analyze`` never observed any)."""
         model = shared_copy(float_model).eval()
         self._configs[model] = config.resolved(model)
+        self._sources[model] = float_model
         self._example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         if self._folds is None:
             self._folds = input_folds(float_model)
@@ -259,7 +267,17 @@ class EagerEngine(Engine[EagerConfig]):
             yield None
             return
         found = self._found.setdefault(prepared, {})
-        yield from weights_in_runs(prepared, config.needs_data, found)
+        source = self._sources.get(prepared)
+        gptq = [(fqn, config.formats[fqn]) for fqn, (algorithm, _) in config.needs_data.items() if algorithm == GPTQ]
+        if source is not None and gptq:  # found before on the same float model (the simulation's, a run's)
+            taken = self.found_before.taken_for(source, gptq)
+            found.update({fqn: weight for (fqn, _), weight in taken.items()})
+            if taken:
+                self._taken[prepared] = len(taken)
+        computing = {fqn: choice for fqn, choice in config.needs_data.items() if fqn not in found}
+        yield from weights_in_runs(prepared, computing, found)
+        if source is not None:
+            self.found_before.keep(source, {(fqn, key): found[fqn] for fqn, key in gptq if fqn in computing and fqn in found})
         notes = self._learned_notes.setdefault(prepared, [])
         yield from learned_weights(
             prepared,
@@ -282,6 +300,8 @@ class EagerEngine(Engine[EagerConfig]):
             self._found[moved_model] = {fqn: weight.to(device) for fqn, weight in self._found[prepared].items()}
         if prepared in self._learned_notes:
             self._learned_notes[moved_model] = list(self._learned_notes[prepared])
+        if prepared in self._taken:
+            self._taken[moved_model] = self._taken[prepared]
         return moved_model
 
     def _quantized(self, module: nn.Module, key: tuple[str, int, str]) -> QuantizedWeight:
@@ -456,6 +476,12 @@ class EagerEngine(Engine[EagerConfig]):
         algorithms = {algorithm for _, _, algorithm in config.formats.values()}
         notes += [note for name, note in ALGORITHM_NOTES.items() if name in algorithms]
         notes += self._learned_notes.get(quantized, [])
+        taken = self._taken.get(quantized, 0)
+        if taken:
+            notes.append(
+                f"gptq: {taken} modules' weights taken as found before on the same float model and calibration batches "
+                "(by the simulation or an earlier run), not computed again"
+            )
         kept = self._kept_rounding.get(quantized, {})
         if kept:
             notes.append(
@@ -503,7 +529,7 @@ class EagerEngine(Engine[EagerConfig]):
         example_inputs: tuple[Any, ...],
         calibrate: Callable[[nn.Module], None],
     ) -> EagerSimulation:
-        return EagerSimulation(prepared, modules, calibrate, self.target, self.learned)
+        return EagerSimulation(prepared, modules, calibrate, self.target, self.learned, (self.found_before, float_model))
 
     # ---- helpers --------------------------------------------------------------------------------
     def _config_of(self, prepared: nn.Module) -> EagerConfig:

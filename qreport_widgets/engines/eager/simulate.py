@@ -52,6 +52,7 @@ from .algorithms import (
     recording,
 )
 from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, ao_config, fake_quantized_tokens, rows_of, torchao_eager
+from .found import FoundWeights
 from .learned import LearnedRounding, learned_weights
 from .replay import BlockReplay
 
@@ -196,8 +197,10 @@ class EagerSimulation(WholePasses):
         calibrate: Callable[[nn.Module, dict[str, InputStatistics]], None] | None = None,
         target: str = X86,
         learned: LearnedRounding | None = None,
+        found_before: tuple[FoundWeights, nn.Module] | None = None,
     ) -> None:
         self.model = model.eval()
+        self._found_before = found_before  # GPTQ weights found before on the float model (the store, that model)
         self._learned = learned or LearnedRounding()  # how the learned rounding runs (its start)
         self._target = target  # whose torchao configs the formats are (x86's int8 dynamic quantizes tokens symmetrically)
         self._calibrate = calibrate  # runs a model over the calibration batches (what GPTQ / AWQ read)
@@ -282,19 +285,30 @@ class EagerSimulation(WholePasses):
     def _quantized(self, fqn: str, key: FormatKey) -> QuantizedWeight:
         return quantized_weight(self._float_module(fqn), key, target=self._target)
 
-    def find_data_weights(self, chosen: Iterable[tuple[str, FormatKey | None]]) -> None:
+    def find_data_weights(
+        self, chosen: Iterable[tuple[str, FormatKey | None]], statistics_of: Sequence[str] = ()
+    ) -> dict[str, InputStatistics]:
         """Each GPTQ / AWQ weight in ``chosen`` (module, format pairs) not found yet: the calibration
         batches' inputs to those modules gathered in float passes (one per run of modules,
         ``gram_runs``), each weight computed and kept packed or as a recipe
         (``QuantizedWeight.compact``), the inputs' statistics dropped. Called before a pass, never
-        inside one (a pass's hooks take what was found)."""
+        inside one (a pass's hooks take what was found). ``statistics_of``: modules whose inputs'
+        statistics the caller wants (a head's, for its sampled rows), gathered in the first of
+        those passes, or in one of their own where none runs, and returned."""
         missing = list(dict.fromkeys((fqn, key) for fqn, key in chosen if key is not None and key[2] in DATA_ALGORITHMS))
         missing = [pair for pair in missing if pair not in self._found]
-        if not missing:
-            return
+        gptq = [pair for pair in missing if pair[1][2] == GPTQ]
+        if self._found_before is not None and gptq:  # found before on the same float model (a run's)
+            store, float_model = self._found_before
+            self._found.update(store.taken_for(float_model, gptq))
+            missing = [pair for pair in missing if pair not in self._found]
+        wanted = list(dict.fromkeys(statistics_of))
+        if not missing and not wanted:
+            return {}
         self._calibrator()  # refused before anything is configured
         before = dict(self._configured or {})
         self.configure(Variant(frozenset(self._modules)))
+        asked: dict[str, InputStatistics] = {}
         try:
             self._find_learned([pair for pair in missing if pair[1][2] == LEARNED])
             missing = [pair for pair in missing if pair[1][2] != LEARNED]
@@ -305,12 +319,16 @@ class EagerSimulation(WholePasses):
             held = sum(tensor_bytes(w) for w in self._float.values())
             free = device_free_bytes(model_device(self.model))
             for modules in gram_runs(features, held, free) if features else ():
-                gathered = self._float_statistics(modules)
+                gathered = self._float_statistics([*modules, *(fqn for fqn in wanted if fqn not in asked)])
+                asked |= {fqn: gathered.pop(fqn) for fqn in wanted if fqn not in asked and fqn not in modules}
                 solved = [(fqn, key) for fqn, key in recorded if fqn in modules and key[2] != AWQ]
                 problems = {(fqn, key): (self._float[fqn], gathered[fqn], key[1]) for fqn, key in solved}
                 with torch.no_grad():  # GPTQ: the weights of one shape solved together
-                    self._found.update({pair: weight.compact() for pair, weight in gptq_many(problems).items()})
-                del problems
+                    computed = {pair: weight.compact() for pair, weight in gptq_many(problems).items()}
+                self._found.update(computed)
+                if self._found_before is not None:
+                    self._found_before[0].keep(self._found_before[1], computed)
+                del problems, computed
                 for fqn in modules:
                     statistics = gathered.pop(fqn)  # freed once the module's results are found
                     for key in (key for other, key in recorded if other == fqn and key[2] == AWQ):
@@ -320,8 +338,11 @@ class EagerSimulation(WholePasses):
                                 self._found[reader, key] = found.compact()
                 del gathered
                 give_back()
+            if any(fqn not in asked for fqn in wanted):  # no pass ran for the weights: one for these alone
+                asked |= self._float_statistics([fqn for fqn in wanted if fqn not in asked])
         finally:
             self._apply(before)
+        return asked
 
     def _find_learned(self, missing: list[tuple[str, FormatKey]]) -> None:
         """The learned rounding's weights of ``missing`` (the model float, as configured by the
@@ -481,11 +502,12 @@ class EagerSimulation(WholePasses):
             return hook
 
         whole = {fqn: options for fqn, options in choices.items() if fqn not in sampled}
-        self.find_data_weights((fqn, format_key(c)) for fqn, options in whole.items() for c in options)
+        statistics = self.find_data_weights(  # the heads' inputs to GPTQ / AWQ gathered in the same passes
+            ((fqn, format_key(c)) for fqn, options in whole.items() for c in options),
+            statistics_of=[fqn for fqn in sampled if any(_reads_data(c) for c in choices[fqn])],
+        )
         self._keeping = False  # every choice of every module taken once: none kept for later (half the weights' size)
         try:
-            self.configure(Variant(frozenset(self._modules)))  # the heads' inputs to GPTQ / AWQ, every module float
-            statistics = self._float_statistics([fqn for fqn in sampled if any(_reads_data(c) for c in choices[fqn])])
             self._float_pass(batch, {fqn: keep_input(fqn) if fqn in sampled else measure(fqn) for fqn in choices})
             for fqn in sampled:
                 if fqn in heads_inputs:
