@@ -169,7 +169,8 @@ def test_estimated_single_choices_read_each_modules_own_error_and_land_near_whol
     fitted = session.fit(max_size_bytes=front["size_bytes"].median(), progress=quiet)
     assert [note for note in fitted.notes if note.startswith(said)], fitted.notes
     # what only ranks read the first evaluation batch (the head's sampled rows: ``head_sample``), the points every batch
-    assert {batches for batches, _ in session.parts.simulated._known} == {(mixed.RANKED_ON, VOCAB // 2), None}
+    # (the tiny decoder's rows of 16 tokens hold fewer than RANKED_POSITIONS: its batches are read whole)
+    assert {read for read, _ in session.parts.simulated._known} == {(mixed.RANKED_ON, VOCAB // 2, None), (None, None, None)}
     said = f"the size front ranked single choices and steps on {VOCAB // 2} of the output's {VOCAB} columns (lm_head's rows"
     assert [note for note in fitted.notes if note.startswith(said)], fitted.notes
     start = {m.fqn: m.current for m in session.modules}
@@ -409,6 +410,42 @@ def test_ranking_passes_compute_a_sample_of_a_large_heads_rows_and_read_those_ou
     assert simulated.simulate_each(variants[:1], quiet, metric=False, batches=1, sampled_columns=True) == simulated.simulate_each(
         variants[:1], quiet, metric=False, batches=1
     )
+
+
+def test_a_ranking_pass_may_read_the_first_rows_of_its_batches_as_if_they_were_the_batch(monkeypatch):
+    """``simulate_each(rows=)``: each variant's output SQNR on the first rows (sequences) of the
+    evaluation batches is the one a session whose evaluation batch is those rows gives; a batch that
+    does not lead with its rows is read whole."""
+    from qreport_widgets.core.calibration import leading_rows, rows_holding
+
+    model, batches = tiny_llama()
+    eval_data = batches[4:]
+    session = QuantizationSession(model, batches[0], batches[:4], eval_data=eval_data, engine="eager")
+    variants = [mixed.Variant(), *(mixed.Variant(frozenset([m.fqn])) for m in session.modules[:3])]
+    simulated = session.parts.simulated
+    on_rows = [sqnr for sqnr, _ in simulated.simulate_each(variants, quiet, metric=False, batches=1, rows=1)]
+    first = leading_rows(eval_data[0], 1)
+    assert first[0].shape == (1, 16) and torch.equal(first[0], eval_data[0][0][:1])
+    alone = QuantizationSession(model, batches[0], batches[:4], eval_data=[first], engine="eager")
+    expected = [sqnr for sqnr, _ in alone.parts.simulated.simulate_each(variants, quiet, metric=False)]
+    assert on_rows == pytest.approx(expected, abs=1e-6)
+    whole = [sqnr for sqnr, _ in simulated.simulate_each(variants, quiet, metric=False, batches=1)]
+    assert on_rows != pytest.approx(whole, abs=1e-3)  # another read, kept apart from the whole batch's
+    assert [sqnr for sqnr, _ in simulated.simulate_each(variants, quiet, metric=False, batches=1, rows=1)] == on_rows
+    assert leading_rows((torch.zeros(4, 3), torch.zeros(3)), 1) is None  # tensors of other first dimensions
+    assert leading_rows((torch.zeros(1, 3),), 1) is None and leading_rows(torch.tensor(2.0), 1) is None
+    assert leading_rows({"ids": torch.zeros(4, 3), "mask": torch.ones(4, 3)}, 2)["mask"].shape == (2, 3)
+    # the ranking reads the first rows holding RANKED_POSITIONS tokens; rows shorter than that: the batch whole
+    assert rows_holding((torch.zeros(2, 256),), 256) == 1 and rows_holding((torch.zeros(4, 100),), 256) == 3
+    assert rows_holding((torch.zeros(4, 16),), 256) is None and rows_holding((torch.zeros(4),), 256) is None
+    assert mixed._ranked(1, session.parts.runner)["rows"] is None  # the tiny decoder's 4 rows of 16 tokens
+    monkeypatch.setattr(mixed, "RANKED_POSITIONS", 32)
+    assert mixed._ranked(1, session.parts.runner) == {"batches": 1, "sampled_columns": True, "rows": 2}
+    monkeypatch.setattr(mixed, "ESTIMATED_BEYOND", 0)  # the front ranks on 2 of the 4 rows, its points on every batch
+    session.pareto(progress=quiet)
+    assert {read[2] for read, _ in simulated._known} == {2, None}
+    said = "the size front ranked single choices and steps on 2 of the 4 sequences (16 tokens each) of the first evaluation batch"
+    assert [note for note in session.parts.mixed.front(quiet).notes if note.startswith(said)]
 
 
 def test_the_size_pane_draws_the_front_puts_a_point_in_the_rows_and_a_budget_selects_the_best_under_it(cache):

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any, Union
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
 from tqdm.auto import tqdm
 
 from ..errors import CalibrationError, NotCalibratedError
@@ -33,6 +34,38 @@ def call_with(model: torch.nn.Module, batch: Any) -> Any:
     if isinstance(batch, Mapping):
         return model(**batch)
     return model(batch)
+
+
+def leading_rows(batch: Any, rows: int) -> Any | None:
+    """``batch`` cut to its first ``rows`` rows (every tensor in it sliced along its first dimension,
+    a view), or None where that is not a cut of its rows: a tensor with no dimension, tensors of
+    different first dimensions, no more rows than ``rows``, or no tensor found in it."""
+    leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+    if not leaves or any(leaf.dim() == 0 for leaf in leaves):
+        return None
+    sizes = {int(leaf.shape[0]) for leaf in leaves}
+    if len(sizes) != 1 or sizes.pop() <= rows:
+        return None
+    return tree_map_only(torch.Tensor, lambda tensor: tensor[:rows], batch)
+
+
+def sequence_shape(batch: Any) -> tuple[int, int] | None:
+    """(rows, positions a row) of ``batch``'s first tensor (token ids: ``(rows, length)``), or None
+    where it has no second dimension."""
+    leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+    if not leaves or leaves[0].dim() < 2:
+        return None
+    return int(leaves[0].shape[0]), int(leaves[0].shape[1])
+
+
+def rows_holding(batch: Any, positions: int) -> int | None:
+    """How many of ``batch``'s first rows hold at least ``positions`` positions (``sequence_shape``),
+    or None where it has no rows of positions or all its rows hold fewer."""
+    shape = sequence_shape(batch)
+    if shape is None or shape[1] == 0:
+        return None
+    rows = -(-positions // shape[1])
+    return rows if rows < shape[0] else None
 
 
 class InputsGathered(Exception):

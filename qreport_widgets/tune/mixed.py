@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from ..core.calibration import rows_holding, sequence_shape
 from ..core.metrics import Metric
 from ..core.progress import Progress, quiet
 from ..engines.contract import Variant
@@ -57,6 +58,10 @@ ESTIMATED_BEYOND = 240
 # large vocabulary's logits, those passes compute a sample of them (``Simulated.head_sample``): Gemma
 # 3's 262,144-row head is three quarters of a pass
 RANKED_ON = 1
+# and on the first rows of each such batch that hold this many positions (a decoder's sequences of
+# tokens; a batch of shorter rows whole): SmolLM2's ranking on one sequence of 256 instead of two
+# costs half, its order against four batches' about as sure (``docs/SCALE.md``)
+RANKED_POSITIONS = 256
 MAX_SIMULATED = 40  # points of the chain simulated whole (evenly spread over its sizes)
 # a fit under a size budget, on such a front, simulates whole only the points within the budget (and the
 # smallest point, its answer when none fits); one without a target, only this many of the largest of them
@@ -249,9 +254,8 @@ def size_front(
     ranked_on = RANKED_ON if estimate else None  # evaluation batches the ranking reads (None: all)
     whole = [(unit, c) for unit, c in singles if c.keep_float or not estimate]
     variants = [Variant(), *(variant_of(spread({unit: c}), start) for unit, c in whole)]
-    each_alone = simulated.simulate_each(
-        variants, progress, "size front: each choice alone", metric=False, batches=ranked_on, sampled_columns=estimate
-    )
+    ranking = _ranked(ranked_on, runner)
+    each_alone = simulated.simulate_each(variants, progress, "size front: each choice alone", metric=False, **ranking)
     (start_db, _), *measured = each_alone
     each = dict(zip(whole, measured, strict=True))
     notes: tuple[str, ...] = ()
@@ -276,6 +280,13 @@ def size_front(
                 f"the size front ranked single choices and steps on {len(columns):,} of the output's "
                 f"{simulated.runner.reference_outputs()[0].shape[-1]:,} columns ({fqn}'s rows, computed alone); "
                 "its points were simulated whole",
+            )
+        if ranking["rows"] is not None:
+            rows, length = sequence_shape(runner.eval_data[0]) or (0, 0)
+            batches = "the first evaluation batch" if ranked_on == 1 else f"each of the first {ranked_on} evaluation batches"
+            notes += (
+                f"the size front ranked single choices and steps on {ranking['rows']} of the {rows} sequences "
+                f"({length:,} tokens each) of {batches}; its points were simulated whole on every batch",
             )
     alone = [each[single] for single in singles]
     start_noise = _noise(start_db)
@@ -370,6 +381,15 @@ def size_front(
     return SizeFront(_front(quantized), table, notes)
 
 
+def _ranked(ranked_on: int | None, runner: Runner) -> dict[str, Any]:
+    """What a ranking pass reads (``Simulated.simulate_each``'s arguments): the first ``ranked_on``
+    evaluation batches, of each the first rows holding ``RANKED_POSITIONS`` positions, a large head's
+    sample of columns; None: all of it."""
+    if ranked_on is None:
+        return {"batches": None, "sampled_columns": False, "rows": None}
+    return {"batches": ranked_on, "sampled_columns": True, "rows": rows_holding(runner.eval_data[0], RANKED_POSITIONS)}
+
+
 def _halved(
     points: Sequence[Mapping[str, ModuleSettings]],
     simulate: Callable[[Mapping[str, ModuleSettings]], tuple[float, float | None]],
@@ -426,8 +446,8 @@ def _estimated_alone(
     progress: Progress | None,
     ranked_on: int | None = None,
 ) -> dict[tuple[str, ModuleSettings], tuple[float, float | None]]:
-    """Each quantized choice alone, most of them estimated (simulated on the first ``ranked_on``
-    evaluation batches, as ``start_db`` was; None: all). Per module, the noise each choice puts
+    """Each quantized choice alone, most of them estimated (simulated on what ``_ranked(ranked_on)``
+    reads, as ``start_db`` was; None: all). Per module, the noise each choice puts
     on the module's own output is measured in one pass over the first evaluation batch; the choice
     with the most is simulated whole, and the output noise of the others is read off the line
     through what is known whole (kept float, the start format, that coarsest choice) against that
@@ -447,8 +467,7 @@ def _estimated_alone(
         progress,
         "size front: each module's coarsest choice",
         metric=False,
-        batches=ranked_on,
-        sampled_columns=ranked_on is not None,
+        **_ranked(ranked_on, runner),
     )
     found = dict(zip(whole, measured, strict=True))
     for fqn, anchor in anchors:
@@ -466,9 +485,7 @@ def _estimated_alone(
     missing = [(fqn, c) for fqn, options in quantized.items() for c in options if (fqn, c) not in found]
     if missing:
         variants = [variant_of({fqn: c}, start) for fqn, c in missing]
-        measured = simulated.simulate_each(
-            variants, progress, metric=False, batches=ranked_on, sampled_columns=ranked_on is not None
-        )
+        measured = simulated.simulate_each(variants, progress, metric=False, **_ranked(ranked_on, runner))
         found |= dict(zip(missing, measured, strict=True))
     return found
 
@@ -495,8 +512,8 @@ def _searched_points(
     them: ``units``) kept float one pick after the other, each by what it gains given the picks
     before, so that modules that only help together (broken kernels in series) reach the front. It
     starts from the single choices measured already, and simulates about as many sets as there are
-    units that can be kept float (at least ``2 * SHORTLIST``), on the first ``ranked_on`` evaluation
-    batches (as ``alone`` was; None: all). ``start``, ``choices`` and the points are per unit."""
+    units that can be kept float (at least ``2 * SHORTLIST``), on what ``_ranked(ranked_on)`` reads
+    (as ``alone`` was; None: all). ``start``, ``choices`` and the points are per unit."""
     floats = {unit: c for unit, found in choices.items() for c in found if c.keep_float}
     if len(floats) < 2:
         return []
@@ -510,8 +527,7 @@ def _searched_points(
             quiet,
             "size front: in-context search",
             metric=False,
-            batches=ranked_on,
-            sampled_columns=ranked_on is not None,
+            **_ranked(ranked_on, runner),
         )
 
     truth = real.truth(quiet)

@@ -12,7 +12,9 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
+from ..core.calibration import leading_rows
 from ..core.metrics import sqnr_of
 from ..core.progress import Progress, steps
 from ..engines.contract import Simulation, Variant
@@ -37,7 +39,9 @@ class Simulated:
         self._known: dict[tuple[Any, Variant], tuple[float, float | None]] = {}
         self._known_version = 0
         self._head: tuple[str, torch.Tensor] | None = _UNCHECKED  # what ``head_sample`` found
-        self._parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # batch -> (columns, its reference there)
+        # (batch, rows or None) -> (columns or None, its reference there): the head's sample, the first rows
+        self._parts: dict[tuple[int, int | None], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._cut: dict[tuple[int, int], Any] = {}  # (batch, rows) -> the evaluation batch cut to its first rows, kept
 
     def simulation(self, progress: Progress | None = None) -> Simulation:
         runner = self.runner
@@ -109,13 +113,32 @@ class Simulated:
             self._head = (head, columns)
         return self._head
 
-    def _reference_part(self, index: int, columns: torch.Tensor) -> torch.Tensor:
-        """The float model's output on evaluation batch ``index`` at ``columns`` (the head's sample), kept."""
-        kept = self._parts.get(index)
+    def _reference_part(self, index: int, columns: torch.Tensor | None, rows: int | None = None) -> torch.Tensor:
+        """The float model's output on evaluation batch ``index`` at ``columns`` (the head's sample;
+        None: all) of its first ``rows`` rows (None: all), kept."""
+        kept = self._parts.get((index, rows))
         if kept is None or kept[0] is not columns:
             reference = self.runner.reference_outputs()[index]
-            kept = self._parts[index] = (columns, reference[..., columns.to(reference.device)])
+            reference = reference if rows is None else reference[:rows]
+            kept = self._parts[index, rows] = (
+                columns,
+                reference if columns is None else reference[..., columns.to(reference.device)],
+            )
         return kept[1]
+
+    def _rows_of(self, data: Sequence[Any], rows: int) -> list[Any] | None:
+        """``data`` (the first evaluation batches) each cut to its first ``rows`` rows, the same
+        objects every call (a pass's replay knows its batches by identity); None where a batch, or
+        the float model's output on it, does not lead with its rows (``leading_rows``)."""
+        reference = self.runner.reference_outputs()
+        cut = []
+        for index, batch in enumerate(data):
+            if (index, rows) not in self._cut:
+                found = leading_rows(batch, rows)
+                leads = reference[index].dim() > 0 and reference[index].shape[0] == _rows_in(batch)
+                self._cut[index, rows] = found if leads else None
+            cut.append(self._cut[index, rows])
+        return None if any(batch is None for batch in cut) else cut
 
     def simulate_each(
         self,
@@ -125,13 +148,16 @@ class Simulated:
         metric: bool = True,
         batches: int | None = None,
         sampled_columns: bool = False,
+        rows: int | None = None,
     ) -> list[tuple[float, float | None]]:
         """``simulate(v)`` for each ``v`` in ``variants``, without the metric unless ``metric``.
         ``batches``: on the first ``batches`` evaluation batches only (a ranking among many variants,
         at a fraction of the cost; the output SQNR and a metric read from the outputs).
         ``sampled_columns`` (without the metric): where the output is a decoder head's rows
         (``head_sample``), the output SQNR of that head's sample of them, which the head computes
-        alone: a ranking at a fraction of a large vocabulary's cost.
+        alone: a ranking at a fraction of a large vocabulary's cost. ``rows`` (without the metric): on
+        the first ``rows`` rows (a decoder's sequences) of each of those batches, where every one of
+        them and the float model's output on it lead with their rows (else on the whole batches).
 
         Each variant recomputes only what it changes (one step per variant and batch), for its
         output SQNR and for a metric computed from the outputs (perplexity; ``Metric.from_outputs``),
@@ -156,7 +182,9 @@ class Simulated:
         if self._known_version != self.version:
             self._known, self._known_version = {}, self.version
         head = self.head_sample() if sampled_columns and not with_metric else None
-        read = batches if head is None else (batches, len(head[1]))
+        cut = self._rows_of(data, rows) if rows is not None and not with_metric else None
+        data = data if cut is None else cut
+        read = (batches, None if head is None else len(head[1]), None if cut is None else rows)
         keys = [(read, Variant.of(variant)) for variant in variants]
         # each once, those not known yet (or known without the metric now asked for)
         new = list(dict.fromkeys(k for k in keys if k not in self._known or (with_metric and self._known[k][1] is None)))
@@ -164,7 +192,9 @@ class Simulated:
 
         def reduce(index: int, output: object) -> tuple[tuple[float, float], tuple[float, ...] | None]:
             terms = None if reads is None else tuple(reads.batch_terms(data[index], output))  # type: ignore[misc]
-            part = None if head is None else self._reference_part(index, head[1])
+            part = None
+            if head is not None or cut is not None:
+                part = self._reference_part(index, None if head is None else head[1], None if cut is None else rows)
             return runner.output_terms(index, output, part), terms
 
         sampling = simulation.rows_sampled(*head) if head is not None and new else nullcontext()  # type: ignore[attr-defined]
@@ -182,3 +212,9 @@ class Simulated:
     def local_sqnr(self) -> dict[str, float]:
         """Each module's own error (dB) on the inputs the float model gives it, on the first evaluation batch."""
         return self.simulation().local_sqnr(self.runner.eval_data[0])
+
+
+def _rows_in(batch: Any) -> int | None:
+    """The first dimension of the tensors in ``batch`` (None where they differ or there are none)."""
+    sizes = {int(t.shape[0]) for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim()}
+    return sizes.pop() if len(sizes) == 1 else None
