@@ -28,6 +28,7 @@ from qreport_widgets.core.features import Stat
 from qreport_widgets.demo.architectures import TinyConvNet
 from qreport_widgets.engines import build_engine
 from qreport_widgets.engines.eager.algorithms import InputStatistics
+from qreport_widgets.engines.eager.found import FoundWeights
 from qreport_widgets.engines.settings import ModuleSettings
 from qreport_widgets.observe.observer import ModelReportObserver
 
@@ -187,6 +188,7 @@ def test_an_eager_model_calibrated_where_it_lives_converts_as_a_copy_with_every_
     assert engine.computes_where_the_model_is(config)
     converted = []
     for move in (False, True):
+        engine.found_before = FoundWeights()  # each computes its GPTQ weights (none taken from the other)
         prepared = runner.prepare(session.float_model, config)
         with contextlib.closing(engine.calibration_passes(prepared)) as passes:
             for statistics in passes:

@@ -34,6 +34,16 @@ def lowered(model, example):
     return lower(model, example, partitioner=DYNAMIC, fuse_quantized_ops=True)
 
 
+def lowered_fresh(model, example):
+    """``model`` lowered in full, whatever was lowered before (the programs held for reuse put back after)."""
+    held = dict(program_reuse.LOWERED)
+    program_reuse.LOWERED.clear()
+    try:
+        return lowered(model, example)
+    finally:
+        program_reuse.LOWERED.update(held)
+
+
 def structure_of(model, example):
     return program_reuse.structure(_exported(model, example, free_batch=False), DYNAMIC, True)
 
@@ -82,12 +92,7 @@ def test_other_int4_values_are_written_into_the_earlier_program_and_it_runs(deco
     logits, eager = program(*example).logits, other(*example).logits
     assert torch.nn.functional.cosine_similarity(logits.flatten(), eager.flatten(), dim=0) > 0.99
     # and it is, byte for byte, the program a fresh lowering of the new weights gives
-    held = dict(program_reuse.LOWERED)
-    program_reuse.LOWERED.clear()
-    try:
-        fresh = lowered(other, example)
-    finally:
-        program_reuse.LOWERED.update(held)
+    fresh = lowered_fresh(other, example)
     assert fresh.reused == "" and fresh.pte == program.pte
 
 
@@ -103,12 +108,7 @@ def test_constants_outside_the_delegates_are_written_into_the_earlier_edge_progr
     program = lowered(other, example)
     assert "serialised again" in program.reused and "4 changed constants that ExecuTorch's own kernels read" in program.reused
     assert program.saved_s > 0 and program.edge is first.edge  # the earlier edge program stays as lowered, for the next
-    held = dict(program_reuse.LOWERED)
-    program_reuse.LOWERED.clear()
-    try:
-        fresh = lowered(other, example)
-    finally:
-        program_reuse.LOWERED.update(held)
+    fresh = lowered_fresh(other, example)
     assert fresh.reused == "" and fresh.pte == program.pte and len(program.pte) > len(first.pte)  # the bytes of a lowering
     logits, eager = program(*example).logits, other(*example).logits
     assert torch.nn.functional.cosine_similarity(logits.flatten(), eager.flatten(), dim=0) > 0.99

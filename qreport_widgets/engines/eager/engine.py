@@ -271,7 +271,8 @@ class EagerEngine(Engine[EagerConfig]):
         gptq = [(fqn, config.formats[fqn]) for fqn, (algorithm, _) in config.needs_data.items() if algorithm == GPTQ]
         if source is not None and gptq:  # found before on the same float model (the simulation's, a run's)
             taken = self.found_before.taken_for(source, gptq)
-            found.update({fqn: weight for (fqn, _), weight in taken.items()})
+            here = model_device(prepared)  # where this run computes (the store's may be another copy's)
+            found.update({fqn: weight.to(here) for (fqn, _), weight in taken.items()})
             if taken:
                 self._taken[prepared] = len(taken)
         computing = {fqn: choice for fqn, choice in config.needs_data.items() if fqn not in found}

@@ -300,7 +300,8 @@ class EagerSimulation(WholePasses):
         gptq = [pair for pair in missing if pair[1][2] == GPTQ]
         if self._found_before is not None and gptq:  # found before on the same float model (a run's)
             store, float_model = self._found_before
-            self._found.update(store.taken_for(float_model, gptq))
+            taken = store.taken_for(float_model, gptq)
+            self._found.update({(fqn, key): weight.to(self._float[fqn].device) for (fqn, key), weight in taken.items()})
             missing = [pair for pair in missing if pair not in self._found]
         wanted = list(dict.fromkeys(statistics_of))
         if not missing and not wanted:
