@@ -36,15 +36,20 @@ def call_with(model: torch.nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
+def batch_rows(batch: Any) -> int | None:
+    """The rows of ``batch`` (or of a call's inputs, flat): the first dimension every tensor in it
+    shares; None where they do not, where one has no dimension, or where there is no tensor."""
+    tensors = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+    if not tensors or any(t.dim() == 0 for t in tensors) or len({t.shape[0] for t in tensors}) != 1:
+        return None
+    return int(tensors[0].shape[0])
+
+
 def leading_rows(batch: Any, rows: int) -> Any | None:
     """``batch`` cut to its first ``rows`` rows (every tensor in it sliced along its first dimension,
-    a view), or None where that is not a cut of its rows: a tensor with no dimension, tensors of
-    different first dimensions, no more rows than ``rows``, or no tensor found in it."""
-    leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
-    if not leaves or any(leaf.dim() == 0 for leaf in leaves):
-        return None
-    sizes = {int(leaf.shape[0]) for leaf in leaves}
-    if len(sizes) != 1 or sizes.pop() <= rows:
+    a view), or None where that is not a cut of its rows: no ``batch_rows``, or no more than ``rows``."""
+    found = batch_rows(batch)
+    if found is None or found <= rows:
         return None
     return tree_map_only(torch.Tensor, lambda tensor: tensor[:rows], batch)
 

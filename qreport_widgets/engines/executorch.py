@@ -49,7 +49,7 @@ import torch.fx
 import torch.multiprocessing  # noqa: F401  (a tensor of a dtype NumPy lacks crosses to the worker through shared memory)
 from torch.utils import _pytree as pytree
 
-from ..core.calibration import torch_warnings_hidden
+from ..core.calibration import batch_rows, torch_warnings_hidden
 from ..core.progress import Progress, Stopped, steps
 from ..errors import MissingExtraError, QReportError
 from . import program_reuse
@@ -192,7 +192,7 @@ class DeployedProgram(torch.nn.Module):
 
     def forward(self, *inputs: Any) -> Any:
         flat = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in pytree.tree_leaves(inputs)]
-        batch = _batch_rows(flat)
+        batch = batch_rows(flat)
         limit = self.batch_limit
         self.last_call_s = 0.0
         if batch is not None and limit and (batch > limit or (self.input_shapes is not None and batch != limit)):
@@ -305,39 +305,35 @@ def lower(
             shape = program_reuse.structure(exported, partitioner, fuse_quantized_ops)
             earlier = program_reuse.LOWERED.get(shape.key)
             reused = None if earlier is None else program_reuse.rewritten(earlier.pte, earlier.structure, shape)
-            written = None  # constants outside the delegates changed: the earlier edge program with them written in
-            if reused is None and earlier is not None and earlier.edge is not None:
-                written = program_reuse.edge_with(earlier.edge, earlier.structure, shape)
             kept = earlier.edge if earlier is not None else None  # the edge program a later lowering may write into
+            # constants outside the delegates changed: the earlier edge program with them written in, serialised again
+            written = None if reused is not None or kept is None else program_reuse.edge_with(kept, earlier.structure, shape)
+            if written is not None:
+                stage("lowering: the changed constants written into the edge program lowered before, serialised again")
+                step = "to_executorch of the edge program lowered before, with the changed constants written in"
+                reused = program_reuse.rewritten(_serialised(written.edge, fuse_quantized_ops, fixed_rows), written.holds, shape)
+            elif reused is not None:
+                stage("lowering: the changed weights written into the program lowered before")
             if reused is not None:  # the graph lowered before: only its changed constants written in
                 pte, delegation = reused.pte, earlier.delegation
-                stage("lowering: the changed weights written into the program lowered before")
                 stage()
             else:
-                if written is not None:
-                    stage("lowering: the changed constants written into the edge program lowered before, serialised again")
-                    step = "to_executorch of the edge program lowered before, with the changed constants written in"
-                    reused = program_reuse.rewritten(_serialised(written[0], fuse_quantized_ops, fixed_rows), written[1], shape)
-                    written = written if reused is not None else None
-                if reused is not None:
-                    pte, delegation = reused.pte, earlier.delegation
-                    stage()
-                else:
-                    if written is None:  # else the stage was counted above
-                        stage("lowering: decompositions, edge passes, XNNPACK (to_edge_transform_and_lower)")
-                    step = "to_edge_transform_and_lower with XNNPACK's partitioner"
-                    chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
-                    with _reasons() as reasons:
-                        # XNNPACK's own edge config: the edge IR is not validated again over fake tensors
-                        edge = api.to_edge_transform_and_lower(
-                            exported, partitioner=[chosen], compile_config=api.edge_compile_config()
-                        )
-                    delegation = _delegation(edge.exported_program().graph_module, reasons)
-                    stage("lowering: serialising the program (to_executorch)")
-                    step = "to_executorch (serialising the program)"
-                    # a decoder's edge program kept unserialised (serialising changes it) for a later edge_with
-                    kept = copy.deepcopy(edge) if partitioner == DYNAMIC else None
-                    pte = _serialised(edge, fuse_quantized_ops, fixed_rows)
+                if written is None:  # a rewrite that failed counted this stage already
+                    stage("lowering: decompositions, edge passes, XNNPACK (to_edge_transform_and_lower)")
+                written = None
+                step = "to_edge_transform_and_lower with XNNPACK's partitioner"
+                chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
+                with _reasons() as reasons:
+                    # XNNPACK's own edge config: the edge IR is not validated again over fake tensors
+                    edge = api.to_edge_transform_and_lower(
+                        exported, partitioner=[chosen], compile_config=api.edge_compile_config()
+                    )
+                delegation = _delegation(edge.exported_program().graph_module, reasons)
+                stage("lowering: serialising the program (to_executorch)")
+                step = "to_executorch (serialising the program)"
+                # a decoder's edge program kept unserialised (serialising changes it) for a later edge_with
+                kept = copy.deepcopy(edge) if partitioner == DYNAMIC else None
+                pte = _serialised(edge, fuse_quantized_ops, fixed_rows)
             stage()
     except Stopped:  # the caller stopped it between stages
         raise
@@ -363,14 +359,14 @@ def lower(
         )
         if written is not None:
             program.reused = (
-                f"{before}: its {written[2]} changed constants that ExecuTorch's own kernels read (a norm's weight, an "
+                f"{before}: its {written.constants} changed constants that ExecuTorch's own kernels read (a norm's weight, an "
                 f"embedding) were written into that lowering's edge program, serialised again (to_executorch), and its "
                 f"{reused.constants} changed delegated weights and scales written into that program as XNNPACK stores "
                 "them, the bytes a lowering gives"
             )
         program.saved_s = max(full_s - program.lowering_s, 0.0)
     program_reuse.LOWERED[shape.key] = program
-    program.batch_limit = _batch_rows(list(example_inputs))
+    program.batch_limit = batch_rows(list(example_inputs))
     if not _batch_free(exported):
         program.input_shapes = tuple(tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor))
     return program
@@ -396,7 +392,7 @@ class ProgramTaps:
         """Each tapped module's outputs in the runtime on ``inputs`` (a module can have several:
         every value that leaves it), run ``batch_limit`` rows at a time and joined along the batch."""
         flat = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in pytree.tree_leaves(inputs)]
-        rows, limit = _batch_rows(flat), self.batch_limit
+        rows, limit = batch_rows(flat), self.batch_limit
         starts = range(0, rows, limit) if rows and limit and rows > limit else [None]
         pieces: dict[int, list[torch.Tensor]] = {index: [] for index in self.tapped}
         for start in starts:
@@ -537,7 +533,7 @@ def _exportable_experts(model: torch.nn.Module) -> Iterator[None]:
 def _fixed_batch(partitioner: str, example_inputs: tuple[Any, ...]) -> int | None:
     """The batch a program lowered with ``partitioner`` is exported at (a decoder's, ``DYNAMIC``: the
     example's rows, ``_exported_as_is``); None where the batch is left free."""
-    return _batch_rows(list(example_inputs)) if partitioner == DYNAMIC else None
+    return batch_rows(list(example_inputs)) if partitioner == DYNAMIC else None
 
 
 def _exported(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, free_batch: bool) -> torch.export.ExportedProgram:
@@ -553,7 +549,7 @@ def _exported_as_is(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, 
     ``benchmarks/xnnpack_llm.py``), symbolic sizes being the other half; a smaller batch runs padded
     (``DeployedProgram``), and ``_serialised`` leaves what the batch made constant as ops."""
     model = _ProgramOutputs(model)
-    rows = _batch_rows(list(example_inputs))
+    rows = batch_rows(list(example_inputs))
     if free_batch and rows is not None and rows > 1:
         # ExecuTorch plans the program's memory for the bound: the example's batch, stated (larger ones run in chunks)
         batch = torch.export.Dim("batch", min=1, max=rows)
@@ -639,14 +635,6 @@ def _stored_tensors(program: torch.export.ExportedProgram) -> dict[str, torch.Te
 def _median_ms(seconds: Sequence[float]) -> float:
     ordered = sorted(seconds)
     return ordered[len(ordered) // 2] * 1000 if ordered else float("nan")
-
-
-def _batch_rows(flat: list[Any]) -> int | None:
-    """The batch size of a call's inputs: the first dimension every tensor input shares (None when they do not)."""
-    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-    if not tensors or any(x.dim() == 0 for x in tensors) or len({x.shape[0] for x in tensors}) != 1:
-        return None
-    return int(tensors[0].shape[0])
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:

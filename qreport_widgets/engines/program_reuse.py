@@ -64,6 +64,16 @@ class Rewritten:
     constants: int
 
 
+@dataclass(frozen=True)
+class EdgeWritten:
+    """An earlier lowering's edge program (a copy) with new constants outside the delegates written in
+    (``edge_with``): the constants the program it serialises to holds, and how many were written."""
+
+    edge: Any
+    holds: Structure
+    constants: int
+
+
 def structure(exported: torch.export.ExportedProgram, *lowering: Any) -> Structure:
     """``exported``'s graph, signature, input shapes and constants' types, shapes and dtypes, with the
     lowering's own arguments (``lowering``), as one key; and every constant's tensors."""
@@ -142,11 +152,11 @@ def rewritten(pte: bytes, before: Structure, after: Structure) -> Rewritten | No
     return _written(pte, keys, {stored: now for stored, now in writes.items() if now != stored}, changed)
 
 
-def edge_with(edge: Any, before: Structure, after: Structure) -> tuple[Any, Structure, int] | None:
+def edge_with(edge: Any, before: Structure, after: Structure) -> EdgeWritten | None:
     """A copy of ``edge`` (the earlier program's edge program, lowered, not serialised, from constants
-    ``before``) with ``after``'s new values of the constants outside the delegates written in, and the
-    constants the program it serialises to holds (``before``'s, those replaced), and how many were
-    written: ``rewritten`` of that program writes the delegated ones. None where none of the changed constants is outside the
+    ``before``) with ``after``'s new values of the constants outside the delegates written in, the
+    constants the program it serialises to holds (``before``'s, those replaced): ``rewritten`` of that
+    program writes the delegated ones. None where none of the changed constants is outside the
     delegates, or where the edge program holds a constant the export did not have (but a scalar: the
     lowering lifts the graph's literals, as ``_lifted_tensor_constant``), or had with another value
     (one the lowering folded from others, which the new values would not reach)."""
@@ -178,7 +188,7 @@ def edge_with(edge: Any, before: Structure, after: Structure) -> tuple[Any, Stru
             value = torch.nn.Parameter(value, requires_grad=place[name].requires_grad)
         place[name] = value
     leaves = {**before.leaves, **{name: after.leaves[name] for name in outside}}
-    return copied, Structure(before.key, leaves), len(outside)
+    return EdgeWritten(copied, Structure(before.key, leaves), len(outside))
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -12,9 +12,8 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
-from ..core.calibration import leading_rows
+from ..core.calibration import batch_rows, leading_rows
 from ..core.metrics import sqnr_of
 from ..core.progress import Progress, steps
 from ..engines.contract import Simulation, Variant
@@ -135,7 +134,7 @@ class Simulated:
         for index, batch in enumerate(data):
             if (index, rows) not in self._cut:
                 found = leading_rows(batch, rows)
-                leads = reference[index].dim() > 0 and reference[index].shape[0] == _rows_in(batch)
+                leads = reference[index].dim() > 0 and reference[index].shape[0] == batch_rows(batch)
                 self._cut[index, rows] = found if leads else None
             cut.append(self._cut[index, rows])
         return None if any(batch is None for batch in cut) else cut
@@ -212,9 +211,3 @@ class Simulated:
     def local_sqnr(self) -> dict[str, float]:
         """Each module's own error (dB) on the inputs the float model gives it, on the first evaluation batch."""
         return self.simulation().local_sqnr(self.runner.eval_data[0])
-
-
-def _rows_in(batch: Any) -> int | None:
-    """The first dimension of the tensors in ``batch`` (None where they differ or there are none)."""
-    sizes = {int(t.shape[0]) for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim()}
-    return sizes.pop() if len(sizes) == 1 else None

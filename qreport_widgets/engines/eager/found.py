@@ -39,7 +39,6 @@ class FoundWeights:
     def __init__(self) -> None:
         self._kept: OrderedDict[str, dict[Key, Any]] = OrderedDict()  # fingerprint -> its weights, the latest last
         self._fingerprints: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-        self.taken = 0  # weights given back instead of computed, over the store's life
 
     def fingerprint(self, float_model: nn.Module) -> str:
         """SHA-256 of ``float_model``'s parameters and buffers (once per model object: a float model never changes)."""
@@ -54,12 +53,8 @@ class FoundWeights:
 
     def taken_for(self, float_model: nn.Module, wanted: list[Key]) -> dict[Key, Any]:
         """The weights of ``wanted`` found before on ``float_model``."""
-        kept = self._kept.get(self.fingerprint(float_model))
-        if not kept:
-            return {}
-        taken = {key: kept[key] for key in wanted if key in kept}
-        self.taken += len(taken)
-        return taken
+        kept = self._kept.get(self.fingerprint(float_model), {})
+        return {key: kept[key] for key in wanted if key in kept}
 
     def keep(self, float_model: nn.Module, found: dict[Key, Any]) -> None:
         """Keep ``found`` (GPTQ weights computed on ``float_model``) for later askers."""
