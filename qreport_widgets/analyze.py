@@ -62,6 +62,7 @@ def analyze(
     learned_start: str | None = None,
     exact_percentiles: bool = False,
     move_batches: bool = False,
+    check_shortcuts: bool = False,
 ) -> ModelReport:
     """Prepare a copy of ``float_model`` (``prepare_fx``, or ``torch.export`` for PT2E), observe it
     during calibration and report.
@@ -124,6 +125,12 @@ def analyze(
         move_batches: move every batch (calibration, evaluation and the example inputs) to the float
             model's device as it is read. Default False: a batch on another device than the model is
             an error that names both, since moving each batch costs a copy.
+        check_shortcuts: every shortcut the session takes (a program lowered before rewritten with new
+            weights, GPTQ weights found before, an input quantized once for the Linears that read it,
+            a simulation's kept results, a fit's halving) also computes its answer afresh and raises
+            ``ShortcutMismatchError`` naming the shortcut where the two differ. It costs more than the
+            shortcuts save; the environment variable ``QREPORT_CHECK_SHORTCUTS=1`` asks it of every
+            session in the process (docs/RELIABILITY.md lists the shortcuts and their checks).
 
     Where things run: everything the analysis and the session make (observers, statistics, the
     simulation, GPTQ / AWQ statistics) is made on the model's device; a real run whose kernels exist
@@ -161,6 +168,7 @@ def analyze(
         learned_start=learned_start,
         **options,
     )
+    chosen.checks_shortcuts = check_shortcuts
     # the session's own modules around the caller's weights, shared (not held twice); weights changed in
     # place later are refused with an error, not tuned (memory.WatchedCopy); the analysis prepares from it
     watched = WatchedCopy(float_model)

@@ -19,6 +19,7 @@ pytest.importorskip("executorch", reason="the [executorch] extra is not installe
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_  # noqa: E402
 from torchao.quantization.granularity import PerGroup  # noqa: E402
 
+from qreport_widgets.core.metrics import sqnr_db  # noqa: E402
 from qreport_widgets.core.progress import Stopped  # noqa: E402
 from qreport_widgets.engines import program_reuse  # noqa: E402
 from qreport_widgets.engines.executorch import DYNAMIC, _exported, lower  # noqa: E402
@@ -107,7 +108,7 @@ def test_constants_outside_the_delegates_are_written_into_the_earlier_edge_progr
     other = quantized(other)
     program = lowered(other, example)
     assert "serialised again" in program.reused and "4 changed constants that ExecuTorch's own kernels read" in program.reused
-    assert program.saved_s > 0 and program.edge is first.edge  # the earlier edge program stays as lowered, for the next
+    assert program.saved_s > 0 and program.edge is first.edge  # the lowering's edge program and what it holds, for the next
     fresh = lowered_fresh(other, example)
     assert fresh.reused == "" and fresh.pte == program.pte and len(program.pte) > len(first.pte)  # the bytes of a lowering
     logits, eager = program(*example).logits, other(*example).logits
@@ -155,3 +156,25 @@ def test_a_lowering_reports_its_stages_and_a_callback_that_raises_stops_it(decod
 
     with pytest.raises(Stopped):  # after the export: no lowering error, nothing lowered
         lower(quantized(with_weights(model, proj=0.5)), example, partitioner=DYNAMIC, fuse_quantized_ops=True, progress=stop)
+
+
+def test_a_run_of_rewrites_each_gives_a_fresh_lowerings_bytes_and_follows_its_own_model(decoder):
+    """Four lowerings in a row on one graph: the baseline; ``up_proj`` changed (its delegated weights
+    written into the program); the same and a norm changed (the edge program, which still holds the
+    baseline's delegates, serialised again and every delegated change since it written in); the same
+    and ``down_proj`` changed. Each program is the bytes a fresh lowering gives."""
+    model, example, first = decoder
+    program_reuse.LOWERED.clear()
+    program_reuse.LOWERED[first.structure.key] = first
+    up = with_weights(model, up_proj=1.1)
+    normed = with_weights(up, post_attention_layernorm=1.3)
+    down = with_weights(normed, down_proj=0.9)
+    said = ["changed weights and scales", "serialised again", "changed weights and scales"]
+    for changed, words in zip((up, normed, down), said, strict=True):
+        other = quantized(changed)
+        program = lowered(other, example)
+        assert words in program.reused and program.edge is first.edge
+        fresh = lowered_fresh(other, example)
+        assert fresh.pte == program.pte
+    eager = other(*example).logits
+    assert sqnr_db(eager, program(*example).logits) == pytest.approx(sqnr_db(eager, fresh(*example).logits), abs=1e-6)

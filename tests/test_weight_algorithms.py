@@ -14,8 +14,9 @@ from hf_models import VOCAB, tiny_family, tiny_llama
 from torch import nn
 
 import qreport_widgets as qw
-from qreport_widgets.core.calibration import call_with, gather_with
+from qreport_widgets.core.calibration import call_with, data_fingerprint, gather_with
 from qreport_widgets.core.metrics import output_tensor, perplexity, sqnr_db
+from qreport_widgets.core.shortcuts import tensors_equal
 from qreport_widgets.engines.contract import Variant
 from qreport_widgets.engines.eager import algorithms, quantize
 from qreport_widgets.engines.eager.formats import ao_config, torchao_eager
@@ -23,6 +24,7 @@ from qreport_widgets.engines.eager.found import FoundWeights
 from qreport_widgets.engines.folds import input_folds
 from qreport_widgets.engines.settings import ModuleSettings
 from qreport_widgets.errors import InvalidSettingsError
+from qreport_widgets.tune.session import QuantizationSession
 
 INT4 = "int4-weight-only"
 
@@ -518,22 +520,64 @@ def test_a_real_run_takes_the_gptq_weights_the_simulation_found_and_gets_the_mod
         )
 
 
-def test_gptq_weights_found_on_one_float_model_are_not_taken_for_another():
+def test_gptq_weights_found_on_one_float_model_and_data_are_taken_for_those_alone_and_are_copies():
     store = FoundWeights()
-    model, _ = tiny_llama()
+    model, batches = tiny_llama()
+    data = data_fingerprint(batches)
     same = copy.deepcopy(model)  # another object, the same weights: the same fingerprint
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.model.norm.weight[0] += 1e-3  # a weight no Linear holds: the inputs GPTQ reads change
-    key = ("model.layers.0.mlp.up_proj", (INT4, 32, "gptq"))
-    store.keep(model, {key: "found"})
-    assert store.taken_for(same, [key]) == {key: "found"} and store.taken_for(other, [key]) == {}
+    pair = ("model.layers.0.mlp.up_proj", (INT4, 32, "gptq"))
+    found = algorithms.gptq(model.get_submodule(pair[0]).weight, _statistics(model, pair[0], batches), 32).compact()
+    store.keep(FoundWeights.key(model, data), {pair: found})
+    assert tensors_equal(store.taken(FoundWeights.key(same, data), [pair]), {pair: found})
+    assert store.taken(FoundWeights.key(other, data), [pair]) == {}
+    assert store.taken(FoundWeights.key(same, data_fingerprint(batches[:-1])), [pair]) == {}  # other calibration data
+    assert FoundWeights.key(model, None) is None and store.taken(None, [pair]) == {}  # a callable's data: nothing kept
+    # a weight assigned anew (``p.data = ...``, which moves no version counter) is another float model
+    reassigned = copy.deepcopy(model)
+    reassigned.model.norm.weight.data = reassigned.model.norm.weight.data * 1.01
+    assert store.taken(FoundWeights.key(reassigned, data), [pair]) == {}
+    # what is taken is a copy: a run writing into its weight leaves the store as it was
+    taken = store.taken(FoundWeights.key(model, data), [pair])[pair]
+    taken.packed.zero_()
+    taken.scale.mul_(2)
+    assert tensors_equal(store.taken(FoundWeights.key(model, data), [pair]), {pair: found})
+    found.scale.mul_(3)  # and so is what was kept
+    assert not tensors_equal(store.taken(FoundWeights.key(model, data), [pair]), {pair: found})
     rotated, third = copy.deepcopy(other), copy.deepcopy(model)
     with torch.no_grad():
         third.lm_head.weight.mul_(2)
-    store.keep(other, {key: "other's"})
-    store.keep(third, {key: "third's"})  # MODELS_KEPT float models: the first one asked is let go
-    assert store.taken_for(model, [key]) == {} and store.taken_for(rotated, [key]) == {key: "other's"}
+    store.keep(FoundWeights.key(other, data), {pair: found})
+    store.keep(FoundWeights.key(third, data), {pair: found})  # MODELS_KEPT keys: the first one asked is let go
+    assert store.taken(FoundWeights.key(model, data), [pair]) == {}
+    assert store.taken(FoundWeights.key(rotated, data), [pair]) != {}
+
+
+def _statistics(model, fqn, batches):
+    with torch.no_grad(), algorithms.recording(model, [fqn]) as statistics:
+        for batch in batches:
+            call_with(model, batch)
+    return statistics[fqn]
+
+
+def test_a_session_given_another_sessions_engine_with_other_calibration_data_computes_its_own_gptq_weights():
+    model, batches = tiny_llama()
+    first = qw.analyze(model, batches[0], batches[:3], eval_data=batches[4:], engine="eager", format=INT4, progress=False)
+    settings = {fqn: int4(32, "gptq") for fqn in linear_names(first.session)}
+    assert first.session.apply(settings).ok
+    shared = QuantizationSession(model, batches[0], batches[1:4], batches[4:], engine=first.session.engine)
+    again = shared.apply(settings)
+    alone = QuantizationSession(model, batches[0], batches[1:4], batches[4:], engine="eager").apply(settings)
+    assert again.ok and not any("taken as found before" in note for note in again.notes)
+    for batch in batches[4:]:
+        assert torch.equal(
+            output_tensor(call_with(again.quantized_model, batch)), output_tensor(call_with(alone.quantized_model, batch))
+        )
+    # the same data as the first session's: its weights are taken
+    same = QuantizationSession(model, batches[0], batches[:3], batches[4:], engine=first.session.engine).apply(settings)
+    assert any("taken as found before" in note for note in same.notes)
 
 
 def test_a_report_with_algorithm_runs_saves_reloads_and_exports_them(tmp_path):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Union
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only
 from tqdm.auto import tqdm
 
 from ..errors import CalibrationError, NotCalibratedError
@@ -178,6 +179,28 @@ def _labels_hint(batch: Any, count: int) -> str:
         f"{tuple(labels.shape)} integer labels, and the whole {kind} reaches the model. Pass the inputs only, "
         "e.g. `[(images,) for images, _labels in loader]`. "
     )
+
+
+def data_fingerprint(data: CalibrationData) -> str | None:
+    """SHA-256 of calibration batches: each batch's structure (its pytree spec, the values that are no
+    tensor) and every tensor's shape, dtype and bytes; None for a calibration callable, whose data it
+    cannot see, or for a tensor whose bytes cannot be read (a meta tensor). Computed again on every call,
+    so a batch written into in place since gives another fingerprint."""
+    if callable(data):
+        return None
+    digest = hashlib.sha256()
+    for batch in data:
+        leaves, spec = tree_flatten(batch)
+        digest.update(str(spec).encode())
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                digest.update(f"{type(leaf).__name__} {leaf!r}".encode())
+                continue
+            if leaf.is_meta or leaf.layout != torch.strided:
+                return None
+            digest.update(f"tensor {tuple(leaf.shape)} {leaf.dtype}".encode())
+            digest.update(leaf.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def is_one_shot(data: Any) -> bool:

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 from unittest import mock
 
+from .shortcuts import Shortcut, checking, confirmed, tensors_equal
+
 T = TypeVar("T")
 
 
@@ -53,19 +55,28 @@ def results_kept(
 class SameInput:
     """What was worked out of the tensor last given, given back while it is that tensor, unchanged
     since (its version), asked the same way (``how``, compared by identity): the Linears that read
-    one input (q / k / v, gate / up) work it out once a pass."""
+    one input (q / k / v, gate / up) work it out once a pass. A tensor made under
+    ``torch.inference_mode`` has no version to show a write into it, so nothing is kept for it: it is
+    worked out for each reader. ``check``: every answer given back is also worked out afresh and the
+    two compared (the check mode, ``core.shortcuts``; on as well where the environment asks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, check: bool = False) -> None:
         self._last: tuple[Any, int, tuple[Any, ...], Any] | None = None
+        self._check = check
 
     def of(self, x: Any, work: Callable[[], T], *how: Any) -> T:
         """``work()``'s answer for ``x`` asked ``how``, worked out only where ``x`` is not the last tensor."""
-        last = self._last
-        if last is not None and last[0] is x and last[1] == x._version and len(last[2]) == len(how):
+        if x.is_inference():
+            self._last = None
+            return work()
+        last, version = self._last, x._version
+        if last is not None and last[0] is x and last[1] == version and len(last[2]) == len(how):
             if all(a is b for a, b in zip(last[2], how, strict=True)):
+                if checking(self._check):
+                    return confirmed(Shortcut.SHARED_INPUT, last[3], work, tensors_equal, "for one input tensor")
                 return last[3]
         found = work()
-        self._last = (x, x._version, how, found)
+        self._last = (x, version, how, found)
         return found
 
     def forget(self) -> None:

@@ -69,6 +69,9 @@ class Engine(ABC, Generic[ConfigT]):
     name: ClassVar[str]  # the name analyze(engine=...) takes
     options_type: ClassVar[type[Any]]  # the engine's own options: a frozen dataclass (FxOptions, ...)
     options_hint: ClassVar[str]  # what build_engine says after refusing another engine's argument
+    # every shortcut this engine's work takes also computes its answer afresh and raises where they
+    # differ (``core.shortcuts``; analyze(..., check_shortcuts=True)); the environment can ask it too
+    checks_shortcuts: bool = False
 
     @classmethod
     @abstractmethod
@@ -174,13 +177,15 @@ class Engine(ABC, Generic[ConfigT]):
         raise NotImplementedError(f"the {self.name} engine calibrates where its kernels are")
 
     def calibration_passes(
-        self, prepared: torch.nn.Module, progress: Progress | None = None
+        self, prepared: torch.nn.Module, progress: Progress | None = None, data_key: str | None = None
     ) -> Iterator[MutableMapping[str, Any] | None]:
         """The passes over the calibration data a run needs before ``convert``, when it
         ``calibrates``: the runner calibrates ``prepared`` once per item. An item is None, or what
         the pass gathers besides observers (name -> an object with ``merge_``), which the runner
         merges across torch.distributed ranks as it does observers. ``progress``: told of work the
-        engine does between passes (it may raise to stop). Default: one pass, None."""
+        engine does between passes (it may raise to stop). ``data_key``: the calibration data's
+        fingerprint (``Runner.calibration_key``; None where it has none), for what an engine keeps
+        of one run's calibration for the next. Default: one pass, None."""
         yield None
 
     def observers_paused(self, prepared: torch.nn.Module) -> AbstractContextManager[None]:
@@ -297,10 +302,12 @@ class Engine(ABC, Generic[ConfigT]):
         float_model: torch.nn.Module,
         example_inputs: tuple[Any, ...],
         calibrate: Callable[[torch.nn.Module], None],
+        data_key: Callable[[], str | None] | None = None,
     ) -> Simulation:
         """From ``prepared`` (``float_model`` prepared with the starting configuration, calibrated): a
         simulation in which any set of ``modules`` can be kept float without calibrating again
-        (``calibrate(model)`` runs the calibration data, for variants that observe something new)."""
+        (``calibrate(model)`` runs the calibration data, for variants that observe something new;
+        ``data_key()`` gives its fingerprint as ``calibration_passes`` takes it)."""
 
 
 @dataclass(frozen=True)

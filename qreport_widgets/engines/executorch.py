@@ -28,6 +28,7 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
+import operator
 import os
 import signal
 import socket
@@ -51,6 +52,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.calibration import batch_rows, torch_warnings_hidden
 from ..core.progress import Progress, Stopped, steps
+from ..core.shortcuts import Shortcut, ShortcutMismatchError, checking, confirmed
 from ..errors import MissingExtraError, QReportError
 from . import program_reuse
 
@@ -173,7 +175,8 @@ class DeployedProgram(torch.nn.Module):
         # what the lowering depended on, and, where an earlier program of the same graph was reused, how
         # (in words) and the seconds that saved ("" and 0: lowered in full)
         self.structure: program_reuse.Structure | None = None
-        self.edge: Any = None  # a decoder's edge program, lowered and not serialised (``program_reuse.edge_with``)
+        # a decoder's edge program as its lowering made it, unserialised, with what it holds (``program_reuse.edge_with``)
+        self.edge: program_reuse.KeptEdge | None = None
         self.reused = ""
         self.saved_s = 0.0
         self.input_shapes: tuple[tuple[int, ...], ...] | None = None  # set when the program fixes its input shapes
@@ -274,6 +277,7 @@ def lower(
     reference: torch.nn.Module | None = None,
     exported: torch.export.ExportedProgram | None = None,
     progress: Progress | None = None,
+    check: bool = False,
 ) -> DeployedProgram:
     """``model`` (a quantized model) exported, lowered to XNNPACK, serialised and loaded in
     ExecuTorch's runtime; the batch size stays free where the graph allows it, up to the example's.
@@ -284,7 +288,9 @@ def lower(
     int4 / int8 embedding becomes ``embedding_4bit`` / ``embedding_byte``). ``reference``: what
     per-layer SQNR reads (default ``model``). ``exported``: ``model`` already exported (on
     ``example_inputs``), as it is. ``progress``: a step a stage (export, lowering, serialising;
-    None: a bar naming the stage that runs), a callback that raises stops it between stages."""
+    None: a bar naming the stage that runs), a callback that raises stops it between stages.
+    ``check``: a program rewritten from one lowered before is also lowered afresh and the two
+    compared byte for byte (the check mode, ``core.shortcuts``; on as well where the environment asks)."""
     api = executorch_api()
     start = time.perf_counter()
     step = "torch.export of the quantized model"
@@ -305,9 +311,9 @@ def lower(
             shape = program_reuse.structure(exported, partitioner, fuse_quantized_ops)
             earlier = program_reuse.LOWERED.get(shape.key)
             reused = None if earlier is None else program_reuse.rewritten(earlier.pte, earlier.structure, shape)
-            kept = earlier.edge if earlier is not None else None  # the edge program a later lowering may write into
+            kept = earlier.edge if earlier is not None else None  # the first lowering's edge program, as it holds
             # constants outside the delegates changed: the earlier edge program with them written in, serialised again
-            written = None if reused is not None or kept is None else program_reuse.edge_with(kept, earlier.structure, shape)
+            written = None if reused is not None or kept is None else program_reuse.edge_with(kept, shape)
             if written is not None:
                 stage("lowering: the changed constants written into the edge program lowered before, serialised again")
                 step = "to_executorch of the edge program lowered before, with the changed constants written in"
@@ -322,20 +328,19 @@ def lower(
                     stage("lowering: decompositions, edge passes, XNNPACK (to_edge_transform_and_lower)")
                 written = None
                 step = "to_edge_transform_and_lower with XNNPACK's partitioner"
-                chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
-                with _reasons() as reasons:
-                    # XNNPACK's own edge config: the edge IR is not validated again over fake tensors
-                    edge = api.to_edge_transform_and_lower(
-                        exported, partitioner=[chosen], compile_config=api.edge_compile_config()
-                    )
-                delegation = _delegation(edge.exported_program().graph_module, reasons)
+                edge, delegation = _lowered_edge(api, exported, partitioner)
                 stage("lowering: serialising the program (to_executorch)")
                 step = "to_executorch (serialising the program)"
                 # a decoder's edge program kept unserialised (serialising changes it) for a later edge_with
-                kept = copy.deepcopy(edge) if partitioner == DYNAMIC else None
+                kept = program_reuse.KeptEdge(copy.deepcopy(edge), shape) if partitioner == DYNAMIC else None
                 pte = _serialised(edge, fuse_quantized_ops, fixed_rows)
             stage()
-    except Stopped:  # the caller stopped it between stages
+            if reused is not None and checking(check):
+                step = "lowering the program afresh to check the one rewritten (the check mode)"
+                shortcut = Shortcut.EDGE_REWRITE if written is not None else Shortcut.PROGRAM_REWRITE
+                afresh = functools.partial(_lowered_afresh, api, exported, partitioner, fuse_quantized_ops, fixed_rows)
+                confirmed(shortcut, pte, afresh, operator.eq, _bytes_differ)
+    except (Stopped, ShortcutMismatchError):  # stopped by the caller between stages; a shortcut found wrong
         raise
     except Exception as error:
         raise LoweringError(
@@ -559,6 +564,31 @@ def _exported_as_is(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, 
         except Exception:  # the model fixes its batch size: exported as given
             pass
     return torch.export.export(model, example_inputs)
+
+
+def _lowered_edge(api: types.SimpleNamespace, exported: torch.export.ExportedProgram, partitioner: str) -> tuple[Any, Delegation]:
+    """``exported`` lowered (``to_edge_transform_and_lower``) with the partitioner named, and what XNNPACK took."""
+    chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
+    with _reasons() as reasons:
+        # XNNPACK's own edge config: the edge IR is not validated again over fake tensors
+        edge = api.to_edge_transform_and_lower(exported, partitioner=[chosen], compile_config=api.edge_compile_config())
+    return edge, _delegation(edge.exported_program().graph_module, reasons)
+
+
+def _lowered_afresh(
+    api: types.SimpleNamespace, exported: torch.export.ExportedProgram, partitioner: str, fuse: bool, rows: int | None
+) -> bytes:
+    """The ``.pte`` a full lowering of ``exported`` gives, whatever was lowered before (the check mode)."""
+    edge, _ = _lowered_edge(api, exported, partitioner)
+    return _serialised(edge, fuse, rows)
+
+
+def _bytes_differ(taken: bytes, fresh: bytes) -> str:
+    if len(taken) != len(fresh):
+        return f"the rewritten program has {len(taken):,} bytes, a fresh lowering {len(fresh):,}"
+    differ = numpy.flatnonzero(numpy.frombuffer(taken, numpy.uint8) != numpy.frombuffer(fresh, numpy.uint8))
+    differing, at = len(differ), int(differ[0])
+    return f"both have {len(taken):,} bytes; {differing:,} of them differ, the first at byte {at:,}"
 
 
 def _serialised(edge: Any, fuse_quantized_ops: bool, rows: int | None) -> bytes:

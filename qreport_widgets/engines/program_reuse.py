@@ -20,13 +20,17 @@ where it has two.
 A constant that is not delegated (a norm's weight, an embedding ExecuTorch's own kernels read) is the
 program's own: the emitter stores it once per distinct value, so a change can merge or split blobs (a
 rotation sets every RMSNorm's weight to 1: one blob where there were 61). For those, ``edge_with``
-takes the earlier lowering's edge program (kept, unserialised, beside its program), writes the new
-values of the constants ExecuTorch's own kernels read into a copy, and serialises it again
-(``to_executorch``: seconds, where the lowering before it took minutes); ``rewritten`` then writes the
-delegated ones into that program as above. It proves first that every constant of the edge program
-is one the export had, under its name and with the earlier value (none folded from others by the
-lowering), or a scalar the lowering lifted from the graph's literals. Anything else this does not
-find as expected sends the run to a full lowering.
+takes the earlier lowering's edge program (kept, unserialised, beside its program, with the constants
+it holds: ``KeptEdge``), writes the new values of the constants ExecuTorch's own kernels read into a
+copy, and serialises it again (``to_executorch``: seconds, where the lowering before it took minutes);
+``rewritten`` then writes the delegated ones into that program as above, from the values the edge
+program holds (a program rewritten since holds others: its edge program is still the lowering's). It
+proves first that every constant of the edge program outside the delegates is one the export had,
+under its name and with the value it holds (none folded from others by the lowering), or a scalar the
+lowering lifted from the graph's literals. Anything else this does not find as expected sends the run
+to a full lowering. The delegated constants are not read back from the edge program: that its
+``holds`` are the delegates' values rests on ``KeptEdge`` being made once, at the lowering, and never
+changed; the check mode (``core.shortcuts``) lowers afresh and compares the bytes.
 
 May import: ``core``.
 """
@@ -62,6 +66,16 @@ class Rewritten:
 
     pte: bytes
     constants: int
+
+
+@dataclass(frozen=True)
+class KeptEdge:
+    """A lowering's edge program, unserialised, and the constants it holds (``holds``: those of the
+    export it was lowered from). A program rewritten from it keeps this value as it is: the delegated
+    weights its edge program holds are still the first lowering's, whatever the program's bytes hold."""
+
+    edge: Any
+    holds: Structure
 
 
 @dataclass(frozen=True)
@@ -152,17 +166,18 @@ def rewritten(pte: bytes, before: Structure, after: Structure) -> Rewritten | No
     return _written(pte, keys, {stored: now for stored, now in writes.items() if now != stored}, changed)
 
 
-def edge_with(edge: Any, before: Structure, after: Structure) -> EdgeWritten | None:
-    """A copy of ``edge`` (the earlier program's edge program, lowered, not serialised, from constants
-    ``before``) with ``after``'s new values of the constants outside the delegates written in, the
-    constants the program it serialises to holds (``before``'s, those replaced): ``rewritten`` of that
-    program writes the delegated ones. None where none of the changed constants is outside the
-    delegates, or where the edge program holds a constant the export did not have (but a scalar: the
-    lowering lifts the graph's literals, as ``_lifted_tensor_constant``), or had with another value
-    (one the lowering folded from others, which the new values would not reach)."""
+def edge_with(kept: KeptEdge, after: Structure) -> EdgeWritten | None:
+    """A copy of ``kept``'s edge program (lowered, not serialised) with ``after``'s new values of the
+    constants outside the delegates written in, and the constants the program it serialises to holds
+    (``kept.holds``, those replaced): ``rewritten`` of that program, from those, writes the delegated
+    ones. None where none of the changed constants is outside the delegates, or where the edge program
+    holds a constant the export did not have (but a scalar: the lowering lifts the graph's literals, as
+    ``_lifted_tensor_constant``), or had with another value (one the lowering folded from others,
+    which the new values would not reach)."""
+    before = kept.holds
     if before.key != after.key:
         return None
-    program = edge.exported_program()
+    program = kept.edge.exported_program()
     held = {**program.state_dict, **program.constants}
     tensors = {name: value for name, value in held.items() if isinstance(value, torch.Tensor)}
     for name, value in tensors.items():
@@ -179,7 +194,7 @@ def edge_with(edge: Any, before: Structure, after: Structure) -> EdgeWritten | N
     outside = [name for name in changed if name in tensors]
     if not outside:
         return None
-    copied = copy.deepcopy(edge)
+    copied = copy.deepcopy(kept.edge)
     written = copied.exported_program()
     for name in outside:
         place = written.state_dict if name in written.state_dict else written.constants

@@ -8,6 +8,7 @@ the weights prepares fold. It records nothing: the history decides what a run le
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import math
 import time
@@ -21,7 +22,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core.calibration import CalibrationData, calibrate, call_with
+from ..core.calibration import CalibrationData, calibrate, call_with, data_fingerprint
 from ..core.devices import MovedBatches, copy_on, model_device, moved
 from ..core.experts import experts_words
 from ..core.linears import transposed_words
@@ -196,12 +197,23 @@ class Runner:
     def calibrate_quietly(self, model: torch.nn.Module, statistics: MutableMapping[str, Any] | None = None) -> None:
         self.calibrate(model, "calibrating a variant", statistics=statistics)
 
+    def calibration_key(self) -> str | None:
+        """The calibration data's fingerprint (``data_fingerprint``, read again at each call), with
+        every rank's across the torch.distributed group, whose merged statistics a run's weights come
+        from; None for a calibration callable, on any rank."""
+        key = data_fingerprint(self.batches.calibration)
+        if self.group is None:
+            return key
+        keys: list[str | None] = [None] * torch.distributed.get_world_size(self.group)
+        torch.distributed.all_gather_object(keys, key, group=self.group)
+        return None if any(k is None for k in keys) else hashlib.sha256(" ".join(keys).encode()).hexdigest()  # type: ignore[arg-type]
+
     def calibrated_start(self, desc: str, progress: Progress | None) -> torch.nn.Module:
         """The starting configuration, prepared and calibrated (not converted)."""
         config = self.engine.base_config()
         prepared = self.prepare(self.float_model, config)
         if self.engine.calibrates(config):
-            with contextlib.closing(self.engine.calibration_passes(prepared, progress)) as passes:
+            with contextlib.closing(self.engine.calibration_passes(prepared, progress, self.calibration_key())) as passes:
                 for statistics in passes:
                     self.calibrate(prepared, desc, progress is None, progress, statistics)
         return prepared
@@ -301,7 +313,7 @@ class Runner:
             prepared = self.prepare(where_it_lives if computed_there else source, config)
             if calibrates:
                 device = None if computed_there else moved_to
-                with contextlib.closing(engine.calibration_passes(prepared, progress)) as passes:
+                with contextlib.closing(engine.calibration_passes(prepared, progress, self.calibration_key())) as passes:
                     for statistics in passes:
                         self.calibrate(prepared, f"{label}: calibrating", progress is None, progress, statistics, device)
             if computed_there:

@@ -51,7 +51,9 @@ class Simulated:
             )
             prepared = runner.calibrated_start("sensitivity: calibrating", progress)
             engine = runner.engine
-            simulator = engine.simulator(prepared, runner.modules, float_model, runner.example_inputs, runner.calibrate_quietly)
+            simulator = engine.simulator(
+                prepared, runner.modules, float_model, runner.example_inputs, runner.calibrate_quietly, runner.calibration_key
+            )
             self._simulation = simulator
         return self._simulation
 

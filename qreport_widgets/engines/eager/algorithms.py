@@ -244,10 +244,10 @@ class InputRecorder:
     only where every Linear was called exactly once by then, as on the first batch (a model whose
     Linears run a varying number of times, a mixture of experts', is run whole)."""
 
-    def __init__(self, model: nn.Module, names: Iterable[str]) -> None:
+    def __init__(self, model: nn.Module, names: Iterable[str], check: bool = False) -> None:
         self.statistics: dict[str, InputStatistics] = {}
         self._handles = []
-        self._last = SameInput()  # the input last seen, and its terms
+        self._last = SameInput(check)  # the input last seen, and its terms (``check``: proved afresh too)
         self._batches = 0
         self._called: list[str] = []  # this batch's Linears, in the order they were called
         self._final: str | None = None  # the Linear after which a batch may end
@@ -289,9 +289,9 @@ class InputRecorder:
 
 
 @contextlib.contextmanager
-def recording(model: nn.Module, names: Iterable[str]) -> Iterator[dict[str, InputStatistics]]:
+def recording(model: nn.Module, names: Iterable[str], check: bool = False) -> Iterator[dict[str, InputStatistics]]:
     """``InputRecorder`` for the duration of a ``with`` block; the statistics fill as it runs."""
-    recorder = InputRecorder(model, names)
+    recorder = InputRecorder(model, names, check)
     try:
         yield recorder.statistics
     finally:
@@ -379,6 +379,11 @@ class CompactWeight:
         extra = 0 if self.input_scale is None else self.input_scale.numel() * 4
         return self.packed.numel() + self.scale.numel() * self.scale.element_size() + extra
 
+    def copied(self) -> CompactWeight:
+        """The same weight in tensors of its own."""
+        scale = None if self.input_scale is None else self.input_scale.clone()
+        return replace(self, packed=self.packed.clone(), scale=self.scale.clone(), input_scale=scale)
+
     def to(self, device: torch.device) -> CompactWeight:
         """The same weight with its tensors on ``device``."""
         scale = None if self.input_scale is None else self.input_scale.to(device)
@@ -402,6 +407,9 @@ class Recipe:
 
     def to(self, _device: torch.device) -> Recipe:
         return self  # no tensors: rebuilt from the weight where it is
+
+    def copied(self) -> Recipe:
+        return self
 
 
 def _divide_input(module: nn.Module, args: tuple) -> tuple | None:
@@ -884,7 +892,7 @@ def _failure_words(run: list[str], choices: Mapping[str, tuple[str, int]], error
 
 
 def weights_in_runs(
-    model: nn.Module, choices: Mapping[str, tuple[str, int]], found: dict[str, CompactWeight | Recipe]
+    model: nn.Module, choices: Mapping[str, tuple[str, int]], found: dict[str, CompactWeight | Recipe], check: bool = False
 ) -> Iterator[dict[str, InputStatistics]]:
     """GPTQ / AWQ weights of the named Linears (``fqn: (algorithm, group_size)``; other algorithms
     are left to their own passes: ``learned.learned_weights``), a run of modules
@@ -892,7 +900,8 @@ def weights_in_runs(
     calibration batches through ``model`` (float; the caller may replace entries, with statistics
     merged across ranks), then computes that run's weights into ``found`` (packed or as a recipe,
     ``QuantizedWeight.compact``) and frees its statistics. The Linears asked AWQ that read one
-    input are found together from one of them's statistics (``awq_shares``)."""
+    input are found together from one of them's statistics (``awq_shares``). ``check``: the recorder's
+    shared inputs proved afresh (``SameInput``)."""
     shares = awq_shares(choices, input_folds(model))
     recorded = [fqn for fqn, (algorithm, _) in choices.items() if algorithm == GPTQ or fqn in shares]
     features = {fqn: int(model.get_submodule(fqn).weight.shape[1]) for fqn in recorded}
@@ -900,7 +909,7 @@ def weights_in_runs(
         return
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     for run in gram_runs(features, weights, device_free_bytes(model_device(model))):
-        with torch.no_grad(), recording(model, run) as statistics:
+        with torch.no_grad(), recording(model, run, check) as statistics:
             yield statistics
         solved = [fqn for fqn in run if choices[fqn][0] == GPTQ]
         try:

@@ -23,6 +23,7 @@ from ...core.devices import CPU, copy_on, model_device, moved
 from ...core.memory import give_back, shared_copy
 from ...core.metrics import layer_sqnr_db, sqnr_db
 from ...core.progress import Progress
+from ...core.shortcuts import Shortcut, checking, confirmed, tensors_equal
 from ...errors import DecodeSpeedError, InvalidSettingsError, QReportError
 from ...observe.graph import OBSERVER_CONTAINER
 from ..contract import Engine, Observation, RunNotes, conversion_tables
@@ -68,7 +69,7 @@ from .formats import (
     rows_of,
     torchao_eager,
 )
-from .found import FoundWeights
+from .found import FoundBefore, FoundWeights
 from .learned import BlockInputs, LearnedRounding, block_of, learned_weights
 from .options import EagerOptions
 from .simulate import EagerSimulation, quantized_weight
@@ -185,7 +186,8 @@ class EagerEngine(Engine[EagerConfig]):
         engine = EagerEngine(
             self.start_format, self.start_group_size or None, self.searched_algorithms, self.target, self.learned.start
         )
-        engine.found_before = self.found_before  # the same calibration batches: the weights found on them hold
+        engine.found_before = self.found_before  # keyed by float model and calibration data: the weights hold
+        engine.checks_shortcuts = self.checks_shortcuts
         return engine
 
     # ---- observation ----------------------------------------------------------------------------
@@ -255,13 +257,15 @@ class EagerEngine(Engine[EagerConfig]):
         return model
 
     def calibration_passes(
-        self, prepared: nn.Module, progress: Progress | None = None
+        self, prepared: nn.Module, progress: Progress | None = None, data_key: str | None = None
     ) -> Iterator[dict[str, InputStatistics] | dict[str, BlockInputs] | None]:
         """One pass per run of GPTQ / AWQ modules (``gram_runs``: their input Gram matrices never all
         held at once): the run's inputs gathered on the float model (the item: merged across ranks),
         its weights computed and kept packed (``QuantizedWeight.compact``), its statistics freed;
         then, for the learned rounding, one pass recording the first block's inputs and the blocks
-        learned one by one (``learned_weights``; ``progress`` after each block). ``convert`` assigns them."""
+        learned one by one (``learned_weights``; ``progress`` after each block). ``convert`` assigns them.
+        GPTQ weights found before on the same float model and calibration data (``data_key``) are taken
+        (``FoundWeights``), and computed again to compare in the check mode."""
         config = self._config_of(prepared)
         if not config.needs_data:
             yield None
@@ -269,16 +273,20 @@ class EagerEngine(Engine[EagerConfig]):
         found = self._found.setdefault(prepared, {})
         source = self._sources.get(prepared)
         gptq = [(fqn, config.formats[fqn]) for fqn, (algorithm, _) in config.needs_data.items() if algorithm == GPTQ]
-        if source is not None and gptq:  # found before on the same float model (the simulation's, a run's)
-            taken = self.found_before.taken_for(source, gptq)
+        # found before on the same float model and calibration data (the simulation's, a run's)
+        key = FoundWeights.key(source, data_key) if source is not None and gptq else None
+        taken = self.found_before.taken(key, gptq)
+        checked = bool(taken) and checking(self.checks_shortcuts)  # computed here too, then compared
+        if taken and not checked:
             here = model_device(prepared)  # where this run computes (the store's may be another copy's)
             found.update({fqn: weight.to(here) for (fqn, _), weight in taken.items()})
-            if taken:
-                self._taken[prepared] = len(taken)
+            self._taken[prepared] = len(taken)
         computing = {fqn: choice for fqn, choice in config.needs_data.items() if fqn not in found}
-        yield from weights_in_runs(prepared, computing, found)
-        if source is not None:
-            self.found_before.keep(source, {(fqn, key): found[fqn] for fqn, key in gptq if fqn in computing and fqn in found})
+        yield from weights_in_runs(prepared, computing, found, self.checks_shortcuts)
+        if checked:
+            computed = {(fqn, choice): found[fqn] for fqn, choice in gptq if (fqn, choice) in taken}
+            confirmed(Shortcut.FOUND_WEIGHTS, taken, lambda: computed, tensors_equal, f"{len(taken)} modules' GPTQ weights")
+        self.found_before.keep(key, {(fqn, choice): found[fqn] for fqn, choice in gptq if (fqn, choice) not in taken})
         notes = self._learned_notes.setdefault(prepared, [])
         yield from learned_weights(
             prepared,
@@ -333,7 +341,9 @@ class EagerEngine(Engine[EagerConfig]):
             raise FormatError(_failure(prepared, config, error)) from error
         if self.target == XNNPACK:
             inputs = moved(self._example_inputs, model_device(prepared))  # where the run's copy is
-            return lower(prepared, inputs, partitioner=DYNAMIC, fuse_quantized_ops=True, progress=progress)
+            return lower(
+                prepared, inputs, partitioner=DYNAMIC, fuse_quantized_ops=True, progress=progress, check=self.checks_shortcuts
+            )
         return prepared
 
     # ---- what a run measures --------------------------------------------------------------------
@@ -529,8 +539,10 @@ class EagerEngine(Engine[EagerConfig]):
         float_model: nn.Module,
         example_inputs: tuple[Any, ...],
         calibrate: Callable[[nn.Module], None],
+        data_key: Callable[[], str | None] | None = None,
     ) -> EagerSimulation:
-        return EagerSimulation(prepared, modules, calibrate, self.target, self.learned, (self.found_before, float_model))
+        found_before = None if data_key is None else FoundBefore(self.found_before, float_model, data_key)
+        return EagerSimulation(prepared, modules, calibrate, self.target, self.learned, found_before, check=self.checks_shortcuts)
 
     # ---- helpers --------------------------------------------------------------------------------
     def _config_of(self, prepared: nn.Module) -> EagerConfig:

@@ -25,6 +25,7 @@ from ...core.devices import model_device
 from ...core.kept import SameInput
 from ...core.memory import device_free_bytes, free_bytes, give_back, tensors_bytes
 from ...core.metrics import sqnr_db
+from ...core.shortcuts import Shortcut, checking, confirmed, tensors_equal
 from ..contract import Variant, WholePasses
 from ..folds import input_folds
 from ..settings import (
@@ -52,7 +53,7 @@ from .algorithms import (
     recording,
 )
 from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, ao_config, fake_quantized_tokens, rows_of, torchao_eager
-from .found import FoundWeights
+from .found import FoundBefore
 from .learned import LearnedRounding, learned_weights
 from .replay import BlockReplay
 
@@ -197,10 +198,12 @@ class EagerSimulation(WholePasses):
         calibrate: Callable[[nn.Module, dict[str, InputStatistics]], None] | None = None,
         target: str = X86,
         learned: LearnedRounding | None = None,
-        found_before: tuple[FoundWeights, nn.Module] | None = None,
+        found_before: FoundBefore | None = None,
+        check: bool = False,
     ) -> None:
         self.model = model.eval()
-        self._found_before = found_before  # GPTQ weights found before on the float model (the store, that model)
+        self._found_before = found_before  # GPTQ weights found before on the float model and calibration data
+        self._check = check  # every shortcut also computed afresh and compared (``core.shortcuts``)
         self._learned = learned or LearnedRounding()  # how the learned rounding runs (its start)
         self._target = target  # whose torchao configs the formats are (x86's int8 dynamic quantizes tokens symmetrically)
         self._calibrate = calibrate  # runs a model over the calibration batches (what GPTQ / AWQ read)
@@ -224,7 +227,7 @@ class EagerSimulation(WholePasses):
         self._inputs: dict[str, bool | None] = dict.fromkeys(self._modules)  # fqn -> symmetric, or None: float input
         # fqn -> the AWQ scale its weight's input channels were multiplied by: a dynamic format quantizes x / s
         self._input_scales: dict[str, torch.Tensor | None] = dict.fromkeys(self._modules)
-        self._last_input = SameInput()  # the input last quantized, and how (``_quantized_input``)
+        self._last_input = SameInput(check)  # the input last quantized, and how (``_quantized_input``)
         self._folds = input_folds(model)
         for fqn, module in self._modules.items():
             module.register_forward_pre_hook(self._input_hook(fqn))
@@ -298,9 +301,12 @@ class EagerSimulation(WholePasses):
         missing = list(dict.fromkeys((fqn, key) for fqn, key in chosen if key is not None and key[2] in DATA_ALGORITHMS))
         missing = [pair for pair in missing if pair not in self._found]
         gptq = [pair for pair in missing if pair[1][2] == GPTQ]
-        if self._found_before is not None and gptq:  # found before on the same float model (a run's)
-            store, float_model = self._found_before
-            taken = store.taken_for(float_model, gptq)
+        store_key, taken = None, {}
+        if self._found_before is not None and gptq:  # found before on the same float model and data (a run's)
+            store_key = self._found_before.key()
+            taken = self._found_before.store.taken(store_key, gptq)
+        checked = bool(taken) and checking(self._check)  # computed here too, then compared
+        if taken and not checked:
             self._found.update({(fqn, key): weight.to(self._float[fqn].device) for (fqn, key), weight in taken.items()})
             missing = [pair for pair in missing if pair not in self._found]
         wanted = list(dict.fromkeys(statistics_of))
@@ -328,7 +334,7 @@ class EagerSimulation(WholePasses):
                     computed = {pair: weight.compact() for pair, weight in gptq_many(problems).items()}
                 self._found.update(computed)
                 if self._found_before is not None:
-                    self._found_before[0].keep(self._found_before[1], computed)
+                    self._found_before.store.keep(store_key, {pair: w for pair, w in computed.items() if pair not in taken})
                 del problems, computed
                 for fqn in modules:
                     statistics = gathered.pop(fqn)  # freed once the module's results are found
@@ -339,6 +345,9 @@ class EagerSimulation(WholePasses):
                                 self._found[reader, key] = found.compact()
                 del gathered
                 give_back()
+            if checked:
+                computed = {pair: self._found[pair] for pair in taken}
+                confirmed(Shortcut.FOUND_WEIGHTS, taken, lambda: computed, tensors_equal, f"{len(taken)} modules' GPTQ weights")
             if any(fqn not in asked for fqn in wanted):  # no pass ran for the weights: one for these alone
                 asked |= self._float_statistics([fqn for fqn in wanted if fqn not in asked])
         finally:

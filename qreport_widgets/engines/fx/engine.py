@@ -177,6 +177,7 @@ class FxEngine(Engine[FxConfig]):
         float_model: torch.nn.Module,
         example_inputs: tuple[Any, ...],
         calibrate: Callable[[torch.nn.Module], None],
+        data_key: Callable[[], str | None] | None = None,
     ) -> Simulator:
         # where FX places other qparams after a float module, read from one prepare with them all float
         all_float = self.config_for({m.fqn: ModuleSettings(keep_float=True) for m in modules}, modules)

@@ -177,7 +177,7 @@ class Pt2eEngine(Engine[Pt2eConfig]):
                 "Check the settings (every module kept float?) and that the model has Linear / Conv layers."
             )
         if self.target == "xnnpack":
-            return lower(converted, self._example_inputs, progress=progress)
+            return lower(converted, self._example_inputs, progress=progress, check=self.checks_shortcuts)
         return converted
 
     # ---- what a run measures --------------------------------------------------------------------
@@ -257,6 +257,7 @@ class Pt2eEngine(Engine[Pt2eConfig]):
         float_model: torch.nn.Module,
         example_inputs: tuple[Any, ...],
         calibrate: Callable[[torch.nn.Module], None],
+        data_key: Callable[[], str | None] | None = None,
     ) -> Pt2eSimulation:
         return Pt2eSimulation(self, prepared, modules, float_model, example_inputs, calibrate)
 

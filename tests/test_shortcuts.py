@@ -1,0 +1,99 @@
+"""Every shortcut gives the answer computed afresh (``core/shortcuts.py``, docs/RELIABILITY.md): user code
+under ``torch.inference_mode`` or ``torch.no_grad`` reaches the memos that read a tensor's version, and
+the check mode computes each shortcut's answer again and raises where they differ, naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import tiny_llama
+
+import qreport_widgets as qw
+from qreport_widgets.core import shortcuts
+from qreport_widgets.core.calibration import call_with
+from qreport_widgets.core.kept import SameInput
+from qreport_widgets.core.metrics import output_tensor, perplexity
+from qreport_widgets.engines.contract import Variant
+from qreport_widgets.engines.settings import ModuleSettings
+
+DYNAMIC_INT4 = "int8-dynamic-int4-weight"  # the simulation quantizes each Linear's input as the kernel does
+
+
+def _settings(session) -> dict[str, ModuleSettings]:
+    """Every Linear of the tiny decoder's blocks in 8da4w g32, by GPTQ, AWQ or the learned rounding in turn."""
+    names = [m.fqn for m in session.modules if m.current.format == DYNAMIC_INT4 and m.algorithm_allowed("learned")]
+    algorithms = ("gptq", "awq", "learned")
+    chosen = {fqn: algorithms[i % 3] for i, fqn in enumerate(names)}
+    # AWQ's scale folds into the op before a Linear: every reader of that input asks it alike (q / k / v, gate / up)
+    for fqn in names:
+        if fqn.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) and "awq" in [
+            chosen[f] for f in names if f.rsplit(".", 1)[0] == fqn.rsplit(".", 1)[0]
+        ]:
+            chosen[fqn] = "gptq"
+    return {fqn: ModuleSettings(format=DYNAMIC_INT4, group_size=32, algorithm=a) for fqn, a in chosen.items()}
+
+
+@pytest.mark.parametrize("mode", [torch.inference_mode, torch.no_grad], ids=["inference_mode", "no_grad"])
+def test_a_calibration_and_a_metric_under_inference_mode_or_no_grad_give_what_plain_batches_give(mode):
+    model, batches = tiny_llama()
+    calibration, held = batches[:4], batches[4:]
+
+    def calibrate(m):
+        with mode():
+            for batch in calibration:
+                m(*batch)
+
+    def eval_fn(m):
+        with mode():
+            return perplexity(m, held)
+
+    def session_of(data, fn):
+        given = {"eval_fn": fn, "metric": qw.Metric("perplexity", higher_is_better=False)} if fn is not None else {}
+        report = qw.analyze(model, batches[0], data, eval_data=held, engine="eager", format=DYNAMIC_INT4, progress=False, **given)
+        return report.session
+
+    users, plain = session_of(calibrate, eval_fn), session_of(calibration, None)
+    settings = _settings(plain)
+    runs = [session.apply(settings) for session in (users, plain)]
+    assert all(run.ok for run in runs), [run.error for run in runs]
+    for batch in held:  # GPTQ, AWQ and the learned rounding read the same inputs either way
+        outputs = [output_tensor(call_with(run.quantized_model, batch)) for run in runs]
+        assert torch.equal(*outputs)
+    assert runs[0].eval_metric == pytest.approx(perplexity(runs[1].quantized_model, held), rel=1e-6)
+    # the simulation, its inputs quantized as the kernel does, its metric read by the user's function
+    variant = Variant(settings=tuple((fqn, s) for fqn, s in settings.items() if s.algorithm != "learned"))
+    (sqnr, value), (plain_sqnr, _) = (session.simulate_each([variant])[0] for session in (users, plain))
+    assert sqnr == plain_sqnr and value is not None
+
+
+def test_an_input_made_under_inference_mode_is_worked_out_for_each_reader():
+    memo, calls = SameInput(), []
+
+    def work(x):
+        calls.append(1)
+        return x * 2
+
+    with torch.inference_mode():
+        x = torch.ones(3)
+        assert torch.equal(memo.of(x, lambda: work(x)), torch.full((3,), 2.0))
+        x.add_(1)  # an inference tensor's write moves no version
+        assert torch.equal(memo.of(x, lambda: work(x)), torch.full((3,), 4.0))
+    assert len(calls) == 2
+    y = torch.ones(3)
+    memo.of(y, lambda: work(y))
+    memo.of(y, lambda: work(y))
+    assert len(calls) == 3  # a plain tensor's answer is kept while it is unchanged
+
+
+def test_the_check_mode_computes_a_kept_answer_again_and_names_the_shortcut_that_differs(monkeypatch):
+    monkeypatch.setenv(shortcuts.ENVIRONMENT, "1")
+    memo = SameInput()
+    x = torch.ones(3)
+    before = shortcuts.CHECKED[shortcuts.Shortcut.SHARED_INPUT]
+    memo.of(x, lambda: x * 2)
+    assert torch.equal(memo.of(x, lambda: x * 2), torch.full((3,), 2.0))  # the same answer afresh: no error
+    assert shortcuts.CHECKED[shortcuts.Shortcut.SHARED_INPUT] == before + 1
+    with pytest.raises(shortcuts.ShortcutMismatchError, match="shared input"):
+        memo.of(x, lambda: x * 3)  # a memo keyed on less than its answer depends on
+    monkeypatch.setenv(shortcuts.ENVIRONMENT, "0")
+    assert torch.equal(memo.of(x, lambda: x * 3), torch.full((3,), 2.0))  # off: the kept answer, unchecked
