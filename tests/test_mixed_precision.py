@@ -14,6 +14,7 @@ import torch
 from hf_models import VOCAB, tiny_llama
 
 from qreport_widgets import ModuleSettings, QuantizationSession
+from qreport_widgets.core.shortcuts import ENVIRONMENT, ShortcutMismatchError
 from qreport_widgets.demo.digits import trained_digits_model
 from qreport_widgets.engines.eager import simulate
 from qreport_widgets.engines.eager.simulate import dequantized_weight, format_key
@@ -250,9 +251,9 @@ def test_a_fit_under_a_budget_simulates_whole_only_the_points_that_can_be_its_an
 
 
 def test_halving_along_a_chain_finds_its_smallest_point_meeting_the_target_in_few_simulations():
-    """``_halved`` simulates the chain's largest point first (none meets the target where it misses),
-    then halves: on a chain whose quality rises with its size, the smallest point meeting the target,
-    found in about log2 of the points' simulations."""
+    """``_halved`` simulates the chain's largest point first, then halves: on a chain whose quality
+    rises with its size, the smallest point meeting the target, found in about log2 of the points'
+    simulations; where even the largest misses, "none meets" only once every point was simulated."""
     points = [{"m": ModuleSettings(format="int4-weight-only", group_size=32, keep_float=False)} for _ in range(40)]
     quality = [10.0 + at for at in range(len(points))]
     asked: list[int] = []
@@ -268,9 +269,35 @@ def test_halving_along_a_chain_finds_its_smallest_point_meeting_the_target_in_fe
         meeting = [at for at in probed if quality[at] >= target]
         expected = next((at for at, q in enumerate(quality) if q >= target), None)
         assert (min(meeting) if meeting else None) == expected
-        assert asked[0] == len(points) - 1 and len(asked) == len(set(asked)) <= 7
+        assert asked[0] == len(points) - 1 and len(asked) == len(set(asked))
+        assert len(asked) <= 7 if expected is not None else len(asked) == len(points)  # "none meets": all were simulated
         assert all(probed[at] == (quality[at], None) for at in asked)
     assert mixed._halved([], simulate, lambda *_: True) == {}
+
+
+def test_halving_where_the_largest_point_misses_simulates_the_smaller_ones_and_the_check_mode_proves_its_answer(monkeypatch):
+    """A front read by a metric need not rise with size: where the largest point misses the target,
+    the smaller ones are simulated, smallest first, until one meets (not "none meets"); and the check
+    mode simulates every point and raises where the halving's answer is not the smallest meeting."""
+    points = [{"m": ModuleSettings(format="int4-weight-only", group_size=32)} for _ in range(9)]
+    quality = [10.0, 11.0, 30.0, 12.0, 13.0, 31.0, 14.0, 15.0, 16.0]  # rises, but not at every step
+
+    def simulate(point):
+        return quality[next(at for at, p in enumerate(points) if p is point)], None
+
+    def smallest_meeting(probed, target):
+        return min((at for at, (sqnr, _) in probed.items() if sqnr >= target), default=None)
+
+    assert smallest_meeting(mixed._halved(points, simulate, lambda sqnr, _v: sqnr >= 29.0), 29.0) == 2
+    assert smallest_meeting(mixed._halved(points, simulate, lambda sqnr, _v: sqnr >= 40.0), 40.0) is None
+    # the largest meets 15.5, halving then finds #8; the check mode finds #2 meets it too, and says so
+    assert smallest_meeting(mixed._halved(points, simulate, lambda sqnr, _v: sqnr >= 15.5), 15.5) == 8
+    with pytest.raises(ShortcutMismatchError, match="halving found #8 .* found #2"):
+        mixed._halved(points, simulate, lambda sqnr, _v: sqnr >= 15.5, check=True)
+    monkeypatch.setenv(ENVIRONMENT, "1")
+    rising = [{"m": ModuleSettings(format="int4-weight-only", group_size=32)} for _ in range(9)]
+    probed = mixed._halved(rising, lambda p: (10.0 + next(i for i, q in enumerate(rising) if q is p), None), lambda s, _v: s >= 14)
+    assert smallest_meeting(probed, 14) == 4  # where quality rises with size, the check finds nothing
 
 
 def test_a_heads_choices_are_measured_on_a_sample_of_its_rows_each_quantized_as_the_whole_head_would_be(monkeypatch):

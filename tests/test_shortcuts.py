@@ -97,3 +97,25 @@ def test_the_check_mode_computes_a_kept_answer_again_and_names_the_shortcut_that
         memo.of(x, lambda: x * 3)  # a memo keyed on less than its answer depends on
     monkeypatch.setenv(shortcuts.ENVIRONMENT, "0")
     assert torch.equal(memo.of(x, lambda: x * 3), torch.full((3,), 2.0))  # off: the kept answer, unchecked
+
+
+def test_a_metric_that_reads_the_whole_model_is_simulated_once_a_variant_and_checked_again_in_the_check_mode(monkeypatch):
+    model, batches = tiny_llama()
+    calls = []
+
+    def eval_fn(m):
+        calls.append(1)
+        return perplexity(m, batches[4:])
+
+    metric = qw.Metric("perplexity", higher_is_better=False)
+    session = qw.analyze(
+        model, batches[0], batches[:4], eval_data=batches[4:], eval_fn=eval_fn, metric=metric, engine="eager", progress=False
+    ).session
+    variant = Variant(frozenset({session.modules[0].fqn}))
+    first = session.simulate_each([variant])
+    counted = len(calls)
+    assert session.simulate_each([variant]) == first and len(calls) == counted  # known: not simulated again
+    monkeypatch.setenv(shortcuts.ENVIRONMENT, "1")
+    before = shortcuts.CHECKED[shortcuts.Shortcut.KNOWN_VARIANTS]
+    assert session.simulate_each([variant]) == first and len(calls) == counted + 1  # simulated again, the same
+    assert shortcuts.CHECKED[shortcuts.Shortcut.KNOWN_VARIANTS] == before + 1

@@ -19,6 +19,9 @@ from collections.abc import Iterator
 import torch
 
 from .kept import results_kept
+from .shortcuts import Shortcut
+
+SEARCH = Shortcut.HISTOGRAM_SEARCHES
 
 # results kept (two scalars each, a few hundred bytes with their keys); the oldest dropped beyond it
 KEPT = 8192
@@ -47,7 +50,8 @@ def searches_kept() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for cls in _observer_classes():
             if "_non_linear_param_search" in cls.__dict__:
-                stack.enter_context(results_kept(cls, "_non_linear_param_search", _key, _FOUND, copied=_cloned, limit=KEPT))
+                kept = results_kept(cls, "_non_linear_param_search", _key, _FOUND, copied=_cloned, limit=KEPT, shortcut=SEARCH)
+                stack.enter_context(kept)
         yield
 
 

@@ -25,11 +25,14 @@ def results_kept(
     *,
     copied: Callable[[Any], Any] = copy.deepcopy,
     limit: int | None = None,
+    shortcut: Shortcut | None = None,
+    same: Callable[[Any, Any], bool] = tensors_equal,
 ) -> Iterator[None]:
     """While this lasts, ``owner.name(*args, **kwargs)`` (a module's function or a class's method)
     looks up ``key(*args, **kwargs)`` in ``store`` (None: not kept, called as asked) and returns
     ``copied`` of the first answer; beyond ``limit`` answers the oldest is dropped. Re-entrant: a
-    context inside one on the same ``store`` changes nothing."""
+    context inside one on the same ``store`` changes nothing. In the check mode (``core.shortcuts``)
+    an answer looked up is also worked out again and compared (``same``), the error naming ``shortcut``."""
     work = getattr(owner, name)
     if getattr(work, "kept_in", None) is store:
         yield
@@ -41,6 +44,8 @@ def results_kept(
             return work(*args, **kwargs)
         if found in store:
             store.move_to_end(found)
+            if shortcut is not None and checking():
+                return confirmed(shortcut, copied(store[found]), lambda: work(*args, **kwargs), same)
         else:
             store[found] = work(*args, **kwargs)
             while limit is not None and len(store) > limit:

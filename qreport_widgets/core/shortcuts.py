@@ -38,6 +38,8 @@ class Shortcut(str, enum.Enum):
     KNOWN_VARIANTS = "known variants (a simulation's results kept until the simulation changes)"
     BLOCK_REPLAY = "block replay (a simulated pass started at the first block whose formats changed)"
     HALVING = "halving (a fit's chain of points halved towards the smallest meeting its target)"
+    HISTOGRAM_SEARCHES = "histogram searches (a histogram observer's range search kept by what it reads)"
+    TRACED_PATTERNS = "traced patterns (XNNPACK's quantizer's patterns traced once, a copy handed out)"
 
 
 class ShortcutMismatchError(QReportError, AssertionError):
@@ -81,17 +83,33 @@ def counted() -> str:
 
 
 def tensors_equal(a: Any, b: Any) -> bool:
-    """Whether two tensors (or nested lists / tuples / dicts of them) hold the same values, bit for bit."""
+    """Whether two answers hold the same values, bit for bit: tensors (shape, dtype, values), plain
+    values, and dataclasses, dicts, lists and tuples of them (a dataclass's fields that take no part in
+    its equality left out); any other object (a KV cache a block hands on) by its type alone."""
     import dataclasses
+    import math
 
     import torch
 
-    if dataclasses.is_dataclass(a) and type(a) is type(b):
-        return all(tensors_equal(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a) if f.compare)
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and all(
+            tensors_equal(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a) if f.compare
+        )
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
         return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.detach().cpu(), b.detach().cpu())
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
+    if isinstance(a, dict) or isinstance(b, dict):
+        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (
+            isinstance(a, (list, tuple))
+            and isinstance(b, (list, tuple))
+            and len(a) == len(b)
+            and all(tensors_equal(x, y) for x, y in zip(a, b, strict=True))
+        )
+    if a is None or b is None or isinstance(a, (bool, int, float, str, bytes)):
+        if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+            return True
+        return type(a) is type(b) and a == b
+    return type(a) is type(b)

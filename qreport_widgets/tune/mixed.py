@@ -24,6 +24,7 @@ smallest meeting it, found by halving along the chain's points within it (``size
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ import pandas as pd
 from ..core.calibration import rows_holding, sequence_shape
 from ..core.metrics import Metric
 from ..core.progress import Progress, quiet
+from ..core.shortcuts import Shortcut, checking, confirmed
 from ..engines.contract import Variant
 from ..engines.settings import DEFAULT_GROUP_SIZE, ModuleSettings, Setting, TunableModule, module_blocks
 from ..errors import QReportError
@@ -342,11 +344,13 @@ def size_front(
                 chain_within,
                 lambda p: simulated.simulate_each([variant_of(p, start)], progress, "size front: halving", metric=metric)[0],
                 lambda sqnr, value: meets_target(sqnr, value, *goal),
+                engine.checks_shortcuts,
             )
             within = [chain_within[at] for at in sorted(probed)] + extra_within
             kind = (
                 f"the smallest, {len(probed)} of the {len(chain_within)} chain points within it that pareto() simulates, "
-                "halving towards the smallest meeting the target (the chain's quality rising with its size)"
+                "halving towards the smallest meeting the target (taken to rise with size; where the largest missed, every "
+                "smaller point until one met)"
             )
         else:  # the best point within the budget: the largest within it
             chain_within = [point for point in map(spread, chain) if size_of(point) <= limit]
@@ -394,27 +398,52 @@ def _halved(
     points: Sequence[Mapping[str, ModuleSettings]],
     simulate: Callable[[Mapping[str, ModuleSettings]], tuple[float, float | None]],
     meets: Callable[[float, float | None], bool],
+    check: bool = False,
 ) -> dict[int, tuple[float, float | None]]:
     """The positions of ``points`` (smallest first) simulated to find the smallest that ``meets`` the
-    target, and their results: the largest first (where it misses, none of the smaller is taken to
-    meet it), then halving the stretch between the largest point known to miss and the smallest known
-    to meet it. The points' quality is taken to rise with their size, as a chain's does: about
-    ``log2(len(points))`` simulated of them."""
+    target, and their results: the largest first, then halving the stretch between the largest point
+    known to miss and the smallest known to meet it (about ``log2(len(points))`` simulated), which finds
+    the smallest where the points' quality rises with their size, as a chain's output SQNR does. Where
+    the largest misses, every smaller point is simulated, smallest first, until one meets: a front read
+    by a metric (perplexity) need not rise with size, and "none meets" is said only of points all
+    simulated. ``check`` (the check mode, ``core.shortcuts``): every point is simulated as well, and the
+    smallest meeting the target among them must be the halving's."""
     probed: dict[int, tuple[float, float | None]] = {}
 
     def met(at: int) -> bool:
-        probed[at] = simulate(points[at])
+        if at not in probed:
+            probed[at] = simulate(points[at])
         return meets(*probed[at])
 
     low, high = 0, len(points) - 1
-    if high < 0 or not met(high):
+    if high < 0:
         return probed
-    while low < high:
-        middle = (low + high) // 2
-        if met(middle):
-            high = middle
-        else:
-            low = middle + 1
+    if not met(high):
+        for at in range(high):  # smallest first: the first that meets is the answer
+            if met(at):
+                break
+    else:
+        while low < high:
+            middle = (low + high) // 2
+            if met(middle):
+                high = middle
+            else:
+                low = middle + 1
+    if checking(check):
+
+        def smallest(results: Mapping[int, tuple[float, float | None]]) -> int | None:
+            return min((at for at, result in results.items() if meets(*result)), default=None)
+
+        confirmed(
+            Shortcut.HALVING,
+            smallest(probed),
+            lambda: smallest({at: simulate(point) for at, point in enumerate(points)}),
+            operator.eq,
+            lambda halved, every: (
+                f"of {len(points)} points (smallest first), halving found #{halved} the smallest meeting the target and "
+                f"simulating every point found #{every}: the points' quality does not rise with their size here"
+            ),
+        )
     return probed
 
 

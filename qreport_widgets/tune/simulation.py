@@ -7,7 +7,7 @@ and costs forward passes, no calibration.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -15,7 +15,8 @@ import torch
 
 from ..core.calibration import batch_rows, leading_rows
 from ..core.metrics import sqnr_of
-from ..core.progress import Progress, steps
+from ..core.progress import Progress, quiet, steps
+from ..core.shortcuts import Shortcut, checking, confirmed, tensors_equal
 from ..engines.contract import Simulation, Variant
 from .runner import Runner
 
@@ -170,18 +171,9 @@ class Simulated:
         if batches is not None and with_metric and not runner.metric_from_outputs:
             raise ValueError("an eval_fn that reads the whole model cannot be simulated on some evaluation batches")
         data = runner.eval_data if batches is None else runner.eval_data[:batches]
-        if with_metric and not runner.metric_from_outputs:
-            try:
-                with steps(len(variants), desc, "step", progress) as step:
-                    found = []
-                    for variant in variants:
-                        found.append(self.simulate(variant))
-                        step()
-                    return found
-            finally:
-                simulation.configure(())
         if self._known_version != self.version:
             self._known, self._known_version = {}, self.version
+        whole_model = with_metric and not runner.metric_from_outputs  # the user's eval_fn reads the simulated model
         head = self.head_sample() if sampled_columns and not with_metric else None
         cut = self._rows_of(data, rows) if rows is not None and not with_metric else None
         data = data if cut is None else cut
@@ -198,18 +190,53 @@ class Simulated:
                 part = self._reference_part(index, None if head is None else head[1], None if cut is None else rows)
             return runner.output_terms(index, output, part), terms
 
-        sampling = simulation.rows_sampled(*head) if head is not None and new else nullcontext()  # type: ignore[attr-defined]
+        def measured(asked: list[tuple[Any, Variant]], step: Progress | None) -> list[tuple[float, float | None]]:
+            if not asked:
+                return []
+            if whole_model:  # a whole pass a variant, then the user's function on the simulated model
+                results = []
+                with steps(len(asked), desc, "step", step) as each_step:
+                    for _, variant in asked:
+                        results.append(self.simulate(variant))
+                        each_step()
+                return results
+            sampling = simulation.rows_sampled(*head) if head is not None else nullcontext()  # type: ignore[attr-defined]
+            with sampling, steps(len(asked) * len(data), desc, "step", step) as each_step:
+                found = simulation.outputs_each(data, [variant for _, variant in asked], each_step, reduce)
+            return [
+                (
+                    sqnr_of(*map(sum, zip(*(power for power, _ in each), strict=True))),
+                    None if reads is None else float(reads.combine([terms for _, terms in each])),  # type: ignore[misc]
+                )
+                for each in found
+            ]
+
         try:
-            with sampling, steps(len(new) * len(data), desc, "step", progress) as step:
-                found = simulation.outputs_each(data, [variant for _, variant in new], step, reduce)
+            self._known.update(zip(new, measured(new, progress), strict=True))
+            if checking(runner.engine.checks_shortcuts):  # those known before, simulated again
+                again = [key for key in dict.fromkeys(keys) if key not in new]
+                confirmed(
+                    Shortcut.KNOWN_VARIANTS,
+                    [self._known[key] for key in again],
+                    lambda: measured(again, quiet),
+                    _results_equal(with_metric),
+                    f"{len(again)} variants simulated before",
+                )
         finally:
             simulation.configure(())
-        for key, each in zip(new, found, strict=True):
-            sqnr = sqnr_of(*map(sum, zip(*(power for power, _ in each), strict=True)))
-            value = None if reads is None else float(reads.combine([terms for _, terms in each]))  # type: ignore[misc]
-            self._known[key] = (sqnr, value)
         return [(self._known[key][0], self._known[key][1] if with_metric else None) for key in keys]
 
     def local_sqnr(self) -> dict[str, float]:
         """Each module's own error (dB) on the inputs the float model gives it, on the first evaluation batch."""
         return self.simulation().local_sqnr(self.runner.eval_data[0])
+
+
+def _results_equal(with_metric: bool) -> Callable[[list, list], bool]:
+    """Whether two lists of (output SQNR, metric) are the same; the metric only where it was asked for."""
+
+    def same(kept: list, again: list) -> bool:
+        return tensors_equal([r[0] for r in kept], [r[0] for r in again]) and (
+            not with_metric or tensors_equal([r[1] for r in kept], [r[1] for r in again])
+        )
+
+    return same

@@ -16,6 +16,7 @@ pass's, or kept outputs beyond ``room`` bytes turn it off: every pass is whole, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ...core.memory import tensors_bytes
+from ...core.shortcuts import Shortcut, checking, confirmed, tensors_equal
 from ..settings import module_blocks
 
 
@@ -35,10 +37,13 @@ class BlockReplay:
         model: the simulated model (its modules' formats change between passes).
         modules: the names of the modules whose formats change, in any order.
         room: the most bytes of block outputs kept; beyond, replay is off for this model.
+        check: every output given back is also computed from the block's inputs and compared (the
+            check mode, ``core.shortcuts``; on as well where the environment asks).
     """
 
-    def __init__(self, model: nn.Module, modules: Sequence[str], room: int) -> None:
+    def __init__(self, model: nn.Module, modules: Sequence[str], room: int, check: bool = False) -> None:
         self.room = room
+        self._check = check  # each output given back also computed and compared (``core.shortcuts``)
         found = {}
         for block, members in module_blocks(modules).items():
             if block in members:  # a module of its own (no numbered part): nothing to skip
@@ -93,11 +98,19 @@ class BlockReplay:
 
             return hook
 
+        checked = checking(self._check)
+
         def given_back(name: str) -> Callable:
-            def forward(*_args: Any, **_kwargs: Any) -> Any:
+            block = self._blocks[name]
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
                 calls[name] += 1
                 self.skipped += 1
-                return _copied(self._kept[name][index[0]])
+                kept = _copied(self._kept[name][index[0]])
+                if checked:  # the block's own forward on the inputs it is given (themselves given back, or computed)
+                    computed = functools.partial(type(block).forward, block, *args, **kwargs)
+                    return confirmed(Shortcut.BLOCK_REPLAY, kept, computed, tensors_equal, f"{name}'s output on batch {index[0]}")
+                return kept
 
             return forward
 

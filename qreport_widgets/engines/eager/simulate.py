@@ -236,7 +236,7 @@ class EagerSimulation(WholePasses):
         self.configure(())
         # each pass starts at the block where its formats first differ from the pass before
         room = min(max(tensors_bytes(list(self._float.values())), REPLAY_ROOM), free_bytes() // 4)
-        self._replay = BlockReplay(model, list(self._modules), room)
+        self._replay = BlockReplay(model, list(self._modules), room, check)
 
     def _input_hook(self, fqn: str) -> Callable:
         def hook(_module: nn.Module, args: tuple) -> tuple | None:

@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from ...core.kept import results_kept
+from ...core.shortcuts import Shortcut
 from ...errors import MissingExtraError
 from ..executorch import (
     INSTALL,
@@ -77,7 +78,13 @@ def patterns_traced_once() -> AbstractContextManager[None]:
     it is given), so annotations are the same, without the tracing."""
     from executorch.backends.xnnpack.quantizer import xnnpack_quantizer_utils as utils
 
-    return results_kept(utils, "_get_aten_graph_module_for_pattern", _pattern_key, _TRACED)
+    return results_kept(
+        utils, "_get_aten_graph_module_for_pattern", _pattern_key, _TRACED, shortcut=Shortcut.TRACED_PATTERNS, same=_same_code
+    )
+
+
+def _same_code(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
+    return a.code == b.code
 
 
 def _pattern_key(pattern: Any, example_inputs: tuple[Any, ...], is_cuda: bool = False, **kwargs: Any) -> tuple | None:
