@@ -32,7 +32,9 @@ $(STAMP): pyproject.toml constraints.txt
 WITHOUT_AVX512 := $(shell grep -v '^\#' tools/without-avx512.env)
 HAS_AVX512 := $(shell grep -q -m1 avx512f /proc/cpuinfo 2>/dev/null && echo yes)
 KERNEL_FILES := $(shell grep -l 'mark.kernels' tests/*.py)
-KERNEL_TESTS := $(BIN)/python -m pytest -m 'kernels and not slow' -p no:cacheprovider $(KERNEL_FILES)
+# (the shortcuts are checked in the main suite's run of the decoder and XNNPACK files, tests/conftest.py
+# CHECKED_FILES: not again here)
+KERNEL_TESTS := env QREPORT_CHECK_SHORTCUTS=0 $(BIN)/python -m pytest -m 'kernels and not slow' -p no:cacheprovider $(KERNEL_FILES)
 NO_SIMD_TESTS := nice -n 19 env ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(KERNEL_TESTS)
 NO_SIMD_LOG := $(VENV)/kernel-tests-no-simd.log
 

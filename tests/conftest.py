@@ -205,3 +205,70 @@ def pytest_collection_modifyitems(config, items):
             if importlib.util.find_spec(module) is None:
                 item.add_marker(pytest.mark.skip(reason=f"the [{extra}] extra is not installed"))
                 break
+
+
+# The decoder and XNNPACK tests run in the check mode (core/shortcuts.py): every shortcut their sessions
+# take (a program rewritten, GPTQ weights found before, an input quantized once for its readers, a
+# simulation's known variants and replayed blocks, a fit's halving) also computes its answer afresh and
+# raises where they differ. QREPORT_CHECK_SHORTCUTS set in the environment (0 or 1) decides for every
+# file instead (the Makefile's kernel reruns set 0). A test of what a shortcut saves (a pass not run, a
+# lowering's time) asks for ``shortcuts_as_taken``: the check mode spends it again by design.
+CHECKED_FILES = (
+    "test_program_reuse.py",
+    "test_eager_xnnpack.py",
+    "test_xnnpack.py",
+    "test_text_decoder.py",
+    "test_eager_replay.py",
+    "test_weight_algorithms.py",
+    "test_learned_rounding.py",
+    "test_rotation.py",
+    "test_rotation_families.py",
+    "test_mixed_precision.py",
+    "test_shortcuts.py",
+)
+
+
+@pytest.fixture(autouse=True)
+def _shortcuts_checked(request, monkeypatch):
+    from qreport_widgets.core.shortcuts import ENVIRONMENT
+
+    if ENVIRONMENT not in os.environ and request.path.name in CHECKED_FILES:
+        monkeypatch.setenv(ENVIRONMENT, "1")
+
+
+@pytest.fixture
+def shortcuts_as_taken(monkeypatch):
+    """The shortcuts taken and not checked: for a test of what one saves."""
+    from qreport_widgets.core.shortcuts import ENVIRONMENT
+
+    monkeypatch.setenv(ENVIRONMENT, "0")
+
+
+_CHECKED_COUNTS = pytest.StashKey[dict]()
+
+
+def pytest_sessionfinish(session):
+    """A worker hands the checks it made to the controller (pytest-xdist's ``workeroutput``)."""
+    from qreport_widgets.core.shortcuts import CHECKED
+
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["shortcuts_checked"] = {shortcut.name: count for shortcut, count in CHECKED.items()}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    counts = node.config.stash.setdefault(_CHECKED_COUNTS, {})
+    for name, count in getattr(node, "workeroutput", {}).get("shortcuts_checked", {}).items():
+        counts[name] = counts.get(name, 0) + count
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """What the check mode checked in this run, by shortcut (none found wrong, or a test failed)."""
+    from qreport_widgets.core.shortcuts import CHECKED
+
+    counts = dict(config.stash.get(_CHECKED_COUNTS, {}))
+    for shortcut, count in CHECKED.items():
+        counts[shortcut.name] = counts.get(shortcut.name, 0) + count
+    said = ", ".join(f"{name.lower()} {count}" for name, count in sorted(counts.items())) or "none"
+    terminalreporter.write_line(f"shortcuts checked against the answer computed afresh: {said}")

@@ -125,7 +125,7 @@ def test_tokens_fake_quantized_are_torchaos_int8_tokens_bit_for_bit(symmetric):
     assert torch.equal(fake_quantized_tokens(half, symmetric), _torchaos(half, symmetric))
 
 
-def test_the_linears_that_read_one_input_quantize_it_once_and_give_what_each_quantizing_it_gives(monkeypatch):
+def test_the_linears_that_read_one_input_quantize_it_once_and_give_what_each_quantizing_it_gives(monkeypatch, shortcuts_as_taken):
     """q / k / v and gate / up read one tensor: a dynamic format's simulation quantizes it once for
     them (4 quantizations a Llama block, not 7), the outputs equal bit for bit to each Linear
     quantizing its own input; an input written into since is quantized again."""

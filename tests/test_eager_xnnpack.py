@@ -30,7 +30,7 @@ from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize
 from torchao.quantization.granularity import PerGroup  # noqa: E402
 
 from qreport_widgets import analyze  # noqa: E402
-from qreport_widgets.core.metrics import perplexity  # noqa: E402
+from qreport_widgets.core.metrics import perplexity, sqnr_db  # noqa: E402
 from qreport_widgets.engines.contract import Variant  # noqa: E402
 from qreport_widgets.engines.executorch import DeployedProgram  # noqa: E402
 from qreport_widgets.engines.settings import ModuleSettings  # noqa: E402
@@ -229,6 +229,35 @@ def test_formats_the_program_cannot_run_are_refused_naming_what_it_can(phone_dec
     with pytest.raises(ValueError, match="target must be 'x86' or 'xnnpack'"):
         analyze(model, data.calibration[0], data.calibration, engine="eager", target="arm")
     assert math.isfinite(session.baseline().latency_ms)
+
+
+def test_an_embedding_with_a_padding_index_is_quantized_into_the_program_in_every_format_offered():
+    """A decoder whose config names a pad token (SmolLM2's: transformers passes it to the embedding as
+    ``padding_idx``), its head tied as ``from_pretrained`` leaves it: each format the front offers the
+    embedding lowers (the padding index, which shapes only gradients, once kept ExecuTorch from fusing
+    the quantized lookup, and the program failed to serialise), and follows its eager model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=2,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    assert model.model.embed_tokens.padding_idx == 2
+    batches = [(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(i)),) for i in range(3)]
+    session = analyze(
+        model, batches[0], batches, engine="eager", target="xnnpack", format="int8-dynamic-int4-weight", progress=False
+    ).session
+    embedding = next(m for m in session.modules if m.fqn == "model.embed_tokens")
+    offered = [c for c in session.engine.size_choices(embedding) if not c.keep_float]
+    assert {c.format for c in offered} == {"int4-weight-only", "int8-weight-only"}
+    # one of each format: the group size changes the weight's shape, not the program's ops
+    for choice in {c.format: c for c in reversed(offered)}.values():
+        run = session.apply({"model.embed_tokens": choice})
+        assert run.ok, (choice, run.error)
+        eager = run.quantized_model.reference(*batches[0]).logits
+        assert sqnr_db(eager, run.quantized_model(*batches[0]).logits) > 30
 
 
 def test_decode_speed_elsewhere_says_where_it_is_measured(text_decoder):

@@ -250,7 +250,7 @@ def test_a_fit_under_a_budget_simulates_whole_only_the_points_that_can_be_its_an
     assert mixed.fit_budget(None, 30.0, None) is None
 
 
-def test_halving_along_a_chain_finds_its_smallest_point_meeting_the_target_in_few_simulations():
+def test_halving_along_a_chain_finds_its_smallest_point_meeting_the_target_in_few_simulations(shortcuts_as_taken):
     """``_halved`` simulates the chain's largest point first, then halves: on a chain whose quality
     rises with its size, the smallest point meeting the target, found in about log2 of the points'
     simulations; where even the largest misses, "none meets" only once every point was simulated."""
@@ -275,7 +275,9 @@ def test_halving_along_a_chain_finds_its_smallest_point_meeting_the_target_in_fe
     assert mixed._halved([], simulate, lambda *_: True) == {}
 
 
-def test_halving_where_the_largest_point_misses_simulates_the_smaller_ones_and_the_check_mode_proves_its_answer(monkeypatch):
+def test_halving_where_the_largest_point_misses_simulates_the_smaller_ones_and_the_check_mode_proves_its_answer(
+    monkeypatch, shortcuts_as_taken
+):
     """A front read by a metric need not rise with size: where the largest point misses the target,
     the smaller ones are simulated, smallest first, until one meets (not "none meets"); and the check
     mode simulates every point and raises where the halving's answer is not the smallest meeting."""
@@ -296,7 +298,9 @@ def test_halving_where_the_largest_point_misses_simulates_the_smaller_ones_and_t
         mixed._halved(points, simulate, lambda sqnr, _v: sqnr >= 15.5, check=True)
     monkeypatch.setenv(ENVIRONMENT, "1")
     rising = [{"m": ModuleSettings(format="int4-weight-only", group_size=32)} for _ in range(9)]
-    probed = mixed._halved(rising, lambda p: (10.0 + next(i for i, q in enumerate(rising) if q is p), None), lambda s, _v: s >= 14)
+    probed = mixed._halved(
+        rising, lambda p: (10.0 + next(i for i, q in enumerate(rising) if q is p), None), lambda s, _v: s >= 14
+    )
     assert smallest_meeting(probed, 14) == 4  # where quality rises with size, the check finds nothing
 
 
@@ -539,6 +543,50 @@ def test_after_a_real_run_misses_a_metric_target_fit_runs_the_first_point_the_mi
     assert mixed._corrected_step(front, 0, missed, meets) == 5
     # with no point left that the miss lets meet it, the next point
     assert mixed._corrected_step(front.iloc[:5], 0, missed, meets) == 1
+
+
+def test_a_fit_whose_real_run_fails_runs_the_next_point_and_says_so():
+    """A point the target cannot build (its real run fails: on XNNPACK once, an embedding's padding
+    index left a dequantize op the program could not serialise) is not the fit's answer: the fit runs
+    the next point (the larger with a target, the smaller without) and its notes say which failed."""
+    from qreport_widgets.tune.run import RunResult
+
+    settings = [{"m": ModuleSettings(format="int4-weight-only", group_size=g)} for g in (32, 64, 128, 256)]
+    points = pd.DataFrame(
+        {
+            "size_bytes": [100, 200, 300, 400],
+            "simulated_output_sqnr_db": [20.0, 25.0, 30.0, 35.0],
+            "formats": ["a", "b", "c", "d"],
+            "settings": settings,
+        }
+    )
+    front = mixed.SizeFront(points, pd.DataFrame())
+    broken = {1, 3}  # positions whose real runs fail
+    ran = []
+
+    def apply(chosen, label="", progress=None):
+        at = next(i for i, s in enumerate(settings) if s is chosen)
+        ran.append(at)
+        if at in broken:
+            return RunResult(
+                None, None, math.nan, pd.Series(dtype=float), 0, math.nan, 1.0, error="LoweringError: Missing out variants"
+            )
+        return RunResult(
+            None, None, 20.0 + 5 * at, pd.Series(dtype=float), 100 * (at + 1), 1.0, 1.0, deployed_bytes=100 * (at + 1)
+        )
+
+    targeted = mixed.fit(apply, front, max_size_bytes=450, target_sqnr_db=24.0)
+    assert targeted.ok and ran == [1, 2] and targeted.output_sqnr_db == 30.0
+    assert any("point 2 of the points within the budget failed (LoweringError" in n for n in targeted.notes), targeted.notes
+    assert any("the fit ran point 3 instead" in n for n in targeted.notes)
+    ran.clear()
+    largest = mixed.fit(apply, front, max_size_bytes=450)  # no target: the largest within the budget, else smaller
+    assert largest.ok and ran == [3, 2] and largest.deployed_bytes == 300
+    broken.update({0, 2})
+    ran.clear()
+    failed = mixed.fit(apply, front, max_size_bytes=450)
+    assert not failed.ok and len(ran) == 1 + mixed.MAX_EXTRA_RUNS
+    assert any("no point the fit tried could be run" in n for n in failed.notes)
 
 
 def test_the_chain_walked_in_context_takes_the_step_that_helps_given_the_steps_before():

@@ -81,7 +81,7 @@ def rewritten(first, model, example):
     return program_reuse.rewritten(first.pte, first.structure, structure_of(quantized(model), example))
 
 
-def test_other_int4_values_are_written_into_the_earlier_program_and_it_runs(decoder):
+def test_other_int4_values_are_written_into_the_earlier_program_and_it_runs(decoder, shortcuts_as_taken):
     model, example, first = decoder
     program_reuse.LOWERED[first.structure.key] = first
     other = quantized(with_weights(model, proj=1.03))  # every Linear's int4 values and scales move, the twins alike
@@ -97,7 +97,9 @@ def test_other_int4_values_are_written_into_the_earlier_program_and_it_runs(deco
     assert fresh.reused == "" and fresh.pte == program.pte
 
 
-def test_constants_outside_the_delegates_are_written_into_the_earlier_edge_program_and_serialised_again(decoder):
+def test_constants_outside_the_delegates_are_written_into_the_earlier_edge_program_and_serialised_again(
+    decoder, shortcuts_as_taken
+):
     model, example, first = decoder
     program_reuse.LOWERED[first.structure.key] = first
     assert first.edge is not None  # a decoder's edge program kept beside its program

@@ -66,7 +66,7 @@ def test_a_calibration_and_a_metric_under_inference_mode_or_no_grad_give_what_pl
     assert sqnr == plain_sqnr and value is not None
 
 
-def test_an_input_made_under_inference_mode_is_worked_out_for_each_reader():
+def test_an_input_made_under_inference_mode_is_worked_out_for_each_reader(shortcuts_as_taken):
     memo, calls = SameInput(), []
 
     def work(x):
@@ -99,7 +99,9 @@ def test_the_check_mode_computes_a_kept_answer_again_and_names_the_shortcut_that
     assert torch.equal(memo.of(x, lambda: x * 3), torch.full((3,), 2.0))  # off: the kept answer, unchecked
 
 
-def test_a_metric_that_reads_the_whole_model_is_simulated_once_a_variant_and_checked_again_in_the_check_mode(monkeypatch):
+def test_a_metric_that_reads_the_whole_model_is_simulated_once_a_variant_and_checked_again_in_the_check_mode(
+    monkeypatch, shortcuts_as_taken
+):
     model, batches = tiny_llama()
     calls = []
 

@@ -498,7 +498,9 @@ def test_a_real_run_gathers_gptq_inputs_in_runs_of_modules_and_gets_the_same_mod
         )
 
 
-def test_a_real_run_takes_the_gptq_weights_the_simulation_found_and_gets_the_model_it_computes_itself(monkeypatch):
+def test_a_real_run_takes_the_gptq_weights_the_simulation_found_and_gets_the_model_it_computes_itself(
+    monkeypatch, shortcuts_as_taken
+):
     import qreport_widgets.tune.runner as runner
 
     model, batches = tiny_llama()
@@ -562,7 +564,7 @@ def _statistics(model, fqn, batches):
     return statistics[fqn]
 
 
-def test_a_session_given_another_sessions_engine_with_other_calibration_data_computes_its_own_gptq_weights():
+def test_a_session_given_another_sessions_engine_with_other_calibration_data_computes_its_own_gptq_weights(shortcuts_as_taken):
     model, batches = tiny_llama()
     first = qw.analyze(model, batches[0], batches[:3], eval_data=batches[4:], engine="eager", format=INT4, progress=False)
     settings = {fqn: int4(32, "gptq") for fqn in linear_names(first.session)}

@@ -306,7 +306,7 @@ def lower(
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", UserWarning)
             fixed_rows = None if exported is not None else _fixed_batch(partitioner, example_inputs)
-            exported = exported or _exported(model, example_inputs, free_batch=fixed_rows is None)
+            exported = _fusable_embeddings(exported or _exported(model, example_inputs, free_batch=fixed_rows is None))
             step = "comparing the graph with the programs lowered before"
             shape = program_reuse.structure(exported, partitioner, fuse_quantized_ops)
             earlier = program_reuse.LOWERED.get(shape.key)
@@ -438,7 +438,7 @@ def program_taps(program: DeployedProgram, names: Sequence[str]) -> ProgramTaps:
         with torch_warnings_hidden(), quiet_runtime(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fixed_rows = _fixed_batch(partitioner, example_inputs)
-            untapped = _exported(program.reference, example_inputs, free_batch=fixed_rows is None)
+            untapped = _fusable_embeddings(_exported(program.reference, example_inputs, free_batch=fixed_rows is None))
             exported, specs = tap_intermediate_outputs_(untapped, rules=[rule])
             chosen = _dynamic_partitioner(api) if partitioner == DYNAMIC else api.XnnpackPartitioner()
             edge = api.to_edge_transform_and_lower(exported, partitioner=[chosen], compile_config=api.edge_compile_config())
@@ -539,6 +539,30 @@ def _fixed_batch(partitioner: str, example_inputs: tuple[Any, ...]) -> int | Non
     """The batch a program lowered with ``partitioner`` is exported at (a decoder's, ``DYNAMIC``: the
     example's rows, ``_exported_as_is``); None where the batch is left free."""
     return batch_rows(list(example_inputs)) if partitioner == DYNAMIC else None
+
+
+def _fusable_embeddings(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``exported`` (changed in place) with each quantized embedding's lookup called on its weight and
+    indices alone. An ``nn.Embedding`` with a ``padding_idx`` (a Hugging Face decoder whose config names a
+    pad token: ``LlamaModel`` passes it on) exports ``aten.embedding(weight, ids, padding_idx)``, which
+    ExecuTorch's fusion of torchao's dequantize-then-embedding into ``embedding_4bit`` / ``embedding_byte``
+    does not match (its pattern has two arguments): ``dequantize_affine`` was left in the program, which
+    then failed to serialise ("Missing out variants"). The padding index, like ``scale_grad_by_freq``
+    and ``sparse``, shapes only the gradient: the lookup's values are the same."""
+    changed = False
+    for node in exported.graph.nodes:
+        weight = node.args[0] if node.target is torch.ops.aten.embedding.default else None
+        if isinstance(weight, torch.fx.Node) and len(node.args) > 2 and weight.target is _dequantize_affine():
+            node.args = node.args[:2]
+            changed = True
+    if changed:
+        exported.graph_module.recompile()
+    return exported
+
+
+def _dequantize_affine() -> Any:
+    ops = getattr(torch.ops, "torchao", None)
+    return getattr(getattr(ops, "dequantize_affine", None), "default", None)
 
 
 def _exported(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, free_batch: bool) -> torch.export.ExportedProgram:

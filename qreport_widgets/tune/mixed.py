@@ -654,23 +654,40 @@ def fit(
     at = first.at  # smallest meeting, or the largest that fits
     runs = 0
     result = apply(fitting.iloc[at]["settings"], label=label, progress=progress)
-    while runs < MAX_EXTRA_RUNS and result.ok:  # the real run misses: step along the front
-        if not fits(result) and at > 0:
+    failed: dict[int, str] = {}  # points whose real run failed (the target could not build them), and why
+    while runs < MAX_EXTRA_RUNS:  # the real run failed or misses: step along the front
+        if not result.ok:
+            failed[at] = result.error or "failed"
+            found = _untried(at, failed, len(fitting), larger_first=targeted)
+            if found is None:
+                break
+            at = found
+        elif not fits(result) and at > 0:
             at -= 1
         elif targeted and not meets(result.output_sqnr_db, result.eval_metric) and at + 1 < len(fitting):
             at = _corrected_step(fitting, at, result, meets)
         else:
             break
+        if at in failed:
+            break
         runs += 1
         result = apply(fitting.iloc[at]["settings"], label=label, progress=progress)
-    if targeted and result.ok and meets(result.output_sqnr_db, result.eval_metric) and at > 0 and target_metric is None:
+    closer = targeted and target_metric is None and at > 0 and at - 1 not in failed
+    if closer and result.ok and meets(result.output_sqnr_db, result.eval_metric):
         smaller = fitting.iloc[at - 1]  # within the simulation's error of the target: it may meet it for real
         if smaller["simulated_output_sqnr_db"] >= target_sqnr_db - SIMULATION_ERROR_DB:
             run = apply(smaller["settings"], label=label, progress=progress)
             if run.ok and meets(run.output_sqnr_db, run.eval_metric) and fits(run):
                 result, at = run, at - 1
+    failures = tuple(
+        f"the real run of point {point + 1} of the points within the budget failed ({why.strip().splitlines()[-1][:300]})"
+        for point, why in failed.items()
+    )
+    if failed:
+        failures += (f"the fit ran point {at + 1} instead" if result.ok else "no point the fit tried could be run",)
     if not result.ok:
-        return result
+        return result.noted(*failures)
+    result = result.noted(*failures)
     point = fitting.iloc[at]
     verdicts = []
     if max_size_bytes is not None:
@@ -788,6 +805,18 @@ def _simulated_rank(
     metric = None if metric is None or pd.isna(metric) else float(metric)
     goal = (max_size_bytes, target_sqnr_db, target_metric)
     return _rank(True, point["size_bytes"], point["simulated_output_sqnr_db"], metric, *goal, measures or Metric())
+
+
+def _untried(at: int, failed: Mapping[int, str], count: int, larger_first: bool) -> int | None:
+    """The point to run after point ``at``'s real run failed: the nearest one not failed yet, the
+    larger side first where the fit has a target (a larger point meets it too), else the smaller (a
+    smaller point fits the budget too); None where every point failed."""
+    sides = [range(at + 1, count), range(at - 1, -1, -1)]
+    for side in sides if larger_first else sides[::-1]:
+        for point in side:
+            if point not in failed:
+                return point
+    return None
 
 
 def _corrected_step(fitting: pd.DataFrame, at: int, result: RunResult, meets: Callable[[float, float | None], bool]) -> int:
