@@ -221,6 +221,12 @@ class Engine(ABC, Generic[ConfigT]):
         )
 
     # ---- mixed precision (mixed.py) -------------------------------------------------------------
+    def unbuildable(self, float_module: torch.nn.Module, choice: ModuleSettings) -> str:
+        """Why the target cannot build ``float_module`` in ``choice`` (a size choice), "" where it can:
+        a front never ranks a point that holds it. Default: "" (the engine's kernels take every choice
+        it offers)."""
+        return ""
+
     def size_choices(self, module: TunableModule) -> list[ModuleSettings]:
         """What the size front may give ``module``, its starting settings first: each changes its
         deployed size. Default (int8 engines): a quantized module with weights stays as it starts,

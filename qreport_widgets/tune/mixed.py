@@ -236,7 +236,14 @@ def size_front(
     engine, modules = runner.engine, runner.modules
     broken = set(real.truth(quiet).disagreeing)
     choices = {m.fqn: engine.size_choices(m) or _kernel_fix(m, broken) for m in modules}
-    choices = {fqn: found for fqn, found in choices.items() if found}
+    refused: dict[str, list[str]] = {}  # what the target cannot build: the reason -> "module in choice"
+    for fqn, found in choices.items():
+        for choice in found[1:]:
+            why = engine.unbuildable(runner.float_model.get_submodule(fqn), choice)
+            if why:
+                refused.setdefault(why, []).append(f"{fqn} in {choice_words(choice)}")
+                found.remove(choice)
+    choices = {fqn: found for fqn, found in choices.items() if len(found) > 1}
     if not choices:
         raise QReportError("no module can change its size on this engine's configuration (nothing quantized has weights)")
     baseline = real.baseline(progress)
@@ -260,7 +267,12 @@ def size_front(
     each_alone = simulated.simulate_each(variants, progress, "size front: each choice alone", metric=False, **ranking)
     (start_db, _), *measured = each_alone
     each = dict(zip(whole, measured, strict=True))
-    notes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = tuple(
+        f"the size front left out what the target cannot build ({why}): "
+        + ", ".join(held[:4])
+        + (", ..." if len(held) > 4 else "")
+        for why, held in refused.items()
+    )
     if estimate:  # the units are the modules
         each |= _estimated_alone(runner, simulated, choices, start, each, start_db, progress, ranked_on)
         notes = tuple(

@@ -22,7 +22,7 @@ from ...core.calibration import call_with
 from ...core.devices import CPU, copy_on, model_device, moved
 from ...core.memory import give_back, shared_copy
 from ...core.metrics import layer_sqnr_db, sqnr_db
-from ...core.progress import Progress
+from ...core.progress import Progress, quiet
 from ...core.shortcuts import Shortcut, checking, confirmed, tensors_equal
 from ...errors import DecodeSpeedError, InvalidSettingsError, QReportError
 from ...observe.graph import OBSERVER_CONTAINER
@@ -417,6 +417,31 @@ class EagerEngine(Engine[EagerConfig]):
             return len(quantized.pte)
         return super().stored_bytes(quantized)
 
+    def unbuildable(self, float_module: nn.Module, choice: ModuleSettings) -> str:
+        """On XNNPACK, whether ExecuTorch builds a program of ``float_module`` in ``choice``: a few rows
+        of the module, as it is otherwise (its kind, width, dtype, padding index, bias and hooks),
+        quantized and lowered, once in the process per such kind of module and format (the
+        algorithm, the group size and the rows change the values, not the program's ops: a second
+        and a half each, a handful a decoder); the reason it failed, else "". On x86, torchao's
+        kernels run every choice: ""."""
+        if self.target != XNNPACK or choice.keep_float or not isinstance(float_module, (nn.Linear, nn.Embedding)):
+            return ""
+        weight = float_module.weight
+        hooks = (*float_module._forward_hooks.values(), *float_module._forward_pre_hooks.values())
+        kind = (
+            type(float_module),
+            weight.shape[1],
+            weight.dtype,
+            getattr(float_module, "bias", None) is not None,
+            getattr(float_module, "padding_idx", None) is not None,
+            tuple(getattr(hook, "__qualname__", repr(hook)) for hook in hooks),
+            self.target,
+            choice.format,
+        )
+        if kind not in _BUILDABLE:
+            _BUILDABLE[kind] = _built(float_module, replace(choice, algorithm=""), self.target)
+        return _BUILDABLE[kind]
+
     def size_choices(self, module: TunableModule) -> list[ModuleSettings]:
         """Float and every format the module takes, with each group size its rows divide into and,
         for the int4 format the target ships, each weight algorithm it takes (on x86 int4
@@ -671,6 +696,39 @@ def _quantized_bytes(module: nn.Module, choice: ModuleSettings, target: str = X8
     if not choice.keep_float:
         torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}, target).fqn_to_config(), filter_fn=None)
     return deployed_bytes(holder)
+
+
+# ``EagerEngine.unbuildable`` per kind of module and format in this process ("" where a program was built)
+_BUILDABLE: dict[tuple, str] = {}
+
+
+def _built(float_module: nn.Linear | nn.Embedding, choice: ModuleSettings, target: str) -> str:
+    """Why a few rows of ``float_module`` in ``choice`` do not lower to a program, "" where they do."""
+    rows = max(2 * max(choice.group_size, 32), (getattr(float_module, "padding_idx", None) or 0) + 1)
+    rows = min(rows, float_module.weight.shape[0])
+    probe = copy.copy(float_module)  # the module's own forward, attributes and hooks, a few rows of its weight
+    probe._parameters, probe._buffers = dict(float_module._parameters), {k: v.to(CPU) for k, v in float_module._buffers.items()}
+    probe._forward_hooks, probe._forward_pre_hooks = (
+        copy.copy(float_module._forward_hooks),
+        copy.copy(float_module._forward_pre_hooks),
+    )
+    probe.weight = nn.Parameter(float_module.weight.detach()[:rows].to(CPU, copy=True), requires_grad=False)
+    if isinstance(probe, nn.Embedding):
+        probe.num_embeddings = rows
+        inputs: tuple[torch.Tensor, ...] = (torch.arange(8)[None] % rows,)
+    else:
+        probe.out_features = rows
+        if probe.bias is not None:
+            probe.bias = nn.Parameter(float_module.bias.detach()[:rows].to(CPU, copy=True), requires_grad=False)
+        inputs = (torch.randn(1, 8, probe.in_features, dtype=probe.weight.dtype),)
+    holder = nn.Sequential(probe).eval()
+    try:
+        torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}, target).fqn_to_config(), filter_fn=None)
+        lower(holder, inputs, partitioner=DYNAMIC, fuse_quantized_ops=True, progress=quiet)
+    except Exception as error:  # the target's own words: what it could not build
+        cause = error.__cause__ or error
+        return f"{type(cause).__name__}: {' '.join(str(cause).split())[:200]}"
+    return ""
 
 
 def _besides_rows(module: nn.Module) -> int:
