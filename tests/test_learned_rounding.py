@@ -82,6 +82,10 @@ def test_the_first_blocks_inputs_are_recorded_once_a_batch_the_kv_cache_dropped(
 
 
 def test_each_block_ends_no_worse_than_round_to_nearest_on_the_calibration_batches(tiny):
+    """On x86 (the full-range grid, whose start is not round to nearest's values), every block's
+    output error summed over the calibration batches, from the inputs the learned blocks before it
+    give, is no more than torchao's round to nearest's on those same inputs; the first block's,
+    strictly less; and the whole model's logits closer to float."""
     model, batches, inputs = tiny
     names = block_linears(model)
     original = {k: v.clone() for k, v in model.state_dict().items()}
@@ -89,20 +93,22 @@ def test_each_block_ends_no_worse_than_round_to_nearest_on_the_calibration_batch
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in original.items())  # the float model untouched
     rounded = {fqn: QuantizedWeight(round_to_nearest(model.get_submodule(fqn).weight, 32)) for fqn in names}
     # every block's output error from the inputs the quantized blocks before it give, learned against rounding
-    hidden = {"learned": list(inputs.hidden), "rounded": list(inputs.hidden)}
+    hidden = list(inputs.hidden)  # what the learned blocks before give
     float_hidden = list(inputs.hidden)
+    assert len(inputs.blocks) > 1
     for position, name in enumerate(inputs.blocks):
         float_block = model.get_submodule(name)
-        errors = {}
+        errors, given = {}, {}
         with torch.no_grad():
             target = [learned._call(float_block, h, a) for h, a in zip(float_hidden, inputs.arguments[position], strict=True)]
             for kind, weights in (("learned", found), ("rounded", rounded)):
                 quantized = with_weights(model, weights).get_submodule(name)
-                outputs = [learned._call(quantized, h, a) for h, a in zip(hidden[kind], inputs.arguments[position], strict=True)]
-                errors[kind] = sum(float((o - t).pow(2).sum()) for o, t in zip(outputs, target, strict=True))
-                hidden[kind] = outputs
-        float_hidden = target
-        if position == 0:  # the same inputs for both: the learned values' promise, strictly
+                outputs = [learned._call(quantized, h, a) for h, a in zip(hidden, inputs.arguments[position], strict=True)]
+                errors[kind] = sum(float((o - t).pow(2).sum(dtype=torch.float64)) for o, t in zip(outputs, target, strict=True))
+                given[kind] = outputs
+        float_hidden, hidden = target, given["learned"]
+        assert errors["learned"] <= errors["rounded"] * (1 + 1e-6), (name, errors)  # every block: never worse
+        if position == 0:
             assert errors["learned"] < errors["rounded"]
     # and the whole model's logits on the calibration batches
     reference = [model(*b).logits for b in batches]
@@ -329,3 +335,65 @@ def test_the_whole_model_stage_tunes_the_scales_alone_and_keeps_them_only_where_
     assert note.startswith(learned.TUNING_KEPT) and all(kept[f] is blockwise[f] for f in names)
     # none asked: nothing done
     assert learned.tune_scales(model, inputs.calls, blockwise, options=learned.LearnedRounding(epochs=0)) == (blockwise, "")
+
+
+class _Knob:
+    """A block argument that is no tensor (as a flex-attention ``BlockMask`` is): the factor a block scales by."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+
+class _KnobCache(_Knob):
+    """A KV cache by its name that shapes the output: what the replay drops, and its check catches."""
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Linear(32, 32)
+
+    def forward(self, hidden: torch.Tensor, knob: _Knob | None = None) -> torch.Tensor:
+        return hidden + self.mlp(hidden) * (1.0 if knob is None else knob.factor)
+
+
+class _KnobbedDecoder(nn.Module):
+    def __init__(self, knob: _Knob) -> None:
+        super().__init__()
+        self.knob = knob
+        self.embed = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList(_Block() for _ in range(2))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        for layer in self.layers:
+            hidden = layer(hidden, knob=self.knob)
+        return self.head(hidden)
+
+
+def test_a_blocks_argument_that_is_no_tensor_is_replayed_as_given_and_one_not_replayed_is_caught():
+    """The keyword arguments a model gives its blocks are replayed as they were given, objects
+    included (a flex-attention ``BlockMask``; once turned into None, unchecked); a KV cache is dropped,
+    and the first block replayed is checked against what it gave in the model: a dropped argument
+    that changed the output is refused, named."""
+    torch.manual_seed(0)
+    batches = [(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i)),) for i in range(3)]
+    names = {"layers.0.mlp": 32, "layers.1.mlp": 32}
+
+    def recorded_blocks(model):
+        inputs = learned.BlockInputs(model, ["layers.0", "layers.1"])
+        with torch.no_grad():
+            for batch in batches:
+                call_with(model, batch)
+        inputs.close()
+        return inputs
+
+    model = _KnobbedDecoder(_Knob(0.25)).eval()
+    inputs = recorded_blocks(model)
+    assert isinstance(inputs.arguments[0][0]["knob"], _Knob) and not inputs.dropped
+    found = learned.learn_rounding(model, inputs, names, options=learned.LearnedRounding(steps=3), progress=quiet)
+    assert set(found) == set(names)
+    cached = _KnobbedDecoder(_KnobCache(0.25)).eval()
+    with pytest.raises(AlgorithmError, match=r"not replayed: knob.*layers\.0 replayed gives another output"):
+        learned.learn_rounding(cached, recorded_blocks(cached), names, options=learned.LearnedRounding(steps=3), progress=quiet)

@@ -467,8 +467,11 @@ def test_a_ranking_pass_may_read_the_first_rows_of_its_batches_as_if_they_were_t
     assert leading_rows((torch.zeros(1, 3),), 1) is None and leading_rows(torch.tensor(2.0), 1) is None
     assert leading_rows({"ids": torch.zeros(4, 3), "mask": torch.ones(4, 3)}, 2)["mask"].shape == (2, 3)
     # the ranking reads the first rows holding RANKED_POSITIONS tokens; rows shorter than that: the batch whole
-    assert rows_holding((torch.zeros(2, 256),), 256) == 1 and rows_holding((torch.zeros(4, 100),), 256) == 3
-    assert rows_holding((torch.zeros(4, 16),), 256) is None and rows_holding((torch.zeros(4),), 256) is None
+    ids = torch.zeros(2, 256, dtype=torch.long)
+    assert rows_holding((ids,), 256) == 1 and rows_holding((torch.zeros(4, 100, dtype=torch.long),), 256) == 3
+    assert rows_holding((ids[:, :16],), 256) is None and rows_holding((ids[0],), 256) is None
+    # an image batch (its second dimension is channels, not positions) and float features are not cut
+    assert rows_holding((torch.zeros(100, 3, 8, 8),), 256) is None and rows_holding((torch.zeros(4, 100),), 256) is None
     assert mixed._ranked(1, session.parts.runner)["rows"] is None  # the tiny decoder's 4 rows of 16 tokens
     monkeypatch.setattr(mixed, "RANKED_POSITIONS", 32)
     assert mixed._ranked(1, session.parts.runner) == {"batches": 1, "sampled_columns": True, "rows": 2}

@@ -4,6 +4,7 @@ not commute with are refused naming why, and a session's run takes a rotation.""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pandas as pd
@@ -16,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import qreport_widgets as qw
 from qreport_widgets.core.metrics import is_float_output, perplexity, sqnr_db
 from qreport_widgets.core.progress import quiet
-from qreport_widgets.engines import build_engine
+from qreport_widgets.engines import build_engine, rotation
 from qreport_widgets.engines.rotation import ONLINE_HADAMARD, hadamard, matrix_words, random_rotation
 
 
@@ -107,6 +108,11 @@ class PostNormBlock(nn.Module):
         self.self_attn, self.mlp = block.self_attn, block.mlp
         self.input_layernorm, self.post_attention_layernorm = block.input_layernorm, block.post_attention_layernorm
         self.post_feedforward_layernorm = type(block.input_layernorm)(hidden)
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        attended, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        hidden_states = hidden_states + attended
+        return hidden_states + self.post_feedforward_layernorm(self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
 def test_architectures_the_rotations_do_not_commute_with_are_refused_naming_why():
@@ -552,3 +558,61 @@ def test_a_gemma_run_on_x86_carries_r1s_products_and_keeps_their_kronecker_facto
     assert any("turned as the model runs" in note and "the head stays tied" in note for note in rotated.notes)
     # the run is measured against the rotated float model, which computes the original's logits
     assert rotated.output_sqnr_db > 5 and math.isfinite(rotated.output_sqnr_db)
+
+
+def _scaled(output, scale: torch.Tensor):
+    """A block's output times a per-channel ``scale`` (a "layer scale"): what R1 does not commute with."""
+    if isinstance(output, tuple):
+        return (output[0] * scale.to(output[0].dtype), *output[1:])
+    return output * scale.to(output.dtype)
+
+
+def test_a_low_precision_model_is_rotated_its_layout_checked_in_float32_and_its_round_off_against_its_own():
+    """A bfloat16 or float16 decoder is rotated (the rotation computed in float64, the weights rounded
+    back to the model's dtype): its layout is checked on a float32 copy rotated alike, and its output
+    against the float32 model's is held to its own round-off, not float32's (it was refused as a layout
+    the folds do not commute with). A layout that does not commute is refused for that, in any dtype."""
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    for dtype in (torch.bfloat16, torch.float16):
+        model = decoder(64, tied=False).to(dtype)
+        rotated = qw.rotate(model, qw.Rotation(), (ids,))
+        assert next(rotated.parameters()).dtype == dtype
+        wide = copy.deepcopy(model).float()
+        with torch.no_grad():
+            own, found = (sqnr_db(wide(ids).logits, m(ids).logits.float()) for m in (model, rotated))
+        assert 20 < found < 100 and found > own - rotation.LOW_PRECISION_MARGIN_DB
+        scale = torch.linspace(0.5, 1.5, 64, dtype=dtype)  # a layer scale on a block's output: R1 does not commute
+        model.model.layers[0].register_forward_hook(lambda _m, _a, out, s=scale: _scaled(out, s))
+        with pytest.raises(qw.InvalidSettingsError, match=r"in float32, on the example input.*does not commute"):
+            qw.rotate(model, qw.Rotation(), (ids,))
+
+
+def test_rotate_without_example_inputs_checks_itself_on_token_ids_drawn_in_its_vocabulary():
+    model = decoder(64, tied=False)
+    assert qw.rotate(model, qw.Rotation()) is not None
+    model.model.layers[0].register_forward_hook(lambda _m, _a, out: _scaled(out, torch.linspace(0.5, 1.5, 64)))
+    with pytest.raises(qw.InvalidSettingsError, match="changes what this llama model computes"):
+        qw.rotate(model, qw.Rotation())  # once: nothing checked without example inputs
+    plain = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(qw.InvalidSettingsError, match="pass example_inputs="):
+        rotation.check(plain, copy.deepcopy(plain), qw.Rotation())
+
+
+def test_a_rotated_models_state_dict_keeps_its_function_or_is_refused(tmp_path):
+    """R1 and R2 folded whole (a Llama layout): its state dict loaded into a fresh model of the same
+    config computes the rotated function. R4 (computed as the model runs, by a hook reading a buffer):
+    its state dict and ``save_pretrained`` are refused, naming the module and what to do, since a model
+    loaded from them would not run the hook."""
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = decoder(64, tied=True)
+    folded = qw.rotate(model, qw.Rotation(), (ids,))
+    loaded = LlamaForCausalLM(folded.config).eval()
+    loaded.load_state_dict(folded.state_dict())
+    with torch.no_grad():
+        assert sqnr_db(folded(ids).logits, loaded(ids).logits) >= 100 and sqnr_db(model(ids).logits, loaded(ids).logits) >= 100
+    online = qw.rotate(model, qw.Rotation(down=True), (ids,))
+    with pytest.raises(qw.InvalidSettingsError, match=r"model\.layers\.0\.mlp\.down_proj computes a rotation as the model runs"):
+        online.state_dict()
+    with pytest.raises(qw.InvalidSettingsError, match="rotate it again after loading"):
+        online.save_pretrained(tmp_path / "rotated")
+    assert not any((tmp_path / "rotated").glob("*.safetensors"))

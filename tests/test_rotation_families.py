@@ -12,7 +12,7 @@ import torch
 from hf_models import FAMILIES, VOCAB, tiny_family
 
 import qreport_widgets as qw
-from qreport_widgets.engines.rotation import _value_projections
+from qreport_widgets.engines.rotation import _decoder, _value_projections
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -34,10 +34,24 @@ def test_the_readme_names_every_family_built_here():
     assert sorted(readme_rows()) == sorted(FAMILIES)
 
 
+def _trained_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every norm's scale (and bias) moved off its initial 1 (and 0), as a trained
+    model's are: folding a norm into its readers then changes them."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in model.modules():
+            if "Norm" in type(module).__name__:
+                for name in ("weight", "bias"):
+                    tensor = getattr(module, name, None)
+                    if isinstance(tensor, torch.Tensor) and tensor.dim() == 1:
+                        tensor.add_(0.3 * torch.randn(tensor.shape, generator=generator))
+    return model
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_takes_the_rotations_the_readme_says_and_refuses_the_others_naming_why(family):
     residual, values = readme_rows()[family]
-    model = tiny_family(family)
+    model = _trained_norms(tiny_family(family))
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     problems = qw.rotation_problems(model)
     assert ("R1" not in problems) == residual and ("R2" not in problems) == values, problems
@@ -46,6 +60,9 @@ def test_each_family_takes_the_rotations_the_readme_says_and_refuses_the_others_
         if applies:
             rotated = qw.rotate(model, asked[name], (ids,))  # refused if its logits moved past float round-off
             assert rotated is not model
+            if name == "R1":  # the stream turned: a Linear reading it takes the norm's scale and Q in its weight
+                before, after = (_decoder(m).norms[0].readers[0].weight for m in (model, rotated))
+                assert not torch.allclose(before, after, atol=1e-3)
             if name == "R2":  # each head's value rows turned, a fused projection's other rows as they were
                 for before, after in zip(_value_projections(model), _value_projections(rotated), strict=True):
                     values_before, values_after = before.writer.weight[before.rows], after.writer.weight[after.rows]

@@ -56,10 +56,11 @@ def leading_rows(batch: Any, rows: int) -> Any | None:
 
 
 def sequence_shape(batch: Any) -> tuple[int, int] | None:
-    """(rows, positions a row) of ``batch``'s first tensor (token ids: ``(rows, length)``), or None
-    where it has no second dimension."""
+    """(rows, positions a row) of a batch of token ids: its first tensor is integers, ``(rows,
+    length)``; None for any other batch (an image batch's second dimension is its channels, not
+    positions)."""
     leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
-    if not leaves or leaves[0].dim() < 2:
+    if not leaves or leaves[0].dim() != 2 or leaves[0].is_floating_point() or leaves[0].is_complex():
         return None
     return int(leaves[0].shape[0]), int(leaves[0].shape[1])
 

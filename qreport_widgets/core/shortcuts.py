@@ -40,6 +40,8 @@ class Shortcut(str, enum.Enum):
     HALVING = "halving (a fit's chain of points halved towards the smallest meeting its target)"
     HISTOGRAM_SEARCHES = "histogram searches (a histogram observer's range search kept by what it reads)"
     TRACED_PATTERNS = "traced patterns (XNNPACK's quantizer's patterns traced once, a copy handed out)"
+    BUILDABLE = "buildable (whether a target builds a module in a format, found once per kind of module and format)"
+    MODULE_BYTES = "module bytes (a module's size read off two quantized copies of its first rows)"
 
 
 class ShortcutMismatchError(QReportError, AssertionError):

@@ -34,8 +34,11 @@ on a block's output where its layout does not say so, a layout it does not know)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -432,9 +435,18 @@ def _residual_problem(decoder: _Decoder) -> str:
 
 def rotate(model: nn.Module, rotation: Rotation = Rotation(), example_inputs: Any = None) -> nn.Module:
     """A copy of ``model`` with ``rotation`` folded into its weights (``model`` is not changed): the
-    same logits to float32 round-off. InvalidSettingsError naming why for a model it does not apply to.
-    With ``example_inputs`` (a batch, or a tuple of the model's arguments) it checks itself: the
-    rotated copy's output against the model's on them, refused below float round-off (``check``)."""
+    same logits to float round-off. InvalidSettingsError naming why for a model it does not apply to.
+    It checks itself (``check``): the rotated copy's output against the model's on ``example_inputs``
+    (a batch, or a tuple of the model's arguments) and on token ids drawn in its embedding's range.
+    A rotation that leaves a product computed as the model runs (``turned_online``) makes a model
+    whose state dict is refused (``online_state_refused``): a checkpoint would not hold it."""
+    rotated = _rotated(model, rotation)
+    check(model, rotated, rotation, example_inputs)
+    return rotated
+
+
+def _rotated(model: nn.Module, rotation: Rotation) -> nn.Module:
+    """``rotate`` without its check."""
     problems = rotation_problems(model)
     wanted = {"R1": rotation.residual, "R2": rotation.values}
     refused = {name: why for name, why in problems.items() if wanted[name]}
@@ -464,26 +476,108 @@ def rotate(model: nn.Module, rotation: Rotation = Rotation(), example_inputs: An
                     "Rotation(down=False)"
                 )
             _rotate_down(decoder, generator)
-    if example_inputs is not None:
-        check(model, rotated, rotation, example_inputs)
+    for module in rotated.modules():
+        if any(name in module._buffers for name in (ONLINE_HADAMARD, *ONLINE_ROTATION)):
+            module.register_state_dict_post_hook(_online_state_refused)
     return rotated
 
 
-def check(model: nn.Module, rotated: nn.Module, rotation: Rotation, example_inputs: Any) -> float:
-    """The rotated model's output SQNR (dB) against ``model``'s on ``example_inputs``; InvalidSettingsError
-    naming the model's family and the gap where it is below float round-off (``FLOAT_ROUNDOFF_DB``): a layout
-    the folds do not commute with, whatever its modules are named."""
-    with torch.no_grad():
-        expected, found = (output_tensor(call_with(m, example_inputs)).float() for m in (model, rotated))
-    found_db = sqnr_db(expected, found)
+# below the model's own round-off in its dtype by more than this, a low-precision model's rotated
+# weights are refused: each weight is rounded again after the rotation, which cost 1 to 2.5 dB on the
+# tiny model of every family of the README's table in bfloat16 and float16 (9.4 dB for Qwen3-MoE in
+# float16, whose routing flips where a rounding moves a router's score)
+LOW_PRECISION_MARGIN_DB = 12.0
+_WIDE = (torch.float32, torch.float64)
+
+
+def check(model: nn.Module, rotated: nn.Module, rotation: Rotation, example_inputs: Any = None) -> float:
+    """The rotated model's output SQNR (dB) against ``model``'s, the least over ``example_inputs``
+    and a batch of token ids drawn in the embedding's range (``_drawn_tokens``); InvalidSettingsError
+    naming the model's family and the gap where it is below float round-off (``FLOAT_ROUNDOFF_DB``): a
+    layout the folds do not commute with, whatever its modules are named. A model in a lower precision
+    (bfloat16, float16) has that checked on a float32 copy rotated alike, then its own rotated output
+    against the float32 model's: refused where its round-off is more than ``LOW_PRECISION_MARGIN_DB``
+    below the unrotated model's own, naming both."""
+    batches = [] if example_inputs is None else [example_inputs]
+    drawn = _drawn_tokens(model)
+    if drawn is not None:
+        batches.append(drawn)
+    if not batches:
+        raise InvalidSettingsError(
+            "rotate() checks the rotated model by its outputs and found no embedding to draw token ids for: pass "
+            "example_inputs= (a batch the model takes)"
+        )
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    wide, wide_rotated = (model, rotated) if dtype in _WIDE else (_widened(model), _rotated(_widened(model), rotation))
+    found_db = min(_sqnr(wide, wide_rotated, batch) for batch in batches)
     if not is_float_output(found_db):
         family = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
         raise InvalidSettingsError(
             f"{rotation.words} changes what this {family} model computes: the rotated model's output is {found_db:.1f} dB "
-            f"from the original's on the example input, where float round-off keeps {FLOAT_ROUNDOFF_DB:.0f} dB or more. "
-            "Its layout does not commute with the rotations; quantize it unrotated"
+            f"from the original's ({'in float32, ' if dtype not in _WIDE else ''}on the example input and drawn tokens), "
+            f"where float round-off keeps {FLOAT_ROUNDOFF_DB:.0f} dB or more. Its layout does not commute with the "
+            "rotations; quantize it unrotated"
+        )
+    if dtype in _WIDE:
+        return found_db
+    own = min(_sqnr(wide, model, batch) for batch in batches)
+    found_db = min(_sqnr(wide, rotated, batch) for batch in batches)
+    if found_db < own - LOW_PRECISION_MARGIN_DB:
+        raise InvalidSettingsError(
+            f"{rotation.words} commutes with this model's layout (checked in float32), but in {dtype} its rotated weights, "
+            f"rounded again, put the output {found_db:.1f} dB from the float32 model's where the model's own {dtype} "
+            f"round-off keeps {own:.1f} dB: rotate a float32 copy (model.float()) and quantize that"
         )
     return found_db
+
+
+def _sqnr(reference: nn.Module, other: nn.Module, batch: Any) -> float:
+    with torch.no_grad():
+        expected, found = (output_tensor(call_with(m, batch)).float() for m in (reference, other))
+    return sqnr_db(expected, found)
+
+
+def _widened(model: nn.Module) -> nn.Module:
+    """A float32 copy of ``model``."""
+    return copy.deepcopy(model).float()
+
+
+def _drawn_tokens(model: nn.Module) -> tuple[torch.Tensor] | None:
+    """A batch of 16 token ids drawn (seeded) in the range of ``model``'s input embedding, where it has one."""
+    getter = getattr(model, "get_input_embeddings", None)
+    embedding = getter() if callable(getter) else None
+    if not isinstance(embedding, nn.Embedding):
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        return None
+    ids = torch.randint(0, embedding.num_embeddings, (1, 16), generator=torch.Generator().manual_seed(0))
+    return (ids.to(embedding.weight.device),)
+
+
+def _online_state_refused(module: nn.Module, state: Any, prefix: str, metadata: Any) -> None:
+    """A state-dict hook on a module a rotation turns as the model runs: its state dict is refused."""
+    if _STATE_READ.get():
+        return
+    raise InvalidSettingsError(
+        f"{prefix.rstrip('.') or 'this module'} computes a rotation as the model runs (a hook reading its buffers "
+        f"{', '.join(n for n in (ONLINE_HADAMARD, *ONLINE_ROTATION) if n in module._buffers)}): a state dict or a "
+        "checkpoint holds the weights and buffers, not the hook, so a model loaded from it would compute something "
+        "else. Save the float model and rotate it again after loading (rotate(model, Rotation(seed=...)) gives this "
+        "model), or use a rotation folded in whole (R1 and R2 on a Llama-layout model with an untied head, without R4)"
+    )
+
+
+_STATE_READ: contextvars.ContextVar[bool] = contextvars.ContextVar("rotated state read", default=False)
+
+
+@contextlib.contextmanager
+def state_read() -> Iterator[None]:
+    """Within: a rotated model's state dict is read (to count its bytes), not refused."""
+    token = _STATE_READ.set(True)
+    try:
+        yield
+    finally:
+        _STATE_READ.reset(token)
 
 
 # ---- the layout ----------------------------------------------------------------------------------

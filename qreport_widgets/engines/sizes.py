@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .rotation import state_read
 from .settings import ModuleSettings
 
 SCALE_BYTES = 4  # a float32 scale (torch stores per-channel scales as float64; a packed layout as float32)
@@ -24,7 +25,8 @@ def packed_bytes(model: nn.Module) -> int:
     """``model``'s state as a packed layout stores it (see the module's docstring); a tensor shared
     by two names counts once."""
     seen: set[tuple[int, int]] = set()
-    return sum(_tensor_bytes(t, seen) for t in _tensors(model.state_dict().values()))
+    with state_read():  # a rotated model's, counted
+        return sum(_tensor_bytes(t, seen) for t in _tensors(model.state_dict().values()))
 
 
 def weight_bytes(module: nn.Module, choice: ModuleSettings) -> int:
@@ -80,5 +82,6 @@ class _Counted(io.RawIOBase):
 def saved_bytes(model: nn.Module) -> int:
     """The bytes ``torch.save`` writes for the state dict (counted as written, not held)."""
     counted = _Counted()
-    torch.save(model.state_dict(), counted)
+    with state_read():  # a rotated model's, counted
+        torch.save(model.state_dict(), counted)
     return counted.count

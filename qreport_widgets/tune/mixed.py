@@ -660,7 +660,8 @@ def fit(
         where = f" within {_kb(max_size_bytes)}" if max_size_bytes is not None else ""
         target = target_words(target_sqnr_db, target_metric, measures)
         return result.noted(
-            f"{target} is out of reach{where}: even in simulation the best is {_point_words(best, measures)}; "
+            f"{target} is out of reach{where} on the front: its best point there in simulation is {_point_words(best, measures)} "
+            f"(the front's points are chosen by output SQNR{', which the metric need not follow' if target_metric is not None else ''}); "
             f"this run is that point, {_run_words(result, target_sqnr_db, measures)}"
         )
     at = first.at  # smallest meeting, or the largest that fits

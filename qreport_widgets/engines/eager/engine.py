@@ -9,6 +9,8 @@ with int8 weights, int8 or group-wise int4 weight-only, dynamic int8 with int4 w
 from __future__ import annotations
 
 import copy
+import functools
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -438,8 +440,13 @@ class EagerEngine(Engine[EagerConfig]):
             self.target,
             choice.format,
         )
+        probed = functools.partial(_built, float_module, replace(choice, algorithm=""), self.target)
         if kind not in _BUILDABLE:
-            _BUILDABLE[kind] = _built(float_module, replace(choice, algorithm=""), self.target)
+            _BUILDABLE[kind] = probed()
+        elif checking(self.checks_shortcuts):
+            confirmed(
+                Shortcut.BUILDABLE, _BUILDABLE[kind], probed, operator.eq, f"{type(float_module).__name__} in {choice.format}"
+            )
         return _BUILDABLE[kind]
 
     def size_choices(self, module: TunableModule) -> list[ModuleSettings]:
@@ -480,13 +487,19 @@ class EagerEngine(Engine[EagerConfig]):
             counted = replace(choice, algorithm="") if choice.algorithm in DATA_ALGORITHMS else choice
             extra = weight.shape[1] * weight.element_size() if choice.algorithm == AWQ and self.target != XNNPACK else 0
             rows = weight.shape[0]
+            whole = functools.partial(_quantized_bytes, float_module, counted, self.target)
             if isinstance(float_module, (nn.Linear, nn.Embedding)) and rows > 2 * SIZE_ROWS:
                 few, more = (
                     _quantized_bytes(rows_of(float_module, slice(n)), counted, self.target) for n in (SIZE_ROWS, 2 * SIZE_ROWS)
                 )
-                self._sizes[key] = few + (more - few) * (rows - SIZE_ROWS) // SIZE_ROWS + extra + _besides_rows(float_module)
+                found = few + (more - few) * (rows - SIZE_ROWS) // SIZE_ROWS + _besides_rows(float_module)
+                if checking(self.checks_shortcuts):  # the whole module quantized and counted
+                    confirmed(
+                        Shortcut.MODULE_BYTES, found, whole, operator.eq, f"{tuple(weight.shape)} in {choice.quantized_format}"
+                    )
+                self._sizes[key] = found + extra
             else:
-                self._sizes[key] = _quantized_bytes(copy.deepcopy(float_module), counted, self.target) + extra
+                self._sizes[key] = whole() + extra
                 give_back()
         return self._sizes[key]
 
@@ -691,8 +704,8 @@ def _inputs_of(example_inputs: Any) -> Any:
 
 
 def _quantized_bytes(module: nn.Module, choice: ModuleSettings, target: str = X86) -> int:
-    """``module`` (a copy: it is quantized in place) in ``choice``, counted as ``deployed_bytes``."""
-    holder = nn.Sequential(module)
+    """``module`` (a copy of it is quantized) in ``choice``, counted as ``deployed_bytes``."""
+    holder = nn.Sequential(copy.deepcopy(module))
     if not choice.keep_float:
         torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}, target).fqn_to_config(), filter_fn=None)
     return deployed_bytes(holder)

@@ -51,9 +51,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils._pytree import tree_leaves
 
+from ...core.metrics import FLOAT_ROUNDOFF_DB, sqnr_db
 from ...core.progress import Progress, steps
 from ..settings import GPTQ, LEARNED, RTN, module_blocks
-from .algorithms import QMAX, QMIN, AlgorithmError, QuantizedWeight, choose, gptq, int4_tensor, recording
+from .algorithms import QMAX, QMIN, AlgorithmError, QuantizedWeight, choose, gptq, int4_tensor, recording, round_to_nearest
 from .formats import GROUPED_FORMATS, INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, XNNPACK, fake_quantized_tokens
 
 # signed gradient steps a block, each on this many calibration batches, from round to nearest's
@@ -97,14 +98,17 @@ def _refuse_outside(learned: Iterable[str], blocks: list[str]) -> None:
         raise AlgorithmError(f"learned rounding works on a decoder's blocks; {', '.join(outside)} sit in none: choose GPTQ there")
 
 
+def _is_cache(value: Any) -> bool:
+    """Whether ``value`` is a KV cache (transformers' ``Cache`` and its kin): state the model writes
+    into as it runs, which a block replayed on a batch again must not read or grow."""
+    return any(cls.__name__.endswith("Cache") for cls in type(value).__mro__)
+
+
 def _kept_argument(value: Any) -> Any:
-    """A block's keyword argument as it is replayed: tensors and plain values kept (not copied: a
-    model hands every block the same masks and rotary tables), anything else (a KV cache) None."""
-    if value is None or isinstance(value, torch.Tensor | bool | int | float | str):
-        return value
-    if isinstance(value, tuple | list) and all(isinstance(v, torch.Tensor) for v in value):
-        return value
-    return None
+    """A block's keyword argument as it is replayed, kept as given (not copied: a model hands every
+    block the same masks and rotary tables; a flex-attention ``BlockMask`` too), a KV cache None.
+    ``learn_rounding`` checks the first block replayed with them gives what the model gave."""
+    return None if _is_cache(value) else value
 
 
 class BlockInputs:
@@ -118,6 +122,8 @@ class BlockInputs:
         self.chained = True  # each block read what the one before it wrote (checked on the first batch)
         self.calls: list[tuple[tuple, dict[str, Any]]] = []  # the model's own inputs a batch (the whole-model stage)
         self._last_output: torch.Tensor | None = None
+        self.first_output: torch.Tensor | None = None  # the first block's output on the first batch, as the model ran it
+        self.dropped: set[str] = set()  # the keyword arguments not replayed (a KV cache)
         self._handles = [model.register_forward_pre_hook(self._called, with_kwargs=True)]
         for position, name in enumerate(blocks):
             module = model.get_submodule(name)
@@ -138,15 +144,18 @@ class BlockInputs:
             elif len(self.hidden) == 1 and (self._last_output is None or not torch.equal(self._last_output, hidden)):
                 self.chained = False
             rest = {k: _kept_argument(v) for k, v in kwargs.items() if k != "hidden_states"}
+            self.dropped.update(k for k, v in kwargs.items() if _is_cache(v))
             rest.update({f"#{i}": a for i, a in enumerate(args[1:], 1)})  # positional ones, by place
             self.arguments[position].append(rest)
 
         return hook
 
-    def _after(self, _position: int) -> Callable:
+    def _after(self, position: int) -> Callable:
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
             if len(self.hidden) == 1:
                 self._last_output = _hidden_of(output).detach()
+                if position == 0 and self.first_output is None:
+                    self.first_output = self._last_output.clone()
 
         return hook
 
@@ -163,6 +172,7 @@ class BlockInputs:
         for mine, theirs in zip(self.arguments, other.arguments, strict=True):
             mine.extend(theirs)
         self.chained = self.chained and other.chained
+        self.dropped |= other.dropped
         return self
 
     def __getstate__(self) -> dict[str, Any]:  # sent across ranks without its hooks
@@ -258,8 +268,15 @@ class _Rounding:
         return self.start, torch.ones_like(self.largest)
 
     def result(self, group_size: int, dtype: torch.dtype, chosen: tuple[torch.Tensor, torch.Tensor]) -> QuantizedWeight:
+        """The int4 weight of ``chosen`` (offsets, clipping), checked to lie on the int4 grid: whole
+        values in [-8, 7] and finite, non-zero group scales (in ``dtype``, as the run stores them)."""
         with torch.no_grad():
             values, scale = self.values(*chosen)
+        stored = scale.to(dtype)
+        if not (torch.equal(values, values.round()) and bool(((values >= QMIN) & (values <= QMAX)).all())):
+            raise AlgorithmError("learned rounding: its values left the int4 grid (whole numbers in [-8, 7]); please report it")
+        if not bool((torch.isfinite(stored) & (stored != 0)).all()):
+            raise AlgorithmError(f"learned rounding: a group scale is zero or not finite in {dtype}; please report it")
         return QuantizedWeight(int4_tensor(values.reshape(self.weight.shape[0], -1), scale, group_size, dtype))
 
 
@@ -388,6 +405,7 @@ def learn_rounding(
             "wrote (blocks: " + ", ".join(inputs.blocks[:3]) + ", ...): choose GPTQ for these Linears"
         )
     _refuse_outside(learned, inputs.blocks)
+    _check_replay(model, inputs)
     signed = options.signed(target)
     found: dict[str, QuantizedWeight] = {}
     float_in = list(inputs.hidden)
@@ -409,6 +427,23 @@ def learn_rounding(
             float_in = float_out
             step()
     return found
+
+
+def _check_replay(model: nn.Module, inputs: BlockInputs) -> None:
+    """The first block called alone on the first batch with the arguments recorded gives what it gave
+    inside the model (to float round-off); AlgorithmError naming what was not replayed otherwise."""
+    if inputs.first_output is None:
+        return
+    with torch.no_grad():
+        replayed = _call(model.get_submodule(inputs.blocks[0]), inputs.hidden[0], inputs.arguments[0][0])
+    found = sqnr_db(inputs.first_output.float(), replayed.float())
+    if found < FLOAT_ROUNDOFF_DB:
+        dropped = f" (not replayed: {', '.join(sorted(inputs.dropped))})" if inputs.dropped else ""
+        raise AlgorithmError(
+            f"learned rounding replays the model block by block with the arguments the model gave each block{dropped}, "
+            f"and {inputs.blocks[0]} replayed gives another output than in the model ({found:.1f} dB): choose GPTQ for "
+            "these Linears"
+        )
 
 
 def _learn_block(
@@ -448,26 +483,24 @@ def _learn_block(
                     best, least = {fqn: r.snapshot() for fqn, r in roundings.items()}, total
                 for rounding in roundings.values():
                     rounding.step(options.step_size(step))
-            # the last step's values too, then the choice against the start on every batch
-            candidates = {
-                "start": {fqn: r.beginning for fqn, r in roundings.items()},
-                "learned": best,
-                "last": {fqn: r.snapshot() for fqn, r in roundings.items()},
-            }
-            errors = {
-                key: _block_error(block, roundings, chosen, quant_in, float_out, arguments)
-                for key, chosen in candidates.items()
-                if chosen is not None
-            }
     finally:
         for p in parameters:
             p.requires_grad_(True)
-    choice = min(errors, key=errors.get)
-    chosen = candidates[choice]
-    found = {fqn: r.result(own[fqn], floats[fqn].dtype, chosen[fqn]) for fqn, r in roundings.items()}
-    if choice == "start" and not starts and not signed:  # round to nearest, kept as such (``QuantizedWeight.compact``)
-        return {fqn: replace(q, note=KEPT) for fqn, q in found.items()}
-    return found
+    # torchao's round to nearest (what the run gives without the learned rounding), the start (GPTQ's
+    # values, or the full-range grid before any step), the best step's values and the last step's: each
+    # as the run would hold it, judged on the block's output error summed over every calibration batch
+    nearest = {fqn: QuantizedWeight(round_to_nearest(floats[fqn], group), None, KEPT) for fqn, group in own.items()}
+    candidates = {"round to nearest": nearest}
+    for key, chosen in (("start", {fqn: r.beginning for fqn, r in roundings.items()}), ("learned", best)):
+        if chosen is not None and (key != "start" or starts or signed):  # an unsigned start is round to nearest
+            candidates[key] = {fqn: r.result(own[fqn], floats[fqn].dtype, chosen[fqn]) for fqn, r in roundings.items()}
+    candidates["last"] = {fqn: r.result(own[fqn], floats[fqn].dtype, r.snapshot()) for fqn, r in roundings.items()}
+    errors = {
+        key: _block_error(block, name, {**others, **{fqn: q.dequantize(torch.float32) for fqn, q in found.items()}}, dynamic,
+                          quant_in, float_out, arguments)
+        for key, found in candidates.items()
+    }  # fmt: skip
+    return candidates[min(errors, key=errors.get)]  # round to nearest on a tie
 
 
 def _gptq_starts(
@@ -490,26 +523,19 @@ def _gptq_starts(
 
 def _block_error(
     block: nn.Module,
-    roundings: Mapping[str, _Rounding],
-    chosen: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    name: str,
+    weights: Mapping[str, torch.Tensor],
+    dynamic: Mapping[str, bool],
     quant_in: list[torch.Tensor],
     float_out: list[torch.Tensor],
     arguments: list[dict[str, Any]],
 ) -> float:
-    """The block's summed squared output error on every batch with ``chosen`` offsets and
-    clipping, the block's Linears already swapped by the caller."""
-    saved = {fqn: r.snapshot() for fqn, r in roundings.items()}
+    """The block's squared output error summed over every batch, its Linears ``weights`` names
+    multiplying by those (dequantized) weights, their inputs rounded where ``dynamic`` says."""
     total = 0.0
-    with torch.no_grad():
-        for fqn, r in roundings.items():
-            offset, clip = chosen[fqn]
-            r.offset.copy_(offset)
-            r.clip.copy_(clip)
+    with torch.no_grad(), _linears_as(block, name, {fqn: _constant(w) for fqn, w in weights.items()}, dynamic):
         for hidden, target, argument in zip(quant_in, float_out, arguments, strict=True):
             total += float((_call(block, hidden, argument).float() - target.float()).pow(2).sum(dtype=torch.float64))
-        for fqn, r in roundings.items():
-            r.offset.copy_(saved[fqn][0])
-            r.clip.copy_(saved[fqn][1])
     return total
 
 
