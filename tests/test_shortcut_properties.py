@@ -11,7 +11,8 @@
   the check mode: every GPTQ weight taken as found before is computed afresh and compared, every
   input shared by the Linears that read it quantized again, every known variant simulated again.
 
-``QREPORT_PROPERTY_EXAMPLES`` sets the number of examples (each example is several lowerings).
+``QREPORT_PROPERTY_EXAMPLES`` sets the number of examples of each (``make test``: 5 runs of programs,
+each several lowerings of seconds; 30 runs of applies).
 """
 
 from __future__ import annotations
@@ -167,7 +168,6 @@ def decoder_session():
 def test_random_applies_take_only_what_a_fresh_computation_gives(decoder_session, applies, monkeypatch):
     monkeypatch.setenv(shortcuts.ENVIRONMENT, "1")
     session = decoder_session
-    before = sum(shortcuts.CHECKED.values())
     for apply in applies:
         settings_ = {}
         for block in ("model.layers.0", "model.layers.1"):
@@ -182,5 +182,4 @@ def test_random_applies_take_only_what_a_fresh_computation_gives(decoder_session
                 settings_[f"{block}.{apply['float']}"] = ModuleSettings(keep_float=True)
         run = session.apply(settings_, rotation=qw.Rotation() if apply["rotated"] else None)
         assert run.ok, run.error
-        session.simulate(Variant(settings=tuple(settings_.items())))
-    assert sum(shortcuts.CHECKED.values()) > before  # shortcuts were taken, and each checked
+        session.simulate(Variant(settings=tuple(settings_.items())))  # a variant known, once simulated before
