@@ -181,6 +181,7 @@ LONGEST_FIRST = (  # each 80 to 450 s of one worker in `make test` on 2 cores, l
     "test_distributed.py",
     "test_xnnpack.py",
     "test_program_reuse.py",
+    "test_shortcut_properties.py",
     "test_pt2e_engine.py",
     "test_untunable_weights.py",
     "test_learned_rounding.py",
@@ -215,6 +216,7 @@ def pytest_collection_modifyitems(config, items):
 # lowering's time) asks for ``shortcuts_as_taken``: the check mode spends it again by design.
 CHECKED_FILES = (
     "test_program_reuse.py",
+    "test_shortcut_properties.py",
     "test_eager_xnnpack.py",
     "test_xnnpack.py",
     "test_text_decoder.py",

@@ -92,6 +92,9 @@ class FakeRunner:
     def calibrate_quietly(self, model) -> None:
         pass
 
+    def calibration_key(self) -> str | None:
+        return None  # a calibration the fake engine does not see
+
     def ensure_room(self, step, doing, settings=None) -> None:
         pass  # the fake engine's simulation costs nothing
 

@@ -11,8 +11,8 @@
   the check mode: every GPTQ weight taken as found before is computed afresh and compared, every
   input shared by the Linears that read it quantized again, every known variant simulated again.
 
-``QREPORT_PROPERTY_EXAMPLES`` sets the number of examples of each (``make test``: 5 runs of programs,
-each several lowerings of seconds; 30 runs of applies).
+``QREPORT_PROPERTY_EXAMPLES`` sets the number of examples of each (``make test``: 2 runs of programs,
+each several lowerings of seconds, and 24 in ``make test-slow``; 30 runs of applies).
 """
 
 from __future__ import annotations
@@ -123,12 +123,7 @@ def one_block():
     return model, batches[0]
 
 
-@settings(
-    max_examples=EXAMPLES or 12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
-)
-@given(changes=st.lists(CHANGES, min_size=2, max_size=5))
-def test_every_program_a_lowering_reuses_is_a_fresh_lowerings_bytes(one_block, changes):
-    model, example = one_block
+def _programs_are_fresh(model, example, changes) -> None:
     program_reuse.LOWERED.clear()
     state = {"model": model, "group": 32, "float": "", "embedding": "int4"}
     quantized, program = _program_of(state, example)
@@ -138,6 +133,24 @@ def test_every_program_a_lowering_reuses_is_a_fresh_lowerings_bytes(one_block, c
         if program.reused:  # written into a program lowered before: what a fresh lowering gives
             assert program.pte == _fresh(quantized, example), (changes, program.reused)
     program_reuse.LOWERED.clear()
+
+
+UNHEALTHY = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+
+
+# each example lowers 3-6 programs and each reused one again, seconds each: 2 in make test, 24 in
+# make test-slow (QREPORT_PROPERTY_EXAMPLES sets both)
+@settings(max_examples=EXAMPLES or 2, deadline=None, suppress_health_check=UNHEALTHY)
+@given(changes=st.lists(CHANGES, min_size=2, max_size=5))
+def test_every_program_a_lowering_reuses_is_a_fresh_lowerings_bytes(one_block, changes):
+    _programs_are_fresh(*one_block, changes)
+
+
+@pytest.mark.slow  # about half a minute an example
+@settings(max_examples=EXAMPLES or 24, deadline=None, suppress_health_check=UNHEALTHY)
+@given(changes=st.lists(CHANGES, min_size=2, max_size=5))
+def test_every_program_a_lowering_reuses_is_a_fresh_lowerings_bytes_at_length(one_block, changes):
+    _programs_are_fresh(*one_block, changes)
 
 
 def _applies() -> st.SearchStrategy:
@@ -161,9 +174,7 @@ def decoder_session():
     return report.session
 
 
-@settings(
-    max_examples=EXAMPLES or 12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=EXAMPLES or 30, deadline=None, suppress_health_check=UNHEALTHY)
 @given(applies=st.lists(_applies(), min_size=3, max_size=6))
 def test_random_applies_take_only_what_a_fresh_computation_gives(decoder_session, applies, monkeypatch):
     monkeypatch.setenv(shortcuts.ENVIRONMENT, "1")

@@ -661,7 +661,7 @@ def fit(
         target = target_words(target_sqnr_db, target_metric, measures)
         return result.noted(
             f"{target} is out of reach{where} on the front: its best point there in simulation is {_point_words(best, measures)} "
-            f"(the front's points are chosen by output SQNR{', which the metric need not follow' if target_metric is not None else ''}); "
+            f"(the front's points are chosen by output SQNR{_NOT_FOLLOWED if target_metric is not None else ''}); "
             f"this run is that point, {_run_words(result, target_sqnr_db, measures)}"
         )
     at = first.at  # smallest meeting, or the largest that fits
@@ -818,6 +818,9 @@ def _simulated_rank(
     metric = None if metric is None or pd.isna(metric) else float(metric)
     goal = (max_size_bytes, target_sqnr_db, target_metric)
     return _rank(True, point["size_bytes"], point["simulated_output_sqnr_db"], metric, *goal, measures or Metric())
+
+
+_NOT_FOLLOWED = ", which the metric need not follow"
 
 
 def _untried(at: int, failed: Mapping[int, str], count: int, larger_first: bool) -> int | None:

@@ -38,6 +38,7 @@ class Simulated:
         # (and, where ranking passes read a sample of the output's columns, that sample's size)
         self._known: dict[tuple[Any, Variant], tuple[float, float | None]] = {}
         self._known_version = 0
+        self._confirmed: set[tuple[Any, Variant]] = set()  # known entries the check mode found as computed afresh
         self._head: tuple[str, torch.Tensor] | None = _UNCHECKED  # what ``head_sample`` found
         # (batch, rows or None) -> (columns or None, its reference there): the head's sample, the first rows
         self._parts: dict[tuple[int, int | None], tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -172,7 +173,7 @@ class Simulated:
             raise ValueError("an eval_fn that reads the whole model cannot be simulated on some evaluation batches")
         data = runner.eval_data if batches is None else runner.eval_data[:batches]
         if self._known_version != self.version:
-            self._known, self._known_version = {}, self.version
+            self._known, self._known_version, self._confirmed = {}, self.version, set()
         whole_model = with_metric and not runner.metric_from_outputs  # the user's eval_fn reads the simulated model
         head = self.head_sample() if sampled_columns and not with_metric else None
         cut = self._rows_of(data, rows) if rows is not None and not with_metric else None
@@ -213,8 +214,9 @@ class Simulated:
 
         try:
             self._known.update(zip(new, measured(new, progress), strict=True))
-            if checking(runner.engine.checks_shortcuts):  # those known before, simulated again
-                again = [key for key in dict.fromkeys(keys) if key not in new]
+            if checking(runner.engine.checks_shortcuts):  # those known before, simulated again (each once a version)
+                again = [key for key in dict.fromkeys(keys) if key not in new and key not in self._confirmed]
+                self._confirmed.update(again)
                 confirmed(
                     Shortcut.KNOWN_VARIANTS,
                     [self._known[key] for key in again],

@@ -44,6 +44,7 @@ class BlockReplay:
     def __init__(self, model: nn.Module, modules: Sequence[str], room: int, check: bool = False) -> None:
         self.room = room
         self._check = check  # each output given back also computed and compared (``core.shortcuts``)
+        self._confirmed: dict[int, Any] = {}  # kept outputs the check mode found as computed (held: ids stay theirs)
         found = {}
         for block, members in module_blocks(modules).items():
             if block in members:  # a module of its own (no numbered part): nothing to skip
@@ -63,6 +64,7 @@ class BlockReplay:
     def forget(self) -> None:
         """Drop the kept outputs (the next pass runs whole)."""
         self._kept, self._formats, self._batches = {}, None, ()
+        self._confirmed = {}
 
     @contextlib.contextmanager
     def passes(self, batches: Sequence[Any], formats: Mapping[str, Hashable]) -> Iterator[Callable[[int], None]]:
@@ -106,8 +108,10 @@ class BlockReplay:
             def forward(*args: Any, **kwargs: Any) -> Any:
                 calls[name] += 1
                 self.skipped += 1
-                kept = _copied(self._kept[name][index[0]])
-                if checked:  # the block's own forward on the inputs it is given (themselves given back, or computed)
+                held = self._kept[name][index[0]]
+                kept = _copied(held)
+                if checked and id(held) not in self._confirmed:  # its own forward on its inputs, once a kept output
+                    self._confirmed[id(held)] = held
                     computed = functools.partial(type(block).forward, block, *args, **kwargs)
                     return confirmed(Shortcut.BLOCK_REPLAY, kept, computed, tensors_equal, f"{name}'s output on batch {index[0]}")
                 return kept
@@ -148,6 +152,8 @@ class BlockReplay:
             self.forget()
             return
         self._kept, self._formats, self._batches = kept, dict(formats), tuple(batches)
+        live = {id(output) for outputs in kept.values() for output in outputs}
+        self._confirmed = {at: output for at, output in self._confirmed.items() if at in live}
 
     def order(self, variants: Sequence[Mapping[str, Hashable]]) -> list[int]:
         """Positions of ``variants`` (each module's format) in the order to run them: their formats
