@@ -208,17 +208,17 @@ def pytest_collection_modifyitems(config, items):
                 break
 
 
-# The decoder and XNNPACK tests run in the check mode (core/shortcuts.py): every shortcut their sessions
-# take (a program rewritten, GPTQ weights found before, an input quantized once for its readers, a
-# simulation's known variants and replayed blocks, a fit's halving) also computes its answer afresh and
-# raises where they differ. QREPORT_CHECK_SHORTCUTS set in the environment (0 or 1) decides for every
-# file instead (the Makefile's kernel reruns set 0). A test of what a shortcut saves (a pass not run, a
-# lowering's time) asks for ``shortcuts_as_taken``: the check mode spends it again by design.
+# The decoder tests and the eager engine's XNNPACK tests run in the check mode (core/shortcuts.py; the
+# PT2E engine's, test_xnnpack.py, take twice as long in it, and test their traced patterns against
+# tracing each time themselves): every shortcut their sessions take (a program rewritten, GPTQ weights
+# found before, an input quantized once for its readers, a simulation's known variants and replayed
+# blocks, a fit's halving) also computes its answer afresh and raises where they differ.
+# QREPORT_CHECK_SHORTCUTS set in the environment (0 or 1) decides for every file instead (the
+# Makefile's kernel reruns set 0). A test of what a shortcut saves (a pass not run, a lowering's time)
+# or that lowers afresh itself asks for ``shortcuts_as_taken``: the check mode would spend it again.
 CHECKED_FILES = (
     "test_program_reuse.py",
-    "test_shortcut_properties.py",
     "test_eager_xnnpack.py",
-    "test_xnnpack.py",
     "test_text_decoder.py",
     "test_eager_replay.py",
     "test_weight_algorithms.py",

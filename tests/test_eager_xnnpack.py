@@ -231,7 +231,9 @@ def test_formats_the_program_cannot_run_are_refused_naming_what_it_can(phone_dec
     assert math.isfinite(session.baseline().latency_ms)
 
 
-def test_an_embedding_with_a_padding_index_is_quantized_into_the_program_and_the_front_ranks_only_what_builds(monkeypatch):
+def test_an_embedding_with_a_padding_index_is_quantized_into_the_program_and_the_front_ranks_only_what_builds(
+    monkeypatch, shortcuts_as_taken
+):
     """A decoder whose config names a pad token (SmolLM2's: transformers passes it to the embedding as
     ``padding_idx``), its head tied as ``from_pretrained`` leaves it: each format the front offers the
     embedding lowers (the padding index, which shapes only gradients, once kept ExecuTorch from fusing
