@@ -397,3 +397,26 @@ def test_a_blocks_argument_that_is_no_tensor_is_replayed_as_given_and_one_not_re
     cached = _KnobbedDecoder(_KnobCache(0.25)).eval()
     with pytest.raises(AlgorithmError, match=r"not replayed: knob.*layers\.0 replayed gives another output"):
         learned.learn_rounding(cached, recorded_blocks(cached), names, options=learned.LearnedRounding(steps=3), progress=quiet)
+
+
+def test_a_block_whose_start_is_worse_than_round_to_nearest_keeps_round_to_nearest(tiny):
+    """On x86 the learned rounding starts from the full-range grid (each group's extreme weight on -8),
+    which clips the other side of a group whose largest weights are nearly equal and opposite: there
+    round to nearest is the better start. With no step to learn from, every block keeps torchao's round to
+    nearest (its note saying so), not the start: never worse than round to nearest, as promised."""
+    model, batches, _ = tiny
+    model = copy.deepcopy(model)
+    names = block_linears(model)
+    with torch.no_grad():  # each group of 32: its largest weight +m, five more at -0.99 m
+        for fqn in names:
+            weight = model.get_submodule(fqn).weight
+            groups = weight.view(weight.shape[0], -1, 32)
+            largest = 2 * groups.abs().amax(-1, keepdim=True)
+            groups[..., :1], groups[..., 1:6] = largest, -0.99 * largest
+    inputs = recorded(model, batches)
+    options = learned.LearnedRounding(steps=0, epochs=0)
+    found = learned.learn_rounding(model, inputs, dict.fromkeys(names, 32), options=options, target="x86", progress=quiet)
+    for fqn in names:
+        nearest = round_to_nearest(model.get_submodule(fqn).weight, 32)
+        assert torch.equal(found[fqn].tensor.qdata, nearest.qdata) and torch.equal(found[fqn].tensor.scale, nearest.scale), fqn
+        assert found[fqn].note == learned.KEPT
