@@ -254,7 +254,7 @@ def test_the_54_layer_model_tune_accept_apply_and_its_graph_at_1024_and_1400(lab
         widget.get_by_text(re.compile(r"^54 of \d+ shown$")).first.wait_for(timeout=60_000)  # the other ops hidden
         widget.locator("input[placeholder='filter: name or type']").first.fill("fc2")
         widget.get_by_text(re.compile(r"^(?!54 )\d+ of \d+ shown$")).first.wait_for(timeout=60_000)
-        widget.locator("input[placeholder='filter: name or type']").first.fill("")
+        _filter_cleared(widget, 54)
         widget.locator("button", has_text="Accept all suggestions").first.click()
         widget.get_by_text("Accept all (measured)").first.wait_for(timeout=ACCEPT_ALL_54_MS)
         widget.locator("button", has_text="Apply").first.click()
@@ -337,6 +337,20 @@ def test_quickstart_graph_explore_and_apply_adds_one_run(lab):
         assert _error_widgets(page) == []
 
 
+def _filter_cleared(widget, rows: int) -> None:
+    """The Tune tab's filter emptied, and its ``rows`` rows drawn: the buttons under the rows box move
+    down as they are drawn, and a click whose press and release straddle that move reaches no button
+    (its release lands on a row), so a click is made only once the rows are all there."""
+    widget.locator("input[placeholder='filter: name or type']").first.fill("")
+    widget.get_by_text(re.compile(rf"^{rows} of \d+ shown$")).first.wait_for(timeout=60_000)
+    checkboxes = widget.locator(".widget-checkbox", has_text="keep float")
+    for _ in range(600):  # the rows the kernel sends are drawn a little after their count
+        if checkboxes.count() >= rows:
+            return
+        widget.page.wait_for_timeout(100)
+    raise AssertionError(f"{checkboxes.count()} Tune rows drawn, {rows} expected")
+
+
 def test_the_tune_tab_says_where_the_real_model_and_its_simulation_disagree(lab):
     """The PReLU notebook: the first Apply runs the baseline, the red line names the kernels, the PReLU
     rows join the rows shown, and the per-layer chart has the kernel check as a series of its own."""
@@ -347,7 +361,7 @@ def test_the_tune_tab_says_where_the_real_model_and_its_simulation_disagree(lab)
         widget.locator("input[placeholder='filter: name or type']").first.fill("PReLU")
         widget.get_by_text(re.compile(r"^4 of \d+ shown$")).first.wait_for(timeout=60_000)
         widget.locator("button", has_text="keep float").first.click()  # on the four rows shown
-        widget.locator("input[placeholder='filter: name or type']").first.fill("")
+        _filter_cleared(widget, 10)
         widget.locator("button", has_text="Apply").first.click()
         try:
             widget.get_by_text("apply 1: output SQNR").first.wait_for(timeout=120_000)
