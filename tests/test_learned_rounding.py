@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import qreport_widgets as qw
 from qreport_widgets.core.calibration import call_with
 from qreport_widgets.core.progress import quiet
+from qreport_widgets.engines.contract import Variant
 from qreport_widgets.engines.eager import learned
 from qreport_widgets.engines.eager.algorithms import AlgorithmError, QuantizedWeight, round_to_nearest
 from qreport_widgets.engines.settings import ModuleSettings
@@ -420,3 +421,39 @@ def test_a_block_whose_start_is_worse_than_round_to_nearest_keeps_round_to_neare
         nearest = round_to_nearest(model.get_submodule(fqn).weight, 32)
         assert torch.equal(found[fqn].tensor.qdata, nearest.qdata) and torch.equal(found[fqn].tensor.scale, nearest.scale), fqn
         assert found[fqn].note == learned.KEPT
+
+
+def test_the_simulation_learns_a_variant_in_its_whole_configuration_as_the_real_run_does(monkeypatch):
+    """A block's learned rounding depends on every other Linear's format (the block's others in the
+    loop, the blocks before it through their outputs, all of them in the whole-model stage). A mixed
+    variant (q / k / v learned, the rest of the blocks GPTQ or round to nearest) is simulated with the
+    learned weights its real run computes, bit for bit, and another mix learns again; the simulation
+    once took values learned with every other Linear float for any of them."""
+    monkeypatch.setattr(learned, "LEARNED_STEPS", 4)
+    monkeypatch.setattr(learned, "LEARNED_EPOCHS", 1)
+    model, batches = decoder(layers=2)
+    session = qw.analyze(
+        model, batches[0], batches[:4], eval_data=batches[4:], engine="eager", format="int4-weight-only", progress=False
+    ).session
+    names = block_linears(model)
+
+    def mix(rest: str) -> dict[str, ModuleSettings]:
+        return {
+            fqn: ModuleSettings(
+                format="int4-weight-only",
+                group_size=32,
+                algorithm="learned" if fqn.endswith(("q_proj", "k_proj", "v_proj")) else rest,
+            )
+            for fqn in names
+        }
+
+    simulation = session.parts.simulated.simulation()
+    for rest in ("gptq", "rtn"):
+        settings = mix(rest)
+        run = session.apply(settings)
+        assert run.ok, run.error
+        simulation.configure(Variant(settings=tuple(settings.items())))
+        for fqn in names:
+            real = run.quantized_model.get_submodule(fqn).weight.dequantize()
+            assert torch.equal(simulation.model.get_submodule(fqn).weight, real), (rest, fqn)
+        simulation.configure(())

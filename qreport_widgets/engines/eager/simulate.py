@@ -63,6 +63,7 @@ FormatKey = tuple[str, int, str]  # (format, group size or 0, weight algorithm o
 # quantized again when next needed. The size front tries every format on every module: kept
 # dequantized, a decoder's weights would be held once per format
 OTHER_FORMATS_SHARE = 0.5
+LEARNED_CONFIGURATIONS = 8  # configurations whose learned rounding the simulation keeps (each a learning run)
 # the blocks' outputs kept for the next pass: up to the float weights' size, at least this much (a
 # small model's activations outweigh its weights), at most a quarter of the memory free
 REPLAY_ROOM = 64 << 20
@@ -232,6 +233,10 @@ class EagerSimulation(WholePasses):
         for fqn, module in self._modules.items():
             module.register_forward_pre_hook(self._input_hook(fqn))
         self._configured: dict[str, FormatKey | None] | None = None
+        # the learned rounding's weights per configuration (every module's format) they were learned in
+        self._learned_runs: OrderedDict[frozenset, dict[str, CompactWeight | Recipe]] = OrderedDict()
+        self._learned_in: dict[str, frozenset | None] = {}  # module -> the configuration of the learned weight it holds
+        self._context: frozenset | None = None  # the configuration _apply sets now
         self._rows: dict[str, torch.Tensor] = {}  # module -> the rows it computes alone (``rows_sampled``)
         self.configure(())
         # each pass starts at the block where its formats first differ from the pass before
@@ -258,6 +263,10 @@ class EagerSimulation(WholePasses):
         if key is None:
             return self._float[fqn]
         dtype = self._float[fqn].dtype
+        if key[2] == LEARNED:  # learned by _apply for the configuration it sets
+            found = self._learned_runs[self._context][fqn].expand(self._float[fqn])
+            self._learned_in[fqn] = self._context
+            return found.dequantize(dtype)
         if key[2] in DATA_ALGORITHMS:  # found by _apply before it switches (a pass's hooks never gather)
             found = self._found[fqn, key].expand(self._float[fqn])
             self._input_scales[fqn] = found.input_scale
@@ -298,7 +307,12 @@ class EagerSimulation(WholePasses):
         inside one (a pass's hooks take what was found). ``statistics_of``: modules whose inputs'
         statistics the caller wants (a head's, for its sampled rows), gathered in the first of
         those passes, or in one of their own where none runs, and returned."""
-        missing = list(dict.fromkeys((fqn, key) for fqn, key in chosen if key is not None and key[2] in DATA_ALGORITHMS))
+        # the learned rounding's weights depend on every module's format: ``_apply`` learns them per configuration
+        missing = list(
+            dict.fromkeys(
+                (fqn, key) for fqn, key in chosen if key is not None and key[2] in DATA_ALGORITHMS and key[2] != LEARNED
+            )
+        )
         missing = [pair for pair in missing if pair not in self._found]
         gptq = [pair for pair in missing if pair[1][2] == GPTQ]
         store_key, taken = None, {}
@@ -317,8 +331,6 @@ class EagerSimulation(WholePasses):
         self.configure(Variant(frozenset(self._modules)))
         asked: dict[str, InputStatistics] = {}
         try:
-            self._find_learned([pair for pair in missing if pair[1][2] == LEARNED])
-            missing = [pair for pair in missing if pair[1][2] != LEARNED]
             choices = {fqn: (key[2], key[1]) for fqn, key in missing}
             shares = awq_shares(choices, self._folds)
             recorded = [(fqn, key) for fqn, key in missing if key[2] != AWQ or fqn in shares]
@@ -354,22 +366,43 @@ class EagerSimulation(WholePasses):
             self._apply(before)
         return asked
 
-    def _find_learned(self, missing: list[tuple[str, FormatKey]]) -> None:
-        """The learned rounding's weights of ``missing`` (the model float, as configured by the
-        caller): the modules asked it in one format and group size learned together, block by block,
-        the other modules float (``learned_weights``)."""
-        together: dict[tuple[str, int], list[str]] = {}
-        for fqn, key in missing:
-            together.setdefault((key[0], key[1]), []).append(fqn)
-        for (name, group), modules in together.items():
-            found: dict[str, CompactWeight | Recipe] = {}
-            formats = {fqn: (name, group, LEARNED) for fqn in modules}
-            for gathered in learned_weights(self.model, formats, found, target=self._target, options=self._learned):
+    def _learn_in(self, configuration: Mapping[str, FormatKey | None], context: frozenset) -> None:
+        """The learned rounding's weights of the modules ``configuration`` asks it of, learned as a real
+        run of that configuration learns them (``learned_weights``: block by block with every other
+        Linear in its own format, GPTQ's and AWQ's values found first, then the whole model's scales),
+        kept under ``context`` (the configuration, every module's format) for the
+        ``LEARNED_CONFIGURATIONS`` configurations last asked."""
+        if context in self._learned_runs:
+            self._learned_runs.move_to_end(context)
+            return
+        formats = {fqn: key for fqn, key in configuration.items() if key is not None}
+        data = [(fqn, key) for fqn, key in formats.items() if key[2] in DATA_ALGORITHMS and key[2] != LEARNED]
+        self.find_data_weights(data)  # what the learned blocks' other Linears take
+        found: dict[str, CompactWeight | Recipe] = {fqn: self._found[fqn, key] for fqn, key in data}
+        before, rows = dict(self._configured or {}), self._rows
+        self._rows = {}  # the whole model, a head's rows all there (the whole-model stage reads its output)
+        for fqn in rows:
+            self._apply_again(fqn)
+        self.configure(Variant(frozenset(self._modules)))  # the calibration pass reads the float model
+        try:
+            passes = learned_weights(
+                self.model, formats, found, target=self._target, quantize=self._quantized_module, options=self._learned
+            )
+            for gathered in passes:
                 with torch.no_grad():
                     self._calibrator()(self.model, gathered)  # merged across ranks, if any
-            for fqn in modules:
-                self._found[fqn, (name, group, LEARNED)] = found[fqn]
-            give_back()
+        finally:
+            self._rows = rows
+            self._apply(before)
+            for fqn in rows:
+                self._apply_again(fqn)
+        self._learned_runs[context] = {fqn: found[fqn] for fqn, key in formats.items() if key[2] == LEARNED}
+        while len(self._learned_runs) > LEARNED_CONFIGURATIONS:
+            self._learned_runs.popitem(last=False)
+        give_back()
+
+    def _quantized_module(self, module: nn.Module, key: FormatKey) -> QuantizedWeight:
+        return quantized_weight(module, key, target=self._target)
 
     def _float_module(self, fqn: str) -> nn.Module:
         """A shallow copy of module ``fqn`` holding its float weight (whatever the model holds now)."""
@@ -394,9 +427,14 @@ class EagerSimulation(WholePasses):
         self._apply(self.formats_of(variant))
 
     def before_passes(self, variants: Sequence[Variant | Iterable[str]]) -> None:
-        """The GPTQ / AWQ / learned weights every variant takes, found together (``find_data_weights``:
-        one calibration run for all of them, not one a variant)."""
-        self.find_data_weights((fqn, key) for variant in variants for fqn, key in self.formats_of(variant).items())
+        """The GPTQ / AWQ weights every variant takes, found together (``find_data_weights``: one
+        calibration run for all of them, not one a variant); then the learned rounding of each
+        configuration that asks it (``_learn_in``: a learning each)."""
+        configurations = [self.formats_of(variant) for variant in variants]
+        self.find_data_weights((fqn, key) for formats in configurations for fqn, key in formats.items())
+        for formats in configurations:
+            if any(key is not None and key[2] == LEARNED for key in formats.values()):
+                self._learn_in(formats, frozenset(formats.items()))
 
     def pass_order(self, variants: Sequence[Variant | Iterable[str]]) -> list[int]:
         """The variants sorted so that neighbours share the longest unchanged prefix (``BlockReplay.order``)."""
@@ -434,6 +472,8 @@ class EagerSimulation(WholePasses):
         self._others.clear()
         self._others_held = 0
         self._found.clear()
+        self._learned_runs.clear()
+        self._learned_in.clear()
         self._replay.forget()
         self._apply(dict.fromkeys(self._modules))
         give_back()
@@ -512,6 +552,11 @@ class EagerSimulation(WholePasses):
             return hook
 
         whole = {fqn: options for fqn, options in choices.items() if fqn not in sampled}
+        alone = dict.fromkeys(self._modules)  # each choice measured alone, every other module float
+        for fqn, options in whole.items():  # learned before the pass (a pass's hooks never calibrate)
+            for key in (format_key(c) for c in options):
+                if key is not None and key[2] == LEARNED:
+                    self._learn_in({**alone, fqn: key}, frozenset({**alone, fqn: key}.items()))
         statistics = self.find_data_weights(  # the heads' inputs to GPTQ / AWQ gathered in the same passes
             ((fqn, format_key(c)) for fqn, options in whole.items() for c in options),
             statistics_of=[fqn for fqn in sampled if any(_reads_data(c) for c in choices[fqn])],
@@ -599,12 +644,28 @@ class EagerSimulation(WholePasses):
                 handle.remove()
 
     def _apply(self, chosen: dict[str, FormatKey | None]) -> None:
-        """Each module's weight and input quantization as ``chosen`` says (only what changed)."""
-        self.find_data_weights((fqn, key) for fqn, key in chosen.items() if (self._configured or {}).get(fqn, ()) != key)
+        """Each module's weight and input quantization as ``chosen`` says (only what changed). A
+        learned module's weight is the one learned in the whole configuration this sets: set again
+        where another module's format changed, learned first where this configuration is new."""
+        current = self._configured or {}
+        configuration = {**current, **chosen}
+        context = (
+            frozenset(configuration.items()) if any(k is not None and k[2] == LEARNED for k in configuration.values()) else None
+        )
+        if context is not None:
+            self._learn_in(configuration, context)
+            current = self._configured or {}  # as it was: learning put it back
+            stale = {
+                f: k for f, k in configuration.items() if k is not None and k[2] == LEARNED and self._learned_in.get(f) != context
+            }
+            chosen = {**chosen, **stale}
+        self.find_data_weights((fqn, key) for fqn, key in chosen.items() if current.get(fqn, ()) != key)
+        self._context = context
         replaced = 0  # elements of the weights replaced since memory was last handed back
         with torch.no_grad():
             for fqn, key in chosen.items():
-                if self._configured is not None and self._configured.get(fqn, ()) == key:
+                learned_here = key is not None and key[2] == LEARNED and self._learned_in.get(fqn) != context
+                if self._configured is not None and self._configured.get(fqn, ()) == key and not learned_here:
                     continue
                 replaced += self._float[fqn].numel()
                 if replaced * 8 > self._float_numel:  # the weights dropped so far (and the quantization's
