@@ -9,7 +9,7 @@ import pandas as pd
 import torch
 from torch.ao.quantization import QConfigMapping
 
-from .core.calibration import CalibrationData, calibrate, is_one_shot
+from .core.calibration import CalibrationData, calibrate, data_outside_inference_mode, is_one_shot, outside_inference_mode
 from .core.devices import MovedBatches, device_mismatch, model_device, moved
 from .core.memory import WatchedCopy
 from .core.metrics import Metric
@@ -147,6 +147,9 @@ def analyze(
     first_is_example = (
         isinstance(calibration_data, Sequence) and len(calibration_data) > 0 and calibration_data[0] is example_inputs
     )
+    # batches made under torch.inference_mode (a data pipeline's): ordinary tensors from here on
+    calibration_data, eval_data = data_outside_inference_mode(calibration_data), data_outside_inference_mode(eval_data)
+    example_inputs = calibration_data[0] if first_is_example else outside_inference_mode(example_inputs)  # type: ignore[index]
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if move_batches:
         example_inputs, calibration_data, eval_data = _moved_to(

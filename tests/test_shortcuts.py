@@ -121,3 +121,47 @@ def test_a_metric_that_reads_the_whole_model_is_simulated_once_a_variant_and_che
     before = shortcuts.CHECKED[shortcuts.Shortcut.KNOWN_VARIANTS]
     assert session.simulate_each([variant]) == first and len(calls) == counted + 1  # simulated again, the same
     assert shortcuts.CHECKED[shortcuts.Shortcut.KNOWN_VARIANTS] == before + 1
+
+
+def _made_in_inference_mode(batches):
+    with torch.inference_mode():
+        return [tuple(t.clone() for t in batch) for batch in batches]
+
+
+@pytest.mark.parametrize("engine", ["eager", "pt2e", "fx"])
+def test_data_and_a_metric_made_under_inference_mode_work_on_every_engine(engine, digits_cache, shortcuts_as_taken):
+    """Batches a data pipeline made under ``torch.inference_mode`` (tensors without a version counter,
+    which ``torch.export`` and autograd refuse) and an ``eval_fn`` that runs the model under it: the
+    analysis, the baseline and (where the simulation's memos read versions) a sensitivity run on every
+    engine, and give what ordinary tensors give."""
+    from qreport_widgets.demo.digits import trained_digits_model
+
+    if engine == "fx":  # a model torch.fx traces
+        model, data = trained_digits_model("cnn", digits_cache)
+        batches, given = data.calibration[:4] + data.evaluation[:2], {}
+    else:
+        model, batches = tiny_llama()
+        given = {"format": DYNAMIC_INT4} if engine == "eager" else {}
+    made = _made_in_inference_mode(batches)
+    assert made[0][0].is_inference()
+
+    def eval_fn(m):
+        with torch.inference_mode():
+            return float(sum(output_tensor(call_with(m, b)).float().abs().mean() for b in made[4:]))
+
+    metric = qw.Metric("mean output", higher_is_better=True)
+    sessions = [
+        qw.analyze(
+            model, data[0], data[:4], eval_data=data[4:], engine=engine, progress=False, eval_fn=fn, metric=m, **given
+        ).session
+        for data, fn, m in ((made, eval_fn, metric), (batches, None, None))
+    ]
+    runs = [session.baseline() for session in sessions]
+    assert all(run.ok for run in runs), [run.error for run in runs]
+    assert runs[0].output_sqnr_db == pytest.approx(runs[1].output_sqnr_db, abs=1e-6) and runs[0].eval_metric is not None
+    if engine == "eager":  # the input quantization shared by q / k / v, block replay
+        found, expected = (session.sensitivity(progress=False) for session in sessions)
+        # (the first with a metric that reads the whole model, summed another way: to round-off)
+        assert found["simulated_output_sqnr_db"].tolist() == pytest.approx(
+            expected["simulated_output_sqnr_db"].tolist(), rel=1e-9
+        )

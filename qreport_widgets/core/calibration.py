@@ -204,6 +204,25 @@ def data_fingerprint(data: CalibrationData) -> str | None:
     return digest.hexdigest()
 
 
+def outside_inference_mode(batch: Any) -> Any:
+    """``batch`` with each tensor made under ``torch.inference_mode`` copied into an ordinary tensor
+    (the others as they are): an inference tensor has no version counter for a memo to read, cannot be
+    exported by ``torch.export`` nor saved for the learned rounding's gradients."""
+    if not any(isinstance(leaf, torch.Tensor) and leaf.is_inference() for leaf in tree_leaves(batch)):
+        return batch
+    return tree_map_only(torch.Tensor, lambda tensor: tensor.clone() if tensor.is_inference() else tensor, batch)
+
+
+def data_outside_inference_mode(data: Any) -> Any:
+    """Calibration or evaluation data with every batch ``outside_inference_mode``: a list's batches
+    now, an iterator's as they are read; a calibration callable as it is (it makes its own tensors)."""
+    if data is None or callable(data):
+        return data
+    if is_one_shot(data):
+        return (outside_inference_mode(batch) for batch in data)
+    return [outside_inference_mode(batch) for batch in data]
+
+
 def is_one_shot(data: Any) -> bool:
     """Whether ``data`` is an iterator (a generator, say) that is used up by reading it once."""
     return not callable(data) and iter(data) is data

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..core.calibration import CalibrationData
+from ..core.calibration import CalibrationData, data_outside_inference_mode, outside_inference_mode
 from ..core.memory import WatchedCopy, WeightPool
 from ..core.metrics import PERPLEXITY, Metric
 from ..engines.contract import Engine
@@ -93,7 +93,8 @@ def build_parts(
     metric: Metric | str | None = None,
 ) -> Parts:
     """A session's parts over ``float_model`` (or the watched copy ``analyzed`` has of it)."""
-    batches = Batches.split(calibration_data, eval_data)
+    batches = Batches.split(data_outside_inference_mode(calibration_data), data_outside_inference_mode(eval_data))
+    example_inputs = outside_inference_mode(example_inputs)
     eval_fn, metric = resolved_metric(eval_fn, metric, batches.eval)
     weights = WeightPool()  # weights equal across prepares, held once (core/memory.py)
     if analyzed is not None:
