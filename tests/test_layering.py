@@ -97,7 +97,7 @@ def test_the_graph_sees_function_level_and_relative_imports():
 
 
 # the package's folders, lowest first: a module imports only from its own folder and those below it
-LAYERS = ("core", "observe", "share", "engines", "tune", "report", "widgets")
+LAYERS = ("core", "observe", "share", "targets", "engines", "tune", "report", "widgets")
 BELOW_EVERYTHING = {"qreport_widgets.errors", "qreport_widgets._version"}
 ENTRY_POINTS = {"qreport_widgets", "qreport_widgets.analyze", "qreport_widgets.demo"}  # above every layer
 AT_THE_ROOT = {"__init__.py", "analyze.py", "errors.py", "_version.py"}

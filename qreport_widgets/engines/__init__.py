@@ -12,7 +12,7 @@ costs nothing until it is asked for; a new engine is a package here with an ``En
 its options type, and one entry in ``ENGINES`` (and a keyword of ``build_engine`` for each new
 option).
 
-May import: ``observe``, ``core``, ``errors``. Nothing outside an engine's package names its workflow.
+May import: ``targets``, ``observe``, ``core``, ``errors``. Nothing outside an engine's package names its workflow.
 """
 
 from __future__ import annotations

@@ -26,21 +26,15 @@ import functools
 import io
 import itertools
 import logging
-import multiprocessing
-import multiprocessing.connection
 import operator
 import os
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 import types
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +48,7 @@ from ..core.calibration import batch_rows, torch_warnings_hidden
 from ..core.progress import Progress, Stopped, steps
 from ..core.shortcuts import Shortcut, ShortcutMismatchError, checking, confirmed
 from ..errors import MissingExtraError, QReportError
+from ..targets.worker import RuntimeFailedError, Worker, answer, serving
 from . import program_reuse
 
 INSTALL = "pip install 'qreport-widgets[executorch]'  (executorch==1.5.1, beside torch 2.13 and torchao 0.18)"
@@ -71,15 +66,10 @@ ONLINE_PRODUCT_FAILS = (
     "input and down_proj fall in one XNNPACK partition whose output the runtime sizes wrongly): on the XNNPACK "
     "target use Rotation() (R1 + R2)"
 )
-WORKER_SOCKET, WORKER_KEY = "QREPORT_WIDGETS_RUNTIME_SOCKET", "QREPORT_WIDGETS_RUNTIME_KEY"  # what the worker is started with
 
 
 class LoweringError(QReportError, RuntimeError):
     """ExecuTorch could not export, lower to XNNPACK or serialise the quantized model."""
-
-
-class RuntimeFailedError(QReportError, RuntimeError):
-    """ExecuTorch's runtime could not load or execute the program (or crashed doing so)."""
 
 
 @functools.cache
@@ -773,25 +763,23 @@ def quiet_runtime() -> Iterator[None]:
 
 
 # ---- the worker process the runtime executes in ---------------------------------------------------
-class RuntimeWorker:
-    """A process of its own that loads and executes ExecuTorch programs, so that a crash of the
-    native runtime ends it and not the caller. Started when first needed and again after a crash;
-    the programs it holds are loaded again from their bytes when a new worker first runs them."""
+class RuntimeWorker(Worker):
+    """ExecuTorch's runtime in a process of its own (``targets.worker.Worker``), holding the
+    programs it was given; a program the current worker does not hold (it started after a crash)
+    is loaded again from its bytes when first run."""
+
+    runtime = "ExecuTorch's runtime"
+    module = __name__
+    hint = (
+        "It was a native crash (a kernel the runtime lacks, a partitioner or runtime bug): keep the modules around the "
+        f"ops left to portable kernels float, {X86_HINT}."
+    )
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._process: Any = None
-        self._connection: Any = None
+        super().__init__()
         self._loaded: set[int] = set()  # the programs the current worker holds
         self._forgotten: list[int] = []  # programs dropped by the caller, to drop in the worker at the next call
         self._keys = itertools.count(1)
-        self.starts = 0  # processes started (a crash makes the next call start another)
-
-    @property
-    def pid(self) -> int | None:
-        """The worker's process id, while it runs."""
-        process = self._process
-        return process.pid if process is not None and process.poll() is None else None
 
     def load(self, pte: bytes) -> int:
         """Load ``pte`` in the worker; the key that runs it (``execute``)."""
@@ -833,85 +821,16 @@ class RuntimeWorker:
         """Program ``key`` is no longer needed (its worker drops it at the next call)."""
         self._forgotten.append(key)
 
-    def stop(self) -> None:
-        """End the worker process (a later call starts another)."""
-        with self._lock:
-            if self._process is not None:
-                with contextlib.suppress(Exception):
-                    self._connection.send(("stop",))
-                try:
-                    self._process.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self._process.kill()
-                    self._process.wait()
-                self._ended()
-
-    def _ask(self, request: tuple, doing: Callable[[], str]) -> Any:
-        if self._process is None or self._process.poll() is not None:
-            self._ended()
-            self._start()
-        try:
-            if self._forgotten:
-                dropped, self._forgotten = [k for k in self._forgotten if k in self._loaded], []
-                self._loaded -= set(dropped)
-                self._connection.send(("forget", dropped))
-                self._connection.recv()
-            self._connection.send(request)
-            status, value = self._connection.recv()
-        except (EOFError, OSError, BrokenPipeError):
-            raise RuntimeFailedError(self._crashed(doing())) from None
-        if status == "error":
-            raise RuntimeError(value)
-        return value
-
-    def _crashed(self, doing: str) -> str:
-        try:
-            code = self._process.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # the pipe broke but the process lives on: ended here
-            self._process.kill()
-            code = self._process.wait()
-        self._ended()
-        if code is not None and code < 0:
-            try:
-                how = f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                how = f"was killed by signal {-code}"
-        else:
-            how = f"exited with code {code}"
-        return (
-            f"ExecuTorch's runtime crashed while {doing}: the worker process it runs in {how} (a native crash: a "
-            "kernel the runtime lacks, a partitioner or runtime bug). Your Python session is unaffected and the next "
-            f"program runs in a new worker. Keep the modules around the ops left to portable kernels float, {X86_HINT}."
-        )
-
-    def _start(self) -> None:
-        # a fresh interpreter (no copied threads or runtime state) that imports only this module: not
-        # multiprocessing's spawn, which runs the caller's script again where it has no main guard
-        ours, theirs = socket.socketpair()
-        key = multiprocessing.current_process().authkey.hex()
-        environment = {**os.environ, WORKER_SOCKET: str(theirs.fileno()), WORKER_KEY: key}
-        process = subprocess.Popen(
-            [sys.executable, "-c", f"from {__name__} import serve; serve()"],
-            pass_fds=(theirs.fileno(),),
-            env=environment,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,  # the runtime's C++ logs; its errors come back as text
-        )
-        theirs.close()
-        ours = multiprocessing.connection.Connection(ours.detach())
-        self._process, self._connection, self._loaded = process, ours, set()
-        self.starts += 1
-        status, value = ours.recv() if ours.poll(120) else ("error", "the worker did not start within 120 s")
-        if status != "ready":
-            self.stop()
-            raise RuntimeFailedError(f"ExecuTorch's runtime could not start in its worker process: {value}")
+    def _before(self, request: tuple) -> None:
+        if self._forgotten:
+            dropped, self._forgotten = [k for k in self._forgotten if k in self._loaded], []
+            self._loaded -= set(dropped)
+            self._connection.send(("forget", dropped))
+            self._connection.recv()
 
     def _ended(self) -> None:
-        if self._connection is not None:
-            with contextlib.suppress(Exception):
-                self._connection.close()
-        self._process, self._connection, self._loaded = None, None, set()
+        super()._ended()
+        self._loaded = set()
 
 
 _WORKER: RuntimeWorker | None = None
@@ -927,9 +846,7 @@ def runtime_worker() -> RuntimeWorker:
 
 def serve() -> None:  # pragma: no cover - runs in the worker process
     """The worker's loop: load, run and forget programs until told to stop or the pipe closes."""
-    # the caller's key: tensors it shares through shared memory are handed over after authentication
-    multiprocessing.current_process().authkey = bytes.fromhex(os.environ[WORKER_KEY])
-    connection = multiprocessing.connection.Connection(int(os.environ[WORKER_SOCKET]))
+    connection = serving()
     try:
         from executorch.extension.pybindings import portable_lib
         from executorch.runtime import Runtime
@@ -946,36 +863,28 @@ def serve() -> None:  # pragma: no cover - runs in the worker process
     connection.send(("ready", None))
     # the bytes stay beside their program: the runtime reads them while a method runs
     programs: dict[int, tuple[bytes, Any, Any]] = {}
-    while True:
-        try:
-            request = connection.recv()
-        except EOFError:
-            return
+
+    def handle(request: tuple) -> Any:
         kind = request[0]
-        try:
-            if kind == "stop":
-                return
-            if kind == "forget":
-                for key in request[1]:
-                    programs.pop(key, None)
-                reply: Any = None
-            elif kind == "load":
-                _, key, pte = request
-                program = runtime.load_program(pte)
-                programs[key] = (pte, program, program.load_method("forward"))
-                reply = None
-            elif kind == "decode":
-                _, key, prompt, new_tokens = request
-                reply = _generated(programs[key][1].load_method("forward"), prompt, new_tokens)
-            else:
-                _, key, flat = request
-                inputs = _as_tensors(flat)
-                start = time.perf_counter()
-                outputs = programs[key][2].execute(inputs)
-                reply = (_as_arrays(outputs), time.perf_counter() - start)
-            connection.send(("ok", reply))
-        except Exception as error:
-            connection.send(("error", f"{type(error).__name__}: {error}"))
+        if kind == "forget":
+            for key in request[1]:
+                programs.pop(key, None)
+            return None
+        if kind == "load":
+            _, key, pte = request
+            program = runtime.load_program(pte)
+            programs[key] = (pte, program, program.load_method("forward"))
+            return None
+        if kind == "decode":
+            _, key, prompt, new_tokens = request
+            return _generated(programs[key][1].load_method("forward"), prompt, new_tokens)
+        _, key, flat = request
+        inputs = _as_tensors(flat)
+        start = time.perf_counter()
+        outputs = programs[key][2].execute(inputs)
+        return (_as_arrays(outputs), time.perf_counter() - start)
+
+    answer(connection, handle)
 
 
 def _as_arrays(values: Sequence[Any]) -> list[Any]:
