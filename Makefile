@@ -5,7 +5,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.qreport-installed
 # the optional extras CI installs so their tests run (EXTRAS=dev: without ExecuTorch and Model Explorer,
 # whose tests then skip)
-EXTRAS ?= dev,executorch,explorer
+EXTRAS ?= dev,executorch,explorer,llamacpp
+
+# llama-cpp-python builds llama.cpp from its source: the library only (no multimodal tools, no common
+# utilities), for this machine's CPU (GGML_NATIVE, llama.cpp's default), as a llama.cpp user builds it
+LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_COMMON=OFF
 
 .PHONY: setup test test-slow test-gpu demo bench lint clean
 
@@ -18,7 +22,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0 uv
-	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c constraints.txt -e '.[$(EXTRAS)]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 # The tests whose outcome rests on the real kernels' arithmetic (marked `kernels`) run again: on one

@@ -1,0 +1,382 @@
+"""llama.cpp itself, through its Python binding (``llama-cpp-python``), in a worker process.
+
+``LlamaCppModel(path)`` opens a GGUF file in the worker (its bytes' SHA-256 taken when opened, and
+checked again should a crash make a new worker open it again) and gives what llama.cpp computes on
+token ids: logits per position (``logits``), perplexity as the session computes it from them
+(``perplexity``), and prompt / generation speed (``speed``). ``quantize`` is llama.cpp's own
+quantization of a GGUF file (``llama_model_quantize``), with an importance matrix when given: what
+``llama-quantize --imatrix`` writes. A native abort in llama.cpp ends the worker, not the caller.
+
+llama.cpp runs as its users run it: its own defaults (an F16 KV cache; every core; flash attention
+as the binding leaves it), one sequence at a time, its context as long as the longest row.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import os
+import time
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy
+import torch
+
+from ...core.metrics import perplexity_terms
+from ...errors import MissingExtraError, QReportError
+from ..worker import RuntimeFailedError, Worker, answer, serving
+from .blocks import GgufFormat
+
+INSTALL = "pip install 'qreport-widgets[llamacpp]' (llama-cpp-python builds llama.cpp from source: a few minutes)"
+
+
+class LlamaCppError(QReportError, RuntimeError):
+    """llama.cpp refused a file or a request; its own words are in the message."""
+
+
+def _binding() -> Any:
+    try:
+        import llama_cpp
+    except ImportError as error:
+        raise MissingExtraError(f"running a GGUF file needs llama.cpp's Python binding: {INSTALL}") from error
+    return llama_cpp
+
+
+def digest(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file's bytes."""
+    found = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            found.update(chunk)
+    return found.hexdigest()
+
+
+class LlamaCppWorker(Worker):
+    """llama.cpp in a process of its own, holding the files opened in it."""
+
+    runtime = "llama.cpp"
+    module = __name__
+    hint = "It was a native abort (llama.cpp asserts on what it cannot run): the message above names the file."
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._opened: set[int] = set()  # the files the current worker holds
+        self._keys = itertools.count(1)
+
+    def open(self, path: Path, context: int) -> int:
+        key = next(self._keys)
+        self._holding(key, path, context)
+        return key
+
+    def _holding(self, key: int, path: Path, context: int) -> None:
+        with self._lock:
+            if key not in self._opened or self._process is None:
+                self._ask(("open", key, str(path), context), lambda: f"loading {path}")
+                self._opened.add(key)
+
+    def request(self, key: int, path: Path, context: int, request: tuple, doing: str) -> Any:
+        with self._lock:
+            self._holding(key, path, context)
+            return self._ask((request[0], key, *request[1:]), lambda: f"{doing} with {path}")
+
+    def holds(self, key: int) -> bool:
+        """Whether the current worker has file ``key`` open (a new worker opens it again)."""
+        return key in self._opened and self._process is not None
+
+    def close(self, key: int) -> None:
+        with self._lock:
+            if key in self._opened and self._process is not None:
+                self._ask(("close", key), lambda: "closing a file")
+            self._opened.discard(key)
+
+    def quantize(self, source: Path, destination: Path, options: Mapping[str, Any], imatrix: Mapping[str, Any] | None) -> None:
+        self._ask(("quantize", str(source), str(destination), dict(options), imatrix), lambda: f"quantizing {source}")
+
+    def _ended(self) -> None:
+        super()._ended()
+        self._opened = set()
+
+
+_WORKER: LlamaCppWorker | None = None
+
+
+def llama_worker() -> LlamaCppWorker:
+    """The process's one ``LlamaCppWorker``."""
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = LlamaCppWorker()
+    return _WORKER
+
+
+@dataclass(frozen=True)
+class Speed:
+    """llama.cpp's speed on one prompt: prompt tokens a second (prefill) and generated tokens a second
+    (decode, greedy, one at a time after the prompt), timed inside the worker."""
+
+    prompt_tokens: int
+    new_tokens: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+
+class LlamaCppModel:
+    """A GGUF file opened in llama.cpp (in the worker): ``logits`` on token ids, ``perplexity``,
+    ``speed``. ``context``: the longest row it is given (default: the file's training context)."""
+
+    def __init__(self, path: str | os.PathLike[str], context: int = 0) -> None:
+        _binding()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise LlamaCppError(f"{self.path} is not a file")
+        self.digest = digest(self.path)
+        self.bytes = self.path.stat().st_size
+        self.context = context
+        worker = llama_worker()
+        try:
+            self._key = worker.open(self.path, context)
+        except RuntimeError as error:
+            raise LlamaCppError(f"llama.cpp could not load {self.path}: {error}") from None
+        weakref.finalize(self, _closed, worker, self._key)
+
+    def _ask(self, request: tuple, doing: str) -> Any:
+        worker = llama_worker()
+        if not worker.holds(self._key) and digest(self.path) != self.digest:
+            raise LlamaCppError(f"{self.path} changed since it was opened: open it again (LlamaCppModel)")
+        try:
+            return worker.request(self._key, self.path, self.context, request, doing)
+        except RuntimeFailedError:
+            raise
+        except RuntimeError as error:
+            raise LlamaCppError(f"llama.cpp failed {doing} with {self.path}: {error}") from None
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """llama.cpp's logits (rows x positions x vocabulary, float32) for token ids ``tokens``
+        (rows x positions, or one row), each row a sequence of its own from an empty cache."""
+        rows = tokens.reshape(-1, tokens.shape[-1]) if tokens.dim() > 1 else tokens.reshape(1, -1)
+        found = [self._ask(("logits", [int(t) for t in row]), f"computing logits of {rows.shape[1]} tokens") for row in rows]
+        out = torch.from_numpy(numpy.stack([f[0] for f in found]))
+        return out.reshape(*tokens.shape, out.shape[-1])
+
+    def perplexity(self, batches: Iterable[Any]) -> float:
+        """exp(mean negative log-likelihood of each next token) on ``batches`` of token ids, as the
+        session computes perplexity, from llama.cpp's logits."""
+        total, count = 0.0, 0
+        for batch in batches:
+            ids = (
+                batch if isinstance(batch, torch.Tensor) else batch[0] if isinstance(batch, (tuple, list)) else batch["input_ids"]
+            )
+            logits = self.logits(ids)
+            nll, predicted = perplexity_terms(ids, logits)
+            total, count = total + nll, count + predicted
+        if not count:
+            raise ValueError("perplexity needs sequences of at least two tokens")
+        return float(numpy.exp(total / count))
+
+    def tokenize(self, text: str | bytes) -> list[int]:
+        """llama.cpp's tokens of ``text`` (the file's tokenizer, no beginning-of-text token added)."""
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        return list(self._ask(("tokenize", data), "tokenizing text"))
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        """The bytes llama.cpp's tokenizer gives back for ``tokens``."""
+        return bytes(self._ask(("detokenize", [int(t) for t in tokens]), "detokenizing"))
+
+    def speed(self, prompt: Sequence[int], new_tokens: int = 32) -> Speed:
+        """Prefill and greedy decode speed on ``prompt`` (then ``new_tokens`` generated)."""
+        prefill_s, decode_s = self._ask(("speed", [int(t) for t in prompt], int(new_tokens)), "timing generation")
+        return Speed(len(prompt), new_tokens, len(prompt) / prefill_s, new_tokens / decode_s)
+
+
+def _closed(worker: LlamaCppWorker, key: int) -> None:
+    try:
+        worker.close(key)
+    except Exception:  # the worker is gone: nothing held
+        pass
+
+
+# llama.cpp's file types ``quantize`` writes (``llama_ftype``), by the name its tools use
+QUANTIZE_TYPES = {
+    "Q4_0": "MOSTLY_Q4_0",
+    "Q4_1": "MOSTLY_Q4_1",
+    "Q8_0": "MOSTLY_Q8_0",
+    "F16": "MOSTLY_F16",
+    "Q4_K_S": "MOSTLY_Q4_K_S",
+    "Q4_K_M": "MOSTLY_Q4_K_M",
+    "Q5_K_M": "MOSTLY_Q5_K_M",
+    "Q6_K": "MOSTLY_Q6_K",
+}
+
+
+def quantize(
+    source: str | os.PathLike[str],
+    destination: str | os.PathLike[str],
+    kind: str,
+    *,
+    imatrix: Mapping[str, torch.Tensor] | None = None,
+    pure: bool = False,
+    output_type: GgufFormat | str | None = None,
+    embedding_type: GgufFormat | str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """llama.cpp's own quantization of ``source`` (a GGUF file, F16 / F32) as ``kind`` (``"Q4_0"``,
+    ``"Q4_K_M"``...), as ``llama-quantize`` does: ``imatrix`` the mean squared input of each column
+    per GGUF tensor name (llama-imatrix's ``in_sum2 / counts``), ``pure`` every tensor ``kind``,
+    ``output_type`` / ``embedding_type`` those two tensors' formats. Written next to ``destination``
+    and moved there once whole."""
+    _binding()
+    if kind not in QUANTIZE_TYPES:
+        raise ValueError(f"kind is one of {', '.join(QUANTIZE_TYPES)}, not {kind!r}")
+    destination = Path(destination)
+    if destination.exists() and not overwrite:
+        raise LlamaCppError(f"{destination} exists; pass overwrite=True to replace it")
+    partial = destination.with_name(f".{destination.name}.partial")
+    options = {
+        "ftype": _file_type(kind),
+        "pure": pure,
+        "output_tensor_type": _ggml_type(output_type),
+        "token_embedding_type": _ggml_type(embedding_type),
+    }
+    arrays = None if imatrix is None else {name: v.detach().float().cpu().numpy() for name, v in imatrix.items()}
+    try:
+        llama_worker().quantize(Path(source), partial, options, arrays)
+        os.replace(partial, destination)
+    except RuntimeError as error:
+        partial.unlink(missing_ok=True)
+        if isinstance(error, RuntimeFailedError):
+            raise
+        raise LlamaCppError(f"llama.cpp could not quantize {source} as {kind}: {error}") from None
+    return destination
+
+
+def _file_type(kind: str) -> int:
+    import gguf
+
+    return int(gguf.LlamaFileType[QUANTIZE_TYPES[kind]])
+
+
+def _ggml_type(format: GgufFormat | str | None) -> int:
+    """llama.cpp's ``ggml_type`` number of a tensor format named as its tools name it (-1: the file type's choice)."""
+    if format is None:
+        return -1
+    import gguf
+
+    name = format.value if isinstance(format, GgufFormat) else str(format)
+    return int(gguf.GGMLQuantizationType[name])
+
+
+def serve() -> None:  # pragma: no cover - runs in the worker process
+    """The worker's loop: open files, compute logits, time generation, quantize."""
+    connection = serving()
+    try:
+        llama_cpp = _binding()
+        said: collections.deque[str] = collections.deque(maxlen=8)  # llama.cpp's last errors, for the reply
+
+        def logged(level: int, text: bytes, _data: Any) -> None:
+            if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+                said.append(text.decode("utf-8", "replace").strip())
+
+        callback = llama_cpp.llama_log_callback(logged)  # held: llama.cpp calls it while the worker serves
+        llama_cpp.llama_log_set(callback, None)
+        llama_cpp.llama_backend_init()
+    except Exception as error:
+        connection.send(("error", f"{type(error).__name__}: {error}"))
+        return
+    connection.send(("ready", None))
+    opened: dict[int, Any] = {}
+    threads = os.cpu_count() or 1
+
+    def handle(request: tuple) -> Any:
+        said.clear()
+        try:
+            return handled(request)
+        except Exception as error:
+            words = "; ".join(line for line in said if line)
+            raise type(error)(f"{error}{' (llama.cpp: ' + words + ')' if words else ''}") from None
+
+    def handled(request: tuple) -> Any:
+        kind = request[0]
+        if kind == "open":
+            _, key, path, context = request
+            opened[key] = llama_cpp.Llama(
+                path,
+                n_ctx=context or 0,
+                n_batch=max(context, 512),
+                n_ubatch=max(context, 512),
+                logits_all=True,
+                n_threads=threads,
+                n_threads_batch=threads,
+                verbose=False,
+            )
+            return None
+        if kind == "close":
+            model = opened.pop(request[1], None)
+            if model is not None:
+                model.close()
+            return None
+        if kind == "logits":
+            _, key, tokens = request
+            model = opened[key]
+            if len(tokens) > model.n_ctx():
+                raise ValueError(f"a row of {len(tokens)} tokens is longer than the context of {model.n_ctx()}")
+            model.reset()
+            model.eval(tokens)
+            return (numpy.array(model.scores[: len(tokens)], dtype=numpy.float32), None)
+        if kind == "tokenize":
+            _, key, text = request
+            return opened[key].tokenize(text, add_bos=False, special=False)
+        if kind == "detokenize":
+            _, key, tokens = request
+            return opened[key].detokenize(tokens)
+        if kind == "speed":
+            _, key, prompt, new_tokens = request
+            model = opened[key]
+            model.reset()
+            start = time.perf_counter()
+            model.eval(prompt)
+            prefill = time.perf_counter() - start
+            token = int(numpy.argmax(model.scores[len(prompt) - 1]))
+            start = time.perf_counter()
+            for _ in range(new_tokens):
+                model.eval([token])
+                token = int(numpy.argmax(model.scores[model.n_tokens - 1]))
+            return prefill, time.perf_counter() - start
+        if kind == "quantize":
+            _, source, destination, options, imatrix = request
+            return _quantized(llama_cpp, source, destination, options, imatrix, threads)
+        raise ValueError(f"unknown request {kind!r}")
+
+    answer(connection, handle)
+
+
+def _quantized(
+    llama_cpp: Any, source: str, destination: str, options: dict, imatrix: dict | None, threads: int
+) -> None:  # pragma: no cover
+    import ctypes
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = threads
+    params.ftype = options["ftype"]
+    params.pure = options["pure"]
+    params.output_tensor_type = options["output_tensor_type"]
+    params.token_embedding_type = options["token_embedding_type"]
+    held = []
+    if imatrix:
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
+        for i, (name, values) in enumerate(imatrix.items()):
+            data = numpy.ascontiguousarray(values, dtype=numpy.float32)
+            encoded = name.encode()
+            held += [data, encoded]
+            entries[i].name = encoded
+            entries[i].data = data.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = data.size
+        entries[len(imatrix)].name = None
+        held.append(entries)
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+    code = llama_cpp.llama_model_quantize(source.encode(), destination.encode(), ctypes.byref(params))
+    if code != 0:
+        raise RuntimeError(f"llama_model_quantize returned {code}")
