@@ -216,8 +216,15 @@ def test_llama_cpps_own_quantization_and_ours_write_the_same_layout(tmp_path):
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = model(ids).logits
-    for path in (theirs, ours.path):  # both round to nearest on blocks of 32, each its own way
-        assert 15 < sqnr_db(expected, LlamaCppModel(path, context=64).logits(ids)) < 40
+    found = {}
+    for path in (theirs, ours.path):  # both round to nearest on blocks of 32, the extreme weight on -8
+        found[path] = sqnr_db(expected, LlamaCppModel(path, context=64).logits(ids))
+        assert 15 < found[path] < 40
+    # ours chooses the values on the scale as the file stores it (fp16), llama.cpp on its float32 original
+    assert found[ours.path] == pytest.approx(found[theirs], abs=0.5)
+    for name in ("blk.0.attn_q.weight", "blk.1.ffn_down.weight"):
+        difference = decoded(ours.path, name) - decoded(theirs, name)
+        assert (difference != 0).float().mean() < 0.02  # a value in fifty at most lands on the other side
 
 
 def test_a_crash_of_llama_cpp_ends_its_worker_and_the_file_opens_again(tmp_path):
@@ -239,3 +246,28 @@ def test_a_crash_of_llama_cpp_ends_its_worker_and_the_file_opens_again(tmp_path)
         llama.logits(ids)
     with pytest.raises(LlamaCppError, match="changed since it was opened"):
         llama.logits(ids)
+
+
+def test_the_importance_matrix_is_each_columns_mean_square_and_llama_cpp_quantizes_with_it(tmp_path):
+    from qreport_widgets.targets.llamacpp import importance_matrix, tensor_names
+
+    model = tiny()
+    batches = [(torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(s)),) for s in range(3)]
+    found = importance_matrix(model, batches)
+    names = tensor_names(model)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(found) == sorted(names[f"{n}.weight"] for n in linears)
+    seen = []
+    hook = model.model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0].reshape(-1, 128)))
+    with torch.no_grad():
+        for (ids,) in batches:
+            model(ids)
+    hook.remove()
+    assert torch.allclose(found["blk.1.ffn_down.weight"], torch.cat(seen).square().mean(0), rtol=1e-5)
+    source = write_gguf(model, tmp_path / "f32.gguf", float_format="F32")
+    plain = quantize(source.path, tmp_path / "plain.gguf", "Q4_0", pure=True)
+    weighted = quantize(source.path, tmp_path / "weighted.gguf", "Q4_0", pure=True, imatrix=found)
+    assert plain.stat().st_size == weighted.stat().st_size
+    # the importance matrix changes the values llama.cpp chooses for the Linears it covers, not the embedding's
+    assert not torch.equal(decoded(plain, "blk.1.ffn_down.weight"), decoded(weighted, "blk.1.ffn_down.weight"))
+    assert torch.equal(decoded(plain, "token_embd.weight"), decoded(weighted, "token_embd.weight"))

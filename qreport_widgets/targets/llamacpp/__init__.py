@@ -2,7 +2,8 @@
 llama.cpp itself in a worker process (``runtime``)."""
 
 from .blocks import GgufFormat, GgufFormatError, Packed, packed_weight, rounded_to_nearest
-from .gguf_file import FAMILIES, GgufFile, GgufWriteError, write_gguf
+from .gguf_file import FAMILIES, GgufFile, GgufWriteError, importance_matrix, tensor_names, write_gguf
+from .runtime import LlamaCppError, LlamaCppModel, Speed, quantize
 
 __all__ = [
     "FAMILIES",
@@ -10,8 +11,14 @@ __all__ = [
     "GgufFormat",
     "GgufFormatError",
     "GgufWriteError",
+    "LlamaCppError",
+    "LlamaCppModel",
     "Packed",
+    "Speed",
     "packed_weight",
+    "quantize",
     "rounded_to_nearest",
+    "importance_matrix",
+    "tensor_names",
     "write_gguf",
 ]

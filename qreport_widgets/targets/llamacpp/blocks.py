@@ -106,9 +106,11 @@ def q8_0(values: torch.Tensor, scales: torch.Tensor) -> Packed:
 
 
 def rounded_to_nearest(weight: torch.Tensor, format: GgufFormat) -> Packed:
-    """``weight`` (rows x inputs, float) in ``format`` by round to nearest on each block, as the
-    session's own round to nearest chooses symmetric values (its scale the block's largest magnitude
-    over 7.5 for ``Q4_0``, over 127 for ``Q8_0``), its scales rounded to fp16 before the values are."""
+    """``weight`` (rows x inputs, float) in ``format`` by round to nearest on each block. ``Q4_0``
+    on the full range, as llama.cpp's own rule: the block's extreme weight lands on -8 (its scale
+    negative where that weight is positive), so all 16 values span the block; ``Q8_0`` its largest
+    magnitude over 127; ``Q4_1`` its range over 15 from its minimum. Each scale is rounded to fp16
+    before the values are chosen on it (llama.cpp chooses them on the unrounded scale)."""
     weight = weight.detach().to(torch.float32).cpu()
     rows, inputs = weight.shape
     if format in (GgufFormat.F16, GgufFormat.F32):
@@ -120,15 +122,21 @@ def rounded_to_nearest(weight: torch.Tensor, format: GgufFormat) -> Packed:
         low, high = blocks.amin(-1), blocks.amax(-1)
         scale = ((high - low) / 15).to(torch.float16).to(torch.float32)
         low = low.to(torch.float16).to(torch.float32)
-        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-        codes = ((blocks - low[..., None]) / safe[..., None]).round().clamp(0, 15)
+        codes = ((blocks - low[..., None]) / _nonzero(scale)[..., None]).round().clamp(0, 15)
         return q4_1(codes.reshape(rows, inputs), scale, low)
-    top = 7.5 if format is GgufFormat.Q4_0 else 127.0
-    low_value, high_value = (-8, 7) if format is GgufFormat.Q4_0 else (-127, 127)
-    scale = (blocks.abs().amax(-1) / top).to(torch.float16).to(torch.float32)
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    values = (blocks / safe[..., None]).round().clamp(low_value, high_value).reshape(rows, inputs)
+    if format is GgufFormat.Q4_0:
+        extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        scale, low_value, high_value = extreme / -8, -8, 7
+    else:
+        scale, low_value, high_value = blocks.abs().amax(-1) / 127, -127, 127
+    scale = scale.to(torch.float16).to(torch.float32)
+    values = (blocks / _nonzero(scale)[..., None]).round().clamp(low_value, high_value).reshape(rows, inputs)
     return (q4_0 if format is GgufFormat.Q4_0 else q8_0)(values, scale)
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` with its zeros (an all-zero block) replaced by 1: its values are 0 either way."""
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
 def float_tensor(weight: torch.Tensor, format: GgufFormat) -> Packed:

@@ -185,6 +185,54 @@ def _tensors(
     return tensors, notes
 
 
+def tensor_names(model: nn.Module) -> dict[str, str]:
+    """Each parameter of ``model`` (``model.layers.0.self_attn.q_proj.weight``) -> its tensor's name
+    in the GGUF file (``blk.0.attn_q.weight``); a head tied to the embedding has none of its own."""
+    family = family_of(model.config)
+    gguf = _gguf()
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.architecture.upper()], int(model.config.num_hidden_layers))
+    embedding = model.get_input_embeddings().weight
+    found = {}
+    for name, value in _named_tensors(model):
+        if name.endswith("lm_head.weight") and value is embedding:
+            continue
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is not None:
+            found[name] = gguf_name
+    return found
+
+
+def importance_matrix(model: nn.Module, batches: Any) -> dict[str, torch.Tensor]:
+    """llama.cpp's importance matrix of ``model`` on ``batches`` (token ids, as calibration takes
+    them): for each Linear's weight, by its GGUF tensor name, the mean over every token of each input
+    column's square (what llama-imatrix stores as ``in_sum2 / counts``), for ``runtime.quantize``."""
+    names = tensor_names(model)
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def recorder(gguf_name: str) -> Any:
+        def record(_module: nn.Module, args: tuple) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
+            sums[gguf_name] = sums.get(gguf_name, 0) + x.square().sum(0)
+            counts[gguf_name] = counts.get(gguf_name, 0) + x.shape[0]
+
+        return record
+
+    hooks = []
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.Linear) and f"{fqn}.weight" in names:
+            hooks.append(module.register_forward_pre_hook(recorder(names[f"{fqn}.weight"])))
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                ids = batch[0] if isinstance(batch, (tuple, list)) else batch
+                model(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {name: (sums[name] / counts[name]).to(torch.float32) for name in sums}
+
+
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and persistent buffer of ``model`` once (a tied one under its first name)."""
     seen: set[int] = set()

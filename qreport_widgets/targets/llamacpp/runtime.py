@@ -259,10 +259,10 @@ def _file_type(kind: str) -> int:
     return int(gguf.LlamaFileType[QUANTIZE_TYPES[kind]])
 
 
-def _ggml_type(format: GgufFormat | str | None) -> int:
-    """llama.cpp's ``ggml_type`` number of a tensor format named as its tools name it (-1: the file type's choice)."""
+def _ggml_type(format: GgufFormat | str | None) -> int | None:
+    """llama.cpp's ``ggml_type`` number of a tensor format named as its tools name it (None: the file type's choice)."""
     if format is None:
-        return -1
+        return None
     import gguf
 
     name = format.value if isinstance(format, GgufFormat) else str(format)
@@ -362,8 +362,10 @@ def _quantized(
     params.nthread = threads
     params.ftype = options["ftype"]
     params.pure = options["pure"]
-    params.output_tensor_type = options["output_tensor_type"]
-    params.token_embedding_type = options["token_embedding_type"]
+    if options["output_tensor_type"] is not None:  # else llama.cpp's choice for the file type
+        params.output_tensor_type = options["output_tensor_type"]
+    if options["token_embedding_type"] is not None:
+        params.token_embedding_type = options["token_embedding_type"]
     held = []
     if imatrix:
         entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
