@@ -10,6 +10,8 @@ EXTRAS ?= dev,executorch,explorer,llamacpp
 # llama-cpp-python builds llama.cpp from its source: the library only (no multimodal tools, no common
 # utilities), for this machine's CPU (GGML_NATIVE, llama.cpp's default), as a llama.cpp user builds it
 LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_COMMON=OFF
+LLAMA_WHEELS := $(VENV)/llama-wheels
+comma := ,
 
 .PHONY: setup test test-slow test-gpu demo bench lint clean
 
@@ -22,18 +24,27 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0 uv
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c constraints.txt -e '.[$(EXTRAS)]'
+	@# llama.cpp compiles (minutes, both cores) while uv downloads, unpacks and byte-compiles the rest
+	rm -rf $(LLAMA_WHEELS); \
+	if echo ',$(EXTRAS),' | grep -q ',llamacpp,'; then \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip wheel -q --no-deps \
+			-w $(LLAMA_WHEELS) $$(grep -i '^llama[-_]cpp[-_]python==' constraints.txt) & built=$$!; \
+	fi; \
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c constraints.txt -e '.[$(subst $(comma)llamacpp,,$(EXTRAS))]' || exit 1; \
+	if [ -n "$$built" ]; then \
+		wait $$built || exit 1; \
+		$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c constraints.txt $(LLAMA_WHEELS)/*.whl -e '.[$(EXTRAS)]' || exit 1; \
+	fi
 	touch $(STAMP)
 
 # The tests whose outcome rests on the real kernels' arithmetic (marked `kernels`) run again: on one
-# thread with torch's no-SIMD kernels and, on a CPU with AVX-512 (after the suite),
+# thread with torch's no-SIMD kernels and, on a CPU with AVX-512,
 # as a CPU with AVX2 and no AVX-512 runs them (tools/without-avx512.env), so that an assumption true of
 # one CPU or one thread count fails here first. On a CPU without AVX-512 the main suite already ran them
 # as such a CPU does: that rerun would repeat it. Only the files that hold such tests are collected.
-# The one-thread rerun starts beside the main suite at the lowest priority (nice 19): it takes the
-# cores the suite leaves idle (a worker waiting on a browser or a subprocess, the last file's tail)
-# instead of 50 s after it.
+# Both reruns start beside the main suite at the lowest priority (nice 19): they take the cores the
+# suite leaves idle (a worker waiting on a browser or a subprocess, the last file's tail) instead of
+# running after it (the one-thread rerun took 50 s there, the AVX2 one 30 s).
 WITHOUT_AVX512 := $(shell grep -v '^\#' tools/without-avx512.env)
 HAS_AVX512 := $(shell grep -q -m1 avx512f /proc/cpuinfo 2>/dev/null && echo yes)
 KERNEL_FILES := $(shell grep -l 'mark.kernels' tests/*.py)
@@ -42,6 +53,7 @@ KERNEL_FILES := $(shell grep -l 'mark.kernels' tests/*.py)
 KERNEL_TESTS := env QREPORT_CHECK_SHORTCUTS=0 $(BIN)/python -m pytest -m 'kernels and not slow' -p no:cacheprovider $(KERNEL_FILES)
 NO_SIMD_TESTS := nice -n 19 env ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(KERNEL_TESTS)
 NO_SIMD_LOG := $(VENV)/kernel-tests-no-simd.log
+WITHOUT_AVX512_LOG := $(VENV)/kernel-tests-without-avx512.log
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file in one of them, so that
 # ExecuTorch's lowering (one core, in Python) and the notebooks' kernels and browser overlap with the
@@ -53,9 +65,14 @@ TEST_WORKERS ?= 3
 test: setup
 	@began=$$(date +%s); \
 	$(NO_SIMD_TESTS) > $(NO_SIMD_LOG) 2>&1 & no_simd=$$!; \
+	if [ "$(HAS_AVX512)" = yes ]; then \
+		nice -n 19 env $(WITHOUT_AVX512) $(KERNEL_TESTS) > $(WITHOUT_AVX512_LOG) 2>&1 & without=$$!; \
+	fi; \
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20; suite=$$?; \
 	if [ "$(HAS_AVX512)" = yes ]; then \
-		env $(WITHOUT_AVX512) $(KERNEL_TESTS); without_avx512=$$?; \
+		wait $$without; without_avx512=$$?; \
+		echo "--- the tests marked kernels as a CPU with AVX2 and no AVX-512 runs them (beside the suite, at the lowest priority):"; \
+		cat $(WITHOUT_AVX512_LOG); \
 	else \
 		echo "--- the tests marked kernels: this CPU has no AVX-512, so the suite above ran them as such a CPU does"; \
 		without_avx512=0; \

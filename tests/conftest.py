@@ -217,8 +217,7 @@ def pytest_collection_modifyitems(config, items):
 # Makefile's kernel reruns set 0). A test of what a shortcut saves (a pass not run, a lowering's time)
 # or that lowers afresh itself asks for ``shortcuts_as_taken``: the check mode would spend it again.
 CHECKED_FILES = (
-    "test_program_reuse.py",
-    "test_eager_xnnpack.py",
+    "test_program_reuse.py",  # (tests/test_eager_xnnpack.py's rewrite is this file's: its fresh lowering is not paid twice)
     "test_text_decoder.py",
     "test_eager_replay.py",
     "test_weight_algorithms.py",

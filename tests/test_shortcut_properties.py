@@ -138,9 +138,10 @@ def _programs_are_fresh(model, example, changes) -> None:
 UNHEALTHY = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 
 
-# each example lowers 3-6 programs and each reused one again, seconds each: 2 of 3-4 in make test,
-# 24 of 3-6 in make test-slow (QREPORT_PROPERTY_EXAMPLES sets both counts)
-@settings(max_examples=EXAMPLES or 2, deadline=None, suppress_health_check=UNHEALTHY)
+# each example lowers 3-6 programs and each reused one again, seconds each: 1 of 3-4 in make test (a
+# fixed run of four is tests/test_program_reuse.py's), 24 of 3-6 in make test-slow
+# (QREPORT_PROPERTY_EXAMPLES sets both counts)
+@settings(max_examples=EXAMPLES or 1, deadline=None, suppress_health_check=UNHEALTHY)
 @given(changes=st.lists(CHANGES, min_size=2, max_size=3))
 def test_every_program_a_lowering_reuses_is_a_fresh_lowerings_bytes(one_block, changes):
     _programs_are_fresh(*one_block, changes)
