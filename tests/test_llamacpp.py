@@ -271,3 +271,17 @@ def test_the_importance_matrix_is_each_columns_mean_square_and_llama_cpp_quantiz
     # the importance matrix changes the values llama.cpp chooses for the Linears it covers, not the embedding's
     assert not torch.equal(decoded(plain, "blk.1.ffn_down.weight"), decoded(weighted, "blk.1.ffn_down.weight"))
     assert torch.equal(decoded(plain, "token_embd.weight"), decoded(weighted, "token_embd.weight"))
+
+
+def test_relative_paths_name_the_callers_files_whatever_folder_the_worker_started_in(tmp_path, monkeypatch):
+    model = tiny()
+    first = write_gguf(model, tmp_path / "first.gguf", float_format="F32")
+    LlamaCppModel(first.path)  # the worker runs, started in this process's folder of the moment
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    write_gguf(model, "model.gguf", float_format="F32")
+    quantized = quantize("model.gguf", "q4.gguf", "Q4_0", pure=True)
+    assert quantized == here / "q4.gguf" and quantized.is_file()
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(LlamaCppModel("model.gguf").logits(ids), LlamaCppModel(first.path).logits(ids))

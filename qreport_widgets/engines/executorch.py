@@ -833,15 +833,9 @@ class RuntimeWorker(Worker):
         self._loaded = set()
 
 
-_WORKER: RuntimeWorker | None = None
-
-
 def runtime_worker() -> RuntimeWorker:
     """The process's one ``RuntimeWorker``."""
-    global _WORKER
-    if _WORKER is None:
-        _WORKER = RuntimeWorker()
-    return _WORKER
+    return RuntimeWorker.shared()
 
 
 def serve() -> None:  # pragma: no cover - runs in the worker process

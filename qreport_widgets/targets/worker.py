@@ -19,11 +19,15 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import QReportError
 
 SOCKET, KEY = "QREPORT_WIDGETS_RUNTIME_SOCKET", "QREPORT_WIDGETS_RUNTIME_KEY"  # what a worker is started with
+
+
+W = TypeVar("W", bound="Worker")
+_SHARED: dict[type, Worker] = {}  # each kind's one worker in this process
 
 
 class RuntimeFailedError(QReportError, RuntimeError):
@@ -45,6 +49,14 @@ class Worker:
         self._process: Any = None
         self._connection: Any = None
         self.starts = 0  # processes started (a crash makes the next call start another)
+
+    @classmethod
+    def shared(cls: type[W]) -> W:
+        """The process's one worker of this kind, made when first asked."""
+        found = _SHARED.get(cls)
+        if found is None:
+            found = _SHARED[cls] = cls()
+        return found  # type: ignore[return-value]
 
     @property
     def pid(self) -> int | None:

@@ -102,15 +102,9 @@ class LlamaCppWorker(Worker):
         self._opened = set()
 
 
-_WORKER: LlamaCppWorker | None = None
-
-
 def llama_worker() -> LlamaCppWorker:
     """The process's one ``LlamaCppWorker``."""
-    global _WORKER
-    if _WORKER is None:
-        _WORKER = LlamaCppWorker()
-    return _WORKER
+    return LlamaCppWorker.shared()
 
 
 @dataclass(frozen=True)
@@ -130,7 +124,7 @@ class LlamaCppModel:
 
     def __init__(self, path: str | os.PathLike[str], context: int = 0) -> None:
         _binding()
-        self.path = Path(path)
+        self.path = Path(path).resolve()  # the worker's working folder is the one it started in
         if not self.path.is_file():
             raise LlamaCppError(f"{self.path} is not a file")
         self.digest = digest(self.path)
@@ -231,7 +225,7 @@ def quantize(
     _binding()
     if kind not in QUANTIZE_TYPES:
         raise ValueError(f"kind is one of {', '.join(QUANTIZE_TYPES)}, not {kind!r}")
-    destination = Path(destination)
+    destination, source = Path(destination).resolve(), Path(source).resolve()
     if destination.exists() and not overwrite:
         raise LlamaCppError(f"{destination} exists; pass overwrite=True to replace it")
     partial = destination.with_name(f".{destination.name}.partial")
@@ -243,7 +237,7 @@ def quantize(
     }
     arrays = None if imatrix is None else {name: v.detach().float().cpu().numpy() for name, v in imatrix.items()}
     try:
-        llama_worker().quantize(Path(source), partial, options, arrays)
+        llama_worker().quantize(source, partial, options, arrays)
         os.replace(partial, destination)
     except RuntimeError as error:
         partial.unlink(missing_ok=True)
