@@ -285,3 +285,26 @@ def test_relative_paths_name_the_callers_files_whatever_folder_the_worker_starte
     assert quantized == here / "q4.gguf" and quantized.is_file()
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
     assert torch.equal(LlamaCppModel("model.gguf").logits(ids), LlamaCppModel(first.path).logits(ids))
+
+
+def test_a_bf16_model_is_written_as_it_is_and_left_unchanged(tmp_path):
+    from conftest import assert_unchanged, fingerprint
+
+    model = tiny().to(torch.bfloat16)
+    before = fingerprint(model)
+    written = write_gguf(model, tmp_path / "float.gguf", formats={"model.layers.1.mlp.up_proj": "Q8_0"})
+    assert_unchanged(model, before)
+    down = model.model.layers[0].mlp.down_proj
+    down.weight = torch.nn.Parameter(round_to_nearest(down.weight.detach(), 32), requires_grad=False)
+    values, scale = down.weight.qdata.clone(), down.weight.scale.clone()
+    written = write_gguf(model, tmp_path / "bf16.gguf", formats={"model.layers.1.mlp.up_proj": "Q8_0"})
+    assert torch.equal(down.weight.qdata, values) and torch.equal(down.weight.scale, scale)
+    assert written.formats["blk.0.ffn_down.weight"] is GgufFormat.Q4_0
+    assert written.formats["blk.1.ffn_up.weight"] is GgufFormat.Q8_0
+    # a bf16 scale is on fp16's grid: the file holds the int values and scales exactly (their products in
+    # float32, as llama.cpp computes them, where torchao's bf16 dequantize rounds them to bf16)
+    assert torch.equal(decoded(written.path, "blk.0.ffn_down.weight"), values.float() * scale.float().repeat_interleave(32, 1))
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+    assert sqnr_db(expected, LlamaCppModel(written.path, context=32).logits(ids)) > 25  # bf16's own round-off bounds it
