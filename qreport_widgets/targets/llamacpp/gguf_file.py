@@ -21,6 +21,7 @@ import numpy
 import torch
 from torch import nn
 
+from ...core.calibration import call_with
 from ...errors import MissingExtraError, QReportError
 from .blocks import GgufFormat, Packed, float_tensor, packed_weight, rounded_to_nearest
 
@@ -116,9 +117,7 @@ def write_gguf(
     float_format = GgufFormat(float_format)
     if float_format not in (GgufFormat.F16, GgufFormat.F32):
         raise GgufWriteError(f"float_format is F16 or F32, not {float_format.value}: a block format goes in formats")
-    layers = int(config.num_hidden_layers)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.architecture.upper()], layers)
-    tensors, notes = _tensors(model, family, names, chosen, float_format)
+    tensors, notes = _tensors(model, family, chosen, float_format), []
     unknown = sorted(set(chosen) - {module for module, _ in tensors.values()})
     if unknown:
         raise GgufWriteError(f"formats names modules the model's weights do not come from: {', '.join(unknown)}")
@@ -151,26 +150,20 @@ def write_gguf(
 
 
 def _tensors(
-    model: nn.Module, family: Family, names: Any, chosen: Mapping[str, GgufFormat], float_format: GgufFormat
-) -> tuple[dict[str, tuple[str, Packed]], list[str]]:
+    model: nn.Module, family: Family, chosen: Mapping[str, GgufFormat], float_format: GgufFormat
+) -> dict[str, tuple[str, Packed]]:
     """GGUF tensor name -> (the module it comes from, its packed data), in the model's order."""
-    config, notes = model.config, []
-    heads, kv_heads = (
-        int(config.num_attention_heads),
-        int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
-    )
-    embedding = model.get_input_embeddings().weight
+    config = model.config
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     tensors: dict[str, tuple[str, Packed]] = {}
-    for parameter_name, value in _named_tensors(model):
-        module, _, leaf = parameter_name.rpartition(".")
-        if parameter_name.endswith("lm_head.weight") and value is embedding:
-            continue  # tied: llama.cpp reads the embedding as the head when the file has no output tensor
-        gguf_name = names.get_name(parameter_name, try_suffixes=(".weight", ".bias"))
+    for parameter_name, value, gguf_name in _in_gguf(model, family):
         if gguf_name is None:
             raise GgufWriteError(
                 f"{parameter_name} has no tensor in llama.cpp's {family.architecture!r} layout: the model is not the "
                 "family its config names, or a module was added to it (an online rotation's product cannot be written)"
             )
+        module, _, leaf = parameter_name.rpartition(".")
         if value.dim() == 1:
             packed = float_tensor(value, GgufFormat.F32)  # norms and biases: llama.cpp computes them in F32
         elif module in chosen:
@@ -182,24 +175,27 @@ def _tensors(
         if family.pairs_rotated and leaf == "weight" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             packed = _pairs_reordered(packed, heads if gguf_name.endswith("attn_q.weight") else kv_heads)
         tensors[gguf_name] = (module, packed)
-    return tensors, notes
+    return tensors
 
 
 def tensor_names(model: nn.Module) -> dict[str, str]:
     """Each parameter of ``model`` (``model.layers.0.self_attn.q_proj.weight``) -> its tensor's name
     in the GGUF file (``blk.0.attn_q.weight``); a head tied to the embedding has none of its own."""
-    family = family_of(model.config)
+    return {name: gguf_name for name, _, gguf_name in _in_gguf(model, family_of(model.config)) if gguf_name is not None}
+
+
+def _in_gguf(model: nn.Module, family: Family) -> list[tuple[str, torch.Tensor, str | None]]:
+    """Every parameter and persistent buffer of ``model`` once, with its GGUF tensor name (None where
+    llama.cpp's layout for ``family`` has none), but a head tied to the embedding: llama.cpp reads the
+    embedding as the head when the file has no output tensor."""
     gguf = _gguf()
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.architecture.upper()], int(model.config.num_hidden_layers))
     embedding = model.get_input_embeddings().weight
-    found = {}
-    for name, value in _named_tensors(model):
-        if name.endswith("lm_head.weight") and value is embedding:
-            continue
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is not None:
-            found[name] = gguf_name
-    return found
+    return [
+        (name, value, names.get_name(name, try_suffixes=(".weight", ".bias")))
+        for name, value in _named_tensors(model)
+        if not (name.endswith("lm_head.weight") and value is embedding)
+    ]
 
 
 def importance_matrix(model: nn.Module, batches: Any) -> dict[str, torch.Tensor]:
@@ -225,8 +221,7 @@ def importance_matrix(model: nn.Module, batches: Any) -> dict[str, torch.Tensor]
     try:
         with torch.no_grad():
             for batch in batches:
-                ids = batch[0] if isinstance(batch, (tuple, list)) else batch
-                model(ids)
+                call_with(model, batch)
     finally:
         for hook in hooks:
             hook.remove()

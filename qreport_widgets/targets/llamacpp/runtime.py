@@ -27,7 +27,7 @@ from typing import Any
 import numpy
 import torch
 
-from ...core.metrics import perplexity_terms
+from ...core.metrics import perplexity
 from ...errors import MissingExtraError, QReportError
 from ..worker import RuntimeFailedError, Worker, answer, serving
 from .blocks import GgufFormat
@@ -153,23 +153,18 @@ class LlamaCppModel:
         (rows x positions, or one row), each row a sequence of its own from an empty cache."""
         rows = tokens.reshape(-1, tokens.shape[-1]) if tokens.dim() > 1 else tokens.reshape(1, -1)
         found = [self._ask(("logits", [int(t) for t in row]), f"computing logits of {rows.shape[1]} tokens") for row in rows]
-        out = torch.from_numpy(numpy.stack([f[0] for f in found]))
+        out = torch.from_numpy(numpy.stack(found))
         return out.reshape(*tokens.shape, out.shape[-1])
 
+    def __call__(self, input_ids: torch.Tensor, **_ignored: Any) -> torch.Tensor:
+        """The logits of ``input_ids``, called as a causal language model is (what the session's
+        metrics call: ``core.metrics.perplexity(llama, batches)`` is this file's perplexity)."""
+        return self.logits(input_ids)
+
     def perplexity(self, batches: Iterable[Any]) -> float:
-        """exp(mean negative log-likelihood of each next token) on ``batches`` of token ids, as the
-        session computes perplexity, from llama.cpp's logits."""
-        total, count = 0.0, 0
-        for batch in batches:
-            ids = (
-                batch if isinstance(batch, torch.Tensor) else batch[0] if isinstance(batch, (tuple, list)) else batch["input_ids"]
-            )
-            logits = self.logits(ids)
-            nll, predicted = perplexity_terms(ids, logits)
-            total, count = total + nll, count + predicted
-        if not count:
-            raise ValueError("perplexity needs sequences of at least two tokens")
-        return float(numpy.exp(total / count))
+        """exp(mean negative log-likelihood of each next token) on ``batches`` of token ids, from
+        llama.cpp's logits, with the session's own perplexity (``core.metrics.perplexity``)."""
+        return perplexity(self, batches)
 
     def tokenize(self, text: str | bytes) -> list[int]:
         """llama.cpp's tokens of ``text`` (the file's tokenizer, no beginning-of-text token added)."""
@@ -319,7 +314,7 @@ def serve() -> None:  # pragma: no cover - runs in the worker process
                 raise ValueError(f"a row of {len(tokens)} tokens is longer than the context of {model.n_ctx()}")
             model.reset()
             model.eval(tokens)
-            return (numpy.array(model.scores[: len(tokens)], dtype=numpy.float32), None)
+            return numpy.array(model.scores[: len(tokens)], dtype=numpy.float32)
         if kind == "tokenize":
             _, key, text = request
             return opened[key].tokenize(text, add_bos=False, special=False)
