@@ -16,12 +16,11 @@ def snippets() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
-def test_the_readme_has_the_eleven_snippets_this_test_runs():
-    assert len(snippets()) == 11
+def test_the_readme_has_the_ten_snippets_this_test_runs():
+    assert len(snippets()) == 10
 
 
 XNNPACK_SNIPPETS = (8, 9)  # need the [executorch] extra
-LLAMACPP_SNIPPETS = (10,)  # needs the [llamacpp] extra
 # `make test-slow` runs them: the same calls, with their claims checked, run in tests/test_xnnpack.py
 # (the CNN's program, its truth check and reach) and tests/test_eager_xnnpack.py (the decoder's 8da4w
 # program against an independent one), about 70 s of lowering a second time
@@ -30,13 +29,11 @@ COVERED = pytest.mark.slow
 
 @pytest.mark.parametrize(
     "order",
-    [(0, 2, 3), (1,), (4,), (5,), (6,), (7,), pytest.param((8,), marks=COVERED), pytest.param((9,), marks=COVERED), (10,)],
+    [(0, 2, 3), (1,), (4,), (5,), (6,), (7,), pytest.param((8,), marks=COVERED), pytest.param((9,), marks=COVERED)],
 )
 def test_readme_snippets_run_as_written(order, tmp_path, monkeypatch):
     if set(order) & set(XNNPACK_SNIPPETS):
         pytest.importorskip("executorch", reason="the [executorch] extra is not installed")
-    if set(order) & set(LLAMACPP_SNIPPETS):
-        pytest.importorskip("llama_cpp", reason="the [llamacpp] extra is not installed")
     monkeypatch.chdir(tmp_path)  # the saving snippet writes demo.qreport here
     namespace: dict = {}
     blocks = snippets()
@@ -45,11 +42,17 @@ def test_readme_snippets_run_as_written(order, tmp_path, monkeypatch):
     assert "report" in namespace
     if 9 in order:
         assert (tmp_path / "decoder.pte").stat().st_size == namespace["baseline"].size_bytes
-    if 10 in order:
-        assert (tmp_path / "decoder.gguf").stat().st_size == namespace["written"].bytes
-        assert namespace["llama"].perplexity(namespace["data"].evaluation) == pytest.approx(
-            namespace["baseline"].eval_metric, rel=0.005
-        )
     if 3 in order:
         assert (tmp_path / "demo.qreport").exists()
         assert "widget-view+json" in (tmp_path / "demo.html").read_text()
+
+
+def test_the_llama_cpp_page_snippet_runs_as_written(tmp_path, monkeypatch):
+    pytest.importorskip("llama_cpp", reason="the [llamacpp] extra is not installed")
+    monkeypatch.chdir(tmp_path)  # it writes decoder.gguf here
+    (block,) = re.findall(r"```python\n(.*?)```", (README.parent / "docs" / "LLAMACPP.md").read_text(), re.S)
+    namespace: dict = {}
+    exec(compile(block, "docs/LLAMACPP.md snippet", "exec"), namespace)
+    assert (tmp_path / "decoder.gguf").stat().st_size == namespace["written"].bytes
+    llama, baseline = namespace["llama"], namespace["baseline"]
+    assert llama.perplexity(namespace["data"].evaluation) == pytest.approx(baseline.eval_metric, rel=0.005)
