@@ -13,10 +13,15 @@ norms F32, so all have the same bytes.
 - ours: the session's int4 symmetric g32 values (round to nearest, GPTQ, the learned rounding) on
   every Linear (a tied head stays the embedding), the embedding rounded to nearest, written as Q4_0.
 
+- ours, ``--fit``: a session on the llama.cpp target (every run a GGUF file measured by llama.cpp)
+  fitted under the bytes of llama.cpp's Q4_K_M with the importance matrix: the size front's
+  per-tensor choice of Q4_0 / Q8_0 / F16 (round to nearest, HQQ or GPTQ values), then real runs. Its
+  real runs are scored on the held-out text, so the docstrings are the text it never saw.
+
 Each file is loaded by llama.cpp (llama-cpp-python, built from source) and scored on both held-out
 texts with its own logits: perplexity, the file's bytes, and the seconds that made it.
 
-    python benchmarks/gguf_peers.py [--models smollm2 decoder] [--methods rtn gptq learned]
+    python benchmarks/gguf_peers.py [--models smollm2 decoder] [--methods rtn gptq learned] [--fit]
 """
 
 from __future__ import annotations
@@ -74,7 +79,21 @@ def theirs(case: dict, source: Path, kind: str, imatrix: dict | None, folder: Pa
     return scored(path, case, seconds + time.perf_counter() - start)
 
 
-def table(case: dict, methods: list[str]) -> None:
+def fitted(case: dict, max_size_bytes: int) -> dict:
+    """A llama.cpp-target session's ``fit`` under ``max_size_bytes``, its file scored."""
+    start = time.perf_counter()
+    session = analyze(
+        case["model"], case["calibration"][0], case["calibration"], eval_data=case["held_out"], engine="eager",
+        format="int8-dynamic-int4-weight", group_size=GROUP, metric="perplexity", target="llama.cpp", progress=False,
+    ).session  # fmt: skip
+    run = session.fit(max_size_bytes=max_size_bytes, progress=False)
+    if not run.ok:
+        raise RuntimeError(f"fit: {run.error}")
+    print(f"  fit: {run.quantized_model.extra_repr()}; {run.notes[-1]}", flush=True)
+    return scored(run.quantized_model.file.path, case, time.perf_counter() - start)
+
+
+def table(case: dict, methods: list[str], fit: bool = False) -> None:
     setup()
     model = case["model"]
     floats = {"perplexity": perplexity(model, case["held_out"]), "second": perplexity(model, case["second"])}
@@ -98,9 +117,14 @@ def table(case: dict, methods: list[str]) -> None:
         start = time.perf_counter()
         imatrix = importance_matrix(model, case["calibration"])
         imatrix_s = time.perf_counter() - start
+        budget = 0
         for kind in ("Q4_0", "Q4_K_M"):
             show(f"llama.cpp {kind}{' --pure' if kind == 'Q4_0' else ''}", theirs(case, source, kind, None, folder, 0.0))
-            show(f"llama.cpp {kind} + imatrix", theirs(case, source, kind, imatrix, folder, imatrix_s))
+            row = theirs(case, source, kind, imatrix, folder, imatrix_s)
+            show(f"llama.cpp {kind} + imatrix", row)
+            budget = row["bytes"]  # the last: Q4_K_M's with the importance matrix
+        if fit:
+            show("ours: fit under Q4_K_M + imatrix's bytes", fitted(case, budget))
         session = analyze(
             model, case["calibration"][0], case["calibration"], eval_data=case["held_out"], engine="eager",
             format="int4-weight-only", group_size=GROUP, metric="perplexity", progress=False,
@@ -112,7 +136,8 @@ def table(case: dict, methods: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=("smollm2", "decoder"), default=["smollm2", "decoder"])
-    parser.add_argument("--methods", nargs="+", choices=("rtn", "gptq", "learned"), default=["rtn", "gptq", "learned"])
+    parser.add_argument("--methods", nargs="*", choices=("rtn", "gptq", "learned"), default=["rtn", "gptq", "learned"])
+    parser.add_argument("--fit", action="store_true", help="also fit a llama.cpp-target session under Q4_K_M's bytes")
     args = parser.parse_args()
     for name in args.models:
         if name == "smollm2":
@@ -122,7 +147,7 @@ def main() -> None:
             case["tokenizer"] = smollm2_folder() / GGUF
         else:
             case = decoder_case(None)
-        table(case, args.methods)
+        table(case, args.methods, args.fit)
 
 
 if __name__ == "__main__":

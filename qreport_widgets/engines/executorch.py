@@ -48,6 +48,7 @@ from ..core.calibration import batch_rows, torch_warnings_hidden
 from ..core.progress import Progress, Stopped, steps
 from ..core.shortcuts import Shortcut, ShortcutMismatchError, checking, confirmed
 from ..errors import MissingExtraError, QReportError
+from ..targets.contract import Deployed
 from ..targets.worker import RuntimeFailedError, Worker, answer, serving
 from . import program_reuse
 
@@ -151,11 +152,13 @@ class Delegation:
         return f"{said}; left to ExecuTorch's portable kernels: {each}"
 
 
-class DeployedProgram(torch.nn.Module):
+class DeployedProgram(Deployed):
     """An ExecuTorch program lowered to XNNPACK, called like the model: ``forward`` executes it in
     ExecuTorch's runtime (in the ``RuntimeWorker``). ``pte`` is the serialised program
     (``write(path)`` saves it), ``reference`` the quantized model it was lowered from,
     ``delegation`` what XNNPACK took."""
+
+    suffix = ".pte"
 
     def __init__(self, pte: bytes, reference: torch.nn.Module, out_spec: Any, delegation: Delegation) -> None:
         super().__init__()
@@ -248,6 +251,10 @@ class DeployedProgram(torch.nn.Module):
             self.lowering_s,
             tuple(generated),
         )
+
+    @property
+    def artifact_bytes(self) -> int:
+        return len(self.pte)
 
     def write(self, path: str | os.PathLike[str]) -> int:
         """Save the program as ``path`` (a ``.pte`` file ExecuTorch's runtime loads); the bytes written."""

@@ -28,6 +28,9 @@ from ...core.progress import Progress, quiet
 from ...core.shortcuts import Shortcut, checking, confirmed, tensors_equal
 from ...errors import DecodeSpeedError, InvalidSettingsError, QReportError
 from ...observe.graph import OBSERVER_CONTAINER
+from ...targets.contract import Deployed
+from ...targets.llamacpp.blocks import GgufFormat
+from ...targets.llamacpp.program import GgufProgram, gguf_program, refusal, required, tensor_bytes
 from ..contract import Engine, Observation, RunNotes, conversion_tables
 from ..executorch import (
     DYNAMIC,
@@ -55,10 +58,12 @@ from ..settings import (
 )
 from .algorithms import CompactWeight, InputStatistics, QuantizedWeight, Recipe, assign_weights, unfolded_awq, weights_in_runs
 from .formats import (
+    FILE_TARGETS,
     INT4_WEIGHT_ONLY,
     INT8_DYNAMIC,
     INT8_DYNAMIC_INT4,
     INT8_WEIGHT_ONLY,
+    LLAMACPP,
     QUANTIZED_FORMATS,
     X86,
     XNNPACK,
@@ -113,6 +118,17 @@ RUNTIME_NOTE = (
     "one thread in a worker process; lowering took {seconds:.1f} s. Per-layer SQNR is of the eager model it was "
     "lowered from"
 )
+LLAMACPP_NOTE = (
+    "measured in llama.cpp: the quantized model written as a GGUF file ({size:,} bytes: {formats}; the int values "
+    "as chosen, each scale rounded to fp16 as the file stores it, in {seconds:.1f} s) and run by llama.cpp's CPU "
+    "kernels in a worker process (a Q4_0 / Q8_0 matrix times activations it quantizes to 8 bits per block of 32). "
+    "Per-layer SQNR is of the eager model it was written from"
+)
+LLAMACPP_WORDS = "llama.cpp's CPU kernels, the run written as a GGUF file"
+ONLINE_GGUF_FAILS = (
+    "a GGUF file holds a decoder's own tensors: an online rotation's product (a module added before a Linear) "
+    "has no tensor in llama.cpp's layout; rotate with R1 and R2 alone, which fold into the weights"
+)
 INT8_DYNAMIC_NOTE = (
     "int8 dynamic: torchao's CPU kernel (torch._int_mm on each batch's int8 activations) is written for "
     "torch.compile to fuse; run eagerly, as here, it can be many times slower than int8 weight-only: its "
@@ -160,6 +176,8 @@ class EagerEngine(Engine[EagerConfig]):
         options = EagerOptions(format, group_size, algorithms, target, learned_start)
         if target == XNNPACK:
             executorch_api()  # ExecuTorch, or the error naming the extra
+        if target == LLAMACPP:
+            required()  # gguf and llama-cpp-python, or the error naming the extra
         self.target = target
         self.learned = LearnedRounding(start=learned_start)  # the learned rounding's start (None: LEARNED_START)
         self._example_inputs: tuple[Any, ...] = ()  # what a program is exported with
@@ -199,6 +217,7 @@ class EagerEngine(Engine[EagerConfig]):
         inputs; with ``record`` it keeps what each module read and wrote for the observers (a decoder's
         analysis over 4 batches: one forward pass less, a fifth of its time)."""
         self._example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        self._refuse_model(float_model)
         self._folds = input_folds(float_model)
         observed = observed_modules(shared_copy(float_model), _inputs_of(example_inputs), record)  # hooks read, never write
         modules = self._tunable(float_model, self.base_config().resolved(float_model))
@@ -215,11 +234,12 @@ class EagerEngine(Engine[EagerConfig]):
 
     def config_for(self, settings: Mapping[str, ModuleSettings], modules: Sequence[TunableModule]) -> EagerConfig:
         config = EagerConfig.of({m.fqn: settings.get(m.fqn, m.current) for m in modules}, self.target)
-        if self.target == XNNPACK and self._folds is not None:
+        if self.target in FILE_TARGETS and self._folds is not None:
             problems = unfolded_awq(config.needs_data, self._folds)
             if problems:
+                where = "XNNPACK" if self.target == XNNPACK else "llama.cpp"
                 raise InvalidSettingsError(
-                    "on XNNPACK, AWQ's input scales are folded into the op before each Linear (the program has no op "
+                    f"on {where}, AWQ's input scales are folded into the op before each Linear (the file has no op "
                     "to divide by them): " + "; ".join(f"{fqn}: {why}" for fqn, why in problems.items())
                 )
         return config
@@ -235,21 +255,22 @@ class EagerEngine(Engine[EagerConfig]):
     # ---- the workflow ---------------------------------------------------------------------------
     @property
     def kernel_device(self) -> torch.device:
-        return CPU  # both targets are CPUs: torchao's x86 kernels, or XNNPACK in ExecuTorch's runtime
+        return CPU  # every target is a CPU: torchao's x86 kernels, XNNPACK in ExecuTorch's runtime, llama.cpp
 
     def rotated_front_problem(self) -> str:
         return ""
 
     def online_transform_problem(self) -> str:
-        return ONLINE_PRODUCT_FAILS if self.target == XNNPACK else ""
+        return {XNNPACK: ONLINE_PRODUCT_FAILS, LLAMACPP: ONLINE_GGUF_FAILS}.get(self.target, "")
 
     def kernel_words(self) -> str:
-        return RUNTIME_WORDS if self.target == XNNPACK else "torchao's x86 kernels on the CPU"
+        return {XNNPACK: RUNTIME_WORDS, LLAMACPP: LLAMACPP_WORDS}.get(self.target, "torchao's x86 kernels on the CPU")
 
     def prepare(self, float_model: nn.Module, config: EagerConfig, example_inputs: tuple[Any, ...]) -> nn.Module:
         """A copy of ``float_model`` (sharing its weights: ``quantize_`` assigns new ones); ``convert``
         applies ``config``'s formats to it, and exports a program with ``example_inputs`` (a session
         made without ``analyze`` never observed any)."""
+        self._refuse_model(float_model)
         model = shared_copy(float_model).eval()
         self._configs[model] = config.resolved(model)
         self._sources[model] = float_model
@@ -334,7 +355,7 @@ class EagerEngine(Engine[EagerConfig]):
                 chosen[fqn] = found.pop(fqn).expand(prepared.get_submodule(fqn).weight)
         with torch.no_grad():
             hooked = assign_weights(prepared, chosen, [f for f in chosen if config.formats[f][0] == INT8_DYNAMIC_INT4])
-        if hooked and self.target == XNNPACK:  # refused with the settings (config_for); a last guard
+        if hooked and self.target in FILE_TARGETS:  # refused with the settings (config_for); a last guard
             raise FormatError(f"AWQ's input scales of {', '.join(hooked)} could not be folded into the ops before them")
         self._kept_rounding[prepared] = {fqn: q.note for fqn, q in chosen.items() if q.note}
         try:
@@ -346,6 +367,8 @@ class EagerEngine(Engine[EagerConfig]):
             return lower(
                 prepared, inputs, partitioner=DYNAMIC, fuse_quantized_ops=True, progress=progress, check=self.checks_shortcuts
             )
+        if self.target == LLAMACPP:
+            return gguf_program(prepared)
         return prepared
 
     # ---- what a run measures --------------------------------------------------------------------
@@ -409,14 +432,14 @@ class EagerEngine(Engine[EagerConfig]):
         return conversion_tables(rows)
 
     def deployed_bytes(self, quantized: nn.Module) -> int:
-        """The ``.pte`` program's bytes for the XNNPACK target; else the weights as a packed layout stores them."""
-        if isinstance(quantized, DeployedProgram):
-            return len(quantized.pte)
+        """The file's bytes on a file target (a ``.pte`` program, a GGUF); else the weights as a packed layout stores them."""
+        if isinstance(quantized, Deployed):
+            return quantized.artifact_bytes
         return deployed_bytes(quantized)
 
     def stored_bytes(self, quantized: nn.Module) -> int:
-        if isinstance(quantized, DeployedProgram):
-            return len(quantized.pte)
+        if isinstance(quantized, Deployed):
+            return quantized.artifact_bytes
         return super().stored_bytes(quantized)
 
     def unbuildable(self, float_module: nn.Module, choice: ModuleSettings) -> str:
@@ -456,8 +479,8 @@ class EagerEngine(Engine[EagerConfig]):
         Not AWQ on XNNPACK: a module's choice there binds the other Linears that read its input
         (``unfolded_awq``), and the front weighs each module's choices alone."""
         found = [module.current]
-        weighed = ALGORITHM_FORMATS if self.target == XNNPACK else (INT4_WEIGHT_ONLY,)
-        searched = [a for a in self.searched_algorithms if not (a == AWQ and self.target == XNNPACK)]
+        weighed = ALGORITHM_FORMATS if self.target in FILE_TARGETS else (INT4_WEIGHT_ONLY,)
+        searched = [a for a in self.searched_algorithms if not (a == AWQ and self.target in FILE_TARGETS)]
         for name in ("float", *QUANTIZED_FORMATS):
             if not module.format_allowed(name):
                 continue
@@ -480,12 +503,14 @@ class EagerEngine(Engine[EagerConfig]):
         counted, and the line through them read at the module's rows: a decoder's head is never
         copied or quantized whole for its size."""
         weight, bias = float_module.weight, getattr(float_module, "bias", None)
+        if self.target == LLAMACPP:  # the tensors' bytes in the GGUF file: a function of shape and format alone
+            return _gguf_bytes(float_module, choice)
         key = (type(float_module), tuple(weight.shape), weight.dtype, bias is not None, choice)  # all the size depends on
         if key not in self._sizes:
             # GPTQ and AWQ store round-to-nearest's layout (AWQ on x86 one scale per input channel more, counted
             # where it may be left to a pre-hook; on XNNPACK it is always folded into the op before)
             counted = replace(choice, algorithm="") if choice.algorithm in DATA_ALGORITHMS else choice
-            extra = weight.shape[1] * weight.element_size() if choice.algorithm == AWQ and self.target != XNNPACK else 0
+            extra = weight.shape[1] * weight.element_size() if choice.algorithm == AWQ and self.target not in FILE_TARGETS else 0
             rows = weight.shape[0]
             whole = functools.partial(_quantized_bytes, float_module, counted, self.target)
             if isinstance(float_module, (nn.Linear, nn.Embedding)) and rows > 2 * SIZE_ROWS:
@@ -507,6 +532,7 @@ class EagerEngine(Engine[EagerConfig]):
         """Which kernels torchao ran on this CPU (or what XNNPACK took of the program), and per module
         a format it did not carry out."""
         program = quantized if isinstance(quantized, DeployedProgram) else None
+        written = quantized if isinstance(quantized, GgufProgram) else None
         quantized = _eager_model(quantized)
         modules = dict(quantized.named_modules())
         undone = {
@@ -518,6 +544,9 @@ class EagerEngine(Engine[EagerConfig]):
         if program is not None:
             notes = [RUNTIME_NOTE.format(size=len(program.pte), seconds=program.lowering_s), program.delegation.words]
             notes += [program.reused] if program.reused else []
+        elif written is not None:
+            held = ", ".join(f"{n} {name}" for name, n in written.formats().items())
+            notes = [LLAMACPP_NOTE.format(size=written.artifact_bytes, formats=held, seconds=written.written_s)]
         else:
             notes = [INT4_NOTE] if used & {INT4_WEIGHT_ONLY, INT8_DYNAMIC_INT4} else []
             notes += [INT8_WEIGHT_ONLY_NOTE] if INT8_WEIGHT_ONLY in used else []
@@ -541,10 +570,22 @@ class EagerEngine(Engine[EagerConfig]):
     def decode_speed(self, quantized: nn.Module, prompt: Sequence[int], new_tokens: int) -> DecodeSpeed:
         """A run's program exported again with a static KV cache (transformers' ExecuTorch
         integration, one token and its cache position a call, the cache as long as the prompt and
-        the tokens generated), lowered the same way, and timed generating in the runtime."""
+        the tokens generated), lowered the same way, and timed generating in the runtime. A GGUF
+        file: llama.cpp's own generation (the prompt in one batch, then a token a call)."""
+        if isinstance(quantized, GgufProgram):
+            speed = quantized.speed(prompt, new_tokens)
+            return DecodeSpeed(
+                len(prompt),
+                new_tokens,
+                1000.0 / speed.prefill_tokens_per_s,
+                1000.0 / speed.decode_tokens_per_s,
+                quantized.artifact_bytes,
+                quantized.written_s,
+            )
         if not isinstance(quantized, DeployedProgram):
             raise DecodeSpeedError(
-                "decode speed is a program's, measured in ExecuTorch's runtime: analyze(..., engine='eager', target='xnnpack')"
+                "decode speed is a file's, measured in its runtime: analyze(..., engine='eager', target='xnnpack') "
+                "or target='llama.cpp'"
             )
         cached = _with_static_cache(quantized.reference)
         try:
@@ -583,6 +624,12 @@ class EagerEngine(Engine[EagerConfig]):
         return EagerSimulation(prepared, modules, calibrate, self.target, self.learned, found_before, check=self.checks_shortcuts)
 
     # ---- helpers --------------------------------------------------------------------------------
+    def _refuse_model(self, model: nn.Module) -> None:
+        """On llama.cpp, a model that cannot be written as a GGUF file is refused before any work."""
+        why = refusal(model) if self.target == LLAMACPP else ""
+        if why:
+            raise InvalidSettingsError(f"target='llama.cpp': {why}")
+
     def _config_of(self, prepared: nn.Module) -> EagerConfig:
         config = self._configs.get(prepared)
         if config is None:
@@ -692,8 +739,20 @@ def _with_static_cache(model: nn.Module) -> nn.Module:
 
 
 def _eager_model(quantized: nn.Module) -> nn.Module:
-    """The eager quantized model: itself, or the one an ExecuTorch program was lowered from."""
-    return quantized.reference if isinstance(quantized, DeployedProgram) else quantized
+    """The eager quantized model: itself, or the one a target's file was made from."""
+    return quantized.reference if isinstance(quantized, Deployed) else quantized
+
+
+def _gguf_bytes(module: nn.Module, choice: ModuleSettings) -> int:
+    """``module``'s tensors in a GGUF file in ``choice``: an int4 format's weight ``Q4_0``, an int8
+    one's ``Q8_0``, a float matrix F16 (the writer's default), a bias F32."""
+    weight, bias = module.weight, getattr(module, "bias", None)
+    if choice.keep_float or not choice.format or choice.format == "float":
+        kind = GgufFormat.F16 if weight.dim() >= 2 else GgufFormat.F32
+    else:
+        kind = GgufFormat.Q4_0 if choice.format in GROUPED_FORMATS else GgufFormat.Q8_0
+    extra = 0 if bias is None else tensor_bytes(bias.shape, GgufFormat.F32)
+    return tensor_bytes(weight.shape, kind) + extra + _besides_rows(module)
 
 
 def _inputs_of(example_inputs: Any) -> Any:

@@ -15,7 +15,9 @@ every format is one of the two configs XNNPACK and ExecuTorch's kernels take: a 
 ``Int8DynamicActivationIntxWeightConfig`` with int4 grouped ("8da4w") or int8 per-row ("8da8w")
 weights, an Embedding ``IntxWeightOnlyConfig`` with int4 grouped or int8 per-row weights (its
 lookups become ``embedding_4bit`` / ``embedding_byte``). XNNPACK delegates grouped int4 only in
-groups of a multiple of 32, and no weight-only Linear.
+groups of a multiple of 32, and no weight-only Linear. On ``"llama.cpp"`` (the model is written as a
+GGUF file) the formats are those same configs: their int4 / int8 values are written as ``Q4_0`` /
+``Q8_0`` blocks (``targets/llamacpp``), whose matrix kernels quantize activations to 8 bits as 8da4w's do.
 """
 
 from __future__ import annotations
@@ -50,10 +52,14 @@ from ..settings import (
 
 INT8_DYNAMIC, INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY, INT8_DYNAMIC_INT4 = FORMATS[1:]
 QUANTIZED_FORMATS = FORMATS[1:]
-TARGETS = X86, XNNPACK = ("x86", "xnnpack")
-# what XNNPACK's program runs, per module type (ExecuTorch's LLM export: Linear 8da4w / 8da8w, Embedding 4w / 8w)
+TARGETS = X86, XNNPACK, LLAMACPP = ("x86", "xnnpack", "llama.cpp")
+# what XNNPACK's program runs, per module type (ExecuTorch's LLM export: Linear 8da4w / 8da8w, Embedding 4w / 8w);
+# llama.cpp's CPU kernels alike: a Q4_0 / Q8_0 matrix multiplies activations it quantizes to 8 bits, a
+# token's embedding row is looked up and dequantized
 XNNPACK_LINEAR = (INT8_DYNAMIC, INT8_DYNAMIC_INT4)
 XNNPACK_EMBEDDING = (INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY)
+# the targets whose runs leave the process as a file (a program, a GGUF), in the formats above
+FILE_TARGETS = (XNNPACK, LLAMACPP)
 NO_CONV_INT8 = "torchao's int8 tensors have no convolution (int4-weight-only applies to a Conv2d)"
 
 
@@ -119,11 +125,11 @@ def ao_config(name: str, group_size: int = 0, algorithm: str = "", target: str =
     if algorithm not in ("", HQQ) or (algorithm and name not in ALGORITHM_FORMATS):
         raise ValueError(f"no torchao config for {name!r} with weight algorithm {algorithm!r}")
     hqq = {"intx_choose_qparams_algorithm": "hqq_scale_only"} if algorithm == HQQ else {}
-    if name == INT8_DYNAMIC and target == XNNPACK:
+    if name == INT8_DYNAMIC and target in FILE_TARGETS:
         return ao.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=ao.PerAxis(0))
     if name == INT8_DYNAMIC:
         return ao.Int8DynamicActivationInt8WeightConfig()
-    if name == INT8_WEIGHT_ONLY and target == XNNPACK:
+    if name == INT8_WEIGHT_ONLY and target in FILE_TARGETS:
         return ao.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=ao.PerAxis(0))
     if name == INT8_WEIGHT_ONLY:
         return ao.Int8WeightOnlyConfig()
@@ -138,9 +144,9 @@ def config_code(name: str, group_size: int = 0, algorithm: str = "", target: str
     """``ao_config(name, group_size, algorithm, target)`` as Python (the names ``CODE_IMPORTS`` imports)."""
     group = group_size or DEFAULT_GROUP_SIZE
     hqq = ', intx_choose_qparams_algorithm="hqq_scale_only"' if algorithm == HQQ else ""
-    if target == XNNPACK and name == INT8_DYNAMIC:
+    if target in FILE_TARGETS and name == INT8_DYNAMIC:
         return "Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))"
-    if target == XNNPACK and name == INT8_WEIGHT_ONLY:
+    if target in FILE_TARGETS and name == INT8_WEIGHT_ONLY:
         return "IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))"
     return {
         INT8_DYNAMIC: "Int8DynamicActivationInt8WeightConfig()",
@@ -199,14 +205,28 @@ def offered(module: nn.Module, target: str = X86) -> tuple[dict[str, str], tuple
         kind = type(module).__name__
         why = f"torchao's formats take Linear, Embedding and Conv2d weights, not a {kind}"
         return {"float": "", **dict.fromkeys(QUANTIZED_FORMATS, why)}, ()
-    if target == XNNPACK:
-        formats = {name: why or _xnnpack_refuses(module, name) for name, why in formats.items()}
+    if target in FILE_TARGETS:
+        formats = {name: why or _file_refuses(module, name, target) for name, why in formats.items()}
     return formats, groups
 
 
-def _xnnpack_refuses(module: nn.Module, name: str) -> str:
-    """Why an ExecuTorch program with XNNPACK does not run ``module`` in format ``name`` ("" where it does)."""
+def _file_refuses(module: nn.Module, name: str, target: str) -> str:
+    """Why ``target``'s file (an ExecuTorch program with XNNPACK, a GGUF) does not run ``module`` in
+    format ``name`` ("" where it does)."""
     if name == "float":
+        return ""
+    if target == LLAMACPP:
+        if isinstance(module, nn.Linear) and name not in XNNPACK_LINEAR:
+            return (
+                "llama.cpp multiplies a quantized matrix with activations it quantizes to 8 bits per block of 32: "
+                "int8-dynamic-int4-weight (Q4_0) or int8-dynamic (Q8_0)"
+            )
+        if isinstance(module, nn.Embedding) and name not in XNNPACK_EMBEDDING:
+            return (
+                "llama.cpp looks an embedding's rows up and dequantizes them: int4-weight-only (Q4_0) or int8-weight-only (Q8_0)"
+            )
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            return "a GGUF file holds a decoder's Linear and Embedding weights in block formats; this module stays float"
         return ""
     if isinstance(module, nn.Linear) and name not in XNNPACK_LINEAR:
         return (
@@ -234,10 +254,10 @@ def algorithms_offered(module: nn.Module, target: str = X86, folded: bool = Fals
         return {}
     if isinstance(module, nn.Linear):
         found = dict.fromkeys(ALGORITHMS, "")
-        if target == XNNPACK and not folded:
+        if target in FILE_TARGETS and not folded:
             found[AWQ] = (
                 "AWQ's input scales fold into the norm or Linear before a Linear, and none writes this one's input "
-                "alone: the program would divide by them, an op XNNPACK is not given"
+                f"alone: the file would divide by them, an op {'llama.cpp' if target == LLAMACPP else 'XNNPACK'} is not given"
             )
         if not in_block:
             found[LEARNED] = "the learned rounding matches a block's output (model.layers.3), and this Linear sits in no block"
@@ -259,7 +279,8 @@ class EagerConfig:
     modules whose algorithm reads the calibration inputs (``needs_data``). ``linears``: a format for
     every Linear not named (the start, before a model is known; ``resolved`` names them), with
     ``group_size`` when it is an int4 format (0: ``DEFAULT_GROUP_SIZE``). ``target``: whose torchao
-    configs the formats are (``ao_config``): ``"x86"``, or ``"xnnpack"`` for an ExecuTorch program."""
+    configs the formats are (``ao_config``): ``"x86"``, or ``"xnnpack"`` / ``"llama.cpp"`` for a file
+    (an ExecuTorch program, a GGUF)."""
 
     formats: Mapping[str, Choice] = field(default_factory=dict)
     linears: str = ""
@@ -318,11 +339,11 @@ class EagerConfig:
             f"config = FqnToConfig({{\n{entries}}})\n"
             "quantize_(model, config, filter_fn=None)\n"
         )
-        if self.target == XNNPACK:
-            code += XNNPACK_CODE
+        code += TARGET_CODE.get(self.target, "")
+        imports = TARGET_IMPORTS.get(self.target, "")
         data = self.needs_data
         if not data:
-            return f"{CODE_IMPORTS}{XNNPACK_IMPORTS if self.target == XNNPACK else ''}\n{code}"
+            return f"{CODE_IMPORTS}{imports}\n{code}"
         learns = any(algorithm == LEARNED for algorithm, _ in data.values())
         started = f", learned_start={learned_start!r}" if learns and learned_start not in (None, RTN) else ""
         choices = "".join(
@@ -330,7 +351,7 @@ class EagerConfig:
             for fqn, (algorithm, group) in data.items()
         )
         return (
-            f"{CODE_IMPORTS}{XNNPACK_IMPORTS if self.target == XNNPACK else ''}from qreport_widgets import quantize_weights\n\n"
+            f"{CODE_IMPORTS}{imports}from qreport_widgets import quantize_weights\n\n"
             "# first, on the float model: int4 weights chosen by GPTQ / AWQ from one pass over the\n"
             "# calibration batches the session calibrated on (module -> (algorithm, group size[, format]))\n"
             f"quantize_weights(model, {{\n{choices}}}, calibration_batches{started})\n{code}"
@@ -360,6 +381,17 @@ XNNPACK_CODE = (
     'method = loaded.load_method("forward")\n'
     "outputs = method.execute(list(example_inputs))\n"
 )
+LLAMACPP_IMPORTS = "from qreport_widgets.targets.llamacpp import LlamaCppModel, write_gguf\n"
+# the quantized model written tensor by tensor in llama.cpp's formats, and run by llama.cpp
+LLAMACPP_CODE = (
+    "\n"
+    "# tokenizer_from: the GGUF file the model was loaded from (else a vocabulary of bytes)\n"
+    'write_gguf(model, "model.gguf", tokenizer_from=None)\n'
+    'llama = LlamaCppModel("model.gguf")\n'
+    "logits = llama.logits(example_inputs[0])\n"
+)
+TARGET_IMPORTS = {XNNPACK: XNNPACK_IMPORTS, LLAMACPP: LLAMACPP_IMPORTS}
+TARGET_CODE = {XNNPACK: XNNPACK_CODE, LLAMACPP: LLAMACPP_CODE}
 
 
 def choice_words(name: str, group: int, algorithm: str = "") -> str:

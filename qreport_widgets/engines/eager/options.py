@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..settings import ALGORITHMS, group_size_problem
-from .formats import INT8_DYNAMIC, QUANTIZED_FORMATS, TARGETS, XNNPACK, XNNPACK_LINEAR
+from .formats import FILE_TARGETS, INT8_DYNAMIC, QUANTIZED_FORMATS, TARGETS, XNNPACK_LINEAR
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,9 @@ class EagerOptions:
             GPTQ and AWQ cost seconds a module per group size (on a 134M decoder, a minute each over
             every Linear): ``("rtn", "hqq")`` keeps a large model's ``fit`` short.
             Any algorithm can still be chosen per module by hand.
-        target: ``"x86"`` (default), or ``"xnnpack"``: every run is an ExecuTorch program lowered to
-            XNNPACK and measured in ExecuTorch's runtime; ``format`` then one of ``XNNPACK_LINEAR``.
+        target: ``"x86"`` (default), ``"xnnpack"``: every run is an ExecuTorch program lowered to
+            XNNPACK and measured in ExecuTorch's runtime, or ``"llama.cpp"``: every run is a GGUF file
+            measured in llama.cpp; ``format`` then one of ``XNNPACK_LINEAR`` (8da8w: Q8_0, 8da4w: Q4_0).
         learned_start: the values the ``"learned"`` rounding starts from on each block: ``"rtn"``
             (round to nearest's, on the full-range grid where the kernels take it) or ``"gptq"``
             (GPTQ's on the block's inputs); None: ``learned.LEARNED_START`` (``"rtn"``). Checked by
@@ -41,9 +42,10 @@ class EagerOptions:
             object.__setattr__(self, "target", TARGETS[0])
         if self.target not in TARGETS:
             raise ValueError(f"target must be {' or '.join(map(repr, TARGETS))}, got {self.target!r}")
-        if self.target == XNNPACK and (self.format or INT8_DYNAMIC) not in XNNPACK_LINEAR:
+        if self.target in FILE_TARGETS and (self.format or INT8_DYNAMIC) not in XNNPACK_LINEAR:
+            runs = "XNNPACK runs" if self.target == "xnnpack" else "llama.cpp's kernels run"
             raise ValueError(
-                f"format={self.format!r} with target='xnnpack': XNNPACK runs a Linear with int8 dynamic activations, "
+                f"format={self.format!r} with target={self.target!r}: {runs} a Linear with int8 dynamic activations, "
                 f"format must be {' or '.join(map(repr, XNNPACK_LINEAR))} (other formats per module: Embeddings take "
                 "int8-weight-only / int4-weight-only)"
             )

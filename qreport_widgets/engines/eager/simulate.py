@@ -26,6 +26,7 @@ from ...core.kept import SameInput
 from ...core.memory import device_free_bytes, free_bytes, give_back, tensors_bytes
 from ...core.metrics import sqnr_db
 from ...core.shortcuts import Shortcut, checking, confirmed, tensors_equal
+from ...targets.llamacpp.program import fp16_scaled
 from ..contract import Variant, WholePasses
 from ..folds import input_folds
 from ..settings import (
@@ -52,7 +53,7 @@ from .algorithms import (
     gram_runs,
     recording,
 )
-from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, ao_config, fake_quantized_tokens, rows_of, torchao_eager
+from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, LLAMACPP, X86, ao_config, fake_quantized_tokens, rows_of, torchao_eager
 from .found import FoundBefore
 from .learned import LearnedRounding, learned_weights
 from .replay import BlockReplay
@@ -104,11 +105,15 @@ def quantized_weight(
     name, group, algorithm = key
     if algorithm in DATA_ALGORITHMS:
         with torch.no_grad():
-            return choose(algorithm, module.weight, group, statistics)
-    ao = torchao_eager()
-    holder = nn.Sequential(copy.deepcopy(module))
-    ao.quantize_(holder, ao.FqnToConfig({"0": ao_config(*key, target=target)}), filter_fn=None)
-    return QuantizedWeight(holder[0].weight.detach())
+            found = choose(algorithm, module.weight, group, statistics)
+    else:
+        ao = torchao_eager()
+        holder = nn.Sequential(copy.deepcopy(module))
+        ao.quantize_(holder, ao.FqnToConfig({"0": ao_config(*key, target=target)}), filter_fn=None)
+        found = QuantizedWeight(holder[0].weight.detach())
+    if target == LLAMACPP:  # the scales as the GGUF file stores them (the real run rounds them so too)
+        fp16_scaled(found.tensor)
+    return found
 
 
 def _input_symmetry(key: FormatKey | None, target: str) -> bool | None:

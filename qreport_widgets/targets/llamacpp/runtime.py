@@ -32,6 +32,9 @@ from ...errors import MissingExtraError, QReportError
 from ..worker import RuntimeFailedError, Worker, answer, serving
 from .blocks import GgufFormat
 
+# files the worker keeps open at once (each holds its context: a KV cache, a row of logits a position);
+# the one used longest ago is closed for a new one, and opened again, its bytes checked, when next used
+HELD_FILES = 4
 INSTALL = "pip install 'qreport-widgets[llamacpp]' (llama-cpp-python builds llama.cpp from source: a few minutes)"
 
 
@@ -65,7 +68,7 @@ class LlamaCppWorker(Worker):
 
     def __init__(self) -> None:
         super().__init__()
-        self._opened: set[int] = set()  # the files the current worker holds
+        self._opened: collections.OrderedDict[int, None] = collections.OrderedDict()  # held now, the last used last
         self._keys = itertools.count(1)
 
     def open(self, path: Path, context: int) -> int:
@@ -75,9 +78,15 @@ class LlamaCppWorker(Worker):
 
     def _holding(self, key: int, path: Path, context: int) -> None:
         with self._lock:
-            if key not in self._opened or self._process is None:
-                self._ask(("open", key, str(path), context), lambda: f"loading {path}")
-                self._opened.add(key)
+            if key in self._opened and self._process is not None:
+                self._opened.move_to_end(key)
+                return
+            while len(self._opened) >= HELD_FILES:
+                oldest = next(iter(self._opened))
+                self._ask(("close", oldest), lambda: "closing a file")
+                del self._opened[oldest]
+            self._ask(("open", key, str(path), context), lambda: f"loading {path}")
+            self._opened[key] = None
 
     def request(self, key: int, path: Path, context: int, request: tuple, doing: str) -> Any:
         with self._lock:
@@ -92,14 +101,14 @@ class LlamaCppWorker(Worker):
         with self._lock:
             if key in self._opened and self._process is not None:
                 self._ask(("close", key), lambda: "closing a file")
-            self._opened.discard(key)
+            self._opened.pop(key, None)
 
     def quantize(self, source: Path, destination: Path, options: Mapping[str, Any], imatrix: Mapping[str, Any] | None) -> None:
         self._ask(("quantize", str(source), str(destination), dict(options), imatrix), lambda: f"quantizing {source}")
 
     def _ended(self) -> None:
         super()._ended()
-        self._opened = set()
+        self._opened = collections.OrderedDict()
 
 
 def llama_worker() -> LlamaCppWorker:

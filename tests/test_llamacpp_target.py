@@ -1,0 +1,121 @@
+"""The eager engine's ``target="llama.cpp"``: every run written as a GGUF file and measured by llama.cpp
+itself; the size front counts the file's bytes; refusals before any work."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("llama_cpp")
+pytest.importorskip("torchao")
+
+from conftest import text_decoder_report  # noqa: E402
+from test_llamacpp import decoded, tiny  # noqa: E402
+
+from qreport_widgets.core.metrics import perplexity  # noqa: E402
+from qreport_widgets.engines.settings import ModuleSettings  # noqa: E402
+from qreport_widgets.errors import InvalidSettingsError  # noqa: E402
+from qreport_widgets.targets.llamacpp import GgufWriteError, LlamaCppModel  # noqa: E402
+from qreport_widgets.targets.llamacpp.program import GgufProgram  # noqa: E402
+
+Q4 = {"format": "int8-dynamic-int4-weight", "group_size": 32, "target": "llama.cpp"}
+
+
+@pytest.fixture(scope="module")
+def llama_session(text_decoder):
+    """The trained byte decoder's session on llama.cpp (every Linear Q4_0), round to nearest weighed."""
+    model, data = text_decoder
+    before = copy.deepcopy(model.state_dict())
+    report = text_decoder_report(text_decoder, algorithms=("rtn",), **Q4)
+    return model, data, report.session, before
+
+
+def test_every_run_is_a_gguf_file_measured_in_llama_cpp_at_the_simulations_perplexity(llama_session, tmp_path):
+    model, data, session, before = llama_session
+    baseline = session.baseline()
+    program = baseline.quantized_model
+    assert isinstance(program, GgufProgram)
+    assert program.formats() == {"Q4_0": 29, "F16": 1, "F32": 9}  # every Linear, the head too; the embedding float
+    assert baseline.deployed_bytes == program.artifact_bytes == program.file.path.stat().st_size
+    # llama.cpp multiplies with activations quantized per block of 32 (8da4w's per token): within 0.5%
+    simulated = session.simulate()[1]
+    assert baseline.eval_metric == pytest.approx(simulated, rel=0.005)
+    assert baseline.eval_metric == pytest.approx(perplexity(program.reference, data.evaluation), rel=0.005)
+    assert baseline.eval_metric > perplexity(model, data.evaluation)
+    # the file holds the reference's int values and (fp16) scales exactly: what was measured is what ships
+    written = program.write(tmp_path / "baseline.gguf")
+    assert written == baseline.deployed_bytes
+    q_proj = program.reference.model.layers[2].self_attn.v_proj.weight
+    assert torch.equal(decoded(tmp_path / "baseline.gguf", "blk.2.attn_v.weight"), q_proj.dequantize())
+    with pytest.raises(GgufWriteError, match="exists"):
+        program.write(tmp_path / "baseline.gguf")
+    assert LlamaCppModel(tmp_path / "baseline.gguf").perplexity(data.evaluation) == baseline.eval_metric
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the float model untouched
+
+
+def test_three_applies_in_a_row_are_three_files_each_measured_afresh(llama_session):
+    _, data, session, _ = llama_session
+    runs = [
+        session.apply({"model.embed_tokens": ModuleSettings(format=name)}, label=name)
+        for name in ("int8-weight-only", "int4-weight-only", "int8-weight-only")
+    ]
+    first, second, third = runs
+    assert first.quantized_model.formats()["Q8_0"] == 1 and second.quantized_model.formats()["Q4_0"] == 30
+    assert second.deployed_bytes < first.deployed_bytes == third.deployed_bytes
+    assert first.eval_metric == third.eval_metric != second.eval_metric
+    # more files than llama.cpp keeps open: the first opens again (its bytes checked) and computes the same
+    for _ in range(2):
+        session.apply({"model.embed_tokens": ModuleSettings(format="int4-weight-only", group_size=64)})
+    assert first.quantized_model.llama().perplexity(data.evaluation) == first.eval_metric
+
+
+def tiny_session(family: str, **options):
+    """A tiny decoder of ``family`` (from its config) analysed for llama.cpp on one batch of random tokens."""
+    import qreport_widgets as qw
+
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    given = {"format": "int8-dynamic", **options}
+    return qw.analyze(
+        tiny(family), (ids,), [(ids,)], eval_data=[(ids,)], progress=False, engine="eager", metric="perplexity",
+        target="llama.cpp", **given,
+    ).session  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_decoder_of_each_family_runs_on_the_target(family):
+    session = tiny_session(family)
+    run = session.baseline()
+    assert run.quantized_model.formats()["Q8_0"] == 15  # 7 Linears a block, the head; the embedding F16
+    assert run.output_sqnr_db > 30
+    assert run.eval_metric == pytest.approx(session.simulate()[1], rel=0.005)
+
+
+def test_fit_under_the_baselines_bytes_finds_a_better_file_the_front_sized_exactly():
+    session = tiny_session("llama", format="int8-dynamic-int4-weight", group_size=32, algorithms=("rtn",))
+    baseline = session.baseline()
+    fitted = session.fit(max_size_bytes=baseline.deployed_bytes, progress=False)
+    assert isinstance(fitted.quantized_model, GgufProgram)
+    assert fitted.deployed_bytes <= baseline.deployed_bytes
+    assert fitted.output_sqnr_db > baseline.output_sqnr_db
+    front = session.pareto(progress=False)
+    assert fitted.deployed_bytes in set(front["size_bytes"])  # the front counts the file's tensors as written
+
+
+def test_what_llama_cpp_cannot_run_is_refused_before_any_work(text_decoder):
+    import transformers
+
+    import qreport_widgets as qw
+
+    with pytest.raises(ValueError, match="llama.cpp's kernels run a Linear with int8 dynamic activations"):
+        text_decoder_report(text_decoder, format="int4-weight-only", target="llama.cpp")
+    cnn = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    with pytest.raises(InvalidSettingsError, match="llama.cpp runs Hugging Face decoders"):
+        qw.analyze(cnn, (torch.randn(2, 8),), [(torch.randn(2, 8),)], progress=False, engine="eager", target="llama.cpp")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    gpt2 = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 64, (1, 16))
+    with pytest.raises(InvalidSettingsError, match="'gpt2' model cannot be written as GGUF yet"):
+        qw.analyze(gpt2, (ids,), [(ids,)], progress=False, engine="eager", format="int8-dynamic", target="llama.cpp")
