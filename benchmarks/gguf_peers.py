@@ -10,8 +10,9 @@ norms F32, so all have the same bytes.
   written as F32, without and with an importance matrix of the same calibration tokens (the mean
   square of each input column, what ``llama-imatrix`` stores); and Q4_K_M (llama.cpp's default
   mixed recipe, more bytes) with and without it, for reference.
-- ours: the session's int4 symmetric g32 values (round to nearest, GPTQ, the learned rounding) on
-  every Linear (a tied head stays the embedding), the embedding rounded to nearest, written as Q4_0.
+- ours: runs of a session on the llama.cpp target (every run a GGUF file measured by llama.cpp):
+  every block Linear Q4_0 with the int4 values of round to nearest, GPTQ or the learned rounding
+  (on llama.cpp's full-range grid), the embedding Q4_0, a tied head reading it.
 
 - ours, ``--fit``: a session on the llama.cpp target (every run a GGUF file measured by llama.cpp)
   fitted under the bytes of llama.cpp's Q4_K_M with the importance matrix: the size front's
@@ -55,20 +56,21 @@ def scored(path: Path, case: dict, seconds: float) -> dict:
 
 
 def ours(case: dict, session, algorithm: str, folder: Path, tokenizer: Path | None) -> dict:
-    model = case["model"]
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    """Every block Linear Q4_0 with ``algorithm``'s values, the embedding Q4_0 (rounded to nearest on
+    llama.cpp's grid), a tied head reading it: a run of the llama.cpp-target session, its file."""
     settings = {}
     for module in session.modules:
-        linear = module.fqn != "model.embed_tokens" and not (tied and module.fqn == "lm_head")
-        chosen = algorithm if module.algorithm_allowed(algorithm) else "gptq"  # the head is in no block
-        int4 = ModuleSettings(format="int4-weight-only", group_size=GROUP, algorithm=chosen)
-        settings[module.fqn] = int4 if linear else ModuleSettings(format="float")
+        if module.fqn == "model.embed_tokens":
+            settings[module.fqn] = ModuleSettings(format="int4-weight-only", group_size=GROUP)
+        elif module.format_allowed("int8-dynamic-int4-weight"):  # a head tied to the embedding is not
+            chosen = algorithm if module.algorithm_allowed(algorithm) else "gptq"  # a head of its own is in no block
+            settings[module.fqn] = ModuleSettings(format="int8-dynamic-int4-weight", group_size=GROUP, algorithm=chosen)
     start = time.perf_counter()
     run = session.apply(settings, progress=quiet)
     if not run.ok:
         raise RuntimeError(f"{algorithm}: {run.error}")
     path = folder / f"ours-{algorithm}.gguf"
-    write_gguf(run.quantized_model, path, formats={"model.embed_tokens": "Q4_0"}, tokenizer_from=tokenizer)
+    run.quantized_model.write(path, tokenizer_from=tokenizer)
     return scored(path, case, time.perf_counter() - start)
 
 
@@ -127,7 +129,7 @@ def table(case: dict, methods: list[str], fit: bool = False) -> None:
             show("ours: fit under Q4_K_M + imatrix's bytes", fitted(case, budget))
         session = analyze(
             model, case["calibration"][0], case["calibration"], eval_data=case["held_out"], engine="eager",
-            format="int4-weight-only", group_size=GROUP, metric="perplexity", progress=False,
+            format="int8-dynamic-int4-weight", group_size=GROUP, metric="perplexity", target="llama.cpp", progress=False,
         ).session  # fmt: skip
         for method in methods:
             show(f"ours: {method}, Q4_0", ours(case, session, method, folder, tokenizer))

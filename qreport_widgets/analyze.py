@@ -99,7 +99,10 @@ def analyze(
             per-channel weights) is the start; on eager, decoders as ExecuTorch's LLM export ships
             them: Linears ``"int8-dynamic-int4-weight"`` ("8da4w", grouped int4 weights) or
             ``"int8-dynamic"`` ("8da8w"), Embeddings int4 / int8 weight-only, lowered with XNNPACK's
-            dynamically quantized partitioner. Needs the ``[executorch]`` extra.
+            dynamically quantized partitioner. Needs the ``[executorch]`` extra. Eager only:
+            ``"llama.cpp"``: a Hugging Face decoder (llama, mistral, qwen2, qwen3) in the same formats
+            (8da4w Linears as ``Q4_0``, 8da8w as ``Q8_0``), every run written as a GGUF file and
+            measured by llama.cpp (``run.quantized_model.write("model.gguf")``); the ``[llamacpp]`` extra.
         format: eager only: the starting format of every ``nn.Linear`` (``"int8-dynamic"`` by
             default; ``"int8-weight-only"``, ``"int4-weight-only"``, ``"int8-dynamic-int4-weight"``).
         group_size: eager only: the group size of a starting int4 format (32, 64 or 128; default 32).

@@ -136,6 +136,7 @@ def text_decoder_report(text_decoder, **overrides):
 NOTEBOOK_EXTRAS = {
     "11_deploy_to_a_phone.ipynb": (("executorch", "executorch"), ("model_explorer", "explorer")),
     "13_a_language_model_on_a_phone.ipynb": (("executorch", "executorch"),),
+    "14_a_decoder_in_llama_cpp.ipynb": (("llama_cpp", "llamacpp"), ("gguf", "llamacpp")),
 }
 
 
@@ -151,6 +152,9 @@ SLOW_NOTEBOOKS = {
     # eight int4 runs of the trained decoder, its block sensitivity and a fit (about 35 s): the algorithms'
     # runs and perplexity, blocks and fit by block: tests/test_weight_algorithms.py
     "12_a_language_model_in_int4.ipynb",
+    # the trained decoder as GGUF files in llama.cpp, llama.cpp's own quantization and a fit within its bytes:
+    # the runs, blocks read in llama.cpp, the truth check and the fit: tests/test_llamacpp_target.py
+    "14_a_decoder_in_llama_cpp.ipynb",
 }
 
 

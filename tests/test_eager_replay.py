@@ -12,8 +12,8 @@ from torch import nn
 from qreport_widgets.core.calibration import call_with
 from qreport_widgets.engines.contract import Variant
 from qreport_widgets.engines.eager import EagerConfig, EagerEngine, simulate
-from qreport_widgets.engines.eager.formats import torchao_eager
-from qreport_widgets.engines.eager.simulate import EagerSimulation, fake_quantized_tokens
+from qreport_widgets.engines.eager.formats import fake_quantized_tokens, torchao_eager
+from qreport_widgets.engines.eager.simulate import EagerSimulation
 from qreport_widgets.engines.settings import ModuleSettings
 
 

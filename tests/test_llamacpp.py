@@ -129,6 +129,12 @@ def test_every_family_written_in_f32_computes_the_models_logits_in_llama_cpp(fam
     # llama.cpp keeps its attention cache in F16 (its default): that, not the layout, bounds the match
     assert sqnr_db(expected, logits) > 60, family
     assert written.bytes == os.path.getsize(written.path)
+    # each block's output as llama.cpp computes it (read through its evaluation callback) is the model's
+    blocks = LlamaCppModel(written.path, context=64).block_outputs(ids)
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states[1:]
+    assert len(blocks) == len(model.model.layers)
+    assert all(sqnr_db(h, b) > 60 for h, b in zip(hidden[:-1], blocks[:-1], strict=True)), family
 
 
 def test_a_session_run_in_q4_0_runs_in_llama_cpp_at_the_sessions_perplexity(session_run, tmp_path):

@@ -16,6 +16,7 @@ from conftest import text_decoder_report  # noqa: E402
 from test_llamacpp import decoded, tiny  # noqa: E402
 
 from qreport_widgets.core.metrics import perplexity  # noqa: E402
+from qreport_widgets.engines.contract import Variant  # noqa: E402
 from qreport_widgets.engines.settings import ModuleSettings  # noqa: E402
 from qreport_widgets.errors import InvalidSettingsError  # noqa: E402
 from qreport_widgets.targets.llamacpp import GgufWriteError, LlamaCppModel  # noqa: E402
@@ -44,16 +45,43 @@ def test_every_run_is_a_gguf_file_measured_in_llama_cpp_at_the_simulations_perpl
     simulated = session.simulate()[1]
     assert baseline.eval_metric == pytest.approx(simulated, rel=0.005)
     assert baseline.eval_metric == pytest.approx(perplexity(program.reference, data.evaluation), rel=0.005)
-    assert baseline.eval_metric > perplexity(model, data.evaluation)
+    # round to nearest on llama.cpp's own Q4_0 grid: each group's extreme weight on -8, all 16 values used
+    v_proj = program.reference.model.layers[2].self_attn.v_proj.weight
+    assert bool((v_proj.qdata.reshape(-1, 32).amin(-1) == -8).all()) and bool((v_proj.scale < 0).any())
     # the file holds the reference's int values and (fp16) scales exactly: what was measured is what ships
     written = program.write(tmp_path / "baseline.gguf")
     assert written == baseline.deployed_bytes
-    q_proj = program.reference.model.layers[2].self_attn.v_proj.weight
-    assert torch.equal(decoded(tmp_path / "baseline.gguf", "blk.2.attn_v.weight"), q_proj.dequantize())
+    assert torch.equal(decoded(tmp_path / "baseline.gguf", "blk.2.attn_v.weight"), v_proj.dequantize())
     with pytest.raises(GgufWriteError, match="exists"):
         program.write(tmp_path / "baseline.gguf")
     assert LlamaCppModel(tmp_path / "baseline.gguf").perplexity(data.evaluation) == baseline.eval_metric
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the float model untouched
+
+
+def test_which_block_hurts_is_read_inside_llama_cpp_and_the_simulation_models_its_kernels(llama_session):
+    _, data, session, _ = llama_session
+    baseline = session.baseline()
+    in_llama = session.block_sqnr(baseline)
+    assert list(in_llama.index) == [f"model.layers.{i}" for i in range(4)]
+    # the simulation rounds each Linear's input to Q8_0 blocks, as llama.cpp's kernels do
+    simulated, real = session.simulate()[0], baseline.output_sqnr_db
+    assert abs(simulated - real) < 0.5
+    truth = session.truth_check()
+    assert abs(truth.gap_db) < 0.5
+
+
+def test_q8_0_blocks_round_inputs_as_llama_cpps_q8_0_does():
+    from gguf.quants import dequantize, quantize
+
+    from qreport_widgets.engines.eager.formats import q8_0_blocks
+
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 64)[:, None]
+    x[3, :32] = 0.0  # a block of zeros stays zeros
+    theirs = torch.from_numpy(dequantize(quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0))
+    ours = q8_0_blocks(x)
+    differ = ours != theirs.reshape(ours.shape)
+    assert differ.float().mean() < 1e-3  # ties: gguf's reference rounds half away from zero, AVX to even
+    assert torch.equal(ours[3, :32], torch.zeros(32))
 
 
 def test_three_applies_in_a_row_are_three_files_each_measured_afresh(llama_session):
@@ -72,14 +100,15 @@ def test_three_applies_in_a_row_are_three_files_each_measured_afresh(llama_sessi
     assert first.quantized_model.llama().perplexity(data.evaluation) == first.eval_metric
 
 
-def tiny_session(family: str, **options):
+def tiny_session(family: str, tie_word_embeddings: bool = False, **options):
     """A tiny decoder of ``family`` (from its config) analysed for llama.cpp on one batch of random tokens."""
     import qreport_widgets as qw
 
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
     given = {"format": "int8-dynamic", **options}
+    model = tiny(family, tie_word_embeddings=tie_word_embeddings)
     return qw.analyze(
-        tiny(family), (ids,), [(ids,)], eval_data=[(ids,)], progress=False, engine="eager", metric="perplexity",
+        model, (ids,), [(ids,)], eval_data=[(ids,)], progress=False, engine="eager", metric="perplexity",
         target="llama.cpp", **given,
     ).session  # fmt: skip
 
@@ -102,6 +131,22 @@ def test_fit_under_the_baselines_bytes_finds_a_better_file_the_front_sized_exact
     assert fitted.output_sqnr_db > baseline.output_sqnr_db
     front = session.pareto(progress=False)
     assert fitted.deployed_bytes in set(front["size_bytes"])  # the front counts the file's tensors as written
+
+
+def test_a_head_tied_to_the_embedding_reads_its_tensor_in_the_file_and_in_the_simulation():
+    session = tiny_session("llama", format="int8-dynamic-int4-weight", group_size=32, tie_word_embeddings=True)
+    head = next(m for m in session.modules if m.fqn == "lm_head")
+    assert "the head's weight is the embedding's" in head.formats["int8-dynamic-int4-weight"]
+    for embedding in ("float", "int4-weight-only", "int8-weight-only"):
+        run = session.apply({"model.embed_tokens": ModuleSettings(format=embedding)}, label=embedding)
+        assert run.ok, run.error
+        assert "output.weight" not in run.quantized_model.file.formats  # llama.cpp multiplies by token_embd
+        chosen = ModuleSettings(format=embedding, group_size=32 if embedding == "int4-weight-only" else 0)
+        simulated = session.simulate(Variant(settings=frozenset({("model.embed_tokens", chosen)})))
+        assert run.eval_metric == pytest.approx(simulated[1], rel=0.005), embedding
+    baseline = session.baseline()
+    fitted = session.fit(max_size_bytes=baseline.deployed_bytes, progress=False)  # the front sizes a tied head at 0 bytes
+    assert fitted.deployed_bytes in set(session.pareto(progress=False)["size_bytes"])
 
 
 def test_what_llama_cpp_cannot_run_is_refused_before_any_work(text_decoder):

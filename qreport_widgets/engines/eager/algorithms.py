@@ -305,6 +305,7 @@ class QuantizedWeight:
     tensor: torch.Tensor  # torchao's IntxUnpackedToInt8Tensor
     input_scale: torch.Tensor | None = None
     note: str = ""  # why the algorithm kept round to nearest ("" where it did not)
+    full_range: bool = False  # the round to nearest kept was on the full-range grid (``round_to_nearest``)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weight the module multiplies its (unscaled) input with (in ``dtype``, else the tensor's)."""
@@ -325,7 +326,7 @@ class QuantizedWeight:
         nearest kept as a ``Recipe`` (rebuilt from the float weight in milliseconds); GPTQ's and
         AWQ's values packed two per byte (an eighth of the float size), AWQ's input scale with them."""
         if self.note:
-            return Recipe(self.tensor.block_size[1], self.note)
+            return Recipe(self.tensor.block_size[1], self.note, self.full_range)
         tensor = self.tensor
         values = (tensor.qdata.to(torch.int16) - QMIN).to(torch.uint8)
         packed = values[:, 0::2] | (values[:, 1::2] << 4)
@@ -397,9 +398,11 @@ class Recipe:
 
     group_size: int
     note: str
+    full_range: bool = False  # on the full-range grid (``round_to_nearest``)
 
     def expand(self, weight: torch.Tensor) -> QuantizedWeight:
-        return QuantizedWeight(round_to_nearest(weight.detach().float(), self.group_size), None, self.note)
+        rounded = round_to_nearest(weight.detach().float(), self.group_size, full_range=self.full_range)
+        return QuantizedWeight(rounded, None, self.note)
 
     @property
     def nbytes(self) -> int:
@@ -433,18 +436,30 @@ def int4_tensor(values: torch.Tensor, scale: torch.Tensor, group_size: int, dtyp
     )
 
 
-def group_scales(weight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Each row-group's scale as torchao's symmetric int4 chooses it: absolute maximum over 7.5."""
+def group_scales(weight: torch.Tensor, group_size: int, full_range: bool = False) -> torch.Tensor:
+    """Each row-group's scale as torchao's symmetric int4 chooses it: absolute maximum over 7.5; on
+    the ``full_range`` grid, llama.cpp's ``Q4_0`` rule: the group's extreme weight lands on -8 (the
+    scale negative where that weight is positive), so all 16 values span the group."""
     rows, inputs = weight.shape
-    amax = weight.reshape(rows, inputs // group_size, group_size).abs().amax(-1)
-    return (amax / ((QMAX - QMIN) / 2)).clamp_min(torch.finfo(torch.float32).eps)
+    grouped = weight.reshape(rows, inputs // group_size, group_size)
+    amax = grouped.abs().amax(-1)
+    if not full_range:
+        return (amax / ((QMAX - QMIN) / 2)).clamp_min(torch.finfo(torch.float32).eps)
+    extreme = grouped.gather(-1, grouped.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    sign = torch.where(extreme > 0, -1.0, 1.0).to(amax.dtype)
+    return (amax / -QMIN).clamp_min(torch.finfo(torch.float32).eps) * sign
 
 
-def round_to_nearest(weight: torch.Tensor, group_size: int, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+def round_to_nearest(
+    weight: torch.Tensor, group_size: int, input_scale: torch.Tensor | None = None, full_range: bool = False
+) -> torch.Tensor:
     """torchao's own round-to-nearest int4 tensor of ``weight`` (rows x inputs), each input channel
     multiplied by ``input_scale`` first when given (AWQ); ``ROWS_AT_ONCE`` rows at a time (each
-    row's groups are its own), so a decoder head's scaled copy is never whole."""
+    row's groups are its own), so a decoder head's scaled copy is never whole. ``full_range``: on
+    llama.cpp's grid instead (``group_scales``; the values in [-8, 7] on it)."""
     weight = weight.detach()
+    if full_range:
+        return _full_range_nearest(weight if input_scale is None else weight * input_scale, group_size)
     if weight.shape[0] <= ROWS_AT_ONCE and input_scale is None:
         return _intx().from_hp(weight, (1, group_size), torch.int4)
     values, scales = [], []
@@ -454,6 +469,26 @@ def round_to_nearest(weight: torch.Tensor, group_size: int, input_scale: torch.T
         values.append(found.qdata)
         scales.append(found.scale)
     return int4_tensor(torch.cat(values), torch.cat(scales), group_size, weight.dtype)
+
+
+def on_full_range(tensor: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (torchao's int4 tensor of float ``weight``, of any format) with round to nearest's
+    values and scales on the full-range grid in place of its own (``round_to_nearest``); itself."""
+    rounded = round_to_nearest(weight.detach().float(), int(tensor.block_size[1]), full_range=True)
+    tensor.qdata, tensor.scale = rounded.qdata.to(tensor.qdata.dtype), rounded.scale.to(tensor.scale.dtype)
+    return tensor
+
+
+def _full_range_nearest(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    rows, inputs = weight.shape
+    values, scales = [], []
+    for first in range(0, rows, ROWS_AT_ONCE):
+        chunk = weight[first : first + ROWS_AT_ONCE].float()
+        scale = group_scales(chunk, group_size, full_range=True)
+        grouped = chunk.reshape(chunk.shape[0], inputs // group_size, group_size)
+        values.append(grouped.div(scale[..., None]).round_().clamp_(QMIN, QMAX).reshape(chunk.shape))
+        scales.append(scale)
+    return int4_tensor(torch.cat(values), torch.cat(scales).to(weight.dtype), group_size, weight.dtype)
 
 
 def output_error(weight: torch.Tensor, approximation: torch.Tensor | QuantizedWeight, gram: torch.Tensor) -> float:
@@ -492,16 +527,20 @@ def _difference(weight: torch.Tensor, approximation: torch.Tensor | QuantizedWei
     return found.sub_(weight[start:stop].float())
 
 
-def gptq(weight: torch.Tensor, statistics: InputStatistics, group_size: int) -> QuantizedWeight:
+def gptq(weight: torch.Tensor, statistics: InputStatistics, group_size: int, full_range: bool = False) -> QuantizedWeight:
     """``weight`` (rows x inputs) quantized to int4 by GPTQ on the inputs ``statistics`` describe,
     with the least damping in ``GPTQ_DAMPINGS`` whose fit to the tokens not held out has a lower
     output error than round-to-nearest on the held-out sequences (then fitted again to every token);
     round-to-nearest, with a note saying why, where none has (too few calibration tokens for the
-    module's input features: the fit follows those tokens, not the inputs the model will see)."""
-    return gptq_many({None: (weight, statistics, group_size)})[None]
+    module's input features: the fit follows those tokens, not the inputs the model will see).
+    ``full_range``: the scales, and the round to nearest it is held against, on llama.cpp's grid
+    (``group_scales``)."""
+    return gptq_many({None: (weight, statistics, group_size)}, full_range)[None]
 
 
-def gptq_many(problems: Mapping[Any, tuple[torch.Tensor, InputStatistics, int]]) -> dict[Any, QuantizedWeight]:
+def gptq_many(
+    problems: Mapping[Any, tuple[torch.Tensor, InputStatistics, int]], full_range: bool = False
+) -> dict[Any, QuantizedWeight]:
     """``gptq`` of each ``key: (weight, statistics, group size)``, the same values, the weights of one
     shape and group size solved together (``gptq_values_many``): a decoder's Linears in a few
     column loops instead of one a Linear."""
@@ -510,7 +549,7 @@ def gptq_many(problems: Mapping[Any, tuple[torch.Tensor, InputStatistics, int]])
     groups = {key: group for key, (_, _, group) in problems.items()}
     if any(statistics.tokens == 0 for statistics in inputs.values()):
         raise AlgorithmError("GPTQ reads the module's inputs on the calibration batches, and none reached it")
-    rounded = {key: round_to_nearest(originals[key], groups[key]) for key in problems}
+    rounded = {key: round_to_nearest(originals[key], groups[key], full_range=full_range) for key in problems}
 
     def held_out(key: Any, values: torch.Tensor) -> float:
         return inputs[key].held_out_error(originals[key], QuantizedWeight(values))
@@ -521,16 +560,17 @@ def gptq_many(problems: Mapping[Any, tuple[torch.Tensor, InputStatistics, int]])
     for damping in GPTQ_DAMPINGS:
         if not pending:
             break
-        fits = _values_of({key: (originals[key], inputs[key].fit, groups[key]) for key in pending}, damping)
+        fits = _values_of({key: (originals[key], inputs[key].fit, groups[key]) for key in pending}, damping, full_range)
         passed = [key for key in pending if held_out(key, fits[key]) < least[key]]
         # the damping that carries over to tokens the fit did not see, fitted again to every token
         again = {key: (originals[key], inputs[key].gram, groups[key]) for key in passed if inputs[key].has_held_out}
-        refits = _values_of(again, damping)
+        refits = _values_of(again, damping, full_range)
         found.update({key: QuantizedWeight(refits.get(key, fits[key])) for key in passed})
         pending = [key for key in pending if key not in found]
     for key in pending:
         found[key] = QuantizedWeight(
             rounded[key],
+            full_range=full_range,
             note=(
                 f"GPTQ kept round to nearest: its weights had no lower output error on held-out calibration sequences "
                 f"({inputs[key].tokens:,} tokens for {originals[key].shape[1]:,} input features; more calibration data helps)"
@@ -539,7 +579,9 @@ def gptq_many(problems: Mapping[Any, tuple[torch.Tensor, InputStatistics, int]])
     return {key: found[key] for key in problems}
 
 
-def _values_of(problems: Mapping[Any, tuple[torch.Tensor, torch.Tensor, int]], damping: float) -> dict[Any, torch.Tensor]:
+def _values_of(
+    problems: Mapping[Any, tuple[torch.Tensor, torch.Tensor, int]], damping: float, full_range: bool = False
+) -> dict[Any, torch.Tensor]:
     """GPTQ's int4 tensor of each ``key: (float weight, Gram matrix, group size)`` at ``damping``:
     weights of one shape, group size and device solved together, ``GPTQ_BATCH_BYTES`` of working
     memory at a time; a weight of more than ``ROWS_AT_ONCE`` rows (a decoder head) alone."""
@@ -551,13 +593,16 @@ def _values_of(problems: Mapping[Any, tuple[torch.Tensor, torch.Tensor, int]], d
     for (shape, group, _), keys in alike.items():
         rows, inputs = shape
         if rows > ROWS_AT_ONCE:
-            values.update({key: gptq_values(problems[key][0], problems[key][1], group, damping, orders) for key in keys})
+            values.update(
+                {key: gptq_values(problems[key][0], problems[key][1], group, damping, orders, full_range) for key in keys}
+            )
             continue
         together = max(1, GPTQ_BATCH_BYTES // (4 * (2 * rows * inputs + 2 * inputs * inputs)))
         for first in range(0, len(keys), together):
             chunk = keys[first : first + together]
             originals, grams = [problems[k][0] for k in chunk], [problems[k][1] for k in chunk]
-            values.update(zip(chunk, gptq_values_many(originals, grams, group, damping, orders), strict=True))
+            found = gptq_values_many(originals, grams, group, damping, orders, full_range)
+            values.update(zip(chunk, found, strict=True))
     return values
 
 
@@ -623,7 +668,12 @@ def _upper_inverse(upper: torch.Tensor) -> torch.Tensor:
 
 
 def gptq_values(
-    original: torch.Tensor, gram: torch.Tensor, group_size: int, damping: float, orders: _Orders | None = None
+    original: torch.Tensor,
+    gram: torch.Tensor,
+    group_size: int,
+    damping: float,
+    orders: _Orders | None = None,
+    full_range: bool = False,
 ) -> torch.Tensor:
     """GPTQ's int4 tensor of ``original`` (float, rows x inputs) for inputs of Gram matrix ``gram``.
     Rows are independent given the inputs: they go ``ROWS_AT_ONCE`` at a time (a decoder head's
@@ -636,7 +686,7 @@ def gptq_values(
     for first in range(0, rows, ROWS_AT_ONCE):
         work = original[first : first + ROWS_AT_ONCE].clone()
         work[:, dead] = 0.0
-        chunk_scales = group_scales(work, group_size)  # fixed first: the columns go in activation order
+        chunk_scales = group_scales(work, group_size, full_range)  # fixed first: the columns go in activation order
         found = _gptq_rows(work[:, order][None], chunk_scales[None], group_of[None], inverse[None])[0]
         values.append(found[:, restore])
         scales.append(chunk_scales)
@@ -644,7 +694,12 @@ def gptq_values(
 
 
 def gptq_values_many(
-    originals: list[torch.Tensor], grams: list[torch.Tensor], group_size: int, damping: float, orders: _Orders | None = None
+    originals: list[torch.Tensor],
+    grams: list[torch.Tensor],
+    group_size: int,
+    damping: float,
+    orders: _Orders | None = None,
+    full_range: bool = False,
 ) -> list[torch.Tensor]:
     """``gptq_values`` of weights of one shape (at most ``ROWS_AT_ONCE`` rows), each with its own
     Gram matrix, in one column loop: the same values, in a loop's steps for all of them."""
@@ -654,7 +709,7 @@ def gptq_values_many(
     for original, (order, _, dead) in zip(originals, ordered, strict=True):
         work = original.clone()
         work[:, dead] = 0.0
-        scales.append(group_scales(work, group_size))
+        scales.append(group_scales(work, group_size, full_range))
         works.append(work[:, order])
     orders = torch.stack([order for order, _, _ in ordered])
     found = _gptq_rows(torch.stack(works), torch.stack(scales), orders // group_size, torch.stack([i for _, i, _ in ordered]))
@@ -778,17 +833,24 @@ def clipped(
     return QuantizedWeight(int4_tensor(torch.cat(values), torch.cat(scales), group_size, weight.dtype), input_scale)
 
 
-def choose(algorithm: str, weight: torch.Tensor, group_size: int, statistics: InputStatistics | None = None) -> QuantizedWeight:
-    """``weight`` as int4 in groups of ``group_size``, its values chosen by ``algorithm``."""
+def choose(
+    algorithm: str,
+    weight: torch.Tensor,
+    group_size: int,
+    statistics: InputStatistics | None = None,
+    full_range: bool = False,
+) -> QuantizedWeight:
+    """``weight`` as int4 in groups of ``group_size``, its values chosen by ``algorithm``; round to
+    nearest and GPTQ on the ``full_range`` grid where asked (``group_scales``)."""
     if algorithm in ("", RTN):
-        return QuantizedWeight(round_to_nearest(weight, group_size))
+        return QuantizedWeight(round_to_nearest(weight, group_size, full_range=full_range))
     if algorithm == HQQ:
         hqq = torchao_eager().IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY
         return QuantizedWeight(_intx().from_hp(weight.detach(), (1, group_size), torch.int4, intx_choose_qparams_algorithm=hqq))
     if statistics is None:
         raise AlgorithmError(f"{algorithm} reads the module's inputs on the calibration batches: none were gathered")
     if algorithm == GPTQ:
-        return gptq(weight, statistics, group_size)
+        return gptq(weight, statistics, group_size, full_range)
     if algorithm == AWQ:
         return awq(weight, statistics, group_size)
     if algorithm == LEARNED:
@@ -892,7 +954,11 @@ def _failure_words(run: list[str], choices: Mapping[str, tuple[str, int]], error
 
 
 def weights_in_runs(
-    model: nn.Module, choices: Mapping[str, tuple[str, int]], found: dict[str, CompactWeight | Recipe], check: bool = False
+    model: nn.Module,
+    choices: Mapping[str, tuple[str, int]],
+    found: dict[str, CompactWeight | Recipe],
+    check: bool = False,
+    full_range: bool = False,
 ) -> Iterator[dict[str, InputStatistics]]:
     """GPTQ / AWQ weights of the named Linears (``fqn: (algorithm, group_size)``; other algorithms
     are left to their own passes: ``learned.learned_weights``), a run of modules
@@ -901,7 +967,7 @@ def weights_in_runs(
     merged across ranks), then computes that run's weights into ``found`` (packed or as a recipe,
     ``QuantizedWeight.compact``) and frees its statistics. The Linears asked AWQ that read one
     input are found together from one of them's statistics (``awq_shares``). ``check``: the recorder's
-    shared inputs proved afresh (``SameInput``)."""
+    shared inputs proved afresh (``SameInput``). ``full_range``: GPTQ on llama.cpp's grid (``gptq``)."""
     shares = awq_shares(choices, input_folds(model))
     recorded = [fqn for fqn, (algorithm, _) in choices.items() if algorithm == GPTQ or fqn in shares]
     features = {fqn: int(model.get_submodule(fqn).weight.shape[1]) for fqn in recorded}
@@ -915,7 +981,7 @@ def weights_in_runs(
         try:
             with torch.no_grad():
                 problems = {fqn: (model.get_submodule(fqn).weight, statistics.pop(fqn), choices[fqn][1]) for fqn in solved}
-                found.update({fqn: weight.compact() for fqn, weight in gptq_many(problems).items()})
+                found.update({fqn: weight.compact() for fqn, weight in gptq_many(problems, full_range).items()})
                 del problems
                 for fqn in (fqn for fqn in run if fqn not in solved):
                     group_size = choices[fqn][1]

@@ -23,7 +23,7 @@ from torch import nn
 from ...core.calibration import call_with
 from ...core.devices import CPU, copy_on, model_device, moved
 from ...core.memory import give_back, shared_copy
-from ...core.metrics import layer_sqnr_db, sqnr_db
+from ...core.metrics import layer_sqnr_db, sqnr_db, token_ids
 from ...core.progress import Progress, quiet
 from ...core.shortcuts import Shortcut, checking, confirmed, tensors_equal
 from ...errors import DecodeSpeedError, InvalidSettingsError, QReportError
@@ -50,13 +50,23 @@ from ..settings import (
     GPTQ,
     GROUPED_FORMATS,
     HQQ,
+    RTN,
     SEARCHED_ALGORITHMS,
     ModuleSettings,
     Setting,
     TunableModule,
     module_blocks,
 )
-from .algorithms import CompactWeight, InputStatistics, QuantizedWeight, Recipe, assign_weights, unfolded_awq, weights_in_runs
+from .algorithms import (
+    CompactWeight,
+    InputStatistics,
+    QuantizedWeight,
+    Recipe,
+    assign_weights,
+    on_full_range,
+    unfolded_awq,
+    weights_in_runs,
+)
 from .formats import (
     FILE_TARGETS,
     INT4_WEIGHT_ONLY,
@@ -71,6 +81,7 @@ from .formats import (
     algorithms_offered,
     choice_words,
     deployed_bytes,
+    full_range_grid,
     is_quantized_weight,
     offered,
     rows_of,
@@ -125,6 +136,10 @@ LLAMACPP_NOTE = (
     "Per-layer SQNR is of the eager model it was written from"
 )
 LLAMACPP_WORDS = "llama.cpp's CPU kernels, the run written as a GGUF file"
+TIED_HEAD = (
+    "the head's weight is the embedding's: in a GGUF file llama.cpp multiplies by the embedding's tensor "
+    "(token_embd), so the embedding's format is the head's; choose it there"
+)
 ONLINE_GGUF_FAILS = (
     "a GGUF file holds a decoder's own tensors: an online rotation's product (a module added before a Linear) "
     "has no tensor in llama.cpp's layout; rotate with R1 and R2 alone, which fold into the weights"
@@ -197,6 +212,9 @@ class EagerEngine(Engine[EagerConfig]):
         self._sources: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()  # prepared -> float model
         self._taken: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()  # prepared -> GPTQ weights taken
         self._folds: dict[str, Fold] | None = None  # where each Linear's AWQ scale folds, once a model is observed
+        # on llama.cpp, a head whose weight is the embedding's -> the embedding (the file's head is token_embd)
+        self._tied: dict[str, str] = {}
+        self._tied_weight: torch.Tensor | None = None
 
     @classmethod
     def from_options(cls, options: EagerOptions) -> EagerEngine:
@@ -220,7 +238,7 @@ class EagerEngine(Engine[EagerConfig]):
         self._refuse_model(float_model)
         self._folds = input_folds(float_model)
         observed = observed_modules(shared_copy(float_model), _inputs_of(example_inputs), record)  # hooks read, never write
-        modules = self._tunable(float_model, self.base_config().resolved(float_model))
+        modules = self._tunable(float_model, self._untied(self.base_config().resolved(float_model)))
         weights = {m.fqn: True for m in modules if not m.current.keep_float}  # int8 per row, int4 per group
 
         def replayed(instrumented: nn.Module) -> bool:
@@ -272,7 +290,7 @@ class EagerEngine(Engine[EagerConfig]):
         made without ``analyze`` never observed any)."""
         self._refuse_model(float_model)
         model = shared_copy(float_model).eval()
-        self._configs[model] = config.resolved(model)
+        self._configs[model] = self._untied(config.resolved(model))
         self._sources[model] = float_model
         self._example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         if self._folds is None:
@@ -297,7 +315,7 @@ class EagerEngine(Engine[EagerConfig]):
         source = self._sources.get(prepared)
         gptq = [(fqn, config.formats[fqn]) for fqn, (algorithm, _) in config.needs_data.items() if algorithm == GPTQ]
         # found before on the same float model and calibration data (the simulation's, a run's)
-        key = FoundWeights.key(source, data_key) if source is not None and gptq else None
+        key = FoundWeights.key(source, data_key, self._grid) if source is not None and gptq else None
         taken = self.found_before.taken(key, gptq)
         checked = bool(taken) and checking(self.checks_shortcuts)  # computed here too, then compared
         if taken and not checked:
@@ -305,7 +323,7 @@ class EagerEngine(Engine[EagerConfig]):
             found.update({fqn: weight.to(here) for (fqn, _), weight in taken.items()})
             self._taken[prepared] = len(taken)
         computing = {fqn: choice for fqn, choice in config.needs_data.items() if fqn not in found}
-        yield from weights_in_runs(prepared, computing, found, self.checks_shortcuts)
+        yield from weights_in_runs(prepared, computing, found, self.checks_shortcuts, full_range_grid(self.target))
         if checked:
             computed = {(fqn, choice): found[fqn] for fqn, choice in gptq if (fqn, choice) in taken}
             confirmed(Shortcut.FOUND_WEIGHTS, taken, lambda: computed, tensors_equal, f"{len(taken)} modules' GPTQ weights")
@@ -358,17 +376,29 @@ class EagerEngine(Engine[EagerConfig]):
         if hooked and self.target in FILE_TARGETS:  # refused with the settings (config_for); a last guard
             raise FormatError(f"AWQ's input scales of {', '.join(hooked)} could not be folded into the ops before them")
         self._kept_rounding[prepared] = {fqn: q.note for fqn, q in chosen.items() if q.note}
+        nearest = {  # round to nearest on the full-range grid where the target takes it: torchao's tensors, its values
+            fqn: prepared.get_submodule(fqn).weight
+            for fqn, (name, _, algorithm) in config.formats.items()
+            if full_range_grid(self.target) and name in GROUPED_FORMATS and algorithm in ("", RTN)
+        }
         try:
             torchao_eager().quantize_(prepared, config.fqn_to_config(), filter_fn=None)
         except Exception as error:  # name the module and format torchao failed on
             raise FormatError(_failure(prepared, config, error)) from error
+        with torch.no_grad():
+            for fqn, weight in nearest.items():
+                on_full_range(prepared.get_submodule(fqn).weight, weight)
+            for head, embedding in self._tied.items():  # the head multiplies by the embedding's values, as the file's does
+                tied = prepared.get_submodule(embedding).weight
+                values = tied.dequantize() if is_quantized_weight(tied) else tied
+                prepared.get_submodule(head).weight = nn.Parameter(values.detach(), requires_grad=False)
         if self.target == XNNPACK:
             inputs = moved(self._example_inputs, model_device(prepared))  # where the run's copy is
             return lower(
                 prepared, inputs, partitioner=DYNAMIC, fuse_quantized_ops=True, progress=progress, check=self.checks_shortcuts
             )
         if self.target == LLAMACPP:
-            return gguf_program(prepared)
+            return gguf_program(prepared, tied_head=bool(self._tied))
         return prepared
 
     # ---- what a run measures --------------------------------------------------------------------
@@ -381,16 +411,17 @@ class EagerEngine(Engine[EagerConfig]):
         return pd.Series({fqn: values[fqn] for fqn in names if values.get(fqn) is not None}, name="SQNR (dB)", dtype=float)
 
     def inner_sqnr(self, float_model: nn.Module, quantized: nn.Module, batch: Any) -> pd.Series:
-        """For an ExecuTorch program: each block's output SQNR as the runtime computes it
-        (``block_sqnr``); empty for an eager model (its per-layer SQNR is its own)."""
-        if not isinstance(quantized, DeployedProgram):
+        """For a target's file (an ExecuTorch program, a GGUF): each block's output SQNR as its
+        runtime computes it (``block_sqnr``); empty for an eager model (its per-layer SQNR is its own)."""
+        if not isinstance(quantized, (DeployedProgram, GgufProgram)):
             return pd.Series(dtype=float, name="SQNR (dB)")
         return self.block_sqnr(float_model, quantized, batch)
 
     def block_sqnr(self, float_model: nn.Module, quantized: nn.Module, batch: Any) -> pd.Series:
         """SQNR (dB) at each block's output (a decoder's layers, ``module_blocks``) against the float
         model's: an eager model's read by hooks, an ExecuTorch program's as the runtime computes it,
-        off the program lowered again with those outputs tapped (``program_taps``)."""
+        off the program lowered again with those outputs tapped (``program_taps``), a GGUF's as
+        llama.cpp computes it (its graph's ``l_out-N`` read through its evaluation callback)."""
         modules = dict(float_model.named_modules())
         names = [fqn for fqn, module in modules.items() if isinstance(module, WEIGHTED)]
         blocks = [b for b in module_blocks(names) if b in modules and next(modules[b].children(), None) is not None]
@@ -398,9 +429,15 @@ class EagerEngine(Engine[EagerConfig]):
             return pd.Series(dtype=float, name="SQNR (dB)")
         expected = module_outputs(float_model, blocks, moved(batch, model_device(float_model)), first=True)
         # the batch goes where each model is: a run's copy sits where its kernels are (a program: the CPU)
-        there = moved(batch, CPU if isinstance(quantized, DeployedProgram) else model_device(quantized))
+        there = moved(batch, CPU if isinstance(quantized, Deployed) else model_device(quantized))
         if isinstance(quantized, DeployedProgram):
             found = program_taps(quantized, blocks).outputs(*(there if isinstance(there, tuple) else (there,)))
+        elif isinstance(quantized, GgufProgram):
+            ids = token_ids(there)
+            if ids is None:
+                return pd.Series(dtype=float, name="SQNR (dB)")
+            computed = quantized.block_outputs(ids)
+            found = {block: [computed[int(block.rsplit(".", 1)[-1])]] for block in blocks if _numbered(block, len(computed))}
         else:
             found = {name: [output] for name, output in module_outputs(quantized, blocks, there, first=True).items()}
         values = {}
@@ -504,6 +541,8 @@ class EagerEngine(Engine[EagerConfig]):
         copied or quantized whole for its size."""
         weight, bias = float_module.weight, getattr(float_module, "bias", None)
         if self.target == LLAMACPP:  # the tensors' bytes in the GGUF file: a function of shape and format alone
+            if self._tied_weight is not None and float_module.weight is self._tied_weight and isinstance(float_module, nn.Linear):
+                return 0  # a tied head: the file has no tensor of its own for it
             return _gguf_bytes(float_module, choice)
         key = (type(float_module), tuple(weight.shape), weight.dtype, bias is not None, choice)  # all the size depends on
         if key not in self._sizes:
@@ -620,15 +659,31 @@ class EagerEngine(Engine[EagerConfig]):
         calibrate: Callable[[nn.Module], None],
         data_key: Callable[[], str | None] | None = None,
     ) -> EagerSimulation:
-        found_before = None if data_key is None else FoundBefore(self.found_before, float_model, data_key)
-        return EagerSimulation(prepared, modules, calibrate, self.target, self.learned, found_before, check=self.checks_shortcuts)
+        found_before = None if data_key is None else FoundBefore(self.found_before, float_model, data_key, self._grid)
+        return EagerSimulation(
+            prepared, modules, calibrate, self.target, self.learned, found_before, check=self.checks_shortcuts, tied=self._tied
+        )
 
     # ---- helpers --------------------------------------------------------------------------------
+    @property
+    def _grid(self) -> str:
+        """The int4 grid round to nearest and GPTQ choose values on (``full_range_grid``), as the found weights' key has it."""
+        return "full range" if full_range_grid(self.target) else ""
+
     def _refuse_model(self, model: nn.Module) -> None:
-        """On llama.cpp, a model that cannot be written as a GGUF file is refused before any work."""
+        """On llama.cpp, a model that cannot be written as a GGUF file is refused before any work; a
+        head tied to the embedding noted (``_tied``)."""
         why = refusal(model) if self.target == LLAMACPP else ""
         if why:
             raise InvalidSettingsError(f"target='llama.cpp': {why}")
+        if self.target == LLAMACPP:
+            self._tied, self._tied_weight = _tied_head(model)
+
+    def _untied(self, config: EagerConfig) -> EagerConfig:
+        """``config`` without a format for a tied head (its format is the embedding's, ``TIED_HEAD``)."""
+        if not self._tied:
+            return config
+        return replace(config, formats={fqn: c for fqn, c in config.formats.items() if fqn not in self._tied})
 
     def _config_of(self, prepared: nn.Module) -> EagerConfig:
         config = self._configs.get(prepared)
@@ -643,6 +698,8 @@ class EagerEngine(Engine[EagerConfig]):
             if not fqn or not isinstance(module, WEIGHTED) or next(module.children(), None) is not None:
                 continue
             formats, groups = offered(module, self.target)
+            if fqn in self._tied:
+                formats = {name: why if name == "float" else TIED_HEAD for name, why in formats.items()}
             chosen = config.formats.get(fqn)
             current = (
                 ModuleSettings(format="float")
@@ -741,6 +798,23 @@ def _with_static_cache(model: nn.Module) -> nn.Module:
 def _eager_model(quantized: nn.Module) -> nn.Module:
     """The eager quantized model: itself, or the one a target's file was made from."""
     return quantized.reference if isinstance(quantized, Deployed) else quantized
+
+
+def _tied_head(model: nn.Module) -> tuple[dict[str, str], torch.Tensor | None]:
+    """{head: embedding} where ``model``'s head weight is its embedding's (a transformers model's
+    tied embeddings), and that weight; else ({}, None)."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    embedding = getattr(model, "get_input_embeddings", lambda: None)()
+    if head is None or embedding is None or head.weight is not embedding.weight:
+        return {}, None
+    names = {id(module): fqn for fqn, module in model.named_modules()}
+    return {names[id(head)]: names[id(embedding)]}, embedding.weight
+
+
+def _numbered(block: str, count: int) -> bool:
+    """Whether ``block`` (``model.layers.3``) ends in the number of one of ``count`` blocks."""
+    number = block.rsplit(".", 1)[-1]
+    return number.isdigit() and int(number) < count
 
 
 def _gguf_bytes(module: nn.Module, choice: ModuleSettings) -> int:

@@ -216,6 +216,9 @@ def _file_refuses(module: nn.Module, name: str, target: str) -> str:
     if name == "float":
         return ""
     if target == LLAMACPP:
+        width = int(module.weight.shape[1]) if getattr(module, "weight", None) is not None and module.weight.dim() > 1 else 0
+        if width % 32:
+            return f"llama.cpp's Q4_0 / Q8_0 blocks are 32 inputs of a row, and this one's rows are {width} long: it stays F16"
         if isinstance(module, nn.Linear) and name not in XNNPACK_LINEAR:
             return (
                 "llama.cpp multiplies a quantized matrix with activations it quantizes to 8 bits per block of 32: "
@@ -463,6 +466,51 @@ def is_quantized_weight(weight: Any) -> bool:
 
 
 _SCALE_FLOOR = torch.finfo(torch.float32).eps  # torchao's smallest int8 activation scale
+
+
+# how a dynamic format's kernel rounds a Linear's input: per token (torchao, XNNPACK), or per block of
+# 32 inputs as llama.cpp's Q8_0 (``input_rounding``, ``fake_quantized_input``)
+TOKENS_SYMMETRIC, TOKENS_ASYMMETRIC, Q8_0_BLOCKS = "tokens, symmetric", "tokens, asymmetric", "Q8_0 blocks"
+Rounding = str | None  # one of the three, or None: the input stays float
+
+
+def full_range_grid(target: str) -> bool:
+    """Whether round to nearest and GPTQ choose int4 values on the full-range grid on ``target``:
+    llama.cpp's ``Q4_0`` rule (a group's extreme weight on -8, its scale negative where that weight
+    is positive), which its kernels take and its own quantization uses; elsewhere torchao's (the
+    largest magnitude over 7.5: XNNPACK's kernels take positive scales only, and x86's figures
+    were measured on it)."""
+    return target == LLAMACPP
+
+
+def input_rounding(name: str, target: str = X86) -> Rounding:
+    """How format ``name``'s kernel on ``target`` rounds a Linear's input (None: it multiplies it as it is)."""
+    if name not in (INT8_DYNAMIC, INT8_DYNAMIC_INT4):
+        return None
+    if target == LLAMACPP:
+        return Q8_0_BLOCKS  # a Q4_0 / Q8_0 matrix's vec_dot type is Q8_0
+    return TOKENS_SYMMETRIC if name == INT8_DYNAMIC and target == X86 else TOKENS_ASYMMETRIC
+
+
+def fake_quantized_input(x: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+    """``x`` rounded as ``rounding`` says, then dequantized (``x`` itself for None)."""
+    if rounding is None:
+        return x
+    if rounding == Q8_0_BLOCKS:
+        return q8_0_blocks(x)
+    return fake_quantized_tokens(x, rounding == TOKENS_SYMMETRIC)
+
+
+def q8_0_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with each block of 32 along its last dimension rounded as llama.cpp's CPU kernels round
+    a Q4_0 / Q8_0 matrix's input (``quantize_row_q8_0``): d = the block's largest magnitude / 127,
+    q = round(x * 127 / largest) (to even, as AVX rounds), back as q * d with d stored in fp16."""
+    shape = x.shape
+    blocks = x.float().reshape(*shape[:-1], shape[-1] // 32, 32)
+    largest = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
+    step = (largest / 127.0).to(torch.float16).to(torch.float32)
+    return blocks.mul(inverse).round_().mul_(step).reshape(shape).to(x.dtype)
 
 
 def fake_quantized_tokens(x: torch.Tensor, symmetric: bool) -> torch.Tensor:

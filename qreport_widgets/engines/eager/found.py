@@ -59,12 +59,13 @@ class FoundWeights:
         self._kept: OrderedDict[str, dict[Key, Any]] = OrderedDict()  # key -> its weights, the latest last
 
     @staticmethod
-    def key(float_model: nn.Module, data: str | None) -> str | None:
+    def key(float_model: nn.Module, data: str | None, grid: str = "") -> str | None:
         """What the weights found on ``float_model`` with calibration data fingerprinted ``data``
-        depend on, as one key; None where the data has no fingerprint (nothing kept or taken)."""
+        on int4 grid ``grid`` ("full range" or "") depend on, as one key; None where the data has no
+        fingerprint (nothing kept or taken)."""
         if data is None:
             return None
-        return hashlib.sha256(f"{model_fingerprint(float_model)} {data}".encode()).hexdigest()
+        return hashlib.sha256(f"{model_fingerprint(float_model)} {data} {grid}".encode()).hexdigest()
 
     def taken(self, key: str | None, wanted: list[Key]) -> dict[Key, Any]:
         """Copies of the weights of ``wanted`` found before under ``key``."""
@@ -89,6 +90,7 @@ class FoundBefore:
     store: FoundWeights
     float_model: nn.Module
     data_key: Callable[[], str | None]
+    grid: str = ""
 
     def key(self) -> str | None:
-        return FoundWeights.key(self.float_model, self.data_key())
+        return FoundWeights.key(self.float_model, self.data_key(), self.grid)

@@ -55,7 +55,17 @@ from ...core.metrics import FLOAT_ROUNDOFF_DB, sqnr_db
 from ...core.progress import Progress, steps
 from ..settings import GPTQ, LEARNED, RTN, module_blocks
 from .algorithms import QMAX, QMIN, AlgorithmError, QuantizedWeight, choose, gptq, int4_tensor, recording, round_to_nearest
-from .formats import GROUPED_FORMATS, INT8_DYNAMIC, INT8_DYNAMIC_INT4, X86, XNNPACK, fake_quantized_tokens
+from .formats import (
+    GROUPED_FORMATS,
+    INT8_DYNAMIC,
+    INT8_DYNAMIC_INT4,
+    X86,
+    XNNPACK,
+    Rounding,
+    fake_quantized_input,
+    full_range_grid,
+    input_rounding,
+)
 
 # signed gradient steps a block, each on this many calibration batches, from round to nearest's
 # values (measured on SmolLM2 and the byte decoder, benchmarks/peers.py: one batch a step fits less;
@@ -286,11 +296,11 @@ def _constant(weight: torch.Tensor) -> Callable[[], torch.Tensor]:
 
 @contextlib.contextmanager
 def _linears_as(
-    block: nn.Module, prefix: str, weights: Mapping[str, Callable[[], torch.Tensor]], dynamic: Mapping[str, bool]
+    block: nn.Module, prefix: str, weights: Mapping[str, Callable[[], torch.Tensor]], dynamic: Mapping[str, Rounding]
 ) -> Iterator[None]:
     """Within: each named Linear of ``block`` multiplies by ``weights[fqn]()``, its input first
-    rounded to int8 per token where ``dynamic`` names it (symmetrically where it says True), the
-    rounding's gradient passed straight through."""
+    rounded to int8 where ``dynamic`` names it (as its kernel rounds it: ``fake_quantized_input``),
+    the rounding's gradient passed straight through."""
     replaced = []
     for fqn, weight_of in weights.items():
         module = block.get_submodule(fqn[len(prefix) + 1 :] if prefix else fqn)
@@ -299,10 +309,10 @@ def _linears_as(
             x: torch.Tensor,
             module: nn.Module = module,
             weight_of: Callable = weight_of,
-            symmetric: bool | None = dynamic.get(fqn),
+            rounding: str | None = dynamic.get(fqn),
         ) -> torch.Tensor:
-            if symmetric is not None:
-                x = x + (fake_quantized_tokens(x.detach().float(), symmetric).to(x.dtype) - x).detach()
+            if rounding is not None:
+                x = x + (fake_quantized_input(x.detach().float(), rounding).to(x.dtype) - x).detach()
             return F.linear(x, weight_of().to(x.dtype), module.bias)
 
         module.forward = forward
@@ -382,7 +392,7 @@ def learn_rounding(
     inputs: BlockInputs,
     learned: Mapping[str, int],
     fixed: Mapping[str, torch.Tensor] | None = None,
-    dynamic: Mapping[str, bool] | None = None,
+    dynamic: Mapping[str, Rounding] | None = None,
     *,
     options: LearnedRounding = LearnedRounding(),
     target: str = X86,
@@ -391,7 +401,7 @@ def learn_rounding(
     """The int4 weights of the Linears ``learned`` names (fqn -> group size) of ``model`` (float;
     never changed), learned block by block on the calibration batches ``inputs`` recorded. ``fixed``:
     the other quantized Linears' weights (dequantized) as the run will hold them; ``dynamic``: the
-    Linears whose input the kernel rounds to int8 per token -> whether symmetrically (8da4w: False);
+    Linears whose input the kernel rounds to int8 -> how (``formats.input_rounding``);
     ``target``: the kernels' (``LearnedRounding.signed``). ``progress`` is called after each block (it
     may raise to stop)."""
     fixed, dynamic = dict(fixed or {}), dict(dynamic or {})
@@ -419,7 +429,11 @@ def learn_rounding(
                 float_out = [_call(block, h, a) for h, a in zip(float_in, arguments, strict=True)]
             own = {fqn: group for fqn, group in learned.items() if block_of(fqn) == name}
             others = {fqn: w for fqn, w in fixed.items() if block_of(fqn) == name}
-            found.update(_learn_block(block, name, own, others, dynamic, quant_in, float_out, arguments, options, signed))
+            found.update(
+                _learn_block(
+                    block, name, own, others, dynamic, quant_in, float_out, arguments, options, signed, full_range_grid(target)
+                )
+            )
             settled = {fqn: _constant(q.dequantize(torch.float32)) for fqn, q in found.items() if fqn in own}
             settled.update({fqn: _constant(w) for fqn, w in others.items()})
             with torch.no_grad(), _linears_as(block, name, settled, dynamic):
@@ -451,12 +465,13 @@ def _learn_block(
     name: str,
     own: Mapping[str, int],
     others: Mapping[str, torch.Tensor],
-    dynamic: Mapping[str, bool],
+    dynamic: Mapping[str, Rounding],
     quant_in: list[torch.Tensor],
     float_out: list[torch.Tensor],
     arguments: list[dict[str, Any]],
     options: LearnedRounding,
     signed: bool = False,
+    full_range: bool = False,
 ) -> dict[str, QuantizedWeight]:
     if not own:
         return {}
@@ -489,7 +504,10 @@ def _learn_block(
     # torchao's round to nearest (what the run gives without the learned rounding), the start (GPTQ's
     # values, or the full-range grid before any step), the best step's values and the last step's: each
     # as the run would hold it, judged on the block's output error summed over every calibration batch
-    nearest = {fqn: QuantizedWeight(round_to_nearest(floats[fqn], group), None, KEPT) for fqn, group in own.items()}
+    nearest = {
+        fqn: QuantizedWeight(round_to_nearest(floats[fqn], group, full_range=full_range), None, KEPT, full_range)
+        for fqn, group in own.items()
+    }
     candidates = {"round to nearest": nearest}
     for key, chosen in (("start", {fqn: r.beginning for fqn, r in roundings.items()}), ("learned", best)):
         if chosen is not None and (key != "start" or starts or signed):  # an unsigned start is round to nearest
@@ -525,7 +543,7 @@ def _block_error(
     block: nn.Module,
     name: str,
     weights: Mapping[str, torch.Tensor],
-    dynamic: Mapping[str, bool],
+    dynamic: Mapping[str, Rounding],
     quant_in: list[torch.Tensor],
     float_out: list[torch.Tensor],
     arguments: list[dict[str, Any]],
@@ -579,7 +597,7 @@ def tune_scales(
     calls: list[tuple[tuple, dict[str, Any]]],
     learned: Mapping[str, QuantizedWeight],
     fixed: Mapping[str, torch.Tensor] | None = None,
-    dynamic: Mapping[str, bool] | None = None,
+    dynamic: Mapping[str, Rounding] | None = None,
     *,
     options: LearnedRounding = LearnedRounding(),
     progress: Progress | None = None,
@@ -678,7 +696,7 @@ def learned_weights(
     with torch.no_grad():
         for fqn, (name, group, algorithm) in formats.items():
             if name in DYNAMIC_FORMATS:
-                dynamic[fqn] = name == INT8_DYNAMIC and target == X86  # x86's int8 dynamic rounds tokens symmetrically
+                dynamic[fqn] = input_rounding(name, target)
             if fqn in learned or not isinstance(model.get_submodule(fqn), nn.Linear):
                 continue
             if block_of(fqn) not in touched and not whole:
@@ -687,7 +705,7 @@ def learned_weights(
             if fqn in found:
                 fixed[fqn] = found[fqn].expand(module.weight).dequantize(torch.float32)
             elif name in GROUPED_FORMATS:
-                fixed[fqn] = choose(algorithm, module.weight, group).dequantize(torch.float32)
+                fixed[fqn] = choose(algorithm, module.weight, group, full_range=full_range_grid(target)).dequantize(torch.float32)
             elif quantize is not None:
                 fixed[fqn] = quantize(module, (name, group, algorithm)).dequantize(torch.float32)
     inputs = gathered[CAPTURE]

@@ -17,6 +17,7 @@ from ...core.calibration import gather_with
 from ...errors import InvalidSettingsError
 from ..settings import ALGORITHMS, DATA_ALGORITHMS, GROUPED_FORMATS
 from .algorithms import CompactWeight, Recipe, assign_weights, choose, weights_in_runs
+from .formats import full_range_grid
 from .learned import LearnedRounding, learned_weights
 
 
@@ -56,14 +57,16 @@ def quantize_weights(
         batches = list(batches)
         everything = {fqn: (formats[fqn], group, algorithm) for fqn, (algorithm, group) in choices.items()}
         learned = learned_weights(model, everything, found, target=target, options=learning)
-        passes = itertools.chain(weights_in_runs(model, data, found), learned)
+        passes = itertools.chain(weights_in_runs(model, data, found, full_range=full_range_grid(target)), learned)
         for _ in passes:  # assigned after every run: the inputs stay float
             with torch.no_grad():
                 for batch in batches:
                     gather_with(model, batch)
     with torch.no_grad():
         chosen = {
-            fqn: found.pop(fqn).expand(modules[fqn].weight) if fqn in found else choose(algorithm, modules[fqn].weight, group)
+            fqn: found.pop(fqn).expand(modules[fqn].weight)
+            if fqn in found
+            else choose(algorithm, modules[fqn].weight, group, full_range=full_range_grid(target))
             for fqn, (algorithm, group) in choices.items()
         }
         assign_weights(model, chosen, [fqn for fqn in chosen if formats[fqn] == GROUPED_FORMATS[1]])

@@ -51,9 +51,21 @@ from .algorithms import (
     choose,
     gptq_many,
     gram_runs,
+    on_full_range,
     recording,
 )
-from .formats import INT8_DYNAMIC, INT8_DYNAMIC_INT4, LLAMACPP, X86, ao_config, fake_quantized_tokens, rows_of, torchao_eager
+from .formats import (
+    INT8_DYNAMIC_INT4,
+    LLAMACPP,
+    X86,
+    Rounding,
+    ao_config,
+    fake_quantized_input,
+    full_range_grid,
+    input_rounding,
+    rows_of,
+    torchao_eager,
+)
 from .found import FoundBefore
 from .learned import LearnedRounding, learned_weights
 from .replay import BlockReplay
@@ -105,7 +117,12 @@ def quantized_weight(
     name, group, algorithm = key
     if algorithm in DATA_ALGORITHMS:
         with torch.no_grad():
-            found = choose(algorithm, module.weight, group, statistics)
+            found = choose(algorithm, module.weight, group, statistics, full_range_grid(target))
+    elif algorithm in ("", RTN) and name in GROUPED_FORMATS and full_range_grid(target):
+        ao = torchao_eager()  # torchao's tensor of the format (its activations' rounding), llama.cpp's values in it
+        holder = nn.Sequential(copy.deepcopy(module))
+        ao.quantize_(holder, ao.FqnToConfig({"0": ao_config(*key, target=target)}), filter_fn=None)
+        found = QuantizedWeight(on_full_range(holder[0].weight.detach(), module.weight))
     else:
         ao = torchao_eager()
         holder = nn.Sequential(copy.deepcopy(module))
@@ -116,24 +133,22 @@ def quantized_weight(
     return found
 
 
-def _input_symmetry(key: FormatKey | None, target: str) -> bool | None:
-    """Whether format ``key`` quantizes a module's input symmetrically; None: it leaves it float."""
-    if key is None or key[0] not in (INT8_DYNAMIC, INT8_DYNAMIC_INT4):
-        return None
-    return key[0] == INT8_DYNAMIC and target == X86  # x86's int8 dynamic quantizes tokens symmetrically
+def _input_rounding(key: FormatKey | None, target: str) -> Rounding:
+    """How format ``key``'s kernel on ``target`` rounds a module's input; None: it leaves it float."""
+    return None if key is None else input_rounding(key[0], target)
 
 
-def _input_quantized(x: torch.Tensor, symmetric: bool | None, scale: torch.Tensor | None) -> torch.Tensor:
-    """``x`` as a dynamic format quantizes it, dequantized (``x`` where ``symmetric`` is None).
+def _input_quantized(x: torch.Tensor, rounding: Rounding, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x`` as a dynamic format's kernel rounds it, dequantized (``x`` where ``rounding`` is None).
     With an AWQ weight the kernel quantizes ``x / s`` (``s`` folded into the op before, or divided
     by a pre-hook) and its weight carries ``s``: here ``quantized(x / s) * s`` meets the weight
     ``W_q / s`` the simulation holds."""
-    if symmetric is None:
+    if rounding is None:
         return x
     if scale is None:
-        return fake_quantized_tokens(x, symmetric)
+        return fake_quantized_input(x, rounding)
     scale = scale.to(x)
-    return fake_quantized_tokens(x / scale, symmetric) * scale
+    return fake_quantized_input(x / scale, rounding) * scale
 
 
 def _packable(quantized: QuantizedWeight) -> bool:
@@ -206,8 +221,12 @@ class EagerSimulation(WholePasses):
         learned: LearnedRounding | None = None,
         found_before: FoundBefore | None = None,
         check: bool = False,
+        tied: Mapping[str, str] | None = None,
     ) -> None:
         self.model = model.eval()
+        # head -> embedding, where the head multiplies by the embedding's values in whatever format it
+        # takes (a GGUF's tied head), its input then rounded as a quantized matrix's
+        self._tied = dict(tied or {})
         self._found_before = found_before  # GPTQ weights found before on the float model and calibration data
         self._check = check  # every shortcut also computed afresh and compared (``core.shortcuts``)
         self._learned = learned or LearnedRounding()  # how the learned rounding runs (its start)
@@ -260,8 +279,17 @@ class EagerSimulation(WholePasses):
         """``x`` as module ``fqn``'s dynamic format quantizes it, dequantized (``_input_quantized``).
         The Linears that read one input (q / k / v, gate / up) take the first one's result while the
         input is the same tensor, unchanged since, quantized the same way."""
-        symmetric, scale = self._inputs[fqn], self._input_scales[fqn]
-        return self._last_input.of(x, lambda: _input_quantized(x, symmetric, scale), symmetric, scale)
+        rounding, scale = self._inputs[fqn], self._input_scales[fqn]
+        return self._last_input.of(x, lambda: _input_quantized(x, rounding, scale), rounding, scale)
+
+    def _tie(self, head: str, embedding: str, key: FormatKey | None) -> None:
+        """The head multiplies by the embedding's weight as it is now (format ``key``), its input
+        rounded as llama.cpp rounds a quantized matrix's (float where the embedding is)."""
+        weight = self._modules[embedding].weight.detach()
+        if head in self._rows:
+            weight = weight[self._rows[head]]
+        self._modules[head].weight = nn.Parameter(weight, requires_grad=False)
+        self._inputs[head] = None if key is None else input_rounding(INT8_DYNAMIC_INT4, self._target)
 
     def weight(self, fqn: str, key: FormatKey | None) -> torch.Tensor:
         """Module ``fqn``'s weight in format ``key`` (float for None), dequantized from its quantized form."""
@@ -348,7 +376,8 @@ class EagerSimulation(WholePasses):
                 solved = [(fqn, key) for fqn, key in recorded if fqn in modules and key[2] != AWQ]
                 problems = {(fqn, key): (self._float[fqn], gathered[fqn], key[1]) for fqn, key in solved}
                 with torch.no_grad():  # GPTQ: the weights of one shape solved together
-                    computed = {pair: weight.compact() for pair, weight in gptq_many(problems).items()}
+                    found = gptq_many(problems, full_range_grid(self._target))
+                    computed = {pair: weight.compact() for pair, weight in found.items()}
                 self._found.update(computed)
                 if self._found_before is not None:
                     self._found_before.store.keep(store_key, {pair: w for pair, w in computed.items() if pair not in taken})
@@ -631,7 +660,7 @@ class EagerSimulation(WholePasses):
                 continue
             with torch.no_grad():
                 quantized = quantized_weight(sample, key, statistics, target=self._target)
-                x = _input_quantized(given, _input_symmetry(key, self._target), quantized.input_scale)
+                x = _input_quantized(given, _input_rounding(key, self._target), quantized.input_scale)
                 output = nn.functional.linear(x, quantized.dequantize(sample.weight.dtype), sample.bias)
                 found[fqn, choice] = share * float(output.sub_(expected).pow_(2).sum(dtype=torch.float64))
         return found
@@ -682,7 +711,10 @@ class EagerSimulation(WholePasses):
                 if fqn in self._rows:
                     weight = weight[self._rows[fqn]]
                 self._modules[fqn].weight = nn.Parameter(weight, requires_grad=False)
-                self._inputs[fqn] = _input_symmetry(key, self._target)
+                self._inputs[fqn] = _input_rounding(key, self._target)
+            for head, embedding in self._tied.items():
+                if head in chosen or embedding in chosen:
+                    self._tie(head, embedding, configuration.get(embedding))
         self._configured = {**(self._configured or {}), **chosen}
 
     def run_real_kernels(self, quantized: nn.Module, names: Iterable[str]) -> list[str]:

@@ -98,6 +98,7 @@ def write_gguf(
     tokenizer_from: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
     name: str = "",
+    tied_head: bool = False,
 ) -> GgufFile:
     """Write ``model`` (a transformers causal LM of a family in ``FAMILIES``, float or with the
     eager engine's int4 / int8 weights) as the GGUF file ``path``.
@@ -105,8 +106,10 @@ def write_gguf(
     ``formats``: a format for some modules by name (``"model.embed_tokens"``: ``"Q4_0"``), their
     float weights rounded to nearest here; every other quantized weight keeps its own values
     (``blocks.packed_weight``), every other float matrix is ``float_format``. ``tokenizer_from``: a
-    GGUF file whose tokenizer is copied (else a vocabulary of bytes). The file is written next to
-    ``path`` and moved there once whole; an existing ``path`` is kept unless ``overwrite``."""
+    GGUF file whose tokenizer is copied (else a vocabulary of bytes). ``tied_head``: the head
+    reads the embedding's tensor (no output tensor is written; llama.cpp multiplies by
+    ``token_embd``), as it does wherever the model's head weight is its embedding's. The file is
+    written next to ``path`` and moved there once whole; an existing ``path`` is kept unless ``overwrite``."""
     gguf = _gguf()
     path = Path(path)
     if path.exists() and not overwrite:
@@ -117,7 +120,7 @@ def write_gguf(
     float_format = GgufFormat(float_format)
     if float_format not in (GgufFormat.F16, GgufFormat.F32):
         raise GgufWriteError(f"float_format is F16 or F32, not {float_format.value}: a block format goes in formats")
-    tensors, notes = _tensors(model, family, chosen, float_format), []
+    tensors, notes = _tensors(model, family, chosen, float_format, tied_head), []
     unknown = sorted(set(chosen) - {module for module, _ in tensors.values()})
     if unknown:
         raise GgufWriteError(f"formats names modules the model's weights do not come from: {', '.join(unknown)}")
@@ -150,14 +153,17 @@ def write_gguf(
 
 
 def _tensors(
-    model: nn.Module, family: Family, chosen: Mapping[str, GgufFormat], float_format: GgufFormat
+    model: nn.Module, family: Family, chosen: Mapping[str, GgufFormat], float_format: GgufFormat, tied_head: bool = False
 ) -> dict[str, tuple[str, Packed]]:
     """GGUF tensor name -> (the module it comes from, its packed data), in the model's order."""
     config = model.config
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     tensors: dict[str, tuple[str, Packed]] = {}
-    for parameter_name, value, gguf_name in _in_gguf(model, family):
+    head = model.get_output_embeddings()
+    if tied_head and head is not None and hasattr(head.weight, "qdata"):
+        raise GgufWriteError("the head is quantized on its own: it cannot also read the embedding's tensor (tied_head)")
+    for parameter_name, value, gguf_name in _in_gguf(model, family, tied_head):
         if gguf_name is None:
             raise GgufWriteError(
                 f"{parameter_name} has no tensor in llama.cpp's {family.architecture!r} layout: the model is not the "
@@ -184,17 +190,18 @@ def tensor_names(model: nn.Module) -> dict[str, str]:
     return {name: gguf_name for name, _, gguf_name in _in_gguf(model, family_of(model.config)) if gguf_name is not None}
 
 
-def _in_gguf(model: nn.Module, family: Family) -> list[tuple[str, torch.Tensor, str | None]]:
+def _in_gguf(model: nn.Module, family: Family, tied_head: bool = False) -> list[tuple[str, torch.Tensor, str | None]]:
     """Every parameter and persistent buffer of ``model`` once, with its GGUF tensor name (None where
-    llama.cpp's layout for ``family`` has none), but a head tied to the embedding: llama.cpp reads the
-    embedding as the head when the file has no output tensor."""
+    llama.cpp's layout for ``family`` has none), but a head tied to the embedding (its weight the
+    embedding's, or ``tied_head``): llama.cpp reads the embedding as the head when the file has no
+    output tensor."""
     gguf = _gguf()
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.architecture.upper()], int(model.config.num_hidden_layers))
     embedding = model.get_input_embeddings().weight
     return [
         (name, value, names.get_name(name, try_suffixes=(".weight", ".bias")))
         for name, value in _named_tensors(model)
-        if not (name.endswith("lm_head.weight") and value is embedding)
+        if not (name.endswith("lm_head.weight") and (value is embedding or tied_head))
     ]
 
 

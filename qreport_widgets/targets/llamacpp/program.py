@@ -87,13 +87,17 @@ def refusal(model: torch.nn.Module) -> str:
 class GgufProgram(Deployed):
     """A quantized decoder written as a GGUF file and opened in llama.cpp, called like the model:
     token ids in (a tensor, a tuple starting with one, or ``input_ids=``), llama.cpp's logits out
-    (rows x positions x vocabulary). ``file``: what was written (its path, bytes, tensor formats);
-    ``reference``: the model it was written from; ``written_s``: the seconds writing took."""
+    (rows x positions x vocabulary) as a causal LM's output's ``logits``. ``file``: what was
+    written (its path, bytes, tensor formats); ``reference``: the model it was written from;
+    ``written_s``: the seconds writing took."""
 
     suffix = ".gguf"
 
-    def __init__(self, reference: torch.nn.Module, file: GgufFile, folder: str, written_s: float) -> None:
+    def __init__(
+        self, reference: torch.nn.Module, file: GgufFile, folder: str, written_s: float, tied_head: bool = False
+    ) -> None:
         super().__init__()
+        self.tied_head = tied_head  # the head reads the embedding's tensor (``write_gguf``)
         object.__setattr__(self, "reference", reference)  # not a submodule: its tensors are not the file's
         self.file = file
         self.written_s = written_s
@@ -114,7 +118,7 @@ class GgufProgram(Deployed):
             self._llama = LlamaCppModel(self.file.path, context=min(context, self.longest) if self.longest else context)
         return self._llama
 
-    def forward(self, *inputs: Any, **named: Any) -> torch.Tensor:
+    def forward(self, *inputs: Any, **named: Any) -> Any:
         ids = named.get("input_ids")
         if ids is None:
             ids = token_ids(inputs[0] if len(inputs) == 1 else inputs)
@@ -135,7 +139,11 @@ class GgufProgram(Deployed):
         start = time.perf_counter()
         logits = llama.logits(ids.cpu())
         self.last_call_s = time.perf_counter() - start
-        return logits
+        return _as_the_model_returns(logits)
+
+    def block_outputs(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Each decoder block's output as llama.cpp computes token ids ``ids`` (``LlamaCppModel.block_outputs``)."""
+        return self.llama(int(ids.shape[-1])).block_outputs(ids.cpu())
 
     def speed(self, prompt: Sequence[int], new_tokens: int = 32) -> Speed:
         """llama.cpp's prefill and decode speed on ``prompt``, then ``new_tokens`` generated."""
@@ -155,7 +163,10 @@ class GgufProgram(Deployed):
         if destination.exists() and not overwrite:
             raise GgufWriteError(f"{destination} exists; pass overwrite=True to replace it")
         if tokenizer_from is not None:
-            return write_gguf(self.reference, destination, tokenizer_from=tokenizer_from, overwrite=overwrite).bytes
+            written = write_gguf(
+                self.reference, destination, tokenizer_from=tokenizer_from, overwrite=overwrite, tied_head=self.tied_head
+            )
+            return written.bytes
         destination.parent.mkdir(parents=True, exist_ok=True)
         partial = destination.with_name(f".{destination.name}.partial")
         try:
@@ -175,15 +186,23 @@ class GgufProgram(Deployed):
         return f"{self.file.bytes:,} bytes of GGUF ({held})"
 
 
-def gguf_program(model: torch.nn.Module, float_format: GgufFormat = GgufFormat.F16) -> GgufProgram:
+def gguf_program(model: torch.nn.Module, float_format: GgufFormat = GgufFormat.F16, tied_head: bool = False) -> GgufProgram:
     """``model`` (a quantized Hugging Face decoder, left as it is but for its scales, rounded to
-    fp16 first: ``fp16_scales``) written as a GGUF file in a folder of its own and opened in llama.cpp."""
+    fp16 first: ``fp16_scales``) written as a GGUF file in a folder of its own and opened in
+    llama.cpp; ``tied_head``: its head reads the embedding's tensor (``write_gguf``)."""
     start = time.perf_counter()
     fp16_scales(model)
     folder = tempfile.mkdtemp(prefix="qreport-gguf-")
     try:
-        written = write_gguf(model, Path(folder) / "model.gguf", float_format=float_format)
+        written = write_gguf(model, Path(folder) / "model.gguf", float_format=float_format, tied_head=tied_head)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    return GgufProgram(model, written, folder, time.perf_counter() - start)
+    return GgufProgram(model, written, folder, time.perf_counter() - start, tied_head)
+
+
+def _as_the_model_returns(logits: torch.Tensor) -> Any:
+    """``logits`` as a transformers causal language model returns them (its output's ``logits``)."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    return CausalLMOutput(logits=logits)

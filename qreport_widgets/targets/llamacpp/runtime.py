@@ -184,6 +184,20 @@ class LlamaCppModel:
         """The bytes llama.cpp's tokenizer gives back for ``tokens``."""
         return bytes(self._ask(("detokenize", [int(t) for t in tokens]), "detokenizing"))
 
+    def block_outputs(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Each block's output (its hidden states after the residual, ``l_out``) as llama.cpp computes
+        ``tokens`` (rows x positions, or one row; each row from an empty cache): one tensor of rows x
+        positions x width a block, read through llama.cpp's evaluation callback."""
+        rows = tokens.reshape(-1, tokens.shape[-1]) if tokens.dim() > 1 else tokens.reshape(1, -1)
+        per_row = [
+            self._ask(("taps", [int(t) for t in row], "l_out-"), f"reading the blocks' outputs of {rows.shape[1]} tokens")
+            for row in rows
+        ]
+        count = len(per_row[0])
+        if any(f"l_out-{i}" not in taps for taps in per_row for i in range(count)):
+            raise LlamaCppError("llama.cpp's graph names its blocks' outputs otherwise (no l_out-N): cannot read them")
+        return [torch.from_numpy(numpy.stack([taps[f"l_out-{i}"] for taps in per_row])) for i in range(count)]
+
     def speed(self, prompt: Sequence[int], new_tokens: int = 32) -> Speed:
         """Prefill and greedy decode speed on ``prompt`` (then ``new_tokens`` generated)."""
         prefill_s, decode_s = self._ask(("speed", [int(t) for t in prompt], int(new_tokens)), "timing generation")
@@ -343,12 +357,59 @@ def serve() -> None:  # pragma: no cover - runs in the worker process
                 model.eval([token])
                 token = int(numpy.argmax(model.scores[model.n_tokens - 1]))
             return prefill, time.perf_counter() - start
+        if kind == "taps":
+            _, key, tokens, prefix = request
+            return _tapped(llama_cpp, opened[key], tokens, prefix, threads)
         if kind == "quantize":
             _, source, destination, options, imatrix = request
             return _quantized(llama_cpp, source, destination, options, imatrix, threads)
         raise ValueError(f"unknown request {kind!r}")
 
     answer(connection, handle)
+
+
+def _tapped(llama_cpp: Any, model: Any, tokens: Sequence[int], prefix: str, threads: int) -> dict[str, numpy.ndarray]:
+    """The F32 tensors of llama.cpp's graph whose names start with ``prefix`` (``"l_out-"``: each
+    block's output), as it computes ``tokens`` (one sequence, every position an output), read through
+    the scheduler's evaluation callback in a context of their own: name -> positions x width."""
+    import ctypes
+
+    library = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    library.ggml_get_name.restype, library.ggml_get_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    library.ggml_nbytes.restype, library.ggml_nbytes.argtypes = ctypes.c_size_t, [ctypes.c_void_p]
+    library.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    found: dict[str, numpy.ndarray] = {}
+
+    def wanted(tensor: int) -> bool:
+        return library.ggml_get_name(tensor).decode().startswith(prefix) and ctypes.c_int32.from_address(tensor).value == 0
+
+    def seen(tensor: int, ask: bool, _data: Any) -> bool:
+        if ask:
+            return wanted(tensor)
+        if wanted(tensor):  # type F32 (0); ne[0], ne[1] at 16 and 24 in ggml_tensor, after its type and buffer
+            width, rows = (ctypes.c_int64.from_address(tensor + offset).value for offset in (16, 24))
+            out = numpy.empty((rows, width), dtype=numpy.float32)
+            library.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
+            found[library.ggml_get_name(tensor).decode()] = out
+        return True
+
+    callback = llama_cpp.ggml_backend_sched_eval_callback(seen)
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = params.n_batch = params.n_ubatch = max(len(tokens), 32)
+    params.n_threads = params.n_threads_batch = threads
+    params.cb_eval = callback
+    context = llama_cpp.llama_init_from_model(model._model.model, params)
+    if not context:
+        raise RuntimeError("llama.cpp could not make a context to read its tensors in")
+    batch = llama_cpp._internals.LlamaBatch(n_tokens=len(tokens), embd=0, n_seq_max=1, verbose=False)
+    try:
+        batch.set_batch(list(tokens), n_past=0, logits_all=True)
+        if llama_cpp.llama_decode(context, batch.batch) != 0:
+            raise RuntimeError(f"llama.cpp failed to compute {len(tokens)} tokens")
+    finally:
+        llama_cpp.llama_free(context)
+        batch.close()
+    return found
 
 
 def _quantized(
