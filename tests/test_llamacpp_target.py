@@ -156,6 +156,8 @@ def test_what_llama_cpp_cannot_run_is_refused_before_any_work(text_decoder):
 
     with pytest.raises(ValueError, match="llama.cpp's kernels run a Linear with int8 dynamic activations"):
         text_decoder_report(text_decoder, format="int4-weight-only", target="llama.cpp")
+    with pytest.raises(ValueError, match="a group of 64 or 128 would take the same bytes in a GGUF file"):
+        text_decoder_report(text_decoder, format="int8-dynamic-int4-weight", group_size=128, target="llama.cpp")
     cnn = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
     with pytest.raises(InvalidSettingsError, match="llama.cpp runs Hugging Face decoders"):
         qw.analyze(cnn, (torch.randn(2, 8),), [(torch.randn(2, 8),)], progress=False, engine="eager", target="llama.cpp")

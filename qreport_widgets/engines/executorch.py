@@ -120,12 +120,13 @@ class DecodeSpeed:
     pte_bytes: int
     lowering_s: float
     generated: tuple[int, ...] = ()
+    file_words: str = ".pte with its KV cache"  # what ``pte_bytes`` are the bytes of
 
     @property
     def words(self) -> str:
         return (
             f"{self.decode_ms:.2f} ms a generated token ({self.new_tokens} after a {self.prompt_tokens}-token prompt, "
-            f"{self.prefill_ms:.2f} ms a prompt token), {self.pte_bytes:,} bytes of .pte with its KV cache"
+            f"{self.prefill_ms:.2f} ms a prompt token), {self.pte_bytes:,} bytes of {self.file_words}"
         )
 
 

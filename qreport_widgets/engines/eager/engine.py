@@ -620,6 +620,7 @@ class EagerEngine(Engine[EagerConfig]):
                 1000.0 / speed.decode_tokens_per_s,
                 quantized.artifact_bytes,
                 quantized.written_s,
+                file_words="GGUF (the prompt in one batch)",
             )
         if not isinstance(quantized, DeployedProgram):
             raise DecodeSpeedError(

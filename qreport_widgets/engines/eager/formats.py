@@ -60,6 +60,7 @@ XNNPACK_LINEAR = (INT8_DYNAMIC, INT8_DYNAMIC_INT4)
 XNNPACK_EMBEDDING = (INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY)
 # the targets whose runs leave the process as a file (a program, a GGUF), in the formats above
 FILE_TARGETS = (XNNPACK, LLAMACPP)
+LLAMACPP_GROUP = 32  # Q4_0's block
 NO_CONV_INT8 = "torchao's int8 tensors have no convolution (int4-weight-only applies to a Conv2d)"
 
 
@@ -177,7 +178,10 @@ def offered(module: nn.Module, target: str = X86) -> tuple[dict[str, str], tuple
     "float" always), and the group sizes its weight's rows divide into (for the int4 formats)."""
     weight = getattr(module, "weight", None)
     width = int(weight.shape[1]) if isinstance(weight, torch.Tensor) and weight.dim() >= 2 else 0
-    groups = tuple(g for g in GROUP_SIZES if width and width % g == 0)
+    # llama.cpp stores a group of 64 or 128 as blocks of 32 sharing its scale: the same bytes as groups of
+    # 32, rounded coarser, so its formats group by 32 alone
+    sizes_offered = (LLAMACPP_GROUP,) if target == LLAMACPP else GROUP_SIZES
+    groups = tuple(g for g in sizes_offered if width and width % g == 0)
     sizes = ", ".join(map(str, GROUP_SIZES))
     no_groups = f"int4 weights are grouped along rows of {width}, which no group size ({sizes}) divides"
     int4 = "" if groups else no_groups

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..settings import ALGORITHMS, group_size_problem
-from .formats import FILE_TARGETS, INT8_DYNAMIC, QUANTIZED_FORMATS, TARGETS, XNNPACK_LINEAR
+from .formats import FILE_TARGETS, INT8_DYNAMIC, LLAMACPP, LLAMACPP_GROUP, QUANTIZED_FORMATS, TARGETS, XNNPACK_LINEAR
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,11 @@ class EagerOptions:
                 f"format={self.format!r} with target={self.target!r}: {runs} a Linear with int8 dynamic activations, "
                 f"format must be {' or '.join(map(repr, XNNPACK_LINEAR))} (other formats per module: Embeddings take "
                 "int8-weight-only / int4-weight-only)"
+            )
+        if self.target == LLAMACPP and self.group_size not in (None, LLAMACPP_GROUP):
+            raise ValueError(
+                f"group_size={self.group_size!r} with target='llama.cpp': Q4_0's blocks are {LLAMACPP_GROUP} inputs; a group of "
+                f"64 or 128 would take the same bytes in a GGUF file, rounded coarser: use group_size={LLAMACPP_GROUP}"
             )
         if self.format is not None and self.format not in QUANTIZED_FORMATS:
             raise ValueError(f"format must be one of {', '.join(QUANTIZED_FORMATS)}, got {self.format!r}")
