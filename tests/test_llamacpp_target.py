@@ -95,8 +95,8 @@ def test_three_applies_in_a_row_are_three_files_each_measured_afresh(llama_sessi
     assert second.deployed_bytes < first.deployed_bytes == third.deployed_bytes
     assert first.eval_metric == third.eval_metric != second.eval_metric
     # more files than llama.cpp keeps open: the first opens again (its bytes checked) and computes the same
-    for _ in range(2):
-        session.apply({"model.embed_tokens": ModuleSettings(format="int4-weight-only", group_size=64)})
+    for algorithm in ("hqq", "rtn"):
+        session.apply({"model.embed_tokens": ModuleSettings(format="int4-weight-only", algorithm=algorithm)})
     assert first.quantized_model.llama().perplexity(data.evaluation) == first.eval_metric
 
 

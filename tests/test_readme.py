@@ -53,6 +53,7 @@ def test_the_llama_cpp_page_snippet_runs_as_written(tmp_path, monkeypatch):
     (block,) = re.findall(r"```python\n(.*?)```", (README.parent / "docs" / "LLAMACPP.md").read_text(), re.S)
     namespace: dict = {}
     exec(compile(block, "docs/LLAMACPP.md snippet", "exec"), namespace)
-    assert (tmp_path / "decoder.gguf").stat().st_size == namespace["written"].bytes
-    llama, baseline = namespace["llama"], namespace["baseline"]
-    assert llama.perplexity(namespace["data"].evaluation) == pytest.approx(baseline.eval_metric, rel=0.005)
+    run = namespace["run"]
+    assert (tmp_path / "decoder.gguf").stat().st_size == run.deployed_bytes
+    assert namespace["LlamaCppModel"]("decoder.gguf").perplexity(namespace["data"].evaluation) == run.eval_metric
+    assert len(namespace["session"].block_sqnr(namespace["baseline"])) == 4  # the decoder's blocks, read in llama.cpp

@@ -398,17 +398,20 @@ def _tapped(llama_cpp: Any, model: Any, tokens: Sequence[int], prefix: str, thre
     params.n_ctx = params.n_batch = params.n_ubatch = max(len(tokens), 32)
     params.n_threads = params.n_threads_batch = threads
     params.cb_eval = callback
-    context = llama_cpp.llama_init_from_model(model._model.model, params)
+    context = llama_cpp.llama_init_from_model(model.model, params)
     if not context:
         raise RuntimeError("llama.cpp could not make a context to read its tensors in")
-    batch = llama_cpp._internals.LlamaBatch(n_tokens=len(tokens), embd=0, n_seq_max=1, verbose=False)
+    batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
     try:
-        batch.set_batch(list(tokens), n_past=0, logits_all=True)
-        if llama_cpp.llama_decode(context, batch.batch) != 0:
+        batch.n_tokens = len(tokens)
+        for position, token in enumerate(tokens):  # one sequence, every position an output
+            batch.token[position], batch.pos[position] = int(token), position
+            batch.n_seq_id[position], batch.seq_id[position][0], batch.logits[position] = 1, 0, True
+        if llama_cpp.llama_decode(context, batch) != 0:
             raise RuntimeError(f"llama.cpp failed to compute {len(tokens)} tokens")
     finally:
+        llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(context)
-        batch.close()
     return found
 
 
