@@ -91,15 +91,20 @@ def independent_program(model, example, evaluation):
     return perplexity(logits, evaluation), len(pte)
 
 
-def test_the_baseline_is_the_program_executorch_ships_its_perplexity_and_size_an_independent_programs():
-    """On a one-block Llama as ``from_pretrained`` gives it (the independent program costs a lowering
-    a block: the trained decoder's baseline is checked against its float model in the GPTQ test); its
-    decode speed is the program exported again with a KV cache, generating what its eager model generates."""
+def one_block_session():
+    """A one-block Llama as ``from_pretrained`` gives it, analysed for XNNPACK (8da4w in groups of 32),
+    evaluated on 8 sequences (the program is planned for 4)."""
     model, batches = tiny_llama(layers=1)
-    evaluation = [(torch.cat([batches[0][0], batches[1][0]]),)]  # 8 sequences, the program is planned for 4
+    evaluation = [(torch.cat([batches[0][0], batches[1][0]]),)]
     options = {"engine": "eager", "target": "xnnpack", "format": "int8-dynamic-int4-weight", "group_size": 32, "progress": False}
     report = analyze(as_from_pretrained(model), batches[0], batches, eval_data=evaluation, metric="perplexity", **options)
-    session = report.session
+    return model, batches, evaluation, report.session
+
+
+def test_the_baseline_is_the_program_executorch_ships_its_perplexity_and_size_an_independent_programs():
+    """On a one-block Llama as ``from_pretrained`` gives it (the independent program costs a lowering
+    a block: the trained decoder's baseline is checked against its float model in the GPTQ test)."""
+    model, batches, evaluation, session = one_block_session()
     baseline = session.baseline()
     assert baseline.ok, baseline.error
     program = baseline.quantized_model
@@ -123,6 +128,12 @@ def test_the_baseline_is_the_program_executorch_ships_its_perplexity_and_size_an
     assert truth.real_db == baseline.output_sqnr_db and abs(truth.gap_db) < 0.2
     # per-layer SQNR of the eager model the program was lowered from
     assert set(baseline.per_layer_sqnr_db.index) >= {m.fqn for m in session.modules if m.type_name == "Linear"}
+
+
+@pytest.mark.slow  # a third lowering (half a minute); session.decode_speed and the runs table: test_llamacpp_target.py
+def test_decode_speed_is_the_program_exported_again_with_a_kv_cache_generating_what_its_eager_model_does():
+    _, _, evaluation, session = one_block_session()
+    assert session.baseline().ok
     decodes_what_its_eager_model_generates(session, evaluation)
 
 

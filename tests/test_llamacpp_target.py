@@ -122,6 +122,16 @@ def test_a_decoder_of_each_family_runs_on_the_target(family):
     assert run.eval_metric == pytest.approx(session.simulate()[1], rel=0.005)
 
 
+def test_decode_speed_is_llama_cpps_own_generation_and_the_runs_table_shows_it():
+    session = tiny_session("llama")
+    run = session.baseline()
+    speed = session.decode_speed(prompt_tokens=16, new_tokens=8)
+    assert speed.prompt_tokens == 16 and speed.new_tokens == 8 and speed.decode_ms > 0 and speed.prefill_ms > 0
+    assert speed.pte_bytes == run.deployed_bytes and "bytes of GGUF" in speed.words
+    runs = session.compare()[0]
+    assert runs["decode (ms / token)"].iloc[-1] == speed.decode_ms
+
+
 def test_fit_under_the_baselines_bytes_finds_a_better_file_the_front_sized_exactly():
     session = tiny_session("llama", format="int8-dynamic-int4-weight", group_size=32, algorithms=("rtn",))
     baseline = session.baseline()
