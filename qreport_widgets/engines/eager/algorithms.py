@@ -445,9 +445,14 @@ def group_scales(weight: torch.Tensor, group_size: int, full_range: bool = False
     amax = grouped.abs().amax(-1)
     if not full_range:
         return (amax / ((QMAX - QMIN) / 2)).clamp_min(torch.finfo(torch.float32).eps)
+    return (amax / -QMIN).clamp_min(torch.finfo(torch.float32).eps) * extreme_sign(grouped)
+
+
+def extreme_sign(grouped: torch.Tensor) -> torch.Tensor:
+    """Per group (the last dimension), the sign that puts the group's extreme weight on -8: -1 where
+    that weight is positive, 1 elsewhere (the full-range grid's scale sign)."""
     extreme = grouped.gather(-1, grouped.abs().argmax(-1, keepdim=True)).squeeze(-1)
-    sign = torch.where(extreme > 0, -1.0, 1.0).to(amax.dtype)
-    return (amax / -QMIN).clamp_min(torch.finfo(torch.float32).eps) * sign
+    return torch.where(extreme > 0, -1.0, 1.0).to(grouped.dtype)
 
 
 def round_to_nearest(

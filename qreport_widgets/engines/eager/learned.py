@@ -54,7 +54,18 @@ from torch.utils._pytree import tree_leaves
 from ...core.metrics import FLOAT_ROUNDOFF_DB, sqnr_db
 from ...core.progress import Progress, steps
 from ..settings import GPTQ, LEARNED, RTN, module_blocks
-from .algorithms import QMAX, QMIN, AlgorithmError, QuantizedWeight, choose, gptq, int4_tensor, recording, round_to_nearest
+from .algorithms import (
+    QMAX,
+    QMIN,
+    AlgorithmError,
+    QuantizedWeight,
+    choose,
+    extreme_sign,
+    gptq,
+    int4_tensor,
+    recording,
+    round_to_nearest,
+)
 from .formats import (
     GROUPED_FORMATS,
     INT8_DYNAMIC,
@@ -231,8 +242,7 @@ class _Rounding:
             start = values.reshape(grouped.shape).float() - exact
         sign = None
         if signed:  # the group's extreme weight lands on QMIN: a negative scale where that weight is positive
-            extreme = grouped.gather(-1, grouped.abs().argmax(-1, keepdim=True))[..., 0]
-            sign = torch.where(extreme > 0, -1.0, 1.0).to(grouped.dtype)
+            sign = extreme_sign(grouped)
         clip = torch.ones(grouped.shape[:2], dtype=grouped.dtype, device=grouped.device)
         return cls(grouped, largest, start, start.clone().requires_grad_(True), clip.requires_grad_(True), sign)
 
