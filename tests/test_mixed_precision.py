@@ -13,6 +13,7 @@ import pytest
 import torch
 from hf_models import VOCAB, tiny_llama
 
+import qreport_widgets as qw
 from qreport_widgets import ModuleSettings, QuantizationSession
 from qreport_widgets.core.shortcuts import ENVIRONMENT, ShortcutMismatchError
 from qreport_widgets.demo.digits import trained_digits_model
@@ -38,9 +39,37 @@ def digits_session(name: str, cache, engine: str = "fx") -> QuantizationSession:
     )
 
 
-def assert_a_front(front) -> None:
+def assert_a_front(front, higher_is_better: bool = True) -> None:
+    """Sizes rise, and every point is better than every smaller one: by the metric where the front
+    has one (ties by output SQNR), else by output SQNR."""
     assert front["size_bytes"].is_monotonic_increasing and front["size_bytes"].is_unique
-    assert front["simulated_output_sqnr_db"].diff().dropna().gt(0).all()  # every point better than every smaller one
+    sqnr = front["simulated_output_sqnr_db"]
+    if "simulated_metric" not in front:
+        assert sqnr.diff().dropna().gt(0).all()
+        return
+    sign = 1 if higher_is_better else -1
+    quality = list(zip(sign * front["simulated_metric"], sqnr, strict=True))
+    assert all(a < b for a, b in zip(quality, quality[1:])), quality
+
+
+def test_the_front_ranks_its_points_by_the_sessions_metric_where_it_has_one():
+    """A decoder whose head reads a quantized embedding: as tensors grow, the logits' SQNR falls while
+    perplexity improves. Ranked by SQNR the front would keep only the smallest point; ranked by the
+    metric (lower is better) it keeps each point that lowers perplexity, and a higher-is-better metric
+    keeps the other way round."""
+    rows = [
+        {"size_bytes": size, "simulated_output_sqnr_db": sqnr, "simulated_metric": ppl, "formats": "", "settings": {}}
+        for size, sqnr, ppl in ((79, 16.2, 17.5), (90, 15.5, 16.4), (95, 15.6, 16.9), (117, 14.0, 15.4))
+    ]
+    by_sqnr = mixed._front([{k: v for k, v in r.items() if k != "simulated_metric"} for r in rows])
+    assert list(by_sqnr["size_bytes"]) == [79]
+    perplexity = mixed._front(rows, qw.Metric("perplexity", higher_is_better=False))
+    assert list(perplexity["size_bytes"]) == [79, 90, 117]
+    assert_a_front(perplexity, higher_is_better=False)
+    accuracy = mixed._front(rows, qw.Metric("accuracy"))
+    assert list(accuracy["size_bytes"]) == [79]
+    unmeasured = [*rows[:1], {**rows[1], "simulated_metric": math.nan}]
+    assert list(mixed._front(unmeasured, qw.Metric("perplexity", higher_is_better=False))["size_bytes"]) == [79]
 
 
 def assert_points_agree_with_real_runs(session, front) -> None:

@@ -13,7 +13,9 @@ other) make a step worth less or more once other steps are taken than it was alo
 most ``IN_CONTEXT_UNITS`` units the chain is walked again with every step re-measured given the
 steps before (``_walked_in_context``), and its points join the others. The front is the simulated
 points each better than every smaller one, every module float aside (that is the float model, not a
-quantization of it).
+quantization of it): better by the session's metric where it has one (perplexity: the judge the user
+named; the output SQNR need not follow it, e.g. a decoder whose head reads a quantized embedding),
+else by output SQNR.
 ``fit`` confirms a point with a real run, and steps along the front when it misses. A fit under a
 size budget never answers with a point above it, so on a front whose single choices are estimated it
 simulates whole only the points within the budget (and the smallest, its answer when none fits); one
@@ -88,7 +90,8 @@ class Option:
 
 @dataclass(frozen=True)
 class SizeFront:
-    """The front (sorted by size, each point better than every smaller one) and the uniform
+    """The front (sorted by size, each point better than every smaller one: by the session's metric
+    where it has one, else by output SQNR) and the uniform
     choices (one row each, labelled ``all <choice>``, and the baseline), all simulated."""
 
     points: pd.DataFrame
@@ -394,7 +397,7 @@ def size_front(
     uniform_rows = rows[len(picked_points) :]
     table = pd.DataFrame(uniform_rows, index=pd.Index(list(uniform), name="choice"))
     quantized = [r for r in rows if not all(c.keep_float for c in r["settings"].values())]  # the float model is no point
-    return SizeFront(_front(quantized), table, notes)
+    return SizeFront(_front(quantized, (runner.metric or Metric()) if metric else None), table, notes)
 
 
 def _ranked(ranked_on: int | None, runner: Runner) -> dict[str, Any]:
@@ -975,15 +978,26 @@ def _formats(point: Mapping[str, ModuleSettings]) -> str:
     return ", ".join(f"{n} {words}" for words, n in sorted(counts.items(), key=lambda item: -item[1]))
 
 
-def _front(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    """The rows each better than every smaller one, smallest first."""
-    ordered = sorted(rows, key=lambda r: (r["size_bytes"], -_finite(r["simulated_output_sqnr_db"])))
-    kept, best = [], -math.inf
-    for row in ordered:
+def _front(rows: list[dict[str, Any]], measures: Metric | None = None) -> pd.DataFrame:
+    """The rows each better than every smaller one, smallest first: by ``simulated_metric`` in
+    ``measures``' direction where given (ties and unmeasured points by output SQNR), else by output
+    SQNR."""
+
+    def quality(row: dict[str, Any]) -> tuple[float, float]:
         sqnr = _finite(row["simulated_output_sqnr_db"])
-        if sqnr > best:
+        if measures is None:
+            return (sqnr, 0.0)
+        value = row.get("simulated_metric")
+        value = -math.inf if value is None or math.isnan(value) else value if measures.higher_is_better else -value
+        return (value, sqnr)
+
+    ordered = sorted(rows, key=lambda r: (r["size_bytes"], tuple(-q for q in quality(r))))
+    kept: list[dict[str, Any]] = []
+    best = (-math.inf, -math.inf)
+    for row in ordered:
+        if quality(row) > best:
             kept.append(row)
-            best = sqnr
+            best = quality(row)
     table = pd.DataFrame(kept)
     table.index.name = "point"
     return table
