@@ -121,6 +121,15 @@ def test_a_decoder_of_each_family_runs_on_the_target(family):
     assert run.eval_metric == pytest.approx(session.simulate()[1], rel=0.005)
 
 
+def test_a_run_on_the_target_is_its_gguf_file_not_a_checkpoint(tmp_path):
+    from qreport_widgets.share.checkpoint import CheckpointError
+
+    run = tiny_session("llama").baseline()
+    with pytest.raises(CheckpointError, match=r"made for llama.cpp: its artifact is a file of that target's \(run\.quantized"):
+        run.save_pretrained(tmp_path / "checkpoint", tokenizer=None)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_decode_speed_is_llama_cpps_own_generation_and_the_runs_table_shows_it():
     session = tiny_session("llama")
     run = session.baseline()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -12,6 +14,7 @@ import torch
 
 from ..engines.settings import ModuleSettings
 from ..errors import ModelReleasedError
+from ..share.checkpoint import ASK as _ASK
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,17 @@ class RunResult:
     def noted(self, *notes: str) -> RunResult:
         """A copy with ``notes`` added to the run-level notes."""
         return replace(self, notes=(*self.notes, *notes))
+
+    def save_pretrained(self, path: str | os.PathLike, tokenizer: Any = _ASK, overwrite: bool = False) -> Path:
+        """This run's model as a Hugging Face checkpoint folder in compressed-tensors' pack-quantized
+        form llm-compressor writes for vLLM, which transformers loads (``from_pretrained``): an eager-engine run on
+        the x86 target with int4 / int8 weight-only modules (``share/checkpoint.py`` says what it
+        holds and refuses). ``tokenizer``: the model's tokenizer, written beside it (None: none).
+        An existing ``path`` is kept unless ``overwrite``; nothing is half written. Needs the
+        ``checkpoint`` extra (compressed-tensors)."""
+        from ..share.checkpoint import save_pretrained
+
+        return save_pretrained(self, path, tokenizer, overwrite)
 
 
 class ReleasedModel:

@@ -1,0 +1,311 @@
+"""A run's model as a Hugging Face checkpoint that transformers loads, in the form vLLM serves.
+
+``save_pretrained(run, path)`` writes an eager-engine run of a transformers model (the x86 target:
+the model runs in this process) as a folder in the ``compressed-tensors`` form llm-compressor
+writes (``quant_method: "compressed-tensors"``, ``format: "pack-quantized"``):
+
+- each int4 / int8 weight-only module's values packed into int32 words along the input dimension
+  by ``compressed_tensors``' own packer (``weight_packed``), its group or row scales
+  (``weight_scale``) and its shape (``weight_shape``), the values exactly those the run computes
+  with: round to nearest, HQQ, GPTQ, AWQ (its scales folded into the op before) or the learned
+  rounding alike;
+- one config group per (bits, group size), its targets the modules by name; float Linears in
+  ``ignore``; everything else (norms, biases, float modules, weights a rotation or AWQ changed)
+  as the run's model holds it;
+- ``config.json`` with its ``quantization_config``, the generation config, the tokenizer given.
+
+What the format cannot hold is refused before anything is written, naming the module and what to
+do: int8 dynamic activations (torchao's are asymmetric per token; a compressed-tensors checkpoint
+with the same int4 values would run them symmetric in vLLM and not at all in transformers), an AWQ
+input scale divided as the model runs, a rotation computed as the model runs (R4), runs of another
+engine or target (their artifacts are ``.pte`` / ``.gguf`` files: ``run.quantized_model.write``).
+The folder is written beside ``path`` and renamed into place: nothing is half written, and an
+existing ``path`` is kept unless ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import MissingExtraError, QReportError, QReportWarning
+
+WEIGHTS = "model.safetensors"
+# a tokenizer not given: the call says what to pass (a checkpoint without one loads, and cannot be served)
+ASK = object()
+
+
+class CheckpointError(QReportError, ValueError):
+    """A run that cannot be written as a compressed-tensors checkpoint; the message says why and what to do."""
+
+
+def save_pretrained(run: Any, path: str | os.PathLike, tokenizer: Any = ASK, overwrite: bool = False) -> Path:
+    """Write ``run``'s model to the folder ``path`` (see the module's docstring); returns it.
+    ``tokenizer``: the model's tokenizer (anything with ``save_pretrained``), written beside it, or
+    None to write the weights alone."""
+    destination = Path(path)
+    if tokenizer is ASK:
+        raise CheckpointError(
+            "save_pretrained(path, tokenizer=...): pass the tokenizer the model was loaded with "
+            "(AutoTokenizer.from_pretrained(...)), or tokenizer=None to write the weights and config alone"
+        )
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+        given = type(tokenizer).__name__
+        raise CheckpointError(f"tokenizer= takes a transformers tokenizer (it has save_pretrained), not {given}")
+    model = _model_of(run)
+    if destination.exists() and not overwrite:
+        raise CheckpointError(f"{destination} exists; pass overwrite=True to replace it")
+    compressed = _compressed_tensors()
+    modules = _quantized_modules(model)
+    _check_layout(model, modules)
+    for fqn in unpacked_embeddings(model):
+        weight = model.get_submodule(fqn).weight
+        warnings.warn(
+            f"{fqn} is written as its dequantized weight ({weight.numel() * weight.element_size():,} bytes, the run's values): "
+            "transformers and vLLM load packed Linears only",
+            QReportWarning,
+            stacklevel=3,
+        )
+    tensors = _tensors(model, modules, compressed.pack_to_int32)
+    config = _config(model, modules, compressed)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
+    try:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(partial / WEIGHTS), metadata={"format": "pt"})
+        config.save_pretrained(partial)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(partial)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(partial)
+        if destination.exists():
+            shutil.rmtree(destination) if destination.is_dir() else destination.unlink()
+        os.replace(partial, destination)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return destination
+
+
+def _model_of(run: Any) -> nn.Module:
+    """The run's model, or CheckpointError saying why a checkpoint cannot come from this run."""
+    from ..engines.eager.formats import X86, EagerConfig
+    from ..tune.run import ReleasedModel
+
+    if not run.ok:
+        raise CheckpointError(f"run {run.label!r} failed ({run.error}): it has no model to write")
+    if not isinstance(run.config, EagerConfig):
+        raise CheckpointError(
+            f"run {run.label!r} is not the eager engine's: a compressed-tensors checkpoint holds torchao's int4 / int8 "
+            "weight formats (analyze(..., engine='eager'))"
+        )
+    if run.config.target != X86:
+        raise CheckpointError(
+            f"run {run.label!r} was made for {run.config.target}: its artifact is a file of that target's "
+            "(run.quantized_model.write(path)); a checkpoint comes from a session on target='x86'"
+        )
+    model = run.quantized_model
+    if isinstance(model, ReleasedModel):
+        raise CheckpointError(f"run {run.label!r}'s model was released: {model.why}")
+    if not hasattr(model, "config") or not hasattr(model.config, "to_dict"):
+        raise CheckpointError(
+            f"the run's model is a {type(model).__name__}, not a transformers model: a Hugging Face checkpoint "
+            "needs its config (from_pretrained / from_config models)"
+        )
+    return model
+
+
+def _check_layout(model: nn.Module, modules: dict[str, tuple[int, int | None]]) -> None:
+    """CheckpointError where the run's model is not laid out as its transformers class: tensors the
+    class has no name or another shape for (a mixture of experts the session holds one Linear an
+    expert), or a packed module the class holds as another type (GPT-2's Conv1D, which the session
+    holds as a Linear): transformers would load the checkpoint without them, or not at all."""
+    with torch.device("meta"):
+        fresh = type(model)(copy.deepcopy(model.config))
+    known = fresh.state_dict()
+    cls = type(model).__name__
+    unknown = [name for name in model.state_dict() if name not in known]
+    if unknown:
+        raise CheckpointError(
+            f"{unknown[0]} ({len(unknown)} tensors like it) is the session's own layout: {cls} has no parameter of "
+            "that name, so transformers would load the checkpoint without it. The session holds a mixture of experts "
+            "one Linear an expert, and save_pretrained does not write experts back into their 3-d parameters"
+        )
+    for name, tensor in model.state_dict().items():
+        if tuple(tensor.shape) != tuple(known[name].shape):
+            raise CheckpointError(
+                f"{name} is {tuple(tensor.shape)} in the run's model and {tuple(known[name].shape)} in {cls}: the session "
+                "holds that module in its own layout (a Conv1D as a Linear), and a checkpoint must be the class's"
+            )
+    declared = dict(fresh.named_modules())
+    for fqn in modules:
+        if not isinstance(declared.get(fqn), nn.Linear):
+            raise CheckpointError(
+                f"{fqn} ({type(declared.get(fqn)).__name__}) holds a quantized weight in the session's Linear: {cls} "
+                "holds it as that type, which compressed-tensors does not pack; keep it float to save the run"
+            )
+
+
+def _compressed_tensors() -> Any:
+    try:
+        import compressed_tensors
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    except ImportError as error:
+        raise MissingExtraError(
+            "save_pretrained writes the compressed-tensors format and needs its package: "
+            "pip install 'qreport-widgets[checkpoint]' (or pip install compressed-tensors)"
+        ) from error
+    compressed_tensors.pack_to_int32 = pack_to_int32
+    return compressed_tensors
+
+
+def _quantized_modules(model: nn.Module) -> dict[str, tuple[int, int | None]]:
+    """Each quantized module -> (bits, group size, None for one scale a row); CheckpointError naming
+    the first module the format cannot hold."""
+    from ..engines.eager.algorithms import INPUT_SCALE
+    from ..engines.rotation import ONLINE_HADAMARD, ONLINE_ROTATION
+
+    found = {}
+    for fqn, module in model.named_modules():
+        online = [name for name in (ONLINE_HADAMARD, *ONLINE_ROTATION) if name in module._buffers]
+        if online:
+            raise CheckpointError(
+                f"{fqn} multiplies its input by a rotation as the model runs (R4): a checkpoint holds weights only; "
+                "apply with Rotation(down=False) to save it"
+            )
+        if INPUT_SCALE in module._buffers:
+            raise CheckpointError(
+                f"{fqn}: AWQ divides its input by a scale as the model runs (the op before cannot take it), and a "
+                "compressed-tensors checkpoint holds no input scale; choose another algorithm for it (gptq, learned)"
+            )
+        weight = getattr(module, "weight", None)
+        data = weight.data if isinstance(weight, nn.Parameter) else weight
+        if not isinstance(data, torch.Tensor) or type(data) in (torch.Tensor, nn.Parameter):
+            continue
+        scheme = _scheme_of(fqn, module, data)
+        if isinstance(module, nn.Linear):
+            found[fqn] = scheme
+    return found
+
+
+def unpacked_embeddings(model: nn.Module) -> list[str]:
+    """The quantized Embeddings a checkpoint holds as their dequantized weights: transformers (5.23)
+    fails to load a packed Embedding (its weight initialisation reads ``weight``), and vLLM packs
+    Linears only. Their values are the run's, in more bytes."""
+    return [
+        fqn
+        for fqn, module in model.named_modules()
+        if isinstance(module, nn.Embedding) and type(getattr(module.weight, "data", module.weight)) is not torch.Tensor
+    ]
+
+
+def _scheme_of(fqn: str, module: nn.Module, weight: torch.Tensor) -> tuple[int, int | None]:
+    kind = type(weight).__name__
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        raise CheckpointError(
+            f"{fqn} ({type(module).__name__}) holds a quantized weight; compressed-tensors packs Linear and Embedding weights"
+        )
+    if kind == "IntxUnpackedToInt8Tensor":
+        if weight.activation_quantization is not None:
+            raise CheckpointError(_dynamic_words(fqn, "int8-dynamic-int4-weight", "int4-weight-only"))
+        bits = {torch.int4: 4, torch.int8: 8}.get(weight.target_dtype)
+    elif kind == "Int8Tensor":
+        if weight.act_quant_kwargs is not None:
+            raise CheckpointError(_dynamic_words(fqn, "int8-dynamic", "int8-weight-only"))
+        bits = 8
+        if weight.zero_point is not None and bool(weight.zero_point.any()):
+            raise CheckpointError(f"{fqn}: its int8 weight has zero points; the checkpoint holds symmetric int8 only")
+    else:
+        raise CheckpointError(f"{fqn}: a {kind} weight has no compressed-tensors form here (int4 / int8 weight-only do)")
+    if bits is None:
+        raise CheckpointError(f"{fqn}: {weight.target_dtype} values have no compressed-tensors form here (int4 / int8 do)")
+    zero = getattr(weight, "zero_point", None)
+    if zero is not None and bool(zero.any()):
+        raise CheckpointError(f"{fqn}: its values have zero points; the checkpoint holds symmetric values only")
+    group = int(weight.block_size[-1])
+    return bits, None if group == weight.shape[-1] else group
+
+
+def _dynamic_words(fqn: str, format: str, instead: str) -> str:
+    return (
+        f"{fqn} is {format}: it quantizes its input to int8 per token as it runs, asymmetric as torchao does, and "
+        "a compressed-tensors checkpoint would run it symmetric in vLLM and not at all in transformers; choose "
+        f"{instead} for it (the same weight values) or write another target's file (target='xnnpack' / 'llama.cpp')"
+    )
+
+
+def _tensors(model: nn.Module, modules: dict[str, tuple[int, int | None]], pack: Any) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors: the packed modules' three, every other entry of the state dict as
+    it is (``_state``)."""
+    state = {}
+    quantized = {f"{fqn}.weight" for fqn in modules}
+    for name, tensor in _state(model, modules).items():
+        if name not in quantized:
+            plain = tensor.dequantize() if type(tensor) is not torch.Tensor else tensor  # a quantized Embedding
+            state[name] = plain.detach().cpu().contiguous().clone()
+    for fqn, (bits, _) in modules.items():
+        weight = model.get_submodule(fqn).weight
+        weight = weight.data if isinstance(weight, nn.Parameter) else weight
+        values = weight.qdata.to(torch.int8)
+        state[f"{fqn}.weight_packed"] = pack(values.cpu(), bits)
+        state[f"{fqn}.weight_scale"] = weight.scale.detach().cpu().reshape(values.shape[0], -1).to(weight.dtype).contiguous()
+        state[f"{fqn}.weight_shape"] = torch.tensor(values.shape)
+    return state
+
+
+def _state(model: nn.Module, modules: dict[str, tuple[int, int | None]]) -> dict[str, torch.Tensor]:
+    """The state dict without a float head's second name where it reads its embedding's tensor
+    (transformers ties it again on load)."""
+    state = model.state_dict()
+    head = _tied_float_head(model, modules)
+    if head is not None:
+        state.pop(f"{head}.weight", None)
+    return state
+
+
+def _tied_float_head(model: nn.Module, modules: dict[str, tuple[int, int | None]]) -> str | None:
+    """The head's name where it reads its float embedding's tensor, else None. A quantized embedding
+    a head reads is written twice, once for each (tie_word_embeddings off): the format packs modules,
+    and ties parameters."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is None or outputs is None or outputs.weight is not inputs.weight:
+        return None
+    names = {id(module): fqn for fqn, module in model.named_modules()}
+    return None if names[id(inputs)] in modules else names[id(outputs)]
+
+
+def _config(model: nn.Module, modules: dict[str, tuple[int, int | None]], compressed: Any) -> Any:
+    """The model's config with its ``quantization_config``; ``tie_word_embeddings`` off unless a
+    float head reads its embedding's tensor."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    groups: dict[tuple[int, int | None], list[str]] = defaultdict(list)
+    for fqn, scheme in modules.items():
+        groups[scheme].append(fqn)
+    head = _tied_float_head(model, modules)
+    schemes = {}
+    for index, ((bits, group), targets) in enumerate(sorted(groups.items(), key=lambda item: (item[0][0], item[0][1] or 0))):
+        strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
+        weights = QuantizationArgs(num_bits=bits, type="int", symmetric=True, **strategy)
+        schemes[f"group_{index}"] = QuantizationScheme(targets=targets, weights=weights)
+    float_linears = [fqn for fqn, module in model.named_modules() if isinstance(module, nn.Linear) and fqn not in modules]
+    quantization = QuantizationConfig(
+        config_groups=schemes, format="pack-quantized", quantization_status="compressed", ignore=float_linears
+    )
+    config = copy.deepcopy(model.config)
+    config.quantization_config = quantization.model_dump(exclude_none=True)
+    config.quantization_config["quant_method"] = "compressed-tensors"
+    if head is None and getattr(config, "tie_word_embeddings", False):
+        config.tie_word_embeddings = False  # written apart: the run quantized them apart, or packed both
+    return config

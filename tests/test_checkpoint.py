@@ -1,0 +1,219 @@
+"""Runs saved as Hugging Face checkpoints in compressed-tensors' pack-quantized form: transformers
+loads them (offline, CPU) to the run's logits, compressed-tensors unpacks the run's int4 / int8
+values bit for bit, the bytes are the run's, and what the format cannot hold is refused with
+nothing written."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from hf_models import FAMILIES, VOCAB, _tokens, tiny_family
+from torch import nn
+
+import qreport_widgets as qw
+from qreport_widgets.share.checkpoint import CheckpointError
+
+pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+BATCHES = [(ids,) for ids in _tokens(2)]
+# the families whose projections are Linears: GPT-2's are transformers' Conv1D, which the format does not
+# pack; Qwen3-MoE's experts are 3-d parameters the session holds as one Linear an expert (refused, below)
+LINEAR_FAMILIES = [family for family in FAMILIES if family not in ("GPT-2", "Qwen3-MoE")]
+
+
+def session_of(model: nn.Module, **options) -> qw.QuantizationSession:
+    given = {"format": "int4-weight-only", **options}
+    return qw.analyze(model, BATCHES[0], BATCHES[:3], eval_data=BATCHES[3:], engine="eager", progress=False, **given).session
+
+
+def mixed_settings(session) -> dict[str, qw.ModuleSettings]:
+    """Block Linears int4 in groups of 32 (GPTQ) and 64 (round to nearest) by turns, every fourth int8
+    weight-only, the head float; the embedding as the session starts it."""
+    settings = {}
+    linears = [m for m in session.modules if m.format_allowed("int4-weight-only") and ".layers." in m.fqn]
+    for index, module in enumerate(linears):
+        if index % 4 == 3:
+            settings[module.fqn] = qw.ModuleSettings(format="int8-weight-only")
+        elif index % 2:
+            settings[module.fqn] = qw.ModuleSettings(format="int4-weight-only", group_size=64)
+        else:
+            algorithm = "gptq" if module.algorithm_allowed("gptq") else ""
+            settings[module.fqn] = qw.ModuleSettings(format="int4-weight-only", group_size=32, algorithm=algorithm)
+    for module in session.modules:
+        if module.fqn not in settings and not module.fqn.endswith("embed_tokens") and "embed" not in module.fqn:
+            settings[module.fqn] = qw.ModuleSettings(keep_float=True)
+    return settings
+
+
+def sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
+    noise = (reference - other).double().pow(2).mean()
+    return math.inf if noise == 0 else float(10 * torch.log10(reference.double().pow(2).mean() / noise))
+
+
+def data_bytes(path) -> int:
+    """A safetensors file's tensor bytes: its size less its header."""
+    with open(path, "rb") as file:
+        header = int.from_bytes(file.read(8), "little")
+    return os.path.getsize(path) - 8 - header
+
+
+def check_saved(run, folder) -> dict:
+    """Loads ``folder`` in transformers and compares it with ``run``: logits, values, scales, bytes."""
+    model = run.quantized_model
+    loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        for (ids,) in BATCHES[3:]:
+            assert sqnr_db(model(ids).logits, loaded(ids).logits) >= 100
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+    packed = 0
+    with safe_open(folder / "model.safetensors", "pt") as file:
+        for name in file.keys():
+            if not name.endswith(".weight_packed"):
+                continue
+            fqn = name.removesuffix(".weight_packed")
+            weight = model.get_submodule(fqn).weight
+            bits = 8 if type(weight).__name__ == "Int8Tensor" else 4
+            shape = torch.Size(file.get_tensor(f"{fqn}.weight_shape").tolist())
+            values = unpack_from_int32(file.get_tensor(name), bits, shape)
+            assert torch.equal(values, weight.qdata.to(torch.int8)), fqn
+            assert torch.equal(file.get_tensor(f"{fqn}.weight_scale").flatten(), weight.scale.flatten()), fqn
+            packed += 1
+    assert data_bytes(folder / "model.safetensors") == pytest.approx(run.deployed_bytes, rel=0.02)
+    return {"config": config, "packed": packed, "loaded": loaded}
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3", "Gemma 2"])
+def test_a_mixed_run_loads_in_transformers_with_its_logits_values_and_bytes(family, tmp_path):
+    session = session_of(tiny_family(family))
+    settings = mixed_settings(session)
+    run = session.apply(settings, progress=False)
+    assert run.ok, run.error
+    folder = run.save_pretrained(tmp_path / "checkpoint", tokenizer=None)
+    saved = check_saved(run, folder)
+    assert saved["packed"] == 14  # 7 Linears a block, 2 blocks
+    assert "lm_head" in saved["config"]["ignore"]
+    groups = {
+        fqn: (g["weights"]["num_bits"], g["weights"].get("group_size"))
+        for g in saved["config"]["config_groups"].values()
+        for fqn in g["targets"]
+    }
+    expected = {}
+    for fqn, choice in settings.items():
+        if not choice.keep_float:
+            inputs = session.float_model.get_submodule(fqn).in_features
+            group = choice.group_size if choice.format == "int4-weight-only" and choice.group_size < inputs else None
+            expected[fqn] = (4 if choice.format == "int4-weight-only" else 8, group)  # one group a row: a channel
+    assert groups == expected
+    tied = tiny_family(family).config.tie_word_embeddings  # Gemma 2's head reads its embedding
+    with safe_open(folder / "model.safetensors", "pt") as file:
+        assert ("lm_head.weight" in file.keys()) is not tied
+    assert saved["loaded"].config.tie_word_embeddings == tied
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", LINEAR_FAMILIES)
+def test_every_family_with_linear_projections_saves_and_loads_to_the_runs_logits(family, tmp_path):
+    session = session_of(tiny_family(family))
+    run = session.apply(mixed_settings(session), progress=False)
+    assert run.ok, run.error
+    check_saved(run, run.save_pretrained(tmp_path / "checkpoint", tokenizer=None))
+
+
+def test_three_saves_in_a_row_each_hold_their_own_runs_values(tmp_path):
+    """Each save replaces the folder with its own run's values (overwrite=True), never an earlier one's."""
+    session = session_of(tiny_family("Llama"))
+    folder = tmp_path / "checkpoint"
+    for group, algorithm in ((32, ""), (64, "gptq"), (32, "hqq")):
+        settings = {
+            m.fqn: qw.ModuleSettings(format="int4-weight-only", group_size=group, algorithm=algorithm)
+            for m in session.modules
+            if ".layers." in m.fqn
+        }
+        run = session.apply(settings, progress=False)
+        run.save_pretrained(folder, tokenizer=None, overwrite=True)
+        check_saved(run, folder)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"]  # no partial folder left beside it
+
+
+def test_the_tokenizer_given_is_saved_and_loads_to_the_same_ids(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(VOCAB - 1)} | {"<unk>": VOCAB - 1}
+    core = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    session = session_of(tiny_family("Qwen3"))
+    run = session.baseline()
+    folder = run.save_pretrained(tmp_path / "checkpoint", tokenizer=tokenizer)
+    text = "w1 w7 w200 nothing w3"
+    assert AutoTokenizer.from_pretrained(folder)(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
+def test_what_the_format_cannot_hold_is_refused_and_nothing_is_written(tmp_path):
+    session = session_of(tiny_family("Llama"))
+    target = tmp_path / "checkpoint"
+    dynamic = session.apply({"model.layers.0.mlp.up_proj": qw.ModuleSettings(format="int8-dynamic-int4-weight")}, progress=False)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj is int8-dynamic-int4-weight.*int4-weight-only"):
+        dynamic.save_pretrained(target, tokenizer=None)
+    awq_o_proj = {"model.layers.0.self_attn.o_proj": qw.ModuleSettings(format="int4-weight-only", algorithm="awq")}
+    awq = session.apply(awq_o_proj, progress=False)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.o_proj: AWQ divides its input"):
+        awq.save_pretrained(target, tokenizer=None)
+    with pytest.raises(CheckpointError, match="tokenizer=None"):
+        dynamic.save_pretrained(target)
+    with pytest.raises(CheckpointError, match="tokenizer= takes a transformers tokenizer"):
+        dynamic.save_pretrained(target, tokenizer="gpt2")
+    assert list(tmp_path.iterdir()) == []
+    target.mkdir()
+    (target / "mine.txt").write_text("kept")
+    with pytest.raises(CheckpointError, match="exists; pass overwrite=True"):
+        session.baseline().save_pretrained(target, tokenizer=None)
+    assert [p.name for p in target.iterdir()] == ["mine.txt"]
+
+
+def test_experts_held_one_linear_each_and_conv1d_projections_held_as_linears_are_refused_naming_why(tmp_path):
+    moe = session_of(tiny_family("Qwen3-MoE")).baseline()
+    with pytest.raises(CheckpointError, match=r"experts\.gate_up_proj\.0\.weight .* the session's own layout"):
+        moe.save_pretrained(tmp_path / "moe", tokenizer=None)
+    gpt2 = session_of(tiny_family("GPT-2")).baseline()
+    shapes = r"c_attn\.weight is \(192, 64\) in the run's model and \(64, 192\) in GPT2LMHeadModel"
+    with pytest.raises(CheckpointError, match=shapes):
+        gpt2.save_pretrained(tmp_path / "gpt2", tokenizer=None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_runs_of_another_engine_or_of_a_file_target_are_refused_naming_what_to_do(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    batches = [(torch.randn(4, 8),) for _ in range(3)]
+    fx = qw.QuantizationSession(model, batches[0], batches, eval_data=batches).baseline()
+    with pytest.raises(CheckpointError, match="not the eager engine's"):
+        fx.save_pretrained(tmp_path / "a", tokenizer=None)
+    eager = qw.QuantizationSession(model, batches[0], batches, eval_data=batches, engine="eager").baseline()
+    with pytest.raises(CheckpointError, match="not a transformers model"):
+        eager.save_pretrained(tmp_path / "b", tokenizer=None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_checkpoints_page_snippet_runs_as_written(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)  # it writes decoder-int4 here
+    page = Path(__file__).resolve().parents[1] / "docs" / "CHECKPOINTS.md"
+    (block,) = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    namespace: dict = {}
+    exec(compile(block, "docs/CHECKPOINTS.md snippet", "exec"), namespace)
+    run, loaded = namespace["run"], namespace["loaded"]
+    (ids,) = namespace["batches"][-1]
+    with torch.no_grad():
+        assert sqnr_db(run.quantized_model(ids).logits, loaded(ids).logits) >= 100
+    assert data_bytes(tmp_path / "decoder-int4" / "model.safetensors") == pytest.approx(run.deployed_bytes, rel=0.02)
