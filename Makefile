@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.qreport-installed
 # the optional extras CI installs so their tests run (EXTRAS=dev: without ExecuTorch and Model Explorer,
 # whose tests then skip)
-EXTRAS ?= dev,executorch,explorer,llamacpp
+EXTRAS ?= dev,executorch,explorer,llamacpp,checkpoint,tasks
 
 # llama-cpp-python builds llama.cpp from its source: the library only (no multimodal tools, no common
 # utilities), for this machine's CPU (GGML_NATIVE, llama.cpp's default), as a llama.cpp user builds it

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ._version import __version__ as __version__
 from .analyze import analyze, default_detectors
 from .core.metrics import Metric, perplexity
+from .core.tasks import TaskAccuracy, write_task
 from .engines import quantize_weights
 from .engines.rotation import Rotation, rotate, rotation_problems
 from .engines.settings import ModuleSettings
@@ -71,6 +72,7 @@ __all__ = [
     "Rotation",
     "RunResult",
     "SavedReport",
+    "TaskAccuracy",
     "UntraceableModelError",
     "analyze",
     "default_detectors",
@@ -79,4 +81,5 @@ __all__ = [
     "quantize_weights",
     "rotate",
     "rotation_problems",
+    "write_task",
 ]

@@ -49,7 +49,7 @@ def assert_a_front(front, higher_is_better: bool = True) -> None:
         return
     sign = 1 if higher_is_better else -1
     quality = list(zip(sign * front["simulated_metric"], sqnr, strict=True))
-    assert all(a < b for a, b in zip(quality, quality[1:])), quality
+    assert all(a < b for a, b in zip(quality, quality[1:], strict=False)), quality
 
 
 def test_the_front_ranks_its_points_by_the_sessions_metric_where_it_has_one():

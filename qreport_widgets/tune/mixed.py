@@ -185,11 +185,18 @@ class MixedPrecision:
                 self.real.adopt_kernels(found)
             return found
 
+        calls = self.runner.metric_calls
         found = fitted()
         adopted = self.real.adopted_since(kernels)
         if adopted:  # a broken kernel the baseline's inputs hid: the front again, with it
             said = self.real.adopted_words("the first fit's real run", adopted)
             found = fitted().noted(f"{said}; the front was simulated again with them and this is its fit")
+        spent = self.runner.metric_calls - calls
+        if spent:  # the user's eval_fn (a task accuracy) may be the costly part
+            found = found.noted(
+                f"this fit scored {spent} model{'s' if spent > 1 else ''} with the session's eval_fn (the front's points "
+                "it simulated whole and its real runs; the front's single choices are ranked by output SQNR alone)"
+            )
         return self.real.annotated(found)
 
 

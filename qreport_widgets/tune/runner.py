@@ -108,7 +108,8 @@ class Runner:
         self.metric = metric
         self.example_inputs = example_inputs
         self.batches = batches
-        self.eval_fn = eval_fn
+        self.metric_calls = 0  # models the user's eval_fn has scored (a fit says how many it spent)
+        self.eval_fn = None if eval_fn is None else self._counted(eval_fn)
         self._watched = float_copy
         self.output_fn = output_fn  # as given (None: the output or its first tensor)
         self.group = group  # the torch.distributed group calibrations merge across (None: this process alone)
@@ -225,6 +226,13 @@ class Runner:
             with torch.no_grad():
                 self._reference = [self.output_of(call_with(model, b)) for b in self.eval_data]
         return self._reference
+
+    def _counted(self, eval_fn: Callable[[torch.nn.Module], float]) -> Callable[[torch.nn.Module], float]:
+        def scored(model: torch.nn.Module) -> float:
+            self.metric_calls += 1
+            return eval_fn(model)
+
+        return scored
 
     def float_metric(self) -> float | None:
         """The session's metric (``eval_fn``) of the float model, computed once; None without one."""
