@@ -12,6 +12,7 @@ from .engines.settings import ModuleSettings
 from .errors import (
     AlreadyPreparedError,
     CalibrationError,
+    CheckpointError,
     DetectorConfigError,
     DeviceMismatchError,
     DistributedCalibrationError,
@@ -45,6 +46,7 @@ __all__ = [
     "AlreadyPreparedError",
     "Analysis",
     "CalibrationError",
+    "CheckpointError",
     "DetectorBase",
     "DetectorConfigError",
     "DeviceMismatchError",

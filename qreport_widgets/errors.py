@@ -63,6 +63,10 @@ class InvalidSettingsError(QReportError, ValueError):
     """Per-module settings the quantization engine cannot apply to that module."""
 
 
+class CheckpointError(QReportError, ValueError):
+    """A run that cannot be written as a Hugging Face checkpoint; the message says why and what to do."""
+
+
 class ModelReleasedError(QReportError, AttributeError):
     """A run's quantized model was released to save memory (the session keeps the latest run's and
     the pinned runs'); its measurements are all still there."""

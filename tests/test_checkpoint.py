@@ -15,7 +15,7 @@ from hf_models import FAMILIES, VOCAB, _tokens, tiny_family
 from torch import nn
 
 import qreport_widgets as qw
-from qreport_widgets.share.checkpoint import CheckpointError
+from qreport_widgets.errors import CheckpointError
 
 pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402

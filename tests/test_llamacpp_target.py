@@ -122,7 +122,7 @@ def test_a_decoder_of_each_family_runs_on_the_target(family):
 
 
 def test_a_run_on_the_target_is_its_gguf_file_not_a_checkpoint(tmp_path):
-    from qreport_widgets.share.checkpoint import CheckpointError
+    from qreport_widgets.errors import CheckpointError
 
     run = tiny_session("llama").baseline()
     with pytest.raises(CheckpointError, match=r"made for llama.cpp: its artifact is a file of that target's \(run\.quantized"):

@@ -11,8 +11,9 @@ a folder of task YAML files and local JSON / JSONL data (``include_path``, offli
 
 The harness asks a model for the log-likelihood of each answer given its question; here the models
 the session measures answer (the float model, the simulation's, a run's), each given rows of the
-token ids ``tokenizer`` makes, right-padded to the longest, and returning logits. Tasks that generate text or score whole documents are refused with the reason:
-the size front and ``fit`` need a score from logits. ``evaluations`` counts the models scored.
+token ids ``tokenizer`` makes, right-padded to the longest, and returning logits. Tasks that
+generate text or score whole documents are refused with the reason: the size front and ``fit``
+need a score from logits. ``evaluations`` counts the models scored.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import InvalidSettingsError
 from .rotation import _decoder, _rms_scale
 
+INPUT_SCALE = "input_scale"  # the buffer a Linear divides its input by where no op before takes its AWQ scale
 NORM, ROWS = "norm", "rows"  # what a fold divides: a norm's scale, or a Linear's rows
 OFFSET_NORM = "offset norm"  # a norm whose scale is 1 + its weight (Gemma's)
 

@@ -29,7 +29,7 @@ import math
 import operator
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -192,11 +192,12 @@ class MixedPrecision:
             said = self.real.adopted_words("the first fit's real run", adopted)
             found = fitted().noted(f"{said}; the front was simulated again with them and this is its fit")
         spent = self.runner.metric_calls - calls
-        if spent:  # the user's eval_fn (a task accuracy) may be the costly part
-            found = found.noted(
+        if spent:  # the user's eval_fn (a task accuracy) may be the costly part; first, leaving the verdict where it was
+            said = (
                 f"this fit scored {spent} model{'s' if spent > 1 else ''} with the session's eval_fn (the front's points "
                 "it simulated whole and its real runs; the front's single choices are ranked by output SQNR alone)"
             )
+            found = replace(found, notes=(said, *found.notes))
         return self.real.annotated(found)
 
 

@@ -13,8 +13,10 @@ import pandas as pd
 import torch
 
 from ..engines.settings import ModuleSettings
-from ..errors import ModelReleasedError
-from ..share.checkpoint import ASK as _ASK
+from ..errors import CheckpointError, ModelReleasedError
+
+# save_pretrained without tokenizer=: the call says what to pass (a checkpoint without one loads, and cannot be served)
+_ASK = object()
 
 
 @dataclass(frozen=True)
@@ -130,13 +132,26 @@ class RunResult:
     def save_pretrained(self, path: str | os.PathLike, tokenizer: Any = _ASK, overwrite: bool = False) -> Path:
         """This run's model as a Hugging Face checkpoint folder in compressed-tensors' pack-quantized
         form llm-compressor writes for vLLM, which transformers loads (``from_pretrained``): an eager-engine run on
-        the x86 target with int4 / int8 weight-only modules (``share/checkpoint.py`` says what it
-        holds and refuses). ``tokenizer``: the model's tokenizer, written beside it (None: none).
+        the x86 target with int4 / int8 weight-only modules (``engines/eager/checkpoint.py`` says
+        what it holds and refuses). ``tokenizer``: the model's tokenizer, written beside it (None: none).
         An existing ``path`` is kept unless ``overwrite``; nothing is half written. Needs the
         ``checkpoint`` extra (compressed-tensors)."""
-        from ..share.checkpoint import save_pretrained
-
-        return save_pretrained(self, path, tokenizer, overwrite)
+        if tokenizer is _ASK:
+            raise CheckpointError(
+                "save_pretrained(path, tokenizer=...): pass the tokenizer the model was loaded with "
+                "(AutoTokenizer.from_pretrained(...)), or tokenizer=None to write the weights and config alone"
+            )
+        if not self.ok:
+            raise CheckpointError(f"run {self.label!r} failed ({self.error}): it has no model to write")
+        if isinstance(self.quantized_model, ReleasedModel):
+            raise CheckpointError(f"run {self.label!r}'s model was released: {self.quantized_model.why}")
+        writer = getattr(self.config, "save_pretrained", None)  # the engine's configuration says how, where it can
+        if writer is None:
+            raise CheckpointError(
+                f"run {self.label!r} is not the eager engine's: a compressed-tensors checkpoint holds torchao's int4 / "
+                "int8 weight formats (analyze(..., engine='eager'))"
+            )
+        return writer(self.quantized_model, path, tokenizer, overwrite)
 
 
 class ReleasedModel:

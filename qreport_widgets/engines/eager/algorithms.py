@@ -45,11 +45,10 @@ from ...core.devices import float64_on, model_device
 from ...core.kept import SameInput
 from ...core.memory import device_free_bytes, give_back
 from ...errors import QReportError
-from ..folds import ROWS, Fold, fold_scale, input_folds, rows_divided
+from ..folds import INPUT_SCALE, ROWS, Fold, fold_scale, input_folds, rows_divided
 from ..settings import AWQ, GPTQ, HQQ, LEARNED, RTN
 from .formats import torchao_eager
 
-INPUT_SCALE = "input_scale"  # the buffer an AWQ module divides its input by
 QMIN, QMAX = -8, 7  # torchao's int4 values
 GPTQ_BLOCK = 128
 GPTQ_DAMPINGS = (0.01, 0.1, 1.0)  # times the mean of diag(H), the first that beats rounding on held-out tokens

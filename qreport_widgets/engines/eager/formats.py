@@ -294,6 +294,19 @@ class EagerConfig:
     group_size: int = 0
     target: str = X86
 
+    def save_pretrained(self, model: nn.Module, path: Any, tokenizer: Any, overwrite: bool) -> Any:
+        """``model``, a run's of this configuration, as a Hugging Face checkpoint folder in
+        compressed-tensors' form (``checkpoint.py``; ``RunResult.save_pretrained`` calls it)."""
+        from ...errors import CheckpointError
+        from .checkpoint import save_pretrained
+
+        if self.target != X86:
+            raise CheckpointError(
+                f"the run was made for {self.target}: its artifact is a file of that target's "
+                "(run.quantized_model.write(path)); a checkpoint comes from a session on target='x86'"
+            )
+        return save_pretrained(model, path, tokenizer, overwrite)
+
     def resolved(self, model: nn.Module) -> EagerConfig:
         """Every module named: ``linears``' format given to each Linear it applies to (int4: each
         whose rows divide into its group size)."""

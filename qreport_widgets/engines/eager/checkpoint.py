@@ -1,8 +1,9 @@
 """A run's model as a Hugging Face checkpoint that transformers loads, in the form vLLM serves.
 
-``save_pretrained(run, path)`` writes an eager-engine run of a transformers model (the x86 target:
-the model runs in this process) as a folder in the ``compressed-tensors`` form llm-compressor
-writes (``quant_method: "compressed-tensors"``, ``format: "pack-quantized"``):
+``save_pretrained(model, path)`` (what ``run.save_pretrained`` calls through the run's
+``EagerConfig``) writes an eager-engine run's transformers model (the x86 target: the model runs
+in this process) as a folder in the ``compressed-tensors`` form llm-compressor writes
+(``quant_method: "compressed-tensors"``, ``format: "pack-quantized"``):
 
 - each int4 / int8 weight-only module's values packed into int32 words along the input dimension
   by ``compressed_tensors``' own packer (``weight_packed``), its group or row scales
@@ -18,7 +19,7 @@ What the format cannot hold is refused before anything is written, naming the mo
 do: int8 dynamic activations (torchao's are asymmetric per token; a compressed-tensors checkpoint
 with the same int4 values would run them symmetric in vLLM and not at all in transformers), an AWQ
 input scale divided as the model runs, a rotation computed as the model runs (R4), runs of another
-engine or target (their artifacts are ``.pte`` / ``.gguf`` files: ``run.quantized_model.write``).
+target (their artifacts are ``.pte`` / ``.gguf`` files: ``run.quantized_model.write``).
 The folder is written beside ``path`` and renamed into place: nothing is half written, and an
 existing ``path`` is kept unless ``overwrite``.
 """
@@ -31,40 +32,36 @@ import shutil
 import tempfile
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import MissingExtraError, QReportError, QReportWarning
+from ...errors import CheckpointError, MissingExtraError, QReportWarning
+from ..folds import INPUT_SCALE
+from ..rotation import ONLINE_HADAMARD, ONLINE_ROTATION
 
 WEIGHTS = "model.safetensors"
-# a tokenizer not given: the call says what to pass (a checkpoint without one loads, and cannot be served)
-ASK = object()
 
 
-class CheckpointError(QReportError, ValueError):
-    """A run that cannot be written as a compressed-tensors checkpoint; the message says why and what to do."""
-
-
-def save_pretrained(run: Any, path: str | os.PathLike, tokenizer: Any = ASK, overwrite: bool = False) -> Path:
-    """Write ``run``'s model to the folder ``path`` (see the module's docstring); returns it.
-    ``tokenizer``: the model's tokenizer (anything with ``save_pretrained``), written beside it, or
-    None to write the weights alone."""
+def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any, overwrite: bool) -> Path:
+    """Write ``model``, an x86 run's, to the folder ``path`` (see the module's docstring); returns
+    it. ``tokenizer``: the model's tokenizer (anything with ``save_pretrained``), written beside it,
+    or None."""
     destination = Path(path)
-    if tokenizer is ASK:
-        raise CheckpointError(
-            "save_pretrained(path, tokenizer=...): pass the tokenizer the model was loaded with "
-            "(AutoTokenizer.from_pretrained(...)), or tokenizer=None to write the weights and config alone"
-        )
     if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
         given = type(tokenizer).__name__
         raise CheckpointError(f"tokenizer= takes a transformers tokenizer (it has save_pretrained), not {given}")
-    model = _model_of(run)
+    if not hasattr(model, "config") or not hasattr(model.config, "to_dict"):
+        raise CheckpointError(
+            f"the run's model is a {type(model).__name__}, not a transformers model: a Hugging Face checkpoint "
+            "needs its config (from_pretrained / from_config models)"
+        )
     if destination.exists() and not overwrite:
         raise CheckpointError(f"{destination} exists; pass overwrite=True to replace it")
-    compressed = _compressed_tensors()
+    pack = _packer()
     modules = _quantized_modules(model)
     _check_layout(model, modules)
     for fqn in unpacked_embeddings(model):
@@ -75,8 +72,8 @@ def save_pretrained(run: Any, path: str | os.PathLike, tokenizer: Any = ASK, ove
             QReportWarning,
             stacklevel=3,
         )
-    tensors = _tensors(model, modules, compressed.pack_to_int32)
-    config = _config(model, modules, compressed)
+    tensors = _tensors(model, modules, pack)
+    config = _config(model, modules)
     destination.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
     try:
@@ -96,34 +93,6 @@ def save_pretrained(run: Any, path: str | os.PathLike, tokenizer: Any = ASK, ove
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return destination
-
-
-def _model_of(run: Any) -> nn.Module:
-    """The run's model, or CheckpointError saying why a checkpoint cannot come from this run."""
-    from ..engines.eager.formats import X86, EagerConfig
-    from ..tune.run import ReleasedModel
-
-    if not run.ok:
-        raise CheckpointError(f"run {run.label!r} failed ({run.error}): it has no model to write")
-    if not isinstance(run.config, EagerConfig):
-        raise CheckpointError(
-            f"run {run.label!r} is not the eager engine's: a compressed-tensors checkpoint holds torchao's int4 / int8 "
-            "weight formats (analyze(..., engine='eager'))"
-        )
-    if run.config.target != X86:
-        raise CheckpointError(
-            f"run {run.label!r} was made for {run.config.target}: its artifact is a file of that target's "
-            "(run.quantized_model.write(path)); a checkpoint comes from a session on target='x86'"
-        )
-    model = run.quantized_model
-    if isinstance(model, ReleasedModel):
-        raise CheckpointError(f"run {run.label!r}'s model was released: {model.why}")
-    if not hasattr(model, "config") or not hasattr(model.config, "to_dict"):
-        raise CheckpointError(
-            f"the run's model is a {type(model).__name__}, not a transformers model: a Hugging Face checkpoint "
-            "needs its config (from_pretrained / from_config models)"
-        )
-    return model
 
 
 def _check_layout(model: nn.Module, modules: dict[str, tuple[int, int | None]]) -> None:
@@ -157,25 +126,21 @@ def _check_layout(model: nn.Module, modules: dict[str, tuple[int, int | None]]) 
             )
 
 
-def _compressed_tensors() -> Any:
+def _packer() -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """compressed-tensors' own packer of int values into int32 words (values, bits) -> packed."""
     try:
-        import compressed_tensors
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     except ImportError as error:
         raise MissingExtraError(
             "save_pretrained writes the compressed-tensors format and needs its package: "
             "pip install 'qreport-widgets[checkpoint]' (or pip install compressed-tensors)"
         ) from error
-    compressed_tensors.pack_to_int32 = pack_to_int32
-    return compressed_tensors
+    return pack_to_int32
 
 
 def _quantized_modules(model: nn.Module) -> dict[str, tuple[int, int | None]]:
     """Each quantized module -> (bits, group size, None for one scale a row); CheckpointError naming
     the first module the format cannot hold."""
-    from ..engines.eager.algorithms import INPUT_SCALE
-    from ..engines.rotation import ONLINE_HADAMARD, ONLINE_ROTATION
-
     found = {}
     for fqn, module in model.named_modules():
         online = [name for name in (ONLINE_HADAMARD, *ONLINE_ROTATION) if name in module._buffers]
@@ -245,7 +210,9 @@ def _dynamic_words(fqn: str, format: str, instead: str) -> str:
     )
 
 
-def _tensors(model: nn.Module, modules: dict[str, tuple[int, int | None]], pack: Any) -> dict[str, torch.Tensor]:
+def _tensors(
+    model: nn.Module, modules: dict[str, tuple[int, int | None]], pack: Callable[[torch.Tensor, int], torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors: the packed modules' three, every other entry of the state dict as
     it is (``_state``)."""
     state = {}
@@ -285,7 +252,7 @@ def _tied_float_head(model: nn.Module, modules: dict[str, tuple[int, int | None]
     return None if names[id(inputs)] in modules else names[id(outputs)]
 
 
-def _config(model: nn.Module, modules: dict[str, tuple[int, int | None]], compressed: Any) -> Any:
+def _config(model: nn.Module, modules: dict[str, tuple[int, int | None]]) -> Any:
     """The model's config with its ``quantization_config``; ``tie_word_embeddings`` off unless a
     float head reads its embedding's tensor."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
@@ -306,6 +273,8 @@ def _config(model: nn.Module, modules: dict[str, tuple[int, int | None]], compre
     config = copy.deepcopy(model.config)
     config.quantization_config = quantization.model_dump(exclude_none=True)
     config.quantization_config["quant_method"] = "compressed-tensors"
-    if head is None and getattr(config, "tie_word_embeddings", False):
+    if head is not None:
+        config.tie_word_embeddings = True  # its tensor is written once: transformers ties it again
+    elif getattr(config, "tie_word_embeddings", False):
         config.tie_word_embeddings = False  # written apart: the run quantized them apart, or packed both
     return config
