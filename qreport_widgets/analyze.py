@@ -55,6 +55,7 @@ def analyze(
     format: str | None = None,  # noqa: A002  (the word users know)
     group_size: int | None = None,
     algorithms: tuple[str, ...] | None = None,
+    formats: tuple[str, ...] | None = None,
     output_fn: Callable[[Any], torch.Tensor] | None = None,
     process_group: Any = None,
     metric: Metric | str | None = None,
@@ -110,6 +111,9 @@ def analyze(
             ``"learned"``) the size front and ``fit`` weigh per module; default all but ``"learned"``
             (minutes a decoder: name it to weigh it; GPTQ and AWQ cost a minute each over a 134M
             decoder's Linears: ``("rtn", "hqq")`` keeps a large model's fit short).
+        formats: eager only: the quantized formats the size front and ``fit`` weigh besides float;
+            default every format the target runs. ``("int4-weight-only", "int8-weight-only")`` for
+            a model ``run.save_pretrained`` will write (a compressed-tensors checkpoint holds those).
         learned_start: eager only: the values the ``"learned"`` rounding starts from on each block,
             ``"rtn"`` (default: round to nearest's) or ``"gptq"`` (GPTQ's); which is better differs
             by model (SmolLM2: round to nearest's; the byte decoder: GPTQ's).
@@ -170,6 +174,7 @@ def analyze(
         format=format,
         group_size=group_size,
         algorithms=algorithms,
+        formats=formats,
         target=target,
         learned_start=learned_start,
         **options,

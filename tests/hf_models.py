@@ -100,7 +100,7 @@ MODELS = {"bert": tiny_bert, "llama": tiny_llama, "vit": tiny_vit}
 
 
 def tiny_family(name: str, layers: int = 2) -> nn.Module:
-    """A decoder of family ``name`` (a key of ``FAMILIES``: the README's names) at its config's
+    """A decoder of family ``name`` (a key of ``FAMILIES``: the names of docs/ENGINES.md's families table) at its config's
     defaults (``use_cache=True``) but for its sizes: ``layers`` blocks of width 64, 4 heads (GPT-2: 2
     blocks)."""
     import transformers as t

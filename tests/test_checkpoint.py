@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from hf_models import FAMILIES, VOCAB, _tokens, tiny_family
 from torch import nn
 
 import qreport_widgets as qw
+from qreport_widgets.engines.eager.checkpoint import unpacked_embeddings
 from qreport_widgets.errors import CheckpointError
 
 pytest.importorskip("compressed_tensors")
@@ -64,8 +66,9 @@ def data_bytes(path) -> int:
     return os.path.getsize(path) - 8 - header
 
 
-def check_saved(run, folder) -> dict:
-    """Loads ``folder`` in transformers and compares it with ``run``: logits, values, scales, bytes."""
+def check_saved(run, folder, grown: int = 0) -> dict:
+    """Loads ``folder`` in transformers and compares it with ``run``: logits, values, scales, bytes
+    (the run's, and ``grown`` more: quantized embeddings written as their float weights)."""
     model = run.quantized_model
     loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
@@ -86,7 +89,7 @@ def check_saved(run, folder) -> dict:
             assert torch.equal(values, weight.qdata.to(torch.int8)), fqn
             assert torch.equal(file.get_tensor(f"{fqn}.weight_scale").flatten(), weight.scale.flatten()), fqn
             packed += 1
-    assert data_bytes(folder / "model.safetensors") == pytest.approx(run.deployed_bytes, rel=0.02)
+    assert data_bytes(folder / "model.safetensors") == pytest.approx(run.deployed_bytes + grown, rel=0.02)
     return {"config": config, "packed": packed, "loaded": loaded}
 
 
@@ -217,3 +220,22 @@ def test_the_checkpoints_page_snippet_runs_as_written(tmp_path, monkeypatch):
     with torch.no_grad():
         assert sqnr_db(run.quantized_model(ids).logits, loaded(ids).logits) >= 100
     assert data_bytes(tmp_path / "decoder-int4" / "model.safetensors") == pytest.approx(run.deployed_bytes, rel=0.02)
+
+
+def test_a_fit_weighing_the_formats_a_checkpoint_holds_saves_and_other_formats_are_refused_early(tmp_path):
+    session = session_of(tiny_family("Llama"), formats=("int4-weight-only", "int8-weight-only"))
+    module = next(m for m in session.modules if m.fqn.endswith("layers.0.mlp.down_proj"))
+    weighed = {choice.format for choice in session.engine.size_choices(module)}
+    assert weighed == {"float", "int4-weight-only", "int8-weight-only"}
+    run = session.fit(max_size_bytes=session.baseline().deployed_bytes * 1.5, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        folder = run.save_pretrained(tmp_path / "checkpoint", tokenizer=None)
+    grown = 0
+    for fqn in unpacked_embeddings(run.quantized_model):  # written as its float weight, and said so
+        embedding = session.float_model.get_submodule(fqn)
+        grown += embedding.weight.numel() * 4 - session.engine.module_bytes(embedding, run.settings[fqn])
+        assert any(fqn in str(w.message) and "dequantized" in str(w.message) for w in caught)
+    check_saved(run, folder, grown)
+    with pytest.raises(ValueError, match="formats must name some of"):
+        session_of(tiny_family("Llama"), formats=("int3",))

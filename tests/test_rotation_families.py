@@ -1,4 +1,4 @@
-"""The README's table of which rotations each decoder family takes, checked row by row on tiny models
+"""The families table of docs/ENGINES.md (which rotations each decoder family takes), checked row by row on tiny models
 transformers builds from each family's config: what ``rotation_problems`` says, and ``rotate`` with
 its own check of the rotated model's logits against the original's."""
 
@@ -14,14 +14,14 @@ from hf_models import FAMILIES, VOCAB, tiny_family
 import qreport_widgets as qw
 from qreport_widgets.engines.rotation import _decoder, _value_projections
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ENGINES = Path(__file__).resolve().parents[1] / "docs" / "ENGINES.md"
 
 
 def readme_rows() -> dict[str, tuple[bool, bool]]:
-    """family -> (R1 applies, R2 applies), from the README's table."""
-    text = README.read_text()
+    """family -> (R1 applies, R2 applies), from the families table."""
+    text = ENGINES.read_text()
     table = re.search(r"<!-- rotation families -->\n(.*?)<!-- end rotation families -->", text, re.S)
-    assert table, "README.md has no rotation families table"
+    assert table, "docs/ENGINES.md has no rotation families table"
     rows = {}
     for line in table.group(1).strip().splitlines()[2:]:
         families, residual, values, _ = (cell.strip() for cell in line.strip("|").split("|"))

@@ -1116,8 +1116,9 @@ LANGUAGE_MODEL_PHONE = [
         "Every Linear in one choice, each a real run (`session.apply`): 8da4w in groups of 32 with its int4 "
         "values rounded to nearest (the baseline above), chosen by torchao's `hqq` scale search or by `gptq` "
         "(rounding errors spread over the weights not yet rounded, from the calibration inputs); groups of 128; "
-        "and **8da8w** (int8 weights per channel). AWQ is not offered here: it divides each Linear's input by "
-        "scales the program would have to multiply back. Prefill is the program's time per token of an evaluation "
+        "and **8da8w** (int8 weights per channel). AWQ is left out of this comparison: in the program it runs only "
+        "where its scales fold into the op before (the norms, and the Linears before each reader; the Tune tab "
+        "refuses it elsewhere, naming why), so not on every Linear at once. Prefill is the program's time per token of an evaluation "
         "batch (4 x 128 tokens) on one thread; here 8da8w prefills far slower than 8da4w (XNNPACK's kernels for "
         "it are slower on this CPU), so time a format on the phone before choosing it for speed.",
     ),

@@ -61,6 +61,7 @@ def build_engine(
     algorithms: tuple[str, ...] | None = None,
     target: str | None = None,
     learned_start: str | None = None,
+    formats: tuple[str, ...] | None = None,
 ) -> Engine:
     """The engine registered as ``name``, built from its own options among these arguments.
 
@@ -78,6 +79,7 @@ def build_engine(
         "algorithms": algorithms,
         "target": target,
         "learned_start": learned_start,
+        "formats": formats,
     }
     given = {key: value for key, value in arguments.items() if value is not None}
     own = {option.name for option in fields(engine.options_type)}

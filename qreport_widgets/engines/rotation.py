@@ -484,7 +484,7 @@ def _rotated(model: nn.Module, rotation: Rotation) -> nn.Module:
 
 # below the model's own round-off in its dtype by more than this, a low-precision model's rotated
 # weights are refused: each weight is rounded again after the rotation, which cost 1 to 2.5 dB on the
-# tiny model of every family of the README's table in bfloat16 and float16 (9.4 dB for Qwen3-MoE in
+# tiny model of every family of docs/ENGINES.md's table in bfloat16 and float16 (9.4 dB for Qwen3-MoE in
 # float16, whose routing flips where a rounding moves a router's score)
 LOW_PRECISION_MARGIN_DB = 12.0
 _WIDE = (torch.float32, torch.float64)

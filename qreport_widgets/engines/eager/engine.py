@@ -185,10 +185,11 @@ class EagerEngine(Engine[EagerConfig]):
         algorithms: tuple[str, ...] | None = None,
         target: str = X86,
         learned_start: str | None = None,
+        formats: tuple[str, ...] | None = None,
     ) -> None:
         torchao_eager()  # a clear error naming the extra, before anything else
         # the same ValueError as build_engine for a format, group size or algorithm refused
-        options = EagerOptions(format, group_size, algorithms, target, learned_start)
+        options = EagerOptions(format, group_size, algorithms, target, learned_start, formats)
         if target == XNNPACK:
             executorch_api()  # ExecuTorch, or the error naming the extra
         if target == LLAMACPP:
@@ -199,6 +200,7 @@ class EagerEngine(Engine[EagerConfig]):
         self.start_format = format
         self.start_group_size = group_size or 0  # 0: DEFAULT_GROUP_SIZE, as in ModuleSettings
         self.searched_algorithms = options.algorithms or SEARCHED_ALGORITHMS  # what size_choices offers
+        self.searched_formats = options.formats  # ... and its formats (None: every one the target runs)
         self._configs: weakref.WeakKeyDictionary[nn.Module, EagerConfig] = weakref.WeakKeyDictionary()
         # the inputs GPTQ / AWQ read, gathered while a prepared model calibrates
         # GPTQ / AWQ weights a run's calibration passes found, until its convert
@@ -218,11 +220,23 @@ class EagerEngine(Engine[EagerConfig]):
 
     @classmethod
     def from_options(cls, options: EagerOptions) -> EagerEngine:
-        return cls(options.format or INT8_DYNAMIC, options.group_size, options.algorithms, options.target, options.learned_start)
+        return cls(
+            options.format or INT8_DYNAMIC,
+            options.group_size,
+            options.algorithms,
+            options.target,
+            options.learned_start,
+            options.formats,
+        )
 
     def renewed(self) -> EagerEngine:
         engine = EagerEngine(
-            self.start_format, self.start_group_size or None, self.searched_algorithms, self.target, self.learned.start
+            self.start_format,
+            self.start_group_size or None,
+            self.searched_algorithms,
+            self.target,
+            self.learned.start,
+            self.searched_formats,
         )
         engine.found_before = self.found_before  # keyed by float model and calibration data: the weights hold
         engine.checks_shortcuts = self.checks_shortcuts
@@ -514,12 +528,13 @@ class EagerEngine(Engine[EagerConfig]):
         for the int4 format the target ships, each weight algorithm it takes (on x86 int4
         weight-only: its 8da4w layout has the same int4 values, and weighing both doubles the cost).
         Not AWQ on XNNPACK: a module's choice there binds the other Linears that read its input
-        (``unfolded_awq``), and the front weighs each module's choices alone."""
+        (``unfolded_awq``), and the front weighs each module's choices alone. Only the formats of
+        ``formats=`` where given (``EagerOptions``)."""
         found = [module.current]
         weighed = ALGORITHM_FORMATS if self.target in FILE_TARGETS else (INT4_WEIGHT_ONLY,)
         searched = [a for a in self.searched_algorithms if not (a == AWQ and self.target in FILE_TARGETS)]
         for name in ("float", *QUANTIZED_FORMATS):
-            if not module.format_allowed(name):
+            if not module.format_allowed(name) or (self.searched_formats and name not in ("float", *self.searched_formats)):
                 continue
             groups = module.group_sizes if name in GROUPED_FORMATS else (0,)
             algorithms = [""]

@@ -29,6 +29,10 @@ class EagerOptions:
             (round to nearest's, on the full-range grid where the kernels take it) or ``"gptq"``
             (GPTQ's on the block's inputs); None: ``learned.LEARNED_START`` (``"rtn"``). Checked by
             ``LearnedRounding``, which the engine makes of it.
+        formats: the quantized formats the size front and ``fit`` weigh besides float (``FORMATS``):
+            ``("int4-weight-only", "int8-weight-only")`` for a run ``save_pretrained`` will write (the
+            weight-only formats a compressed-tensors checkpoint holds). None: every format the
+            target runs. The start's format is kept whatever this says.
     """
 
     format: str | None = None
@@ -36,6 +40,7 @@ class EagerOptions:
     algorithms: tuple[str, ...] | None = None
     target: str | None = None
     learned_start: str | None = None
+    formats: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.target is None:
@@ -68,3 +73,10 @@ class EagerOptions:
             if unknown or not self.algorithms:
                 raise ValueError(f"algorithms must name some of {', '.join(ALGORITHMS)}, got {self.algorithms!r}")
             object.__setattr__(self, "algorithms", tuple(self.algorithms))
+        if self.formats is not None:
+            if isinstance(self.formats, str):
+                object.__setattr__(self, "formats", (self.formats,))
+            unknown = [f for f in self.formats if f not in QUANTIZED_FORMATS]
+            if unknown or not self.formats:
+                raise ValueError(f"formats must name some of {', '.join(QUANTIZED_FORMATS)}, got {self.formats!r}")
+            object.__setattr__(self, "formats", tuple(self.formats))
