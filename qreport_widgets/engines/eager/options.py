@@ -66,17 +66,11 @@ class EagerOptions:
             if problem:
                 start = repr(self.format) if self.format else f"{INT8_DYNAMIC!r} (the default)"
                 raise ValueError(f"group_size={self.group_size!r} with format={start}: {problem}")
-        if self.algorithms is not None:
-            if isinstance(self.algorithms, str):
-                object.__setattr__(self, "algorithms", (self.algorithms,))
-            unknown = [a for a in self.algorithms if a not in ALGORITHMS]
-            if unknown or not self.algorithms:
-                raise ValueError(f"algorithms must name some of {', '.join(ALGORITHMS)}, got {self.algorithms!r}")
-            object.__setattr__(self, "algorithms", tuple(self.algorithms))
-        if self.formats is not None:
-            if isinstance(self.formats, str):
-                object.__setattr__(self, "formats", (self.formats,))
-            unknown = [f for f in self.formats if f not in QUANTIZED_FORMATS]
-            if unknown or not self.formats:
-                raise ValueError(f"formats must name some of {', '.join(QUANTIZED_FORMATS)}, got {self.formats!r}")
-            object.__setattr__(self, "formats", tuple(self.formats))
+        for field_name, allowed in (("algorithms", ALGORITHMS), ("formats", QUANTIZED_FORMATS)):
+            given = getattr(self, field_name)
+            if given is None:
+                continue
+            named = (given,) if isinstance(given, str) else tuple(given)  # one name alone, or several
+            if not named or any(name not in allowed for name in named):
+                raise ValueError(f"{field_name} must name some of {', '.join(allowed)}, got {given!r}")
+            object.__setattr__(self, field_name, named)
