@@ -85,7 +85,7 @@ class TaskAccuracy:
     def scores(self, model: Any) -> dict[str, float]:
         """Each task's ``measure`` of ``model``, as the harness computes it."""
         evaluator, manager = self._harness()
-        answering = _Answering(model, self.encode, self.max_length, self.batch_size)
+        answering = _answering_class()(model, self.encode, self.max_length, self.batch_size)
         quiet = logging.getLogger("lm-eval"), logging.getLogger("lm_eval")
         levels = [log.level for log in quiet]
         try:
@@ -249,7 +249,3 @@ def write_task(folder: str | os.PathLike, name: str, items: Sequence[dict[str, A
         "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n"
     )
     return place
-
-
-def _Answering(model: Any, encode: Callable[[str], list[int]], max_length: int, batch_size: int) -> Any:  # noqa: N802
-    return _answering_class()(model, encode, max_length, batch_size)

@@ -63,7 +63,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any, o
         raise CheckpointError(f"{destination} exists; pass overwrite=True to replace it")
     pack = _packer()
     modules = _quantized_modules(model)
-    _check_layout(model, modules)
+    state = model.state_dict()
+    _check_layout(model, state, modules)
     for fqn in unpacked_embeddings(model):
         weight = model.get_submodule(fqn).weight
         warnings.warn(
@@ -72,8 +73,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any, o
             QReportWarning,
             stacklevel=3,
         )
-    tensors = _tensors(model, modules, pack)
-    config = _config(model, modules)
+    head = _tied_float_head(model, modules)
+    tensors = _tensors(model, state, modules, head, pack)
+    config = _config(model, modules, head)
     destination.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
     try:
@@ -95,7 +97,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any, o
     return destination
 
 
-def _check_layout(model: nn.Module, modules: dict[str, tuple[int, int | None]]) -> None:
+def _check_layout(model: nn.Module, state: dict[str, torch.Tensor], modules: dict[str, tuple[int, int | None]]) -> None:
     """CheckpointError where the run's model is not laid out as its transformers class: tensors the
     class has no name or another shape for (a mixture of experts the session holds one Linear an
     expert), or a packed module the class holds as another type (GPT-2's Conv1D, which the session
@@ -104,14 +106,14 @@ def _check_layout(model: nn.Module, modules: dict[str, tuple[int, int | None]]) 
         fresh = type(model)(copy.deepcopy(model.config))
     known = fresh.state_dict()
     cls = type(model).__name__
-    unknown = [name for name in model.state_dict() if name not in known]
+    unknown = [name for name in state if name not in known]
     if unknown:
         raise CheckpointError(
             f"{unknown[0]} ({len(unknown)} tensors like it) is the session's own layout: {cls} has no parameter of "
             "that name, so transformers would load the checkpoint without it. The session holds a mixture of experts "
             "one Linear an expert, and save_pretrained does not write experts back into their 3-d parameters"
         )
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(known[name].shape):
             raise CheckpointError(
                 f"{name} is {tuple(tensor.shape)} in the run's model and {tuple(known[name].shape)} in {cls}: the session "
@@ -155,32 +157,35 @@ def _quantized_modules(model: nn.Module) -> dict[str, tuple[int, int | None]]:
                 "compressed-tensors checkpoint holds no input scale; choose another algorithm for it (gptq, learned)"
             )
         weight = getattr(module, "weight", None)
-        data = weight.data if isinstance(weight, nn.Parameter) else weight
-        if not isinstance(data, torch.Tensor) or type(data) in (torch.Tensor, nn.Parameter):
+        if not _quantized(weight) or isinstance(module, nn.Embedding):  # an Embedding: unpacked_embeddings
             continue
-        scheme = _scheme_of(fqn, module, data)
-        if isinstance(module, nn.Linear):
-            found[fqn] = scheme
+        if not isinstance(module, nn.Linear):
+            raise CheckpointError(
+                f"{fqn} ({type(module).__name__}) holds a quantized weight; compressed-tensors packs Linear weights"
+            )
+        found[fqn] = _scheme_of(fqn, weight)
     return found
+
+
+def _quantized(weight: Any) -> bool:
+    """Whether ``weight`` is one of torchao's quantized tensors (``formats.is_quantized_weight``'s
+    test; that module reaches this one through ``EagerConfig.save_pretrained``, so not imported)."""
+    from torchao.utils import TorchAOBaseTensor
+
+    return isinstance(weight, TorchAOBaseTensor)
 
 
 def unpacked_embeddings(model: nn.Module) -> list[str]:
     """The quantized Embeddings a checkpoint holds as their dequantized weights: transformers (5.23)
     fails to load a packed Embedding (its weight initialisation reads ``weight``), and vLLM packs
     Linears only. Their values are the run's, in more bytes."""
-    return [
-        fqn
-        for fqn, module in model.named_modules()
-        if isinstance(module, nn.Embedding) and type(getattr(module.weight, "data", module.weight)) is not torch.Tensor
-    ]
+    return [fqn for fqn, module in model.named_modules() if isinstance(module, nn.Embedding) and _quantized(module.weight)]
 
 
-def _scheme_of(fqn: str, module: nn.Module, weight: torch.Tensor) -> tuple[int, int | None]:
+def _scheme_of(fqn: str, weight: torch.Tensor) -> tuple[int, int | None]:
+    """A quantized Linear weight's (bits, group size, None for one scale a row); CheckpointError
+    for what the format cannot hold."""
     kind = type(weight).__name__
-    if not isinstance(module, (nn.Linear, nn.Embedding)):
-        raise CheckpointError(
-            f"{fqn} ({type(module).__name__}) holds a quantized weight; compressed-tensors packs Linear and Embedding weights"
-        )
     if kind == "IntxUnpackedToInt8Tensor":
         if weight.activation_quantization is not None:
             raise CheckpointError(_dynamic_words(fqn, "int8-dynamic-int4-weight", "int4-weight-only"))
@@ -189,8 +194,6 @@ def _scheme_of(fqn: str, module: nn.Module, weight: torch.Tensor) -> tuple[int, 
         if weight.act_quant_kwargs is not None:
             raise CheckpointError(_dynamic_words(fqn, "int8-dynamic", "int8-weight-only"))
         bits = 8
-        if weight.zero_point is not None and bool(weight.zero_point.any()):
-            raise CheckpointError(f"{fqn}: its int8 weight has zero points; the checkpoint holds symmetric int8 only")
     else:
         raise CheckpointError(f"{fqn}: a {kind} weight has no compressed-tensors form here (int4 / int8 weight-only do)")
     if bits is None:
@@ -211,34 +214,29 @@ def _dynamic_words(fqn: str, format: str, instead: str) -> str:
 
 
 def _tensors(
-    model: nn.Module, modules: dict[str, tuple[int, int | None]], pack: Callable[[torch.Tensor, int], torch.Tensor]
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    modules: dict[str, tuple[int, int | None]],
+    head: str | None,
+    pack: Callable[[torch.Tensor, int], torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors: the packed modules' three, every other entry of the state dict as
-    it is (``_state``)."""
-    state = {}
-    quantized = {f"{fqn}.weight" for fqn in modules}
-    for name, tensor in _state(model, modules).items():
-        if name not in quantized:
-            plain = tensor.dequantize() if type(tensor) is not torch.Tensor else tensor  # a quantized Embedding
-            state[name] = plain.detach().cpu().contiguous().clone()
+    it is (a quantized Embedding dequantized), but a float ``head``'s weight, which reads its
+    embedding's tensor (transformers ties it again on load)."""
+    written = {}
+    left_out = {f"{fqn}.weight" for fqn in modules} | ({f"{head}.weight"} if head else set())
+    for name, tensor in state.items():
+        if name not in left_out:
+            plain = tensor.dequantize() if _quantized(tensor) else tensor
+            written[name] = plain.detach().cpu().contiguous().clone()
     for fqn, (bits, _) in modules.items():
         weight = model.get_submodule(fqn).weight
         weight = weight.data if isinstance(weight, nn.Parameter) else weight
         values = weight.qdata.to(torch.int8)
-        state[f"{fqn}.weight_packed"] = pack(values.cpu(), bits)
-        state[f"{fqn}.weight_scale"] = weight.scale.detach().cpu().reshape(values.shape[0], -1).to(weight.dtype).contiguous()
-        state[f"{fqn}.weight_shape"] = torch.tensor(values.shape)
-    return state
-
-
-def _state(model: nn.Module, modules: dict[str, tuple[int, int | None]]) -> dict[str, torch.Tensor]:
-    """The state dict without a float head's second name where it reads its embedding's tensor
-    (transformers ties it again on load)."""
-    state = model.state_dict()
-    head = _tied_float_head(model, modules)
-    if head is not None:
-        state.pop(f"{head}.weight", None)
-    return state
+        written[f"{fqn}.weight_packed"] = pack(values.cpu(), bits)
+        written[f"{fqn}.weight_scale"] = weight.scale.detach().cpu().reshape(values.shape[0], -1).to(weight.dtype).contiguous()
+        written[f"{fqn}.weight_shape"] = torch.tensor(values.shape)
+    return written
 
 
 def _tied_float_head(model: nn.Module, modules: dict[str, tuple[int, int | None]]) -> str | None:
@@ -252,15 +250,14 @@ def _tied_float_head(model: nn.Module, modules: dict[str, tuple[int, int | None]
     return None if names[id(inputs)] in modules else names[id(outputs)]
 
 
-def _config(model: nn.Module, modules: dict[str, tuple[int, int | None]]) -> Any:
+def _config(model: nn.Module, modules: dict[str, tuple[int, int | None]], head: str | None) -> Any:
     """The model's config with its ``quantization_config``; ``tie_word_embeddings`` off unless a
-    float head reads its embedding's tensor."""
+    float ``head`` reads its embedding's tensor."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     groups: dict[tuple[int, int | None], list[str]] = defaultdict(list)
     for fqn, scheme in modules.items():
         groups[scheme].append(fqn)
-    head = _tied_float_head(model, modules)
     schemes = {}
     for index, ((bits, group), targets) in enumerate(sorted(groups.items(), key=lambda item: (item[0][0], item[0][1] or 0))):
         strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
