@@ -16,7 +16,6 @@ from hf_models import FAMILIES, VOCAB, _tokens, tiny_family
 from torch import nn
 
 import qreport_widgets as qw
-from qreport_widgets.engines.eager.checkpoint import unpacked_embeddings
 from qreport_widgets.errors import CheckpointError
 
 pytest.importorskip("compressed_tensors")
@@ -35,9 +34,9 @@ def session_of(model: nn.Module, **options) -> qw.QuantizationSession:
     return qw.analyze(model, BATCHES[0], BATCHES[:3], eval_data=BATCHES[3:], engine="eager", progress=False, **given).session
 
 
-def mixed_settings(session) -> dict[str, qw.ModuleSettings]:
+def mixed_settings(session, embedding: str | None = "int8-weight-only") -> dict[str, qw.ModuleSettings]:
     """Block Linears int4 in groups of 32 (GPTQ) and 64 (round to nearest) by turns, every fourth int8
-    weight-only, the head float; the embedding as the session starts it."""
+    weight-only, the input embedding in format ``embedding`` (None: float), the rest float."""
     settings = {}
     linears = [m for m in session.modules if m.format_allowed("int4-weight-only") and ".layers." in m.fqn]
     for index, module in enumerate(linears):
@@ -49,8 +48,9 @@ def mixed_settings(session) -> dict[str, qw.ModuleSettings]:
             algorithm = "gptq" if module.algorithm_allowed("gptq") else ""
             settings[module.fqn] = qw.ModuleSettings(format="int4-weight-only", group_size=32, algorithm=algorithm)
     for module in session.modules:
-        if module.fqn not in settings and not module.fqn.endswith("embed_tokens") and "embed" not in module.fqn:
-            settings[module.fqn] = qw.ModuleSettings(keep_float=True)
+        if module.fqn not in settings:
+            quantized = embedding and session.float_model.get_submodule(module.fqn) is session.float_model.get_input_embeddings()
+            settings[module.fqn] = qw.ModuleSettings(format=embedding) if quantized else qw.ModuleSettings(keep_float=True)
     return settings
 
 
@@ -68,40 +68,60 @@ def data_bytes(path) -> int:
 
 def check_saved(run, folder, grown: int = 0) -> dict:
     """Loads ``folder`` in transformers and compares it with ``run``: logits, values, scales, bytes
-    (the run's, and ``grown`` more: quantized embeddings written as their float weights)."""
+    (the run's, and ``grown`` more: int4 embeddings written one value to a byte)."""
     model = run.quantized_model
     loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         for (ids,) in BATCHES[3:]:
             assert sqnr_db(model(ids).logits, loaded(ids).logits) >= 100
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
-    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
-    packed = 0
+    forms = {group["format"] for group in config["config_groups"].values()}
+    assert config["quant_method"] == "compressed-tensors"
+    assert config["format"] == (forms.pop() if len(forms) == 1 else "mixed-precision")
+    packed = one_a_byte = 0
     with safe_open(folder / "model.safetensors", "pt") as file:
         for name in file.keys():
-            if not name.endswith(".weight_packed"):
+            fqn = name.removesuffix(".weight_scale")
+            if not name.endswith(".weight_scale"):
                 continue
-            fqn = name.removesuffix(".weight_packed")
             weight = model.get_submodule(fqn).weight
-            bits = 8 if type(weight).__name__ == "Int8Tensor" else 4
-            shape = torch.Size(file.get_tensor(f"{fqn}.weight_shape").tolist())
-            values = unpack_from_int32(file.get_tensor(name), bits, shape)
+            if f"{fqn}.weight_packed" in file.keys():  # a Linear's values packed into int32 words
+                bits = 8 if type(weight).__name__ == "Int8Tensor" else 4
+                shape = torch.Size(file.get_tensor(f"{fqn}.weight_shape").tolist())
+                values = unpack_from_int32(file.get_tensor(f"{fqn}.weight_packed"), bits, shape)
+                packed += 1
+            else:  # an Embedding's, one to a byte
+                values = file.get_tensor(f"{fqn}.weight")
+                assert values.dtype == torch.int8 and isinstance(model.get_submodule(fqn), nn.Embedding), fqn
+                one_a_byte += 1
             assert torch.equal(values, weight.qdata.to(torch.int8)), fqn
-            assert torch.equal(file.get_tensor(f"{fqn}.weight_scale").flatten(), weight.scale.flatten()), fqn
-            packed += 1
+            assert torch.equal(file.get_tensor(name).flatten(), weight.scale.flatten()), fqn
     assert data_bytes(folder / "model.safetensors") == pytest.approx(run.deployed_bytes + grown, rel=0.02)
-    return {"config": config, "packed": packed, "loaded": loaded}
+    return {"config": config, "packed": packed, "one_a_byte": one_a_byte, "loaded": loaded}
 
 
-@pytest.mark.parametrize("family", ["Llama", "Qwen3", "Gemma 2"])
-def test_a_mixed_run_loads_in_transformers_with_its_logits_values_and_bytes(family, tmp_path):
+@pytest.mark.parametrize(
+    "family, embedding",
+    [("Llama", "int8-weight-only"), ("Qwen3", "int4-weight-only"), ("Gemma 2", None), ("Gemma 2", "int8-weight-only")],
+)
+def test_a_mixed_run_loads_in_transformers_with_its_logits_values_and_bytes(family, embedding, tmp_path):
+    """Linears packed by (bits, group); an int8 / int4 embedding one value to a byte (an int4 one in
+    twice the run's bytes, and said so); a float head reading a float embedding (Gemma 2's) written
+    once and tied again on load, one reading a quantized embedding written apart."""
     session = session_of(tiny_family(family))
-    settings = mixed_settings(session)
+    settings = mixed_settings(session, embedding)
     run = session.apply(settings, progress=False)
     assert run.ok, run.error
-    folder = run.save_pretrained(tmp_path / "checkpoint", tokenizer=None)
-    saved = check_saved(run, folder)
-    assert saved["packed"] == 14  # 7 Linears a block, 2 blocks
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        folder = run.save_pretrained(tmp_path / "checkpoint", tokenizer=None)
+    vocab, width = session.float_model.get_input_embeddings().weight.shape
+    grown = vocab * width // 2 if embedding == "int4-weight-only" else 0
+    said = [str(w.message) for w in caught if "model.embed_tokens" in str(w.message)]
+    assert len(said) == bool(embedding) and all("one to a byte" in words and "vLLM" in words for words in said)
+    assert any("twice the run's" in words for words in said) is bool(grown)
+    saved = check_saved(run, folder, grown)
+    assert saved["packed"] == 14 and saved["one_a_byte"] == bool(embedding)  # 7 Linears a block, 2 blocks
     assert "lm_head" in saved["config"]["ignore"]
     groups = {
         fqn: (g["weights"]["num_bits"], g["weights"].get("group_size"))
@@ -111,11 +131,11 @@ def test_a_mixed_run_loads_in_transformers_with_its_logits_values_and_bytes(fami
     expected = {}
     for fqn, choice in settings.items():
         if not choice.keep_float:
-            inputs = session.float_model.get_submodule(fqn).in_features
+            inputs = session.float_model.get_submodule(fqn).weight.shape[1]
             group = choice.group_size if choice.format == "int4-weight-only" and choice.group_size < inputs else None
             expected[fqn] = (4 if choice.format == "int4-weight-only" else 8, group)  # one group a row: a channel
     assert groups == expected
-    tied = tiny_family(family).config.tie_word_embeddings  # Gemma 2's head reads its embedding
+    tied = tiny_family(family).config.tie_word_embeddings and embedding is None  # Gemma 2's head reads its embedding
     with safe_open(folder / "model.safetensors", "pt") as file:
         assert ("lm_head.weight" in file.keys()) is not tied
     assert saved["loaded"].config.tie_word_embeddings == tied
@@ -128,6 +148,26 @@ def test_every_family_with_linear_projections_saves_and_loads_to_the_runs_logits
     run = session.apply(mixed_settings(session), progress=False)
     assert run.ok, run.error
     check_saved(run, run.save_pretrained(tmp_path / "checkpoint", tokenizer=None))
+
+
+def test_an_embedding_whose_forward_takes_more_than_the_ids_is_written_dequantized_and_said_so(tmp_path):
+    """OPT's learned positions take a mask and an offset: compressed-tensors' quantized forward would
+    call them with one input, so their int8 values are written as their float weight."""
+    session = session_of(tiny_family("OPT"))
+    settings = mixed_settings(session)
+    positions = "model.decoder.embed_positions"
+    settings[positions] = qw.ModuleSettings(format="int8-weight-only")
+    run = session.apply(settings, progress=False)
+    assert run.ok, run.error
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        folder = run.save_pretrained(tmp_path / "checkpoint", tokenizer=None)
+    assert any(positions in str(w.message) and "dequantized" in str(w.message) for w in caught)
+    module = session.float_model.get_submodule(positions)
+    grown = module.weight.numel() * 4 - session.engine.module_bytes(module, settings[positions])
+    saved = check_saved(run, folder, grown)
+    assert saved["one_a_byte"] == 1  # the token embedding; the positions are a float tensor
+    assert positions not in {fqn for g in saved["config"]["config_groups"].values() for fqn in g["targets"]}
 
 
 def test_three_saves_in_a_row_each_hold_their_own_runs_values(tmp_path):
@@ -232,10 +272,11 @@ def test_a_fit_weighing_the_formats_a_checkpoint_holds_saves_and_other_formats_a
         warnings.simplefilter("always")
         folder = run.save_pretrained(tmp_path / "checkpoint", tokenizer=None)
     grown = 0
-    for fqn in unpacked_embeddings(run.quantized_model):  # written as its float weight, and said so
-        embedding = session.float_model.get_submodule(fqn)
-        grown += embedding.weight.numel() * 4 - session.engine.module_bytes(embedding, run.settings[fqn])
-        assert any(fqn in str(w.message) and "dequantized" in str(w.message) for w in caught)
-    check_saved(run, folder, grown)
+    for fqn, module in run.quantized_model.named_modules():
+        if isinstance(module, nn.Embedding) and run.settings[fqn].format == "int4-weight-only":
+            grown += module.weight.numel() // 2  # written one value to a byte, and said so
+            assert any(fqn in str(w.message) and "twice the run's" in str(w.message) for w in caught)
+    saved = check_saved(run, folder, grown)
+    assert saved["one_a_byte"] == sum(not run.settings[fqn].keep_float for fqn in ("model.embed_tokens",))
     with pytest.raises(ValueError, match="formats must name some of"):
         session_of(tiny_family("Llama"), formats=("int3",))

@@ -10,9 +10,13 @@ in this process) as a folder in the ``compressed-tensors`` form llm-compressor w
   (``weight_scale``) and its shape (``weight_shape``), the values exactly those the run computes
   with: round to nearest, HQQ, GPTQ, AWQ (its scales folded into the op before) or the learned
   rounding alike;
-- one config group per (bits, group size), its targets the modules by name; float Linears in
-  ``ignore``; everything else (norms, biases, float modules, weights a rotation or AWQ changed)
-  as the run's model holds it;
+- a quantized Embedding's values one to a byte (int8, the ``int-quantized`` form) with its
+  scales: transformers initialises an Embedding's ``weight`` as it loads, so an Embedding cannot
+  be packed (its int8 values take the run's bytes, its int4 values twice them);
+- one config group per (bits, group size, form), its targets the modules by name (the folder's
+  ``format`` is ``mixed-precision`` where it holds both forms); float Linears in ``ignore``;
+  everything else (norms, biases, float modules, weights a rotation or AWQ changed) as the run's
+  model holds it;
 - ``config.json`` with its ``quantization_config``, the generation config, the tokenizer given.
 
 What the format cannot hold is refused before anything is written, naming the module and what to
@@ -27,6 +31,7 @@ existing ``path`` is kept unless ``overwrite``.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import shutil
 import tempfile
@@ -44,6 +49,11 @@ from ..folds import INPUT_SCALE
 from ..rotation import ONLINE_HADAMARD, ONLINE_ROTATION
 
 WEIGHTS = "model.safetensors"
+# Linears' form, Embeddings', and that of an Embedding whose forward takes more than the ids (OPT's
+# positions: a mask, an offset), which compressed-tensors' quantized forward would call with one input
+PACKED, ONE_A_BYTE, DEQUANTIZED = "pack-quantized", "int-quantized", "dense"
+
+Scheme = tuple[int, int | None, str]  # bits, group size (None: one scale a row), form
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any, overwrite: bool) -> Path:
@@ -65,14 +75,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any, o
     modules = _quantized_modules(model)
     state = model.state_dict()
     _check_layout(model, state, modules)
-    for fqn in unpacked_embeddings(model):
-        weight = model.get_submodule(fqn).weight
-        warnings.warn(
-            f"{fqn} is written as its dequantized weight ({weight.numel() * weight.element_size():,} bytes, the run's values): "
-            "transformers and vLLM load packed Linears only",
-            QReportWarning,
-            stacklevel=3,
-        )
+    _warn_of_embeddings(model, modules)
     head = _tied_float_head(model, modules)
     tensors = _tensors(model, state, modules, head, pack)
     config = _config(model, modules, head)
@@ -97,7 +100,27 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any, o
     return destination
 
 
-def _check_layout(model: nn.Module, state: dict[str, torch.Tensor], modules: dict[str, tuple[int, int | None]]) -> None:
+def _warn_of_embeddings(model: nn.Module, modules: dict[str, Scheme]) -> None:
+    """A QReportWarning for each quantized Embedding: vLLM's compressed-tensors schemes quantize
+    Linears (and experts) alone, and some are held in more bytes than the run holds them."""
+    for fqn, (bits, _, form) in modules.items():
+        weight = model.get_submodule(fqn).weight
+        if form == ONE_A_BYTE:
+            words = f"{fqn} is quantized: its int{bits} values are written one to a byte"
+            if bits < 8:
+                words += f" ({weight.numel():,} bytes, twice the run's)"
+            why = "transformers loads them; vLLM quantizes Linears alone, so keep the embedding float to serve it there"
+        elif form == DEQUANTIZED:
+            held = weight.numel() * weight.dtype.itemsize
+            words = f"{fqn} is written as its dequantized weight ({held:,} bytes, the run's values)"
+            kind = type(model.get_submodule(fqn)).__name__
+            why = f"{kind}'s forward takes more than the ids, and a quantized Embedding's takes the ids alone"
+        else:
+            continue
+        warnings.warn(f"{words}: {why}", QReportWarning, stacklevel=4)
+
+
+def _check_layout(model: nn.Module, state: dict[str, torch.Tensor], modules: dict[str, Scheme]) -> None:
     """CheckpointError where the run's model is not laid out as its transformers class: tensors the
     class has no name or another shape for (a mixture of experts the session holds one Linear an
     expert), or a packed module the class holds as another type (GPT-2's Conv1D, which the session
@@ -121,10 +144,11 @@ def _check_layout(model: nn.Module, state: dict[str, torch.Tensor], modules: dic
             )
     declared = dict(fresh.named_modules())
     for fqn in modules:
-        if not isinstance(declared.get(fqn), nn.Linear):
+        held = type(model.get_submodule(fqn))
+        if not isinstance(declared.get(fqn), held):
             raise CheckpointError(
-                f"{fqn} ({type(declared.get(fqn)).__name__}) holds a quantized weight in the session's Linear: {cls} "
-                "holds it as that type, which compressed-tensors does not pack; keep it float to save the run"
+                f"{fqn} ({type(declared.get(fqn)).__name__}) holds a quantized weight in the session's {held.__name__}: "
+                f"{cls} holds it as that type, which compressed-tensors does not quantize; keep it float to save the run"
             )
 
 
@@ -140,9 +164,9 @@ def _packer() -> Callable[[torch.Tensor, int], torch.Tensor]:
     return pack_to_int32
 
 
-def _quantized_modules(model: nn.Module) -> dict[str, tuple[int, int | None]]:
-    """Each quantized module -> (bits, group size, None for one scale a row); CheckpointError naming
-    the first module the format cannot hold."""
+def _quantized_modules(model: nn.Module) -> dict[str, Scheme]:
+    """Each quantized module -> its ``Scheme``; CheckpointError naming the first module the format
+    cannot hold."""
     found = {}
     for fqn, module in model.named_modules():
         online = [name for name in (ONLINE_HADAMARD, *ONLINE_ROTATION) if name in module._buffers]
@@ -157,14 +181,22 @@ def _quantized_modules(model: nn.Module) -> dict[str, tuple[int, int | None]]:
                 "compressed-tensors checkpoint holds no input scale; choose another algorithm for it (gptq, learned)"
             )
         weight = getattr(module, "weight", None)
-        if not _quantized(weight) or isinstance(module, nn.Embedding):  # an Embedding: unpacked_embeddings
+        if not _quantized(weight):
             continue
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
             raise CheckpointError(
-                f"{fqn} ({type(module).__name__}) holds a quantized weight; compressed-tensors packs Linear weights"
+                f"{fqn} ({type(module).__name__}) holds a quantized weight; compressed-tensors quantizes Linear and "
+                "Embedding weights"
             )
-        found[fqn] = _scheme_of(fqn, weight)
+        found[fqn] = (*_scheme_of(fqn, weight), _form(module))
     return found
+
+
+def _form(module: nn.Linear | nn.Embedding) -> str:
+    if isinstance(module, nn.Linear):
+        return PACKED
+    inputs = [p for p in inspect.signature(type(module).forward).parameters.values() if p.name != "self"]
+    return ONE_A_BYTE if len(inputs) == 1 and inputs[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else DEQUANTIZED
 
 
 def _quantized(weight: Any) -> bool:
@@ -175,16 +207,9 @@ def _quantized(weight: Any) -> bool:
     return isinstance(weight, TorchAOBaseTensor)
 
 
-def unpacked_embeddings(model: nn.Module) -> list[str]:
-    """The quantized Embeddings a checkpoint holds as their dequantized weights: transformers (5.23)
-    fails to load a packed Embedding (its weight initialisation reads ``weight``), and vLLM packs
-    Linears only. Their values are the run's, in more bytes."""
-    return [fqn for fqn, module in model.named_modules() if isinstance(module, nn.Embedding) and _quantized(module.weight)]
-
-
 def _scheme_of(fqn: str, weight: torch.Tensor) -> tuple[int, int | None]:
-    """A quantized Linear weight's (bits, group size, None for one scale a row); CheckpointError
-    for what the format cannot hold."""
+    """A quantized weight's (bits, group size, None for one scale a row); CheckpointError for what
+    the format cannot hold."""
     kind = type(weight).__name__
     if kind == "IntxUnpackedToInt8Tensor":
         if weight.activation_quantization is not None:
@@ -216,30 +241,36 @@ def _dynamic_words(fqn: str, format: str, instead: str) -> str:
 def _tensors(
     model: nn.Module,
     state: dict[str, torch.Tensor],
-    modules: dict[str, tuple[int, int | None]],
+    modules: dict[str, Scheme],
     head: str | None,
     pack: Callable[[torch.Tensor, int], torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors: the packed modules' three, every other entry of the state dict as
-    it is (a quantized Embedding dequantized), but a float ``head``'s weight, which reads its
-    embedding's tensor (transformers ties it again on load)."""
+    """The checkpoint's tensors: each packed module's three, each Embedding's values (int8) and
+    scales, every other entry of the state dict as it is, but a float ``head``'s weight, which
+    reads its embedding's tensor (transformers ties it again on load)."""
     written = {}
     left_out = {f"{fqn}.weight" for fqn in modules} | ({f"{head}.weight"} if head else set())
     for name, tensor in state.items():
         if name not in left_out:
-            plain = tensor.dequantize() if _quantized(tensor) else tensor
-            written[name] = plain.detach().cpu().contiguous().clone()
-    for fqn, (bits, _) in modules.items():
+            written[name] = tensor.detach().cpu().contiguous().clone()
+    for fqn, (bits, _, form) in modules.items():
         weight = model.get_submodule(fqn).weight
         weight = weight.data if isinstance(weight, nn.Parameter) else weight
+        if form == DEQUANTIZED:
+            written[f"{fqn}.weight"] = weight.dequantize().detach().cpu().contiguous()
+            continue
         values = weight.qdata.to(torch.int8)
-        written[f"{fqn}.weight_packed"] = pack(values.cpu(), bits)
+        if form == PACKED:
+            written[f"{fqn}.weight_packed"] = pack(values.cpu(), bits)
+        else:
+            written[f"{fqn}.weight"] = values.cpu().contiguous()
         written[f"{fqn}.weight_scale"] = weight.scale.detach().cpu().reshape(values.shape[0], -1).to(weight.dtype).contiguous()
-        written[f"{fqn}.weight_shape"] = torch.tensor(values.shape)
+        if form == PACKED:
+            written[f"{fqn}.weight_shape"] = torch.tensor(values.shape)
     return written
 
 
-def _tied_float_head(model: nn.Module, modules: dict[str, tuple[int, int | None]]) -> str | None:
+def _tied_float_head(model: nn.Module, modules: dict[str, Scheme]) -> str | None:
     """The head's name where it reads its float embedding's tensor, else None. A quantized embedding
     a head reads is written twice, once for each (tie_word_embeddings off): the format packs modules,
     and ties parameters."""
@@ -250,22 +281,28 @@ def _tied_float_head(model: nn.Module, modules: dict[str, tuple[int, int | None]
     return None if names[id(inputs)] in modules else names[id(outputs)]
 
 
-def _config(model: nn.Module, modules: dict[str, tuple[int, int | None]], head: str | None) -> Any:
+def _config(model: nn.Module, modules: dict[str, Scheme], head: str | None) -> Any:
     """The model's config with its ``quantization_config``; ``tie_word_embeddings`` off unless a
     float ``head`` reads its embedding's tensor."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-    groups: dict[tuple[int, int | None], list[str]] = defaultdict(list)
+    groups: dict[Scheme, list[str]] = defaultdict(list)
     for fqn, scheme in modules.items():
-        groups[scheme].append(fqn)
+        if scheme[2] != DEQUANTIZED:
+            groups[scheme].append(fqn)
     schemes = {}
-    for index, ((bits, group), targets) in enumerate(sorted(groups.items(), key=lambda item: (item[0][0], item[0][1] or 0))):
+    ordered = sorted(groups.items(), key=lambda item: (item[0][2], item[0][0], item[0][1] or 0))
+    for index, ((bits, group, form), targets) in enumerate(ordered):
         strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
         weights = QuantizationArgs(num_bits=bits, type="int", symmetric=True, **strategy)
-        schemes[f"group_{index}"] = QuantizationScheme(targets=targets, weights=weights)
+        schemes[f"group_{index}"] = QuantizationScheme(targets=targets, weights=weights, format=form)
+    forms = {form for _, _, form in groups}
     float_linears = [fqn for fqn, module in model.named_modules() if isinstance(module, nn.Linear) and fqn not in modules]
     quantization = QuantizationConfig(
-        config_groups=schemes, format="pack-quantized", quantization_status="compressed", ignore=float_linears
+        config_groups=schemes,
+        format=forms.pop() if len(forms) == 1 else "mixed-precision",
+        quantization_status="compressed",
+        ignore=float_linears,
     )
     config = copy.deepcopy(model.config)
     config.quantization_config = quantization.model_dump(exclude_none=True)
