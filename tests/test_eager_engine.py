@@ -248,10 +248,27 @@ def test_a_modules_size_read_off_two_few_row_copies_is_its_whole_quantized_size(
             holder = nn.Sequential(copy.deepcopy(float_module))
             if not choice.keep_float:
                 torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}).fqn_to_config(), filter_fn=None)
-            assert engine.module_bytes(float_module, choice) == deployed_bytes(holder), (module.fqn, choice)
+            assert engine.module_bytes(float_module, choice) == deployed_bytes(holder, True), (module.fqn, choice)
             checked += 1
     assert checked >= 30 and "scaled" in {m.fqn for m in session.modules}
     assert counted_rows and max(counted_rows) <= 2 * eager_engine.SIZE_ROWS
+
+
+def test_an_int4_embedding_counts_its_values_a_byte_each_on_x86_as_it_is_held_and_saved():
+    """On x86 torchao holds an int4 embedding's values one to an int8, and a checkpoint writes them so
+    (transformers cannot load a packed Embedding): its size is no smaller than int8's there, and the
+    size front never buys an int4 embedding for bytes it does not save."""
+    torch.manual_seed(0)
+    model = _ManyRows().eval()
+    session = eager(model, [torch.randint(0, 500, (2, 16)) for _ in range(2)]).session
+    embedding = model.embed
+    int4 = session.engine.module_bytes(embedding, ModuleSettings(format="int4-weight-only", group_size=32))
+    int8 = session.engine.module_bytes(embedding, ModuleSettings(format="int8-weight-only"))
+    rows, width = embedding.weight.shape
+    assert int4 == rows * width + rows * (width // 32) * 4  # a byte a value, an fp32 scale a group of 32
+    assert int4 >= int8 == rows * width + rows * 4
+    linear = session.engine.module_bytes(model.up, ModuleSettings(format="int4-weight-only", group_size=32))
+    assert linear == 256 * 64 // 2 + 256 * 2 * 4 + 256 * 4  # a Linear's stay half a byte: packed in its checkpoint
 
 
 def test_a_decoders_activations_are_observed_per_hidden_feature():

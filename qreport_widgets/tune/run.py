@@ -129,13 +129,21 @@ class RunResult:
         """A copy with ``notes`` added to the run-level notes."""
         return replace(self, notes=(*self.notes, *notes))
 
-    def save_pretrained(self, path: str | os.PathLike, tokenizer: Any = _ASK, overwrite: bool = False) -> Path:
-        """This run's model as a Hugging Face checkpoint folder in compressed-tensors' pack-quantized
-        form llm-compressor writes for vLLM, which transformers loads (``from_pretrained``): an eager-engine run on
-        the x86 target with int4 / int8 weight-only modules (``engines/eager/checkpoint.py`` says
-        what it holds and refuses). ``tokenizer``: the model's tokenizer, written beside it (None: none).
-        An existing ``path`` is kept unless ``overwrite``; nothing is half written. Needs the
-        ``checkpoint`` extra (compressed-tensors)."""
+    def save_pretrained(
+        self,
+        path: str | os.PathLike,
+        tokenizer: Any = _ASK,
+        overwrite: bool = False,
+        quant_method: str = "compressed-tensors",
+    ) -> Path:
+        """This run's model as a Hugging Face checkpoint folder, which transformers loads
+        (``from_pretrained``): an eager-engine run on the x86 target. ``quant_method``:
+        ``"compressed-tensors"``, the pack-quantized form llm-compressor writes for vLLM (int4 / int8
+        weight-only modules; needs the ``checkpoint`` extra), or ``"torchao"``, the form transformers
+        saves a ``TorchAoConfig`` model in (every format, int8 dynamic activations too; int4 values
+        one to a byte, as torchao holds them on x86). ``engines/eager/checkpoint.py`` says what each
+        holds and refuses. ``tokenizer``: the model's tokenizer, written beside it (None: none). An
+        existing ``path`` is kept unless ``overwrite``; nothing is half written."""
         if tokenizer is _ASK:
             raise CheckpointError(
                 "save_pretrained(path, tokenizer=...): pass the tokenizer the model was loaded with "
@@ -148,10 +156,10 @@ class RunResult:
         writer = getattr(self.config, "save_pretrained", None)  # the engine's configuration says how, where it can
         if writer is None:
             raise CheckpointError(
-                f"run {self.label!r} is not the eager engine's: a compressed-tensors checkpoint holds torchao's int4 / "
-                "int8 weight formats (analyze(..., engine='eager'))"
+                f"run {self.label!r} is not the eager engine's: a checkpoint holds torchao's int4 / int8 formats "
+                "(analyze(..., engine='eager'))"
             )
-        return writer(self.quantized_model, path, tokenizer, overwrite)
+        return writer(self.quantized_model, path, tokenizer, overwrite, quant_method)
 
 
 class ReleasedModel:

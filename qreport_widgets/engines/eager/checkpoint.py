@@ -1,31 +1,43 @@
-"""A run's model as a Hugging Face checkpoint that transformers loads, in the form vLLM serves.
+"""A run's model as a Hugging Face checkpoint that transformers loads, in the forms vLLM serves.
 
-``save_pretrained(model, path)`` (what ``run.save_pretrained`` calls through the run's
+``save_pretrained(model, path, ...)`` (what ``run.save_pretrained`` calls through the run's
 ``EagerConfig``) writes an eager-engine run's transformers model (the x86 target: the model runs
-in this process) as a folder in the ``compressed-tensors`` form llm-compressor writes
+in this process) as a folder in one of two forms.
+
+``quant_method="compressed-tensors"`` (the default): the form llm-compressor writes
 (``quant_method: "compressed-tensors"``, ``format: "pack-quantized"``):
 
-- each int4 / int8 weight-only module's values packed into int32 words along the input dimension
+- each int4 / int8 weight-only Linear's values packed into int32 words along the input dimension
   by ``compressed_tensors``' own packer (``weight_packed``), its group or row scales
   (``weight_scale``) and its shape (``weight_shape``), the values exactly those the run computes
   with: round to nearest, HQQ, GPTQ, AWQ (its scales folded into the op before) or the learned
   rounding alike;
 - a quantized Embedding's values one to a byte (int8, the ``int-quantized`` form) with its
   scales: transformers initialises an Embedding's ``weight`` as it loads, so an Embedding cannot
-  be packed (its int8 values take the run's bytes, its int4 values twice them);
+  be packed (the run's size counts an int4 embedding's values a byte each on x86 too); one whose
+  ``forward`` takes more than the ids (OPT's positions), which compressed-tensors' quantized
+  forward would call with one input, as its dequantized weight;
 - one config group per (bits, group size, form), its targets the modules by name (the folder's
   ``format`` is ``mixed-precision`` where it holds both forms); float Linears in ``ignore``;
   everything else (norms, biases, float modules, weights a rotation or AWQ changed) as the run's
   model holds it;
 - ``config.json`` with its ``quantization_config``, the generation config, the tokenizer given.
 
-What the format cannot hold is refused before anything is written, naming the module and what to
-do: int8 dynamic activations (torchao's are asymmetric per token; a compressed-tensors checkpoint
-with the same int4 values would run them symmetric in vLLM and not at all in transformers), an AWQ
-input scale divided as the model runs, a rotation computed as the model runs (R4), runs of another
-target (their artifacts are ``.pte`` / ``.gguf`` files: ``run.quantized_model.write``).
-The folder is written beside ``path`` and renamed into place: nothing is half written, and an
-existing ``path`` is kept unless ``overwrite``.
+It refuses int8 dynamic activations (torchao's are asymmetric per token; a compressed-tensors
+checkpoint with the same int4 values would run them symmetric in vLLM and not at all in
+transformers).
+
+``quant_method="torchao"``: the form transformers saves a model quantized through ``TorchAoConfig``
+in: torchao's own tensors flattened by its safetensors support, the config's ``quant_type`` the
+run's formats (``FqnToConfig``). transformers loads them back into the same torchao tensors, so
+the same kernels run, dynamic activations included; torchao holds int4 values one to a byte on
+x86, and so does the folder.
+
+Both refuse, before anything is written, naming the module and what to do: an AWQ input scale
+divided as the model runs, a rotation computed as the model runs (R4), a module the session holds
+in a layout of its own, runs of another target (their artifacts are ``.pte`` / ``.gguf`` files:
+``run.quantized_model.write``). The folder is written beside ``path`` and renamed into place:
+nothing is half written, and an existing ``path`` is kept unless ``overwrite``.
 """
 
 from __future__ import annotations
@@ -49,6 +61,8 @@ from ..folds import INPUT_SCALE
 from ..rotation import ONLINE_HADAMARD, ONLINE_ROTATION
 
 WEIGHTS = "model.safetensors"
+COMPRESSED_TENSORS, TORCHAO = "compressed-tensors", "torchao"  # the two forms, as their configs' quant_method
+_ABSENT = object()
 # Linears' form, Embeddings', and that of an Embedding whose forward takes more than the ids (OPT's
 # positions: a mask, an offset), which compressed-tensors' quantized forward would call with one input
 PACKED, ONE_A_BYTE, DEQUANTIZED = "pack-quantized", "int-quantized", "dense"
@@ -56,11 +70,16 @@ PACKED, ONE_A_BYTE, DEQUANTIZED = "pack-quantized", "int-quantized", "dense"
 Scheme = tuple[int, int | None, str]  # bits, group size (None: one scale a row), form
 
 
-def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any, overwrite: bool) -> Path:
-    """Write ``model``, an x86 run's, to the folder ``path`` (see the module's docstring); returns
-    it. ``tokenizer``: the model's tokenizer (anything with ``save_pretrained``), written beside it,
-    or None."""
+def save_pretrained(
+    model: nn.Module, path: str | os.PathLike, tokenizer: Any, overwrite: bool, quant_method: str, torchao_config: Any
+) -> Path:
+    """Write ``model``, an x86 run's, to the folder ``path`` in ``quant_method``'s form
+    (``COMPRESSED_TENSORS`` or ``TORCHAO``; see the module's docstring); returns it. ``tokenizer``:
+    the model's tokenizer (anything with ``save_pretrained``), written beside it, or None;
+    ``torchao_config``: torchao's ``FqnToConfig`` of the run's formats (what ``TORCHAO`` names)."""
     destination = Path(path)
+    if quant_method not in (COMPRESSED_TENSORS, TORCHAO):
+        raise CheckpointError(f"quant_method={quant_method!r}: a checkpoint is {COMPRESSED_TENSORS!r} or {TORCHAO!r}")
     if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
         given = type(tokenizer).__name__
         raise CheckpointError(f"tokenizer= takes a transformers tokenizer (it has save_pretrained), not {given}")
@@ -71,24 +90,18 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any, o
         )
     if destination.exists() and not overwrite:
         raise CheckpointError(f"{destination} exists; pass overwrite=True to replace it")
-    pack = _packer()
-    modules = _quantized_modules(model)
-    state = model.state_dict()
-    _check_layout(model, state, modules)
-    _warn_of_embeddings(model, modules)
-    head = _tied_float_head(model, modules)
-    tensors = _tensors(model, state, modules, head, pack)
-    config = _config(model, modules, head)
+    _refuse_transforms_run_as_the_model_runs(model, quant_method)
+    if quant_method == TORCHAO:
+        _check_layout(model, model.state_dict(), {})
+
+        def write(folder: Path) -> None:
+            _write_torchao(model, folder, torchao_config)
+    else:
+        write = _compressed_tensors_writer(model)
     destination.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
     try:
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(partial / WEIGHTS), metadata={"format": "pt"})
-        config.save_pretrained(partial)
-        generation = getattr(model, "generation_config", None)
-        if generation is not None:
-            generation.save_pretrained(partial)
+        write(partial)
         if tokenizer is not None:
             tokenizer.save_pretrained(partial)
         if destination.exists():
@@ -100,15 +113,77 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any, o
     return destination
 
 
+def _compressed_tensors_writer(model: nn.Module) -> Callable[[Path], None]:
+    """What writes ``model`` to a folder in compressed-tensors' form, everything checked first."""
+    pack = _packer()
+    modules = _quantized_modules(model)
+    state = model.state_dict()
+    _check_layout(model, state, modules)
+    _warn_of_embeddings(model, modules)
+    head = _tied_float_head(model, modules)
+    tensors = _tensors(model, state, modules, head, pack)
+    config = _config(model, modules, head)
+
+    def write(folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+        config.save_pretrained(folder)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(folder)
+
+    return write
+
+
+def _write_torchao(model: nn.Module, folder: Path, torchao_config: Any) -> None:
+    """``model`` saved by transformers as it saves a model quantized through ``TorchAoConfig``: each
+    torchao tensor flattened into its parts (torchao's safetensors support), the config naming the
+    formats. The run's model is lent a quantizer and a ``quantization_config`` for the call."""
+    from transformers import TorchAoConfig
+    from transformers.quantizers.quantizer_torchao import TorchAoHfQuantizer
+
+    embeddings = any(isinstance(m, nn.Embedding) and _quantized(m.weight) for m in model.modules())
+    config = TorchAoConfig(quant_type=torchao_config, include_input_output_embeddings=embeddings)
+    lent = {"hf_quantizer": TorchAoHfQuantizer(config)}
+    before = {name: model.__dict__.get(name, _ABSENT) for name in lent}
+    had_config = getattr(model.config, "quantization_config", _ABSENT)
+    model.config.quantization_config = config
+    model.__dict__.update(lent)
+    try:
+        model.save_pretrained(folder, safe_serialization=True)
+    finally:
+        for name, value in before.items():
+            model.__dict__.pop(name) if value is _ABSENT else model.__dict__.update({name: value})
+        if had_config is _ABSENT:
+            del model.config.quantization_config
+        else:
+            model.config.quantization_config = had_config
+
+
+def _refuse_transforms_run_as_the_model_runs(model: nn.Module, quant_method: str) -> None:
+    """CheckpointError naming the first module that transforms its input as the model runs: a
+    checkpoint holds weights, and the class's forward applies no rotation or input scale."""
+    for fqn, module in model.named_modules():
+        if any(name in module._buffers for name in (ONLINE_HADAMARD, *ONLINE_ROTATION)):
+            raise CheckpointError(
+                f"{fqn} multiplies its input by a rotation as the model runs (R4): a checkpoint holds weights only; "
+                "apply with Rotation(down=False) to save it"
+            )
+        if INPUT_SCALE in module._buffers:
+            raise CheckpointError(
+                f"{fqn}: AWQ divides its input by a scale as the model runs (the op before cannot take it), and a "
+                f"{quant_method} checkpoint holds no input scale; choose another algorithm for it (gptq, learned)"
+            )
+
+
 def _warn_of_embeddings(model: nn.Module, modules: dict[str, Scheme]) -> None:
     """A QReportWarning for each quantized Embedding: vLLM's compressed-tensors schemes quantize
-    Linears (and experts) alone, and some are held in more bytes than the run holds them."""
+    Linears (and experts) alone; and for one written as its dequantized weight."""
     for fqn, (bits, _, form) in modules.items():
         weight = model.get_submodule(fqn).weight
         if form == ONE_A_BYTE:
             words = f"{fqn} is quantized: its int{bits} values are written one to a byte"
-            if bits < 8:
-                words += f" ({weight.numel():,} bytes, twice the run's)"
             why = "transformers loads them; vLLM quantizes Linears alone, so keep the embedding float to serve it there"
         elif form == DEQUANTIZED:
             held = weight.numel() * weight.dtype.itemsize
@@ -169,17 +244,6 @@ def _quantized_modules(model: nn.Module) -> dict[str, Scheme]:
     cannot hold."""
     found = {}
     for fqn, module in model.named_modules():
-        online = [name for name in (ONLINE_HADAMARD, *ONLINE_ROTATION) if name in module._buffers]
-        if online:
-            raise CheckpointError(
-                f"{fqn} multiplies its input by a rotation as the model runs (R4): a checkpoint holds weights only; "
-                "apply with Rotation(down=False) to save it"
-            )
-        if INPUT_SCALE in module._buffers:
-            raise CheckpointError(
-                f"{fqn}: AWQ divides its input by a scale as the model runs (the op before cannot take it), and a "
-                "compressed-tensors checkpoint holds no input scale; choose another algorithm for it (gptq, learned)"
-            )
         weight = getattr(module, "weight", None)
         if not _quantized(weight):
             continue

@@ -483,10 +483,11 @@ class EagerEngine(Engine[EagerConfig]):
         return conversion_tables(rows)
 
     def deployed_bytes(self, quantized: nn.Module) -> int:
-        """The file's bytes on a file target (a ``.pte`` program, a GGUF); else the weights as a packed layout stores them."""
+        """The file's bytes on a file target (a ``.pte`` program, a GGUF); else the weights as a
+        packed layout stores them, an int4 embedding's values a byte each (as x86 holds them)."""
         if isinstance(quantized, Deployed):
             return quantized.artifact_bytes
-        return deployed_bytes(quantized)
+        return deployed_bytes(quantized, unpacked_embeddings=self.target == X86)
 
     def stored_bytes(self, quantized: nn.Module) -> int:
         if isinstance(quantized, Deployed):
@@ -857,7 +858,7 @@ def _quantized_bytes(module: nn.Module, choice: ModuleSettings, target: str = X8
     holder = nn.Sequential(copy.deepcopy(module))
     if not choice.keep_float:
         torchao_eager().quantize_(holder, EagerConfig.of({"0": choice}, target).fqn_to_config(), filter_fn=None)
-    return deployed_bytes(holder)
+    return deployed_bytes(holder, unpacked_embeddings=target == X86)
 
 
 # ``EagerEngine.unbuildable`` per kind of module and format in this process ("" where a program was built)

@@ -294,9 +294,9 @@ class EagerConfig:
     group_size: int = 0
     target: str = X86
 
-    def save_pretrained(self, model: nn.Module, path: Any, tokenizer: Any, overwrite: bool) -> Any:
+    def save_pretrained(self, model: nn.Module, path: Any, tokenizer: Any, overwrite: bool, quant_method: str) -> Any:
         """``model``, a run's of this configuration, as a Hugging Face checkpoint folder in
-        compressed-tensors' form (``checkpoint.py``; ``RunResult.save_pretrained`` calls it)."""
+        compressed-tensors' or torchao's form (``checkpoint.py``; ``RunResult.save_pretrained`` calls it)."""
         from ...errors import CheckpointError
         from .checkpoint import save_pretrained
 
@@ -305,7 +305,7 @@ class EagerConfig:
                 f"the run was made for {self.target}: its artifact is a file of that target's "
                 "(run.quantized_model.write(path)); a checkpoint comes from a session on target='x86'"
             )
-        return save_pretrained(model, path, tokenizer, overwrite)
+        return save_pretrained(model, path, tokenizer, overwrite, quant_method, self.fqn_to_config(layouts=True))
 
     def resolved(self, model: nn.Module) -> EagerConfig:
         """Every module named: ``linears``' format given to each Linear it applies to (int4: each
@@ -336,14 +336,15 @@ class EagerConfig:
         """The modules whose weight algorithm reads their inputs on the calibration batches: algorithm, group size."""
         return {fqn: (algorithm, group) for fqn, (_, group, algorithm) in self.formats.items() if algorithm in DATA_ALGORITHMS}
 
-    def fqn_to_config(self) -> Any:
-        """torchao's config of every module but those ``needs_data`` names."""
+    def fqn_to_config(self, layouts: bool = False) -> Any:
+        """torchao's config of every module but those ``needs_data`` names; with ``layouts``, theirs
+        too, as their format rounded to nearest (the layout their values are held in)."""
         ao = torchao_eager()
         return ao.FqnToConfig(
             {
-                fqn: ao_config(*choice, target=self.target)
-                for fqn, choice in self.formats.items()
-                if choice[2] not in DATA_ALGORITHMS
+                fqn: ao_config(name, group, "" if algorithm in DATA_ALGORITHMS else algorithm, target=self.target)
+                for fqn, (name, group, algorithm) in self.formats.items()
+                if layouts or algorithm not in DATA_ALGORITHMS
             }
         )
 
@@ -442,18 +443,22 @@ def rows_of(module: nn.Linear | nn.Embedding, rows: slice | torch.Tensor) -> nn.
     return copied.requires_grad_(False)
 
 
-def deployed_bytes(model: nn.Module) -> int:
+def deployed_bytes(model: nn.Module, unpacked_embeddings: bool = False) -> int:
     """The model's weights as a packed layout stores them: int8 one byte per value, int4 half a
-    byte, plus each scale and zero point in its own dtype; float tensors as they are."""
+    byte, plus each scale and zero point in its own dtype; float tensors as they are.
+    ``unpacked_embeddings``: an Embedding's int4 values one byte each, as the x86 target holds them
+    and its checkpoints write them (``checkpoint.py``: transformers cannot load a packed Embedding),
+    so an int4 embedding is no smaller than an int8 one there."""
     ao = torchao_eager()
     total = 0
     seen: set[int] = set()
+    unpacked = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} if unpacked_embeddings else set()
     for tensor in (*model.parameters(), *model.buffers()):
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
         if isinstance(tensor, ao.IntxUnpackedToInt8Tensor):
-            bits = _bits(tensor.target_dtype)
+            bits = 8 if id(tensor) in unpacked else _bits(tensor.target_dtype)
             total += (tensor.qdata.numel() * bits + 7) // 8 + _bytes(tensor.scale) + _zero_point_bytes(tensor)
         elif isinstance(tensor, ao.Int8Tensor):
             total += tensor.qdata.numel() + _bytes(tensor.scale) + _zero_point_bytes(tensor)
