@@ -6,9 +6,10 @@ tied to its embedding), on the eager engine's x86 target, every block Linear int
 groups of 32 with the values of round to nearest, GPTQ, AWQ (where its scale folds into the op before;
 GPTQ on ``o_proj``, whose input comes through grouped-query attention), the learned rounding
 (``--learned``: about ten minutes), and a mixed run (``fit`` under the bytes halfway between all int4
-and float; a quantized embedding is written dequantized). For each: seconds to save, the folder's
-bytes against the run's stated bytes, the loaded model's logits against the run's (SQNR on the
-held-out text) and both perplexities.
+and float; a quantized embedding is written one value to a byte). Each saved in both forms
+(``quant_method``: compressed-tensors' pack-quantized, and torchao's as transformers saves a
+``TorchAoConfig`` model). For each: seconds to save, the folder's bytes against the run's stated
+bytes, the loaded model's logits against the run's (SQNR on the held-out text) and both perplexities.
 
     python benchmarks/checkpoint.py [--learned]
 """
@@ -50,11 +51,14 @@ def settings_for(session, algorithm: str, folds: dict) -> dict[str, ModuleSettin
     return settings
 
 
-def saved(case: dict, run, tokenizer, folder: Path) -> dict:
+FORMS = ("compressed-tensors", "torchao")
+
+
+def saved(case: dict, run, tokenizer, folder: Path, form: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
-    path = run.save_pretrained(folder, tokenizer=tokenizer)
+    path = run.save_pretrained(folder, tokenizer=tokenizer, quant_method=form)
     save_s = time.perf_counter() - start
     on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     loaded = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -75,8 +79,10 @@ def main() -> None:
     parser.add_argument("--learned", action="store_true", help="also the learned rounding (about ten minutes on 2 cores)")
     args = parser.parse_args()
     setup()
-    from real_decoder import GGUF, smollm2_folder
     from transformers import AutoTokenizer
+
+    from qreport_widgets.demo.pretrained import SMOLLM2_GGUF as GGUF
+    from qreport_widgets.demo.pretrained import smollm2_folder
 
     case = smollm2_case()
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=GGUF)
@@ -87,8 +93,8 @@ def main() -> None:
     folds = {reader for fold in input_folds(case["model"]).values() for reader in fold.readers}
     methods = ["rtn", "gptq", "awq", *(["learned"] if args.learned else [])]
     print(f"\n{case['name']}: float perplexity {perplexity(case['model'], case['held_out']):.3f} (held out)")
-    print("| run | save s | safetensors bytes | run's stated bytes | off | logits SQNR loaded vs run | run ppl | loaded ppl |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| run | form | save s | safetensors bytes | run's stated bytes | off | logits SQNR, loaded | run ppl | loaded ppl |")
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as name:
         for method in [*methods, "mixed"]:
             if method == "mixed":
@@ -100,13 +106,14 @@ def main() -> None:
                 run = session.apply(settings_for(session, method, folds), progress=False)
             if not run.ok:
                 raise RuntimeError(f"{method}: {run.error}")
-            row = saved(case, run, tokenizer, Path(name) / method)
-            print(
-                f"| {method} | {row['save s']:.1f} | {row['bytes']:,} | {row['stated']:,} | "
-                f"{100 * (row['bytes'] / row['stated'] - 1):+.2f}% | {row['sqnr']:.1f} dB | {row['run ppl']:.3f} | "
-                f"{row['loaded ppl']:.3f} |",
-                flush=True,
-            )
+            for form in FORMS:
+                row = saved(case, run, tokenizer, Path(name) / f"{method}-{form}", form)
+                print(
+                    f"| {method} | {form} | {row['save s']:.1f} | {row['bytes']:,} | {row['stated']:,} | "
+                    f"{100 * (row['bytes'] / row['stated'] - 1):+.2f}% | {row['sqnr']:.1f} dB | {row['run ppl']:.3f} | "
+                    f"{row['loaded ppl']:.3f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

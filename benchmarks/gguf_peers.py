@@ -143,7 +143,8 @@ def main() -> None:
     args = parser.parse_args()
     for name in args.models:
         if name == "smollm2":
-            from real_decoder import GGUF, smollm2_folder
+            from qreport_widgets.demo.pretrained import SMOLLM2_GGUF as GGUF
+            from qreport_widgets.demo.pretrained import smollm2_folder
 
             case = smollm2_case()
             case["tokenizer"] = smollm2_folder() / GGUF

@@ -94,8 +94,11 @@ def autoround_python(given: str | None) -> str:
 
 
 def smollm2_case() -> dict:
-    from real_decoder import GGUF, smollm2, smollm2_folder
+    from real_decoder import smollm2
     from transformers import AutoTokenizer
+
+    from qreport_widgets.demo.pretrained import SMOLLM2_GGUF as GGUF
+    from qreport_widgets.demo.pretrained import smollm2_folder
 
     model, calibration, held_out = smollm2()
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=GGUF)

