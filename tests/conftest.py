@@ -18,6 +18,30 @@ from qreport_widgets.demo.cache import CACHE_VARIABLE, cache_folder
 torch.manual_seed(0)
 
 
+def _read_every_output_message() -> None:
+    """nbval waits for a cell's reply before it reads the cell's output messages, and a ZeroMQ queue
+    holds 1,000 of them by default: a widget of thousands of parts (a 30-block decoder's Tune rows,
+    one message each) overflows it, the messages past it are dropped, the cell's end among them, and
+    nbval fails the cell waiting. JupyterLab reads them as they come (the browser tests run such a
+    widget). The kernels' clients here queue every message instead."""
+    try:
+        import zmq
+        from jupyter_client import KernelManager
+    except ImportError:
+        return
+    make_client = KernelManager.client
+
+    def client(self, **kwargs):
+        made = make_client(self, **kwargs)
+        made.context.setsockopt(zmq.RCVHWM, 0)  # before its channels' sockets are made: none is bounded
+        return made
+
+    KernelManager.client = client
+
+
+_read_every_output_message()
+
+
 def prepared(model: torch.nn.Module, example, mapping: QConfigMapping | None = None):
     """A prepare_fx copy of ``model`` (the original is left alone)."""
     mapping = mapping if mapping is not None else QConfigMapping().set_global(default_qconfig)
@@ -137,6 +161,7 @@ NOTEBOOK_EXTRAS = {
     "11_deploy_to_a_phone.ipynb": (("executorch", "executorch"), ("model_explorer", "explorer")),
     "13_a_language_model_on_a_phone.ipynb": (("executorch", "executorch"),),
     "14_a_decoder_in_llama_cpp.ipynb": (("llama_cpp", "llamacpp"), ("gguf", "llamacpp")),
+    "15_your_pretrained_decoder.ipynb": (("compressed_tensors", "checkpoint"), ("llama_cpp", "llamacpp"), ("gguf", "llamacpp")),
 }
 
 
@@ -155,6 +180,9 @@ SLOW_NOTEBOOKS = {
     # the trained decoder as GGUF files in llama.cpp, llama.cpp's own quantization and a fit within its bytes:
     # the runs, blocks read in llama.cpp, the truth check and the fit: tests/test_llamacpp_target.py
     "14_a_decoder_in_llama_cpp.ipynb",
+    # SmolLM2-135M from its GGUF: blocks, a fit, a checkpoint and a GGUF file (about ten minutes): the
+    # quick start's path, tests/test_readme.py (slow too); the checkpoint: tests/test_checkpoint.py
+    "15_your_pretrained_decoder.ipynb",
 }
 
 

