@@ -11,7 +11,7 @@ and float; a quantized embedding is written one value to a byte). Each saved in 
 ``TorchAoConfig`` model). For each: seconds to save, the folder's bytes against the run's stated
 bytes, the loaded model's logits against the run's (SQNR on the held-out text) and both perplexities.
 
-    python benchmarks/checkpoint.py [--learned]
+    python benchmarks/checkpoint.py [--learned] [--runs mixed ...]
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ def saved(case: dict, run, tokenizer, folder: Path, form: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--learned", action="store_true", help="also the learned rounding (about ten minutes on 2 cores)")
+    parser.add_argument(
+        "--runs", nargs="+", choices=("rtn", "gptq", "awq", "learned", "mixed"), help="only these runs (default: all)"
+    )
     args = parser.parse_args()
     setup()
     from transformers import AutoTokenizer
@@ -96,7 +99,7 @@ def main() -> None:
     print("| run | form | save s | safetensors bytes | run's stated bytes | off | logits SQNR, loaded | run ppl | loaded ppl |")
     print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as name:
-        for method in [*methods, "mixed"]:
+        for method in args.runs or [*methods, "mixed"]:
             if method == "mixed":
                 int4 = session.apply(settings_for(session, "rtn", folds), progress=False, record=False)
                 floats = sum(p.numel() * p.element_size() for p in case["model"].parameters())

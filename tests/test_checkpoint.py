@@ -198,12 +198,23 @@ def test_the_tokenizer_given_is_saved_and_loads_to_the_same_ids(tmp_path):
     assert AutoTokenizer.from_pretrained(folder)(text)["input_ids"] == tokenizer(text)["input_ids"]
 
 
-@pytest.mark.parametrize("family, embedding", [("Llama", "int8-weight-only"), ("Gemma 2", None)])
+def tied_llama() -> nn.Module:
+    """The tiny Llama with its head reading its embedding's tensor, as SmolLM2's does."""
+    config = tiny_family("Llama").config
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    return type(tiny_family("Llama"))(config).eval()
+
+
+@pytest.mark.parametrize(
+    "family, embedding", [("Llama", "int8-weight-only"), ("Gemma 2", None), ("tied Llama", "int8-weight-only")]
+)
 def test_the_torchao_form_loads_into_the_runs_own_torchao_tensors_dynamic_activations_too(family, embedding, tmp_path):
     """The folder transformers writes for a TorchAoConfig model: loaded back, every quantized module
     holds the run's torchao tensor (type, values, scales, activation rounding), so the logits are the
     run's; the run's model is left as it was."""
-    session = session_of(tiny_family(family))
+    model = tied_llama() if family == "tied Llama" else tiny_family(family)
+    session = session_of(model)
     settings = mixed_settings(session, embedding)
     for fqn, choice in settings.items():  # every int4 module with int8 dynamic activations (8da4w)
         if choice.format == "int4-weight-only":
@@ -213,6 +224,7 @@ def test_the_torchao_form_loads_into_the_runs_own_torchao_tensors_dynamic_activa
     folder = run.save_pretrained(tmp_path / "checkpoint", tokenizer=None, quant_method="torchao")
     model = run.quantized_model
     assert "hf_quantizer" not in model.__dict__ and not hasattr(model.config, "quantization_config")
+    assert model.config.tie_word_embeddings == session.float_model.config.tie_word_embeddings  # lent, given back
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "torchao"
     loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -229,8 +241,19 @@ def test_the_torchao_form_loads_into_the_runs_own_torchao_tensors_dynamic_activa
     with torch.no_grad():
         for (ids,) in BATCHES[3:]:
             assert sqnr_db(model(ids).logits, loaded(ids).logits) >= 100
-    tied = tiny_family(family).config.tie_word_embeddings and embedding is None
+    tied = session.float_model.config.tie_word_embeddings and embedding is None  # else the run quantized them apart
     assert (loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight) is tied
+
+
+def test_the_torchao_form_refuses_an_embedding_whose_unsaved_buffer_transformers_would_leave_unset(tmp_path):
+    """Gemma's scaled embedding keeps its scale in a buffer it does not save, which transformers does
+    not set again when it loads a torchao-quantized embedding: refused, naming the way out."""
+    session = session_of(tiny_family("Gemma 2"))
+    run = session.apply(mixed_settings(session, "int8-weight-only"), progress=False)
+    words = r"model\.embed_tokens \(Gemma2TextScaledWordEmbedding\).*embed_scale.*compressed-tensors"
+    with pytest.raises(CheckpointError, match=words):
+        run.save_pretrained(tmp_path / "checkpoint", tokenizer=None, quant_method="torchao")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_what_the_format_cannot_hold_is_refused_and_nothing_is_written(tmp_path):

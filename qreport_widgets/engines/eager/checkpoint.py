@@ -93,6 +93,7 @@ def save_pretrained(
     _refuse_transforms_run_as_the_model_runs(model, quant_method)
     if quant_method == TORCHAO:
         _check_layout(model, model.state_dict(), {})
+        _refuse_embeddings_torchao_leaves_unset(model)
 
         def write(folder: Path) -> None:
             _write_torchao(model, folder, torchao_config)
@@ -139,7 +140,8 @@ def _compressed_tensors_writer(model: nn.Module) -> Callable[[Path], None]:
 def _write_torchao(model: nn.Module, folder: Path, torchao_config: Any) -> None:
     """``model`` saved by transformers as it saves a model quantized through ``TorchAoConfig``: each
     torchao tensor flattened into its parts (torchao's safetensors support), the config naming the
-    formats. The run's model is lent a quantizer and a ``quantization_config`` for the call."""
+    formats, ``tie_word_embeddings`` off where the run quantized the head apart from the embedding.
+    The run's model is lent a quantizer and those config entries for the call."""
     from transformers import TorchAoConfig
     from transformers.quantizers.quantizer_torchao import TorchAoHfQuantizer
 
@@ -147,18 +149,36 @@ def _write_torchao(model: nn.Module, folder: Path, torchao_config: Any) -> None:
     config = TorchAoConfig(quant_type=torchao_config, include_input_output_embeddings=embeddings)
     lent = {"hf_quantizer": TorchAoHfQuantizer(config)}
     before = {name: model.__dict__.get(name, _ABSENT) for name in lent}
-    had_config = getattr(model.config, "quantization_config", _ABSENT)
-    model.config.quantization_config = config
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    settings = {  # tied only where the run's head reads its embedding's tensor: the run quantized them apart
+        "quantization_config": config,
+        "tie_word_embeddings": inputs is not None and outputs is not None and outputs.weight is inputs.weight,
+    }
+    had = {name: getattr(model.config, name, _ABSENT) for name in settings}
+    for name, value in settings.items():
+        setattr(model.config, name, value)
     model.__dict__.update(lent)
     try:
         model.save_pretrained(folder, safe_serialization=True)
     finally:
         for name, value in before.items():
             model.__dict__.pop(name) if value is _ABSENT else model.__dict__.update({name: value})
-        if had_config is _ABSENT:
-            del model.config.quantization_config
-        else:
-            model.config.quantization_config = had_config
+        for name, value in had.items():
+            delattr(model.config, name) if value is _ABSENT else setattr(model.config, name, value)
+
+
+def _refuse_embeddings_torchao_leaves_unset(model: nn.Module) -> None:
+    """CheckpointError for a quantized Embedding holding a buffer it does not save (Gemma's scale of
+    its rows): transformers (5.23) loads a torchao-quantized Embedding without initialising such a
+    buffer, so the loaded model would compute with whatever memory it held."""
+    for fqn, module in model.named_modules():
+        unsaved = sorted(getattr(module, "_non_persistent_buffers_set", ()))
+        if isinstance(module, nn.Embedding) and _quantized(module.weight) and unsaved:
+            raise CheckpointError(
+                f"{fqn} ({type(module).__name__}) is quantized and holds {', '.join(unsaved)}, a buffer it does not save: "
+                "transformers loads a torchao-quantized embedding without setting it again. Save with "
+                "quant_method='compressed-tensors', or keep the embedding float for the torchao form"
+            )
 
 
 def _refuse_transforms_run_as_the_model_runs(model: nn.Module, quant_method: str) -> None:
