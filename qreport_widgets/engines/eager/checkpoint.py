@@ -42,14 +42,16 @@ nothing is half written, and an existing ``path`` is kept unless ``overwrite``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import inspect
 import os
 import shutil
 import tempfile
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +96,7 @@ def save_pretrained(
     if quant_method == TORCHAO:
         _check_layout(model, model.state_dict(), {})
         _refuse_embeddings_torchao_leaves_unset(model)
-
-        def write(folder: Path) -> None:
-            _write_torchao(model, folder, torchao_config)
+        write = functools.partial(_write_torchao, model, torchao_config=torchao_config)
     else:
         write = _compressed_tensors_writer(model)
     destination.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +137,7 @@ def _compressed_tensors_writer(model: nn.Module) -> Callable[[Path], None]:
     return write
 
 
-def _write_torchao(model: nn.Module, folder: Path, torchao_config: Any) -> None:
+def _write_torchao(model: nn.Module, folder: Path, *, torchao_config: Any) -> None:
     """``model`` saved by transformers as it saves a model quantized through ``TorchAoConfig``: each
     torchao tensor flattened into its parts (torchao's safetensors support), the config naming the
     formats, ``tie_word_embeddings`` off where the run quantized the head apart from the embedding.
@@ -147,24 +147,25 @@ def _write_torchao(model: nn.Module, folder: Path, torchao_config: Any) -> None:
 
     embeddings = any(isinstance(m, nn.Embedding) and _quantized(m.weight) for m in model.modules())
     config = TorchAoConfig(quant_type=torchao_config, include_input_output_embeddings=embeddings)
-    lent = {"hf_quantizer": TorchAoHfQuantizer(config)}
-    before = {name: model.__dict__.get(name, _ABSENT) for name in lent}
-    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
-    settings = {  # tied only where the run's head reads its embedding's tensor: the run quantized them apart
-        "quantization_config": config,
-        "tie_word_embeddings": inputs is not None and outputs is not None and outputs.weight is inputs.weight,
-    }
-    had = {name: getattr(model.config, name, _ABSENT) for name in settings}
-    for name, value in settings.items():
-        setattr(model.config, name, value)
-    model.__dict__.update(lent)
-    try:
+    tied = _head_reading_embedding(model) is not None  # else the run quantized the head apart from its embedding
+    with (
+        _lent(model, hf_quantizer=TorchAoHfQuantizer(config)),
+        _lent(model.config, quantization_config=config, tie_word_embeddings=tied),
+    ):
         model.save_pretrained(folder, safe_serialization=True)
+
+
+@contextlib.contextmanager
+def _lent(target: Any, **values: Any) -> Iterator[None]:
+    """Within: ``target``'s attributes set to ``values``; after, each as it was (or absent again)."""
+    before = {name: getattr(target, name, _ABSENT) for name in values}
+    for name, value in values.items():
+        setattr(target, name, value)
+    try:
+        yield
     finally:
         for name, value in before.items():
-            model.__dict__.pop(name) if value is _ABSENT else model.__dict__.update({name: value})
-        for name, value in had.items():
-            delattr(model.config, name) if value is _ABSENT else setattr(model.config, name, value)
+            delattr(target, name) if value is _ABSENT else setattr(target, name, value)
 
 
 def _refuse_embeddings_torchao_leaves_unset(model: nn.Module) -> None:
@@ -285,7 +286,8 @@ def _form(module: nn.Linear | nn.Embedding) -> str:
 
 def _quantized(weight: Any) -> bool:
     """Whether ``weight`` is one of torchao's quantized tensors (``formats.is_quantized_weight``'s
-    test; that module reaches this one through ``EagerConfig.save_pretrained``, so not imported)."""
+    test; that module reaches this one through ``EagerConfig.save_pretrained``, so importing it
+    here would make an import cycle)."""
     from torchao.utils import TorchAOBaseTensor
 
     return isinstance(weight, TorchAOBaseTensor)
@@ -343,26 +345,31 @@ def _tensors(
         if form == DEQUANTIZED:
             written[f"{fqn}.weight"] = weight.dequantize().detach().cpu().contiguous()
             continue
-        values = weight.qdata.to(torch.int8)
-        if form == PACKED:
-            written[f"{fqn}.weight_packed"] = pack(values.cpu(), bits)
-        else:
-            written[f"{fqn}.weight"] = values.cpu().contiguous()
+        values = weight.qdata.to(torch.int8).cpu()
         written[f"{fqn}.weight_scale"] = weight.scale.detach().cpu().reshape(values.shape[0], -1).to(weight.dtype).contiguous()
         if form == PACKED:
+            written[f"{fqn}.weight_packed"] = pack(values, bits)
             written[f"{fqn}.weight_shape"] = torch.tensor(values.shape)
+        else:
+            written[f"{fqn}.weight"] = values.contiguous()
     return written
+
+
+def _head_reading_embedding(model: nn.Module) -> tuple[str, str] | None:
+    """(head, embedding) names where the model's head weight is its embedding's tensor, else None."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is None or outputs is None or outputs.weight is not inputs.weight:
+        return None
+    names = {id(module): fqn for fqn, module in model.named_modules()}
+    return names[id(outputs)], names[id(inputs)]
 
 
 def _tied_float_head(model: nn.Module, modules: dict[str, Scheme]) -> str | None:
     """The head's name where it reads its float embedding's tensor, else None. A quantized embedding
     a head reads is written twice, once for each (tie_word_embeddings off): the format packs modules,
     and ties parameters."""
-    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
-    if inputs is None or outputs is None or outputs.weight is not inputs.weight:
-        return None
-    names = {id(module): fqn for fqn, module in model.named_modules()}
-    return None if names[id(inputs)] in modules else names[id(outputs)]
+    tied = _head_reading_embedding(model)
+    return tied[0] if tied is not None and tied[1] not in modules else None
 
 
 def _config(model: nn.Module, modules: dict[str, Scheme], head: str | None) -> Any:
